@@ -1,0 +1,110 @@
+"""Typed settings: environment (`GATEWAY_...`, `__` for nesting), then an optional YAML file.
+
+Precedence, highest first: values passed to `load_settings`, environment variables,
+the YAML file, defaults. Secrets are `SecretStr`, so they never show in a repr or a log.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+from gateway.media.settings import MediaSettings
+from gateway.routing.settings import RoutingSettings
+
+
+class ApiKeyConfig(BaseModel):
+    """One client key. `key` is the plain key or its `sha256:<hex>` digest."""
+
+    key: SecretStr
+    name: str | None = None
+    # None: every forwarded route group. A list: only these groups (and `metrics`).
+    scopes: list[str] | None = None
+    # None: every served model. A list: only these.
+    models: list[str] | None = None
+
+
+class LimitsSettings(BaseModel):
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
+    max_in_flight: int = Field(default=1024, gt=0)
+    max_upload_bytes: int = Field(default=25 * 1024 * 1024, gt=0)
+
+
+class TimeoutSettings(BaseModel):
+    connect: float = Field(default=3.0, gt=0)
+    # Time allowed for the engine to start answering. Long: a queued engine is slow, not dead.
+    first_byte: float = Field(default=600.0, gt=0)
+    # Longest silence between two chunks of a response.
+    idle: float = Field(default=300.0, gt=0)
+    # vLLM closes idle keep-alive connections after 5 s (VLLM-FACTS.md); stay below it
+    # so the gateway never writes a request onto a connection the engine is closing.
+    upstream_keepalive: float = Field(default=4.0, gt=0, lt=5.0)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="GATEWAY_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        yaml_file=None,
+    )
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    engines: list[str] = Field(default_factory=list)
+    api_keys: list[str | ApiKeyConfig] = Field(default_factory=list)
+    api_keys_file: Path | None = None
+    upstream_api_key: SecretStr | None = None
+    # Models served besides those the engines list on /v1/models.
+    served_models: list[str] = Field(default_factory=list)
+    # Serve without client keys. Only for local experiments; never in production.
+    allow_unauthenticated: bool = False
+    # Serve the gateway's own /metrics without a key (for scrapers inside the pod).
+    public_metrics: bool = False
+    log_format: Literal["json", "console"] = "json"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    limits: LimitsSettings = Field(default_factory=LimitsSettings)
+    timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)
+    media: MediaSettings = Field(default_factory=MediaSettings)
+    routing: RoutingSettings = Field(default_factory=RoutingSettings)
+
+    @model_validator(mode="after")
+    def _require_keys(self) -> Settings:
+        if not (self.api_keys or self.api_keys_file or self.allow_unauthenticated):
+            raise ValueError(
+                "no API keys configured: set GATEWAY_API_KEYS or GATEWAY_API_KEYS_FILE "
+                "(or GATEWAY_ALLOW_UNAUTHENTICATED=true for a local experiment)"
+            )
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, YamlConfigSettingsSource(settings_cls))
+
+
+def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
+    """Build settings from overrides, the environment and, if given, a YAML file."""
+    if config_file is None:
+        return Settings(**overrides)
+    if not config_file.is_file():
+        raise ValueError(f"config file not found: {config_file}")
+
+    class _FileSettings(Settings):
+        model_config = SettingsConfigDict(yaml_file=config_file)
+
+    return _FileSettings(**overrides)

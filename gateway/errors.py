@@ -1,0 +1,203 @@
+"""The one error tree of the gateway, and the one place errors are rendered.
+
+Every refusal the gateway makes is a `GatewayError` subclass with a fixed HTTP status
+and a stable `code` that clients and tests can rely on. Foreign exceptions (aiohttp,
+httpx, Pillow, orjson) are translated at the boundary with ``raise ... from exc``; their
+text never reaches a client, because Pillow messages have leaked heap addresses and
+URL parsers echo attacker input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from typing import Any
+
+import orjson
+
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+
+class GatewayError(Exception):
+    """Base of every client-facing error. `message` must never carry library text."""
+
+    status: int = 500
+    code: str = "internal_error"
+    type: str = "server_error"
+    default_message: str = "The gateway failed to handle the request."
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        self.message = message or self.default_message
+        self.param = param
+        self.headers: dict[str, str] = dict(headers or {})
+        super().__init__(self.message)
+
+
+# --- 4xx: the client's request was refused -------------------------------------------
+
+
+class InvalidRequest(GatewayError):
+    status = 400
+    code = "invalid_request"
+    type = "invalid_request_error"
+    default_message = "The request is not valid."
+
+
+class InvalidJson(InvalidRequest):
+    code = "invalid_json"
+    default_message = "The request body is not a valid JSON object."
+
+
+class FieldNotAllowed(InvalidRequest):
+    code = "field_not_allowed"
+    default_message = "The request carries a field this gateway does not allow."
+
+
+class MediaUrlNotAllowed(InvalidRequest):
+    code = "media_url_not_allowed"
+    default_message = "The media URL is not allowed by this gateway's policy."
+
+
+class MediaInvalid(InvalidRequest):
+    code = "media_invalid"
+    default_message = "The media item is not valid."
+
+
+class InvalidApiKey(GatewayError):
+    status = 401
+    code = "invalid_api_key"
+    type = "authentication_error"
+    default_message = "A valid API key is required: send it as 'Authorization: Bearer <key>'."
+
+    def __init__(self, message: str | None = None, *, param: str | None = None) -> None:
+        super().__init__(message, param=param, headers={"WWW-Authenticate": "Bearer"})
+
+
+class PermissionDenied(GatewayError):
+    status = 403
+    code = "scope_not_allowed"
+    type = "permission_error"
+    default_message = "This API key may not use this endpoint."
+
+
+class EndpointBlocked(PermissionDenied):
+    code = "endpoint_blocked"
+    default_message = "This endpoint is blocked by the gateway."
+
+
+class ModelNotAllowed(PermissionDenied):
+    code = "model_not_allowed"
+    default_message = "The requested model is not served here or not allowed for this key."
+
+
+class UnknownEndpoint(GatewayError):
+    status = 404
+    code = "unknown_endpoint"
+    type = "invalid_request_error"
+    default_message = "Unknown endpoint."
+
+
+class MethodNotAllowed(GatewayError):
+    status = 405
+    code = "method_not_allowed"
+    type = "invalid_request_error"
+    default_message = "This method is not allowed on this endpoint."
+
+
+class RequestTooLarge(GatewayError):
+    status = 413
+    code = "request_too_large"
+    type = "invalid_request_error"
+    default_message = "The request body is larger than this gateway accepts."
+
+
+class MediaTooLarge(RequestTooLarge):
+    code = "media_too_large"
+    default_message = "The media item is larger than this gateway accepts."
+
+
+class UnsupportedMediaType(GatewayError):
+    status = 415
+    code = "unsupported_media_type"
+    type = "invalid_request_error"
+    default_message = "The request's Content-Type is not accepted on this endpoint."
+
+
+class MediaFetchFailed(GatewayError):
+    status = 422
+    code = "media_fetch_failed"
+    type = "invalid_request_error"
+    default_message = "The media URL could not be fetched."
+
+
+# --- 5xx: the gateway or its engines could not answer ---------------------------------
+
+
+class Overloaded(GatewayError):
+    status = 503
+    code = "overloaded"
+    type = "server_error"
+    default_message = "The gateway is at its limit of requests in flight; retry shortly."
+
+    def __init__(self, message: str | None = None, *, retry_after: int = 1) -> None:
+        super().__init__(message, headers={"Retry-After": str(retry_after)})
+
+
+class NoEngineAvailable(Overloaded):
+    code = "no_engine_available"
+    default_message = "No healthy engine is available; retry shortly."
+
+
+class UpstreamUnavailable(GatewayError):
+    status = 502
+    code = "upstream_unavailable"
+    type = "server_error"
+    default_message = "The engine could not be reached."
+
+
+class UpstreamTimeout(GatewayError):
+    status = 504
+    code = "upstream_timeout"
+    type = "server_error"
+    default_message = "The engine did not answer in time."
+
+
+def error_payload(exc: GatewayError) -> dict[str, dict[str, str | None]]:
+    """The OpenAI-style error object for `exc`."""
+    return {
+        "error": {
+            "message": exc.message,
+            "type": exc.type,
+            "param": exc.param,
+            "code": exc.code,
+        }
+    }
+
+
+def error_body(exc: GatewayError) -> bytes:
+    return orjson.dumps(error_payload(exc))
+
+
+def sse_error_frame(exc: GatewayError) -> bytes:
+    """A mid-stream error, framed the way vLLM frames one."""
+    return b"data: " + error_body(exc) + b"\n\n"
+
+
+async def send_error(
+    send: Send, exc: GatewayError, headers: Mapping[str, str] | None = None
+) -> None:
+    """Render `exc` as a complete ASGI HTTP response: the only place errors are rendered."""
+    body = error_body(exc)
+    raw_headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    for name, value in {**exc.headers, **(headers or {})}.items():
+        raw_headers.append((name.lower().encode("latin-1"), value.encode("latin-1")))
+    await send({"type": "http.response.start", "status": exc.status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": body})

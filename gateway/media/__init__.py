@@ -1,0 +1,1 @@
+"""Media policy: URL checks, safe fetching, validation and inlining."""

@@ -1,0 +1,1 @@
+"""Engine pool and routing policies."""

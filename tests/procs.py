@@ -1,0 +1,242 @@
+"""Real servers on loopback for tests: subprocesses (engines, the gateway) and in-process
+threaded servers (canaries and media origins) that record every connection they get.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Proc:
+    """A server subprocess on loopback. Output goes to a log file, read on failure."""
+
+    args: list[str]
+    port: int
+    env: dict[str, str]
+    log_path: Path
+    popen: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, ready_path: str = "/health", timeout: float = 20.0) -> Proc:
+        log = self.log_path.open("wb")
+        self.popen = subprocess.Popen(
+            self.args, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.args} exited early:\n{self.log()}")
+            try:
+                r = httpx.get(self.url + ready_path, timeout=0.5)
+                if r.status_code < 500:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"{self.args} did not become ready:\n{self.log()}")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def kill(self) -> None:
+        """Stop at once, like a crashed engine."""
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait(10)
+
+    def stop(self) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+
+
+def _env(extra: Mapping[str, str] | None) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("GATEWAY_") and k.lower() not in ("http_proxy", "https_proxy")
+    }
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def sim_proc(tmp: Path, *opts: str, port: int | None = None) -> Proc:
+    """A simulated engine (`python -m bench.sim`), not yet started."""
+    port = port or free_port()
+    args = [sys.executable, "-m", "bench.sim", "--host", "127.0.0.1", "--port", str(port), *opts]
+    return Proc(args, port, _env(None), tmp / f"sim-{port}.log")
+
+
+def gateway_proc(
+    tmp: Path, env: Mapping[str, str], *opts: str, port: int | None = None
+) -> Proc:
+    """The gateway under uvicorn (`vllm-gateway serve`), not yet started."""
+    port = port or free_port()
+    args = [
+        sys.executable, "-m", "gateway.cli", "serve",
+        "--host", "127.0.0.1", "--port", str(port), *opts,
+    ]  # fmt: skip
+    return Proc(args, port, _env(env), tmp / f"gateway-{port}.log")
+
+
+@contextmanager
+def running(*procs: Proc, ready_path: str = "/health") -> Iterator[Sequence[Proc]]:
+    try:
+        for p in procs:
+            p.start(ready_path)
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def scrape(url: str, headers: Mapping[str, str] | None = None) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Samples of a Prometheus endpoint as {(name, sorted labels): value}."""
+    text = httpx.get(url, headers=headers, timeout=5).text
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def sim_received(engine_url: str, exclude_paths: Sequence[str] = ("/health", "/metrics", "/v1/models")) -> float:
+    """Requests an engine received, from its `sim:received_requests_total`, minus the
+    gateway's own health checks and model discovery and the scrape itself."""
+    total = 0.0
+    for (name, labels), value in scrape(engine_url + "/metrics").items():
+        if name == "sim:received_requests_total" and dict(labels).get("path") not in exclude_paths:
+            total += value
+    return total
+
+
+# --- in-process servers ----------------------------------------------------------------
+
+
+@dataclass
+class Hit:
+    method: str
+    path: str
+    headers: dict[str, str]
+
+
+@dataclass
+class Route:
+    status: int = 200
+    body: bytes = b""
+    headers: dict[str, str] = field(default_factory=dict)
+    delay: float = 0.0
+
+
+class RecordingServer:
+    """A threaded HTTP server on loopback that records every request it gets.
+
+    As a canary (no routes) it answers 418 and `hits` proves whether anything reached it.
+    As a media origin it serves the `routes` given, by path.
+    """
+
+    def __init__(self, routes: Mapping[str, Route] | None = None, host: str = "127.0.0.1") -> None:
+        self.routes: dict[str, Route] = dict(routes or {})
+        self.hits: list[Hit] = []
+        self.connections = 0
+        self._lock = threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def setup(self) -> None:
+                with outer._lock:
+                    outer.connections += 1
+                super().setup()
+
+            def _serve(self) -> None:
+                with outer._lock:
+                    outer.hits.append(Hit(self.command, self.path, dict(self.headers.items())))
+                length = int(self.headers.get("content-length") or 0)
+                if length:
+                    self.rfile.read(length)
+                route = outer.routes.get(self.path.split("?")[0])
+                if route is None:
+                    route = Route(status=418, body=b"canary")
+                if route.delay:
+                    time.sleep(route.delay)
+                self.send_response(route.status)
+                for k, v in route.headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(route.body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(route.body)
+
+            do_GET = do_POST = do_HEAD = do_PUT = _serve
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer((host, 0), Handler)
+        self._server.daemon_threads = True
+        self.port = int(self._server.server_address[1])
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def contacted(self) -> bool:
+        return self.connections > 0 or bool(self.hits)
+
+    def __enter__(self) -> RecordingServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
