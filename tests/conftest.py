@@ -1,0 +1,25 @@
+"""Shared fixtures. Area-specific fixtures live in the test modules that use them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.procs import Proc, sim_proc
+
+
+@pytest.fixture
+def start_sim(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
+    """Start simulated engines: `start_sim("--runner", "pooling")`; stopped at teardown."""
+    started: list[Proc] = []
+
+    def start(*opts: str) -> Proc:
+        proc = sim_proc(tmp_path, *opts).start()
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stop()
