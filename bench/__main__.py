@@ -1,0 +1,101 @@
+"""`python -m bench <suite>`: run a benchmark suite and write its report.
+
+With no `--engine-url` the suite starts simulated engines and the gateway on loopback;
+with `--engine-url` (repeatable) and `--gateway-url` it measures that deployment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from bench.report import Report, progress
+from bench.stack import CpuPlan, RunConfig
+
+SUITES = ("overhead", "reference", "scale", "routing")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    p.add_argument("suite", choices=SUITES)
+    p.add_argument(
+        "--engine-url",
+        action="append",
+        default=[],
+        help="base URL of a running engine (repeatable); with it nothing is started",
+    )
+    p.add_argument("--gateway-url", help="base URL of the gateway in front of --engine-url")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("BENCH_API_KEY"),
+        help="client key for --gateway-url (default: $BENCH_API_KEY)",
+    )
+    p.add_argument(
+        "--engine-api-key",
+        default=os.environ.get("BENCH_ENGINE_API_KEY"),
+        help="the engine's own --api-key, for direct requests (default: $BENCH_ENGINE_API_KEY)",
+    )
+    p.add_argument("--model", help="model name (default: the first on the engine's /v1/models)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run in seconds")
+    p.add_argument("--no-peers", action="store_true", help="skip nginx and vllm-router")
+    p.add_argument("--loadgen", choices=("auto", "wrk", "python"), default="auto")
+    p.add_argument("--out", type=Path, help="results folder (default: bench/results/<timestamp>)")
+    p.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
+    args = p.parse_args(argv)
+    if args.engine_url and not args.gateway_url and args.suite != "routing":
+        p.error("--engine-url needs --gateway-url (the gateway in front of those engines)")
+    if args.gateway_url and not args.engine_url:
+        p.error("--gateway-url needs --engine-url (the baseline is direct to the engine)")
+    if args.gateway_url and not args.api_key:
+        p.error("--gateway-url needs --api-key (or $BENCH_API_KEY)")
+    return args
+
+
+def suite_runner(name: str) -> Callable[[RunConfig, Report], None]:
+    module = importlib.import_module(f"bench.{name}")
+    runner: Callable[[RunConfig, Report], None] = module.run
+    return runner
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.suite == "routing":
+        # The routing suite has its own entry point and report (bench/routing.py).
+        module = importlib.import_module("bench.routing")
+        rest = list(sys.argv[2:] if argv is None else argv[1:])
+        return int(module.main(rest) or 0)
+    cpus = CpuPlan(None, None) if args.no_pin else CpuPlan.detect()
+    # The load generator (this process and its children) shares the engines' CPU.
+    cpus.pin_self()
+    report = Report.create(args.suite, args.out)
+    with tempfile.TemporaryDirectory(prefix=f"bench-{args.suite}-") as tmp:
+        cfg = RunConfig(
+            workdir=Path(tmp),
+            cpus=cpus,
+            engine_urls=list(args.engine_url),
+            gateway_url=args.gateway_url,
+            api_key=args.api_key or RunConfig.api_key,
+            engine_api_key=args.engine_api_key,
+            model=args.model,
+            quick=args.quick,
+            peers=not args.no_peers,
+            loadgen=args.loadgen,
+        )
+        report.meta["mode"] = "external deployment" if cfg.external else "simulated, on loopback"
+        report.meta["quick"] = args.quick
+        progress(f"suite {args.suite}: results in {report.out_dir}")
+        try:
+            suite_runner(args.suite)(cfg, report)
+        finally:
+            report.write()
+    print(report.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

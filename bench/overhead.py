@@ -1,0 +1,550 @@
+"""Suite `overhead`: what the gateway adds over talking to the engine directly.
+
+Direct, the gateway and (when installed) nginx and vllm-router sit in front of the same
+zero-latency simulated engine and are measured in one run, interleaved. Cases: small
+chat, streaming chat (first chunk, gaps), 64-sentence embeddings, a 1 MB `data:` image at
+each validation depth, and inline fetching from a loopback origin.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import random
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+from bench import loadgen
+from bench.loadgen import KeepAliveClient, LoadResult, Target, raw_request
+from bench.report import Report, fmt, paired_ratios, progress, spread
+from bench.stack import Fleet, MediaOrigin, RunConfig, Server, cpu_seconds, discover_model
+
+CHAT = "/v1/chat/completions"
+EMBED = "/v1/embeddings"
+
+# Goals of issue 6 (one core, zero-latency engine).
+GOAL_ADDED_P50_US = 250.0
+GOAL_RPS_64 = 5000.0
+GOAL_STREAM_FIRST_CHUNK_MS = 0.5
+
+
+def small_chat(model: str, stream: bool = False, max_tokens: int = 8) -> bytes:
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Say hello in one word."}],
+        "max_tokens": max_tokens,
+    }
+    if stream:
+        body["stream"] = True
+    return orjson.dumps(body)
+
+
+_WORDS = (
+    "the gateway engine cache prefix token image request stream latency router policy model "
+    "prompt batch queue worker socket header body answer question number colour rectangle "
+    "white background measure median spread ratio baseline proxy upstream"
+)
+
+
+def sentences(count: int, words: int = 95, seed: int = 6) -> list[str]:
+    """`count` distinct sentences of about `words` words (~127 tokens at ~1.3 tokens/word)."""
+    rng = random.Random(seed)
+    vocab = _WORDS.split()
+    return [" ".join(rng.choice(vocab) for _ in range(words)) + "." for _ in range(count)]
+
+
+def embeddings_body(model: str, count: int = 64) -> bytes:
+    return orjson.dumps({"model": model, "input": sentences(count)})
+
+
+def noise_png(target_bytes: int = 1_000_000, seed: int = 1) -> bytes:
+    """A PNG of random pixels of about `target_bytes` (noise does not compress)."""
+    from PIL import Image
+
+    side = int((target_bytes / 3) ** 0.5)
+    rng = random.Random(seed)
+    img = Image.frombytes("RGB", (side, side), rng.randbytes(side * side * 3))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def image_chat(model: str, url: str) -> bytes:
+    content = [
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": "What number is in the picture?"},
+    ]
+    return orjson.dumps(
+        {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    )
+
+
+def data_url(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+# --- measurement helpers ----------------------------------------------------------------
+
+
+def latency_case(
+    report: Report,
+    title: str,
+    targets: Sequence[Target],
+    path: str,
+    body: bytes,
+    samples: int,
+    block: int,
+    warmup: int,
+) -> dict[str, Any]:
+    """Interleaved latency at one connection; added p50/p99 against the first target."""
+    progress(f"{title}: {samples} samples per target, blocks of {block}")
+    runs = {t.name: (t, raw_request(t, path, body)) for t in targets}
+    result = loadgen.interleaved_latency(runs, samples, block, warmup, progress)
+    base_name = targets[0].name
+    base = spread(result[base_name]["samples"])
+    rows = []
+    raw: dict[str, Any] = {}
+    for t in targets:
+        rec = result[t.name]
+        s = spread(rec["samples"])
+        added_blocks = [
+            m - b
+            for m, b in zip(rec["block_medians"], result[base_name]["block_medians"], strict=False)
+        ]
+        added = {
+            "p50": s.get("median", 0) - base.get("median", 0) if s else None,
+            "p99": s.get("p99", 0) - base.get("p99", 0) if s else None,
+            "block_min": min(added_blocks) if added_blocks else None,
+            "block_max": max(added_blocks) if added_blocks else None,
+        }
+        raw[t.name] = {"latency_us": s, "added_us": added, "statuses": rec["statuses"]}
+        rows.append(
+            [
+                t.name,
+                s.get("median"),
+                s.get("p99"),
+                None if t.name == base_name else added["p50"],
+                None if t.name == base_name else added["p99"],
+                ""
+                if t.name == base_name
+                else f"{fmt(added['block_min'])} .. {fmt(added['block_max'])}",
+                json.dumps(rec["statuses"]),
+            ]
+        )
+    report.table(
+        title,
+        [
+            "target",
+            "p50 us",
+            "p99 us",
+            "added p50 us",
+            "added p99 us",
+            "added p50 per block",
+            "statuses",
+        ],
+        rows,
+    )
+    report.raw[title] = raw
+    return raw
+
+
+def streaming_case(
+    report: Report, targets: Sequence[Target], body: bytes, rounds: int
+) -> dict[str, Any]:
+    progress(f"streaming chat: {rounds} interleaved rounds")
+    clients = {t.name: KeepAliveClient(t.host, t.port) for t in targets}
+    raws = {t.name: raw_request(t, CHAT, body) for t in targets}
+    first: dict[str, list[float]] = {t.name: [] for t in targets}
+    gaps: dict[str, list[float]] = {t.name: [] for t in targets}
+    statuses: dict[str, dict[str, int]] = {t.name: {} for t in targets}
+    try:
+        for i in range(rounds + 20):
+            for t in targets:
+                try:
+                    timing = loadgen.stream_timing(clients[t.name], raws[t.name])
+                    key = str(timing.status)
+                except OSError:
+                    timing, key = None, "error"
+                statuses[t.name][key] = statuses[t.name].get(key, 0) + 1
+                if i >= 20 and timing is not None and timing.status == 200:  # 20 warm-up rounds
+                    first[t.name].append(timing.first_chunk_us)
+                    gaps[t.name].extend(timing.gaps_us)
+    finally:
+        for c in clients.values():
+            c.close()
+    base = targets[0].name
+    rows, raw = [], {}
+    for t in targets:
+        f, g = spread(first[t.name]), spread(gaps[t.name])
+        added = f.get("median", 0) - spread(first[base]).get("median", 0) if f else None
+        raw[t.name] = {
+            "first_chunk_us": f,
+            "gap_us": g,
+            "added_first_chunk_us": added,
+            "statuses": statuses[t.name],
+        }
+        rows.append(
+            [
+                t.name,
+                f.get("median"),
+                f.get("p99"),
+                None if t.name == base else added,
+                g.get("median"),
+                g.get("p99"),
+                json.dumps(statuses[t.name]),
+            ]
+        )
+    report.table(
+        "Streaming chat at 1 connection",
+        [
+            "target",
+            "first chunk p50 us",
+            "first chunk p99 us",
+            "added first chunk p50 us",
+            "gap p50 us",
+            "gap p99 us",
+            "statuses",
+        ],
+        rows,
+        "Gaps: time between SSE frames as read from the socket; frames read together count 0.",
+    )
+    report.raw["streaming"] = raw
+    return raw
+
+
+def throughput_case(
+    report: Report,
+    targets: Sequence[Target],
+    body: bytes,
+    connections: int,
+    duration: float,
+    repeats: int,
+    generator: loadgen.Generator,
+) -> dict[str, Any]:
+    """Throughput and CPU per request, repeated A, B, C, A, B, C; ratios to direct."""
+    progress(f"throughput at {connections} connections: {repeats} x {duration}s per target")
+    # Warm-up: a short run each, thrown away.
+    for t in targets:
+        generator(t, CHAT, body, connections, 1.0)
+    runs: dict[str, list[LoadResult]] = {t.name: [] for t in targets}
+    for r in range(repeats):
+        for t in targets:
+            before = cpu_seconds(t.pid) if t.pid else None
+            res = generator(t, CHAT, body, connections, duration)
+            if before is not None and t.pid:
+                res.cpu_s = cpu_seconds(t.pid) - before
+            runs[t.name].append(res)
+            progress(f"  repeat {r + 1}: {t.name} {res.rps:,.0f} req/s, {res.errors} errors")
+    base = targets[0].name
+    base_rps = [x.rps for x in runs[base]]
+    rows, raw = [], {}
+    for t in targets:
+        rps = [x.rps for x in runs[t.name]]
+        ratio = paired_ratios(rps, base_rps)
+        cpu = [x.cpu_us_per_request for x in runs[t.name] if x.cpu_us_per_request is not None]
+        raw[t.name] = {
+            "runs": [x.as_dict() for x in runs[t.name]],
+            "rps_median": statistics.median(rps),
+            "ratio_to_direct": ratio,
+            "cpu_us_per_request_median": statistics.median(cpu) if cpu else None,
+        }
+        rows.append(
+            [
+                t.name,
+                statistics.median(rps),
+                f"{min(rps):,.0f} .. {max(rps):,.0f}",
+                ratio.get("median"),
+                statistics.median([x.p50_us for x in runs[t.name]]),
+                statistics.median([x.p99_us for x in runs[t.name]]),
+                statistics.median(cpu) if cpu else None,
+                sum(x.errors for x in runs[t.name]),
+            ]
+        )
+    report.table(
+        f"Small chat throughput at {connections} connections",
+        [
+            "target",
+            "req/s p50",
+            "req/s range",
+            "ratio to direct",
+            "p50 us",
+            "p99 us",
+            "CPU us/req (the target's process)",
+            "errors",
+        ],
+        rows,
+        "CPU per request: utime+stime of the target's process tree (/proc/<pid>/stat) over "
+        "the run; for `direct` that is the engine's own cost.",
+    )
+    report.raw[f"throughput_{connections}"] = raw
+    return raw
+
+
+# --- the suite -----------------------------------------------------------------------
+
+
+def run(cfg: RunConfig, report: Report) -> None:
+    quick = cfg.quick
+    lat_samples, block, warmup = (200, 50, 50) if quick else (5000, 250, 500)
+    report.meta["pinning"] = cfg.cpus.describe()
+    with Fleet(cfg.workdir, cfg.cpus) as fleet:
+        gen_gateway: Server | None = None
+        pool_gateway: Server | None = None
+        if cfg.external:
+            engine = cfg.engine_urls[0]
+            pool_engine = cfg.engine_urls[-1]
+            direct = cfg.direct_target(engine)
+            pool_direct = cfg.direct_target(pool_engine)
+            gateway = cfg.gateway_target(cfg.gateway_url or "")
+            pool_gw = gateway
+        else:
+            progress("starting simulated engines (zero latency) and gateways")
+            sim = fleet.sim("--latency", "zero", "--runner", "generate", name="sim-generate")
+            pool = fleet.sim("--latency", "zero", "--runner", "pooling", name="sim-pooling")
+            gen_gateway = fleet.gateway([sim.url], name="gateway")
+            pool_gateway = fleet.gateway([pool.url], name="gateway-pooling")
+            direct = cfg.direct_target(sim.url, sim.pid)
+            pool_direct = cfg.direct_target(pool.url, pool.pid)
+            gateway = cfg.gateway_target(gen_gateway.url, gen_gateway.pid)
+            pool_gw = cfg.gateway_target(pool_gateway.url, pool_gateway.pid)
+        model = cfg.model or discover_model(direct)
+        pool_model = cfg.model or discover_model(pool_direct)
+        report.meta["model"] = model
+
+        peers: list[Target] = []
+        if cfg.peers and not cfg.external:
+            nginx = fleet.nginx(direct.url)
+            if nginx is None:
+                report.note("nginx: not installed (apt-get install nginx-light), skipped")
+            else:
+                peers.append(Target("nginx", nginx.url, {}, nginx.pid))
+            router = fleet.vllm_router([direct.url])
+            if router is None:
+                report.note(
+                    "vllm-router: not installed (.venv/bin/pip install vllm-router), skipped"
+                )
+            else:
+                peers.append(Target("vllm-router", router.url, {}, router.pid))
+        elif not cfg.peers:
+            report.note("peers: skipped (--no-peers)")
+        targets = [direct, gateway, *peers]
+
+        chat = small_chat(model)
+        if cfg.loadgen == "auto":
+            progress("choosing the load generator: each drives the engine directly")
+            name, rates = loadgen.choose_generator(direct, CHAT, chat, 64, 1.0 if quick else 3.0)
+            report.note(
+                f"load generator: {name} (direct to the engine at 64 connections: "
+                + ", ".join(f"{k} {v:,.0f} req/s" for k, v in rates.items())
+                + ")"
+            )
+        else:
+            name = cfg.loadgen
+        report.meta["load_generator"] = name
+        generator = loadgen.generator_named(name)
+
+        small = latency_case(
+            report, "Small chat at 1 connection", targets, CHAT, chat, lat_samples, block, warmup
+        )
+        stream = streaming_case(report, targets, small_chat(model, True, 16), 40 if quick else 500)
+        latency_case(
+            report,
+            "Embeddings, 64 sentences, at 1 connection",
+            [pool_direct, pool_gw],
+            EMBED,
+            embeddings_body(pool_model),
+            20 if quick else 400,
+            10 if quick else 50,
+            5 if quick else 50,
+        )
+
+        duration, repeats = (1.0, 1) if quick else (4.0, 3)
+        tput: dict[int, dict[str, Any]] = {}
+        for conns in (64,) if quick else (64, 256):
+            tput[conns] = throughput_case(
+                report, targets, chat, conns, duration, repeats, generator
+            )
+
+        image_cases(cfg, report, fleet, direct, gateway, model)
+
+    goals(report, small, stream, tput)
+    plots(report, small, stream, tput)
+
+
+def image_cases(
+    cfg: RunConfig,
+    report: Report,
+    fleet: Fleet,
+    direct: Target,
+    gateway: Target,
+    model: str,
+) -> None:
+    """1 MB data: image per validation depth, and inline fetching from a loopback origin.
+
+    The gateway may refuse these (the media features land separately): statuses are
+    recorded and shown, never treated as a crash.
+    """
+    png = noise_png()
+    body = image_chat(model, data_url(png))
+    samples, block, warmup = (10, 5, 2) if cfg.quick else (200, 20, 10)
+    report.note(f"image: {len(png):,} bytes of PNG noise, {len(body):,} bytes of request body")
+    if cfg.external:
+        latency_case(
+            report,
+            "1 MB data: image (validation as configured)",
+            [direct, gateway],
+            CHAT,
+            body,
+            samples,
+            block,
+            warmup,
+        )
+        return
+    engines = [direct.url]
+    for depth in ("header", "decode", "reencode"):
+        gw = fleet.gateway(engines, {"GATEWAY_MEDIA__VALIDATION": depth}, name=f"gateway-{depth}")
+        try:
+            latency_case(
+                report,
+                f"1 MB data: image, validation={depth}",
+                [direct, cfg.gateway_target(gw.url, gw.pid, f"gateway ({depth})")],
+                CHAT,
+                body,
+                samples,
+                block,
+                warmup,
+            )
+        finally:
+            gw.stop()
+    with MediaOrigin({"/image.png": (png, "image/png")}) as origin:
+        url = f"{origin.url}/image.png"
+        env = {
+            "GATEWAY_MEDIA__MODE": "inline",
+            "GATEWAY_MEDIA__ALLOWED_DOMAINS": json.dumps(["127.0.0.1"]),
+            "GATEWAY_MEDIA__ALLOWED_SCHEMES": json.dumps(["http", "https"]),
+            "GATEWAY_MEDIA__ALLOWED_NETWORKS": json.dumps(["127.0.0.0/8"]),
+        }
+        gw = fleet.gateway(engines, env, name="gateway-inline")
+        try:
+            inline = cfg.gateway_target(gw.url, gw.pid, "gateway (data: URL)")
+            fetched = cfg.gateway_target(gw.url, gw.pid, "gateway (inline fetch)")
+            progress("inline fetch from a loopback origin")
+            runs = {
+                "direct (data: URL)": (direct, raw_request(direct, CHAT, body)),
+                inline.name: (inline, raw_request(inline, CHAT, body)),
+                fetched.name: (fetched, raw_request(fetched, CHAT, image_chat(model, url))),
+            }
+            res = loadgen.interleaved_latency(runs, samples, block, warmup)
+        finally:
+            gw.stop()
+    rows = []
+    for name, rec in res.items():
+        s = spread(rec["samples"])
+        rows.append([name, s.get("median"), s.get("p99"), json.dumps(rec["statuses"])])
+    d, f = (spread(res[k]["samples"]).get("median") for k in (inline.name, fetched.name))
+    cost = f - d if d is not None and f is not None else None
+    report.table(
+        "Inline fetch of a 1 MB image from a loopback origin",
+        ["target", "p50 us", "p99 us", "statuses"],
+        rows,
+        f"Fetch cost per image (inline fetch p50 minus the same image as a data: URL): "
+        f"{fmt(cost)} us; origin requests served: {origin.hits}.",
+    )
+    report.raw["inline_fetch"] = {
+        k: {"latency_us": spread(v["samples"]), "statuses": v["statuses"]} for k, v in res.items()
+    }
+    report.raw["inline_fetch"]["cost_per_image_us"] = cost
+
+
+def goals(
+    report: Report, small: dict[str, Any], stream: dict[str, Any], tput: dict[int, dict[str, Any]]
+) -> None:
+    gw = small.get("gateway", {}).get("added_us", {}).get("p50")
+    router = small.get("vllm-router", {}).get("added_us", {}).get("p50")
+    report.goal(
+        "added latency p50 at 1 connection",
+        f"<= {GOAL_ADDED_P50_US:.0f} us",
+        f"{fmt(gw)} us",
+        None if gw is None else gw <= GOAL_ADDED_P50_US,
+        "" if gw is None or gw <= GOAL_ADDED_P50_US else f"by {gw - GOAL_ADDED_P50_US:.0f} us",
+    )
+    report.goal(
+        "added latency p50 no more than vllm-router's",
+        "<= vllm-router",
+        f"{fmt(gw)} us vs {fmt(router)} us",
+        None if gw is None or router is None else gw <= router,
+        "vllm-router not measured"
+        if router is None
+        else ("" if gw is None or gw <= router else f"by {gw - router:.0f} us"),
+    )
+    rps = tput.get(64, {}).get("gateway", {}).get("rps_median")
+    report.goal(
+        "small requests/s at 64 connections",
+        f">= {GOAL_RPS_64:,.0f}",
+        f"{fmt(rps)}",
+        None if rps is None else rps >= GOAL_RPS_64,
+        "" if rps is None or rps >= GOAL_RPS_64 else f"by {GOAL_RPS_64 - rps:,.0f} req/s",
+    )
+    added = stream.get("gateway", {}).get("added_first_chunk_us")
+    limit = GOAL_STREAM_FIRST_CHUNK_MS * 1000
+    report.goal(
+        "streaming first chunk added",
+        f"<= {limit:.0f} us",
+        f"{fmt(added)} us",
+        None if added is None else added <= limit,
+        "" if added is None or added <= limit else f"by {added - limit:.0f} us",
+    )
+
+
+def plots(
+    report: Report, small: dict[str, Any], stream: dict[str, Any], tput: dict[int, dict[str, Any]]
+) -> None:
+    names = [n for n in small if n != "direct"]
+
+    def added(ax: Any) -> None:
+        p50 = [small[n]["added_us"]["p50"] or 0 for n in names]
+        p99 = [small[n]["added_us"]["p99"] or 0 for n in names]
+        xs = range(len(names))
+        ax.bar([x - 0.2 for x in xs], p50, 0.4, label="added p50")
+        ax.bar([x + 0.2 for x in xs], p99, 0.4, label="added p99")
+        ax.axhline(GOAL_ADDED_P50_US, color="red", linestyle="--", label="goal p50")
+        ax.set_xticks(list(xs), names)
+        ax.set_ylabel("microseconds over direct")
+        ax.set_title("Small chat, 1 connection: latency added over direct")
+        ax.legend()
+
+    report.plot("overhead_added_latency", added)
+
+    def throughput(ax: Any) -> None:
+        conns = sorted(tput)
+        all_names = list(next(iter(tput.values())))
+        width = 0.8 / max(1, len(all_names))
+        for i, n in enumerate(all_names):
+            ax.bar(
+                [c + i * width for c in range(len(conns))],
+                [tput[c][n]["rps_median"] for c in conns],
+                width,
+                label=n,
+            )
+        ax.set_xticks(
+            [c + 0.4 - width / 2 for c in range(len(conns))], [f"{c} conns" for c in conns]
+        )
+        ax.set_ylabel("requests/s (median of repeats)")
+        ax.axhline(GOAL_RPS_64, color="red", linestyle="--", label="goal at 64")
+        ax.set_title("Small chat throughput")
+        ax.legend()
+
+    if tput:
+        report.plot("overhead_throughput", throughput)
+
+    def first_chunk(ax: Any) -> None:
+        ns = list(stream)
+        ax.bar(ns, [stream[n]["first_chunk_us"].get("median", 0) for n in ns])
+        ax.set_ylabel("time to first chunk p50, us")
+        ax.set_title("Streaming chat, 1 connection")
+
+    report.plot("overhead_first_chunk", first_chunk)

@@ -1,0 +1,448 @@
+"""Servers a benchmark run starts on loopback: simulated engines, the gateway, peer proxies.
+
+Each server is a subprocess with its output in a log file under the run's work directory,
+optionally pinned to a set of CPUs (children such as uvicorn workers inherit the mask).
+`Target` is what the load generators talk to: a base URL plus the headers it needs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH_KEY = "bench-key"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class CpuPlan:
+    """Which CPUs the proxy under test and everything else (engines, load generator) use.
+
+    On a 2-core machine the proxy gets core 0 to itself and the engine and the load
+    generator share core 1, so the proxy's CPU time is not diluted by its neighbours
+    (DESIGN.md measured every peer this way). With one CPU nothing is pinned.
+    """
+
+    proxy: frozenset[int] | None
+    rest: frozenset[int] | None
+
+    @classmethod
+    def detect(cls) -> CpuPlan:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            return cls(None, None)
+        return cls(frozenset(cpus[:1]), frozenset(cpus[1:]))
+
+    def describe(self) -> str:
+        if self.proxy is None:
+            return "not pinned (one CPU)"
+        return (
+            f"proxy under test on CPU {sorted(self.proxy)}; engines and load generator "
+            f"on CPU {sorted(self.rest or [])}"
+        )
+
+    def pin_self(self) -> None:
+        if self.rest is not None:
+            os.sched_setaffinity(0, self.rest)
+
+
+def _clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("GATEWAY_") and k.lower() not in ("http_proxy", "https_proxy")
+    }
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def http_status(url: str, timeout: float = 0.5) -> int | None:
+    """Status of a GET, or None when nothing answered."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (loopback)
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass
+class Server:
+    """A server subprocess on loopback. The caller must `stop()` it (or use a `Fleet`)."""
+
+    name: str
+    args: list[str]
+    port: int
+    log_path: Path
+    env: dict[str, str] = field(default_factory=_clean_env)
+    cpus: frozenset[int] | None = None
+    ready_path: str = "/health"
+    popen: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen is not None else None
+
+    def start(self, timeout: float = 30.0) -> Server:
+        cpus = self.cpus
+
+        def pin() -> None:
+            if cpus is not None:
+                os.sched_setaffinity(0, cpus)
+
+        with self.log_path.open("wb") as log:
+            self.popen = subprocess.Popen(
+                self.args,
+                cwd=ROOT,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=pin,  # single-threaded here: the child only pins itself
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.name} exited early:\n{self.log_tail()}")
+            status = http_status(self.url + self.ready_path)
+            if status is not None and status < 500:
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"{self.name} did not become ready in {timeout}s:\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        self.popen.terminate()
+        try:
+            self.popen.wait(10)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(10)
+
+
+# --- process accounting (/proc) ---------------------------------------------------------
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name sits in parentheses and may hold spaces: split after it.
+    return raw[raw.rindex(")") + 2 :].split()
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and all its descendants (uvicorn workers, nginx workers)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        fields = _stat_fields(int(entry.name))
+        if fields is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children.get(p, []))
+    return tree
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of `pid` and its live descendants (utime, stime of /proc/stat)."""
+    total = 0
+    for p in process_tree(pid):
+        fields = _stat_fields(p)
+        if fields is not None:
+            # Fields 14 and 15 of proc(5), counted from 1; index 11 and 12 after the name.
+            total += int(fields[11]) + int(fields[12])
+    return total / _CLK_TCK
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of `pid` and its descendants (VmRSS)."""
+    total = 0
+    for p in process_tree(pid):
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return total
+
+
+# --- targets and fleets --------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    """An endpoint the load generators send to: direct to an engine, or through a proxy."""
+
+    name: str
+    url: str
+    headers: dict[str, str] = field(default_factory=dict)
+    # The local process whose CPU time is charged to this target (None: not measured).
+    pid: int | None = None
+
+    @property
+    def host(self) -> str:
+        return self.url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)[0]
+
+    @property
+    def port(self) -> int:
+        hostport = self.url.split("://", 1)[1].split("/", 1)[0]
+        return int(hostport.rsplit(":", 1)[1]) if ":" in hostport else 80
+
+
+class Fleet:
+    """Servers started for one run; `close()` stops them all in reverse order."""
+
+    def __init__(self, workdir: Path, cpus: CpuPlan) -> None:
+        self.workdir = workdir
+        self.cpus = cpus
+        self._stack = ExitStack()
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def _start(self, server: Server, timeout: float = 30.0) -> Server:
+        server.start(timeout)
+        self._stack.callback(server.stop)
+        return server
+
+    def sim(self, *opts: str, name: str = "sim") -> Server:
+        port = free_port()
+        args = [sys.executable, "-m", "bench.sim", "--host", "127.0.0.1", "--port", str(port)]
+        log = self.workdir / f"{name}-{port}.log"
+        return self._start(Server(name, [*args, *opts], port, log, cpus=self.cpus.rest))
+
+    def gateway(
+        self,
+        engines: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        workers: int = 1,
+        name: str = "gateway",
+    ) -> Server:
+        port = free_port()
+        args = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1"]
+        args += ["--port", str(port)]
+        if workers > 1:
+            args += ["--workers", str(workers)]
+        settings = {
+            "GATEWAY_ENGINES": json.dumps(list(engines)),
+            "GATEWAY_API_KEYS": json.dumps([BENCH_KEY]),
+            **(env or {}),
+        }
+        log = self.workdir / f"{name}-{port}.log"
+        server = Server(name, args, port, log, env=_clean_env(settings), cpus=self.cpus.proxy)
+        server.ready_path = "/healthz"
+        return self._start(server, timeout=60.0)
+
+    def nginx(self, engine: str, name: str = "nginx") -> Server | None:
+        """nginx as a plain keep-alive reverse proxy, or None when it is not installed."""
+        binary = shutil.which("nginx") or (
+            "/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None
+        )
+        if binary is None:
+            return None
+        port = free_port()
+        prefix = self.workdir / f"{name}-{port}"
+        (prefix / "logs").mkdir(parents=True, exist_ok=True)
+        upstream = engine.split("://", 1)[1].rstrip("/")
+        conf = prefix / "nginx.conf"
+        conf.write_text(NGINX_CONF.format(port=port, upstream=upstream, prefix=prefix))
+        args = [binary, "-p", str(prefix), "-c", str(conf)]
+        server = Server(name, args, port, prefix / "stdout.log", cpus=self.cpus.proxy)
+        server.ready_path = "/health"
+        return self._start(server)
+
+    def vllm_router(
+        self, engines: Sequence[str], policy: str = "round_robin", name: str = "vllm-router"
+    ) -> Server | None:
+        """vllm-router (PyPI) in front of the engines, or None when it is not installed."""
+        binary = Path(sys.executable).parent / "vllm-router"
+        if not binary.exists():
+            return None
+        port = free_port()
+        args = [str(binary), "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
+        args += ["--worker-urls", *engines, "--log-level", "warning"]
+        log = self.workdir / f"{name}-{port}.log"
+        server = Server(name, args, port, log, cpus=self.cpus.proxy)
+        server.ready_path = "/health"
+        return self._start(server, timeout=60.0)
+
+
+# One worker on one core, upstream keep-alive (without it every request opens a new
+# connection to the engine and nginx measures connection setup, not proxying).
+NGINX_CONF = """\
+worker_processes 1;
+daemon off;
+pid {prefix}/nginx.pid;
+error_log {prefix}/logs/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {prefix}/body;
+    proxy_temp_path {prefix}/proxy;
+    fastcgi_temp_path {prefix}/fastcgi;
+    uwsgi_temp_path {prefix}/uwsgi;
+    scgi_temp_path {prefix}/scgi;
+    client_max_body_size 64m;
+    upstream engine {{ server {upstream}; keepalive 512; }}
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            proxy_pass http://engine;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_request_buffering off;
+            tcp_nodelay on;
+        }}
+    }}
+}}
+"""
+
+
+def iter_pids(targets: Sequence[Target]) -> Iterator[int]:
+    for t in targets:
+        if t.pid is not None:
+            yield t.pid
+
+
+@dataclass
+class RunConfig:
+    """How a suite runs: on local simulated engines, or against a real deployment."""
+
+    workdir: Path
+    cpus: CpuPlan
+    # Real deployment: engine base URLs and the gateway in front of them (no local servers).
+    engine_urls: list[str] = field(default_factory=list)
+    gateway_url: str | None = None
+    api_key: str = BENCH_KEY
+    engine_api_key: str | None = None
+    model: str | None = None
+    quick: bool = False
+    peers: bool = True
+    loadgen: str = "auto"
+
+    @property
+    def external(self) -> bool:
+        return bool(self.engine_urls)
+
+    def direct_target(self, url: str, pid: int | None = None) -> Target:
+        headers = {}
+        if self.engine_api_key:
+            headers["Authorization"] = f"Bearer {self.engine_api_key}"
+        return Target("direct", url.rstrip("/"), headers, pid)
+
+    def gateway_target(self, url: str, pid: int | None = None, name: str = "gateway") -> Target:
+        return Target(name, url.rstrip("/"), {"Authorization": f"Bearer {self.api_key}"}, pid)
+
+
+def discover_model(target: Target) -> str:
+    """The first model the engine lists on /v1/models."""
+    req = urllib.request.Request(target.url + "/v1/models", headers=target.headers)  # noqa: S310
+    with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310 (configured URL)
+        return str(json.loads(resp.read())["data"][0]["id"])
+
+
+class MediaOrigin:
+    """A threaded HTTP server on loopback serving fixed bodies by path, counting every
+    connection and request. With no routes it is a canary: it answers 418 and `contacted`
+    proves whether anything reached it. Use as a context manager."""
+
+    def __init__(self, routes: Mapping[str, tuple[bytes, str]] | None = None) -> None:
+        self.routes = dict(routes or {})
+        self.hits = 0
+        self.connections = 0
+        self.paths: list[str] = []
+        self._lock = threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def setup(self) -> None:
+                with outer._lock:
+                    outer.connections += 1
+                super().setup()
+
+            def do_GET(self) -> None:
+                with outer._lock:
+                    outer.hits += 1
+                    outer.paths.append(self.path)
+                body, ctype = outer.routes.get(self.path.split("?")[0], (b"canary", "text/plain"))
+                self.send_response(200 if self.path.split("?")[0] in outer.routes else 418)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_POST = do_HEAD = do_GET
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.port = int(self._server.server_address[1])
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def contacted(self) -> bool:
+        return self.connections > 0 or self.hits > 0
+
+    def __enter__(self) -> MediaOrigin:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
