@@ -2,7 +2,9 @@
 
 The contract between the proxy and the policies: the proxy hands a `RoutingRequest`
 and the healthy engines; the policy returns every one of those engines, best first.
-The proxy tries them in that order (failover walks the same order).
+The proxy tries them in that order (failover walks the same order). A policy also
+records its decision on the request (`anchor`, `first_choice`, `spilled`) for the log
+line and the metrics.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from gateway.routing.hotspots import HotCandidates
+from gateway.routing.keys import Anchor, candidate_anchors, session_anchor
+from gateway.routing.rendezvous import first_within_bound, rendezvous_order
 from gateway.routing.settings import RoutingPolicy, RoutingSettings
 
 
@@ -36,7 +41,15 @@ class RoutingRequest:
     # Content hashes of the validated media items, in request order.
     media_hashes: list[str] = field(default_factory=list)
     key_name: str | None = None
+    # A client-named session (from the `session_header` setting); overrides the anchor.
     session: str | None = None
+    # Set by the policy. `anchor` is a hex digest (safe to log: it carries no prompt
+    # text), `anchor_kind` the boundary it sits at, `first_choice` the URL the anchor
+    # hashes to, `spilled` whether the load bound moved the request off it.
+    anchor: str | None = None
+    anchor_kind: str | None = None
+    first_choice: str | None = None
+    spilled: bool = False
 
 
 class Policy(Protocol):
@@ -55,12 +68,88 @@ class RoundRobin:
         if not engines:
             return []
         start = next(self._counter) % len(engines)
-        return [*engines[start:], *engines[:start]]
+        ordered = [*engines[start:], *engines[:start]]
+        request.first_choice = ordered[0].url
+        return ordered
+
+
+class LeastLoaded:
+    """Fewest requests in flight first; ties go round robin, so an idle pool still spreads."""
+
+    name = "least_loaded"
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def order(self, request: RoutingRequest, engines: Sequence[E]) -> list[E]:
+        if not engines:
+            return []
+        start = next(self._counter) % len(engines)
+        rotated = [*engines[start:], *engines[:start]]
+        ordered = sorted(rotated, key=lambda e: e.in_flight)  # sorted() is stable
+        request.first_choice = ordered[0].url
+        return ordered
+
+
+class Affinity:
+    """Cache affinity: the request's anchor, rendezvous-hashed, within a load bound.
+
+    See keys.py for the anchors, hotspots.py for which one is taken and rendezvous.py
+    for the order and the bound. Requests without a prompt spread round robin.
+    """
+
+    name = "affinity"
+
+    def __init__(self, settings: RoutingSettings) -> None:
+        self._settings = settings
+        self._hot = HotCandidates(
+            window=settings.hot_window,
+            divisor=settings.hot_divisor,
+            min_count=settings.hot_min_count,
+        )
+        self._fallback = RoundRobin()
+
+    def anchor(self, request: RoutingRequest, engines: int) -> Anchor | None:
+        """The anchor of `request` given `engines` healthy engines; counts it as seen."""
+        session = request.session
+        body = request.body
+        if session is None and self._settings.session_from_user and body is not None:
+            user = body.get("user")
+            session = user if isinstance(user, str) and user else None
+        if session is not None:
+            return session_anchor(body, session)
+        candidates = candidate_anchors(
+            body,
+            request.media_hashes,
+            block_bytes=self._settings.prompt_block_bytes,
+            max_candidates=self._settings.max_candidates,
+        )
+        if not candidates:
+            return None
+        chosen = self._hot.pick(candidates, engines)
+        self._hot.observe(candidates)
+        return chosen
+
+    def order(self, request: RoutingRequest, engines: Sequence[E]) -> list[E]:
+        if not engines:
+            return []
+        anchor = self.anchor(request, len(engines))
+        if anchor is None:
+            return self._fallback.order(request, engines)
+        ordered = rendezvous_order(anchor.digest, engines)
+        request.anchor = anchor.digest.hex()
+        request.anchor_kind = anchor.kind.value
+        request.first_choice = ordered[0].url
+        index = first_within_bound(ordered, self._settings.load_epsilon)
+        request.spilled = index != 0
+        if index:
+            ordered.insert(0, ordered.pop(index))
+        return ordered
 
 
 def make_policy(settings: RoutingSettings) -> Policy:
     if settings.policy is RoutingPolicy.round_robin:
         return RoundRobin()
-    # The affinity and least-loaded policies arrive with the routing issue (#5);
-    # until then every policy setting routes round robin.
-    return RoundRobin()
+    if settings.policy is RoutingPolicy.least_loaded:
+        return LeastLoaded()
+    return Affinity(settings)

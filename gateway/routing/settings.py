@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 
 class RoutingPolicy(StrEnum):
@@ -19,4 +19,18 @@ class RoutingSettings(BaseModel):
     health_timeout: float = 1.0
     # Load bound for affinity: an engine is skipped while it carries more than
     # (1 + load_epsilon) * mean + 1 requests (DESIGN.md, "Routing key").
-    load_epsilon: float = 0.75
+    load_epsilon: float = Field(default=0.75, ge=0.0)
+    # Hot candidates (hotspots.py): a prefix carried by more than 1 / (hot_divisor * N)
+    # of the last `hot_window` to 2 * `hot_window` requests, and by at least
+    # `hot_min_count` of them, is skipped for a longer one.
+    hot_window: int = Field(default=1024, gt=0)
+    hot_divisor: float = Field(default=2.0, gt=0.0)
+    hot_min_count: int = Field(default=8, ge=1)
+    # Plain prompts get a candidate anchor every this many bytes of text (about 128
+    # tokens, 8 of vLLM's 16-token blocks), and at most `max_candidates` per request (the shortest).
+    prompt_block_bytes: int = Field(default=512, gt=0)
+    max_candidates: int = Field(default=64, ge=1)
+    # Optional session affinity: the proxy passes this header's value as the session
+    # key; with `session_from_user` the body's `user` field is used when no header is.
+    session_header: str | None = None
+    session_from_user: bool = False

@@ -1,0 +1,267 @@
+"""Routing keys: a request body -> its canonical prefix stream -> candidate anchors.
+
+The stream is what decides a prefix-cache hit in vLLM, minus the tokenizer: the model
+(which also names the LoRA adapter), the `cache_salt`, then each message's role, text
+and the content hash of each media item, in order. It is cut at natural boundaries and
+hashed as a chain, H(previous digest, segment), so a digest names the whole prefix up to
+its boundary, the way vLLM's block hashes name a prefix of tokens (VLLM-FACTS.md,
+"Prefix caching"). The digests at those boundaries are the candidate anchors; the policy
+picks one of them (policy.py). Hashes are blake2b: stable across processes and replicas,
+unlike Python's `hash()`, which is salted per process.
+
+Candidate boundaries (DESIGN.md, "Routing key"):
+
+- the end of the leading system (or developer) messages;
+- the end of the last media item of the first user message, so every question about the
+  same image shares the image's anchor;
+- the end of the first user message, so every turn of a conversation shares it;
+- every later message end;
+- for plain prompts (`prompt`, `input`): every `block_bytes` bytes, and the end.
+
+Each text is encoded and hashed once; the cost is linear in the body's text and the
+number of boundaries. Nothing here raises on odd shapes: a part of an unexpected type
+simply adds nothing to the stream (the payload checks reject malformed bodies before
+routing; routing must not be the place a request crashes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+DIGEST_SIZE = 16
+
+# Keys whose presence makes a content part a media item, whatever its `type` says: vLLM
+# picks the part type by key presence when `type` is missing (VLLM-FACTS.md).
+_MEDIA_KEYS = ("image_url", "video_url", "audio_url", "input_audio", "image", "source")
+_MEDIA_TYPES = frozenset(
+    {"image_url", "video_url", "audio_url", "input_audio", "input_image", "image"}
+)
+_SYSTEM_ROLES = frozenset({"system", "developer"})
+
+# Separators between fields of the stream. Text may contain them; a crafted collision
+# only co-locates two requests, and the load bound caps what that can cost.
+_MESSAGE = b"\x1em"
+_TEXT = b"\x1ft"
+_MEDIA = b"\x1fi"
+_PROMPT = b"\x1ep"
+
+
+class AnchorKind(StrEnum):
+    system = "system"
+    media = "media"
+    first_user = "first_user"
+    message = "message"
+    block = "block"
+    end = "end"
+    session = "session"
+
+
+@dataclass(frozen=True, slots=True)
+class Anchor:
+    """A candidate anchor: the chained digest of the stream up to one boundary."""
+
+    digest: bytes
+    kind: AnchorKind
+
+
+class _Chain:
+    """Chained hashing of the stream: each cut yields H(previous digest, segment)."""
+
+    __slots__ = ("_digest", "_hasher", "anchors")
+
+    def __init__(self, header: bytes) -> None:
+        self._digest = hashlib.blake2b(header, digest_size=DIGEST_SIZE).digest()
+        self._hasher = hashlib.blake2b(self._digest, digest_size=DIGEST_SIZE)
+        self.anchors: list[Anchor] = []
+
+    def feed(self, data: bytes | memoryview) -> None:
+        self._hasher.update(data)
+
+    def cut(self, kind: AnchorKind) -> None:
+        self._digest = self._hasher.digest()
+        self._hasher = hashlib.blake2b(self._digest, digest_size=DIGEST_SIZE)
+        self.anchors.append(Anchor(self._digest, kind))
+
+
+def _encode(text: str) -> bytes:
+    # Lone surrogates survive some JSON parsers; never fail on them.
+    return text.encode("utf-8", "surrogatepass")
+
+
+def _header(body: Mapping[str, Any]) -> bytes:
+    model = body.get("model")
+    salt = body.get("cache_salt")
+    parts = [b"model", _encode(model) if isinstance(model, str) else b""]
+    # vLLM mixes cache_salt into the first block hash: a different salt never hits.
+    parts += [b"salt", _encode(salt) if isinstance(salt, str) else b""]
+    return b"\x00".join(parts)
+
+
+def _is_media(part: Mapping[str, Any]) -> bool:
+    if part.get("type") in _MEDIA_TYPES:
+        return True
+    return any(key in part for key in _MEDIA_KEYS)
+
+
+def _fallback_media_id(part: Mapping[str, Any]) -> bytes:
+    """Identity of a media item without a validated hash: its URL (passthrough mode)."""
+    for key in _MEDIA_KEYS:
+        value = part.get(key)
+        if isinstance(value, Mapping):
+            value = value.get("url", value.get("data"))
+        if isinstance(value, str):
+            return hashlib.blake2b(_encode(value), digest_size=DIGEST_SIZE).digest()
+    return b"?"
+
+
+def _parts(content: Any) -> Sequence[Any]:
+    if isinstance(content, str):
+        return (content,)
+    if isinstance(content, list):
+        return content
+    return ()
+
+
+def _count_media(messages: Sequence[Any]) -> int:
+    count = 0
+    for message in messages:
+        if isinstance(message, Mapping):
+            for part in _parts(message.get("content")):
+                if isinstance(part, Mapping) and _is_media(part):
+                    count += 1
+    return count
+
+
+def _chat_anchors(
+    chain: _Chain, messages: Sequence[Any], media_hashes: Sequence[str], preamble: str | None
+) -> None:
+    # The media hashes come from the payload walker in request order. If their count
+    # does not match the parts seen here, index matching would mislabel items: fall back
+    # to each item's URL instead.
+    use_hashes = len(media_hashes) == _count_media(messages)
+    media_index = 0
+    had_system = preamble is not None
+    leading_system = True
+    seen_user = False
+    if preamble is not None:
+        # /v1/responses `instructions`: rendered as a leading system message.
+        chain.feed(_MESSAGE + b"system" + _TEXT + _encode(preamble))
+    for message in messages:
+        if not isinstance(message, Mapping):
+            continue
+        role = message.get("role")
+        role_s = role if isinstance(role, str) else ""
+        if leading_system:
+            if role_s in _SYSTEM_ROLES:
+                had_system = True
+            else:
+                leading_system = False
+                if had_system:
+                    chain.cut(AnchorKind.system)
+        chain.feed(_MESSAGE + _encode(role_s))
+        parts = _parts(message.get("content"))
+        first_user = role_s == "user" and not seen_user
+        last_media = -1
+        if first_user:
+            seen_user = True
+            for i, part in enumerate(parts):
+                if isinstance(part, Mapping) and _is_media(part):
+                    last_media = i
+        for i, part in enumerate(parts):
+            if isinstance(part, str):
+                chain.feed(_TEXT + _encode(part))
+            elif isinstance(part, Mapping):
+                if _is_media(part):
+                    if use_hashes:
+                        chain.feed(_MEDIA + _encode(str(media_hashes[media_index])))
+                    else:
+                        chain.feed(_MEDIA + _fallback_media_id(part))
+                    media_index += 1
+                    if i == last_media:
+                        chain.cut(AnchorKind.media)
+                else:
+                    text = part.get("text")
+                    if isinstance(text, str):
+                        chain.feed(_TEXT + _encode(text))
+        if not leading_system:
+            chain.cut(AnchorKind.first_user if first_user else AnchorKind.message)
+    if leading_system and had_system:
+        # Only system messages: the whole request is one anchor.
+        chain.cut(AnchorKind.end)
+
+
+def _prompt_bytes(prompt: Any) -> tuple[bytes, int] | None:
+    """The bytes of a plain prompt and how many bytes one character counts for.
+
+    Token-id prompts are packed as 8-byte integers; a token is about four characters of
+    text, so their blocks are twice as many bytes (close to the text blocks' tokens).
+    """
+    if isinstance(prompt, list) and prompt:
+        # A batch: key on its first prompt; the batch is one request to one engine.
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return _prompt_bytes(prompt[0])
+        try:
+            return array("q", prompt).tobytes(), 2
+        except OverflowError:
+            return None
+    if isinstance(prompt, str):
+        return _encode(prompt), 1
+    return None
+
+
+def _prompt_anchors(chain: _Chain, data: bytes, block_bytes: int) -> None:
+    chain.feed(_PROMPT)
+    view = memoryview(data)
+    for start in range(0, len(data) - block_bytes + 1, block_bytes):
+        chain.feed(view[start : start + block_bytes])
+        chain.cut(AnchorKind.block)
+    tail = len(data) % block_bytes
+    if tail or not data:
+        chain.feed(view[len(data) - tail :])
+        chain.cut(AnchorKind.end)
+
+
+def candidate_anchors(
+    body: Mapping[str, Any] | None,
+    media_hashes: Sequence[str] = (),
+    *,
+    block_bytes: int = 512,
+    max_candidates: int = 64,
+) -> list[Anchor]:
+    """The candidate anchors of a request, shortest first; empty if it has no prompt."""
+    if not isinstance(body, Mapping):
+        return []
+    chain = _Chain(_header(body))
+    messages = body.get("messages")
+    instructions = body.get("instructions")
+    preamble = instructions if isinstance(instructions, str) else None
+    if isinstance(messages, list) and messages:
+        _chat_anchors(chain, messages, media_hashes, None)
+    else:
+        source = body.get("prompt", body.get("input"))
+        if isinstance(source, list) and source and isinstance(source[0], Mapping):
+            # /v1/responses input items and embeddings-as-messages carry chat messages.
+            _chat_anchors(chain, source, media_hashes, preamble)
+        else:
+            prompt = _prompt_bytes(source)
+            if prompt is None:
+                return []
+            data, scale = prompt
+            _prompt_anchors(chain, data, block_bytes * scale)
+    # Beyond the cap the request keeps its first candidates: sharing happens at the
+    # start of a prompt, and cutting the middle out would make every long conversation
+    # look like it branches at the cut (hotspots.py).
+    return chain.anchors[:max_candidates]
+
+
+def session_anchor(body: Mapping[str, Any] | None, session: str) -> Anchor:
+    """The anchor of a client-named session: it replaces the prefix candidates."""
+    model = body.get("model") if isinstance(body, Mapping) else None
+    header = b"session\x00" + (_encode(model) if isinstance(model, str) else b"")
+    digest = hashlib.blake2b(header + b"\x00" + _encode(session), digest_size=DIGEST_SIZE).digest()
+    return Anchor(digest, AnchorKind.session)

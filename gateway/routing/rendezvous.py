@@ -1,0 +1,67 @@
+"""Rendezvous (highest random weight) hashing of an anchor over engines, with a load bound.
+
+Every engine gets the score H(anchor, engine url); engines sorted by descending score
+form the anchor's order. The order depends only on the anchor and the set of URLs, so
+every gateway process and replica computes the same one without sharing state, and
+adding or removing an engine moves only the anchors whose first choice it was
+(Thaler and Ravishankar, 1998).
+
+The load bound is the one of consistent hashing with bounded loads (Mirrokni, Thorup and
+Zadimoghaddam, 2018): take the first engine in the order whose requests in flight are at
+most (1 + epsilon) x mean + 1, so a hot anchor spills onto its second choice (which then
+warms up for it) instead of queueing on the first without bound.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Protocol, TypeVar
+
+
+class _HasUrl(Protocol):
+    @property
+    def url(self) -> str: ...
+
+
+class _HasLoad(Protocol):
+    @property
+    def in_flight(self) -> int: ...
+
+
+U = TypeVar("U", bound=_HasUrl)
+L = TypeVar("L", bound=_HasLoad)
+
+
+def score(anchor: bytes, url: str) -> int:
+    """The engine's weight for `anchor`: stable across processes (blake2b, not hash())."""
+    digest = hashlib.blake2b(anchor, digest_size=8, person=b"rendezvous")
+    digest.update(url.encode("utf-8", "surrogatepass"))
+    return int.from_bytes(digest.digest(), "big")
+
+
+def rendezvous_order(anchor: bytes, engines: Sequence[U]) -> list[U]:
+    """`engines`, highest score first; ties (64-bit collisions) broken by URL."""
+    scored = sorted(((score(anchor, e.url), e.url, i) for i, e in enumerate(engines)), reverse=True)
+    return [engines[i] for _, _, i in scored]
+
+
+def load_bound(engines: Sequence[_HasLoad], epsilon: float) -> float:
+    """The most requests in flight an engine may carry and still take a new one."""
+    if not engines:
+        return 0.0
+    mean = sum(e.in_flight for e in engines) / len(engines)
+    return (1.0 + epsilon) * mean + 1.0
+
+
+def first_within_bound(order: Sequence[L], epsilon: float) -> int:
+    """Index in `order` of the first engine within the load bound.
+
+    Some engine always qualifies (the least loaded carries at most the mean); 0 if the
+    order is empty.
+    """
+    bound = load_bound(order, epsilon)
+    for i, engine in enumerate(order):
+        if engine.in_flight <= bound:
+            return i
+    return 0

@@ -1,0 +1,233 @@
+"""Candidate anchors and the hot-candidate window: tables of small cases."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gateway.routing.hotspots import HotCandidates
+from gateway.routing.keys import AnchorKind, candidate_anchors, session_anchor
+
+SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 20}
+
+
+def chat(*messages: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": list(messages), **extra}
+
+
+def user(content: Any) -> dict[str, Any]:
+    return {"role": "user", "content": content}
+
+
+def image(url: str = "https://img.example/a.png") -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def text(t: str) -> dict[str, Any]:
+    return {"type": "text", "text": t}
+
+
+def kinds(body: dict[str, Any], hashes: list[str] | None = None) -> list[str]:
+    return [a.kind.value for a in candidate_anchors(body, hashes or [])]
+
+
+@pytest.mark.parametrize(
+    ("body", "hashes", "expected"),
+    [
+        (chat(SYSTEM, user("hi")), [], ["system", "first_user"]),
+        (chat(user("hi")), [], ["first_user"]),
+        (
+            chat(SYSTEM, user("hi"), {"role": "assistant", "content": "yo"}, user("more")),
+            [],
+            ["system", "first_user", "message", "message"],
+        ),
+        (
+            chat(SYSTEM, user([image(), text("what is it?")])),
+            ["h1"],
+            ["system", "media", "first_user"],
+        ),
+        # The cut is after the *last* media item of the first user message.
+        (
+            chat(user([image(), text("and"), image("b"), text("?")])),
+            ["h1", "h2"],
+            ["media", "first_user"],
+        ),
+        # Media in later messages gives no media anchor of its own.
+        (
+            chat(user("a"), {"role": "assistant", "content": "b"}, user([image()])),
+            ["h1"],
+            ["first_user", "message", "message"],
+        ),
+        (
+            chat(SYSTEM, {"role": "developer", "content": "d"}, user("x")),
+            [],
+            ["system", "first_user"],
+        ),
+        (chat(SYSTEM), [], ["end"]),
+        ({"model": "m", "prompt": "x" * 1100}, [], ["block", "block", "end"]),
+        ({"model": "m", "prompt": "x" * 1024}, [], ["block", "block"]),
+        ({"model": "m", "prompt": ""}, [], ["end"]),
+        ({"model": "m", "input": "embed me"}, [], ["end"]),
+        ({"model": "m", "prompt": [1, 2, 3]}, [], ["end"]),
+        ({"model": "m", "prompt": ["first of a batch", "second"]}, [], ["end"]),
+        (
+            {"model": "m", "instructions": "be brief", "input": [user("hi")]},
+            [],
+            ["system", "first_user"],
+        ),
+    ],
+)
+def test_candidate_boundaries(body: dict[str, Any], hashes: list[str], expected: list[str]) -> None:
+    assert kinds(body, hashes) == expected
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        None,
+        {},
+        {"model": "m"},
+        {"model": 5, "messages": []},
+        {"messages": "not a list"},
+        {"messages": [1, None, "x", {"role": 5, "content": {"a": 1}}]},
+        {"messages": [{"role": "user", "content": [None, 3, {"type": "text", "text": 4}]}]},
+        {"messages": [{"role": "user", "content": [{"image_url": {"url": 7}}]}]},
+        {"prompt": [1, 2**70]},
+        {"prompt": [True, False]},
+        {"prompt": {"nested": "dict"}},
+        {"prompt": "\ud800 lone surrogate"},
+        {"input": [[1, 2], [3]]},
+    ],
+)
+def test_odd_bodies_never_raise(body: Any) -> None:
+    anchors = candidate_anchors(body, ["h"])
+    assert all(len(a.digest) == 16 for a in anchors)
+
+
+def test_turns_of_a_conversation_share_their_prefix_anchors() -> None:
+    turn1 = chat(SYSTEM, user("plan a trip"))
+    turn2 = chat(
+        SYSTEM, user("plan a trip"), {"role": "assistant", "content": "ok"}, user("to Oslo")
+    )
+    a1 = candidate_anchors(turn1)
+    a2 = candidate_anchors(turn2)
+    assert [a.digest for a in a2[: len(a1)]] == [a.digest for a in a1]
+    assert a2[-1].digest not in {a.digest for a in a1}
+
+
+def test_same_image_different_questions_share_the_media_anchor() -> None:
+    q1 = candidate_anchors(chat(SYSTEM, user([image(), text("colour?")])), ["sha256:aa"])
+    q2 = candidate_anchors(chat(SYSTEM, user([image(), text("count?")])), ["sha256:aa"])
+    other = candidate_anchors(chat(SYSTEM, user([image(), text("colour?")])), ["sha256:bb"])
+    assert q1[1].kind is AnchorKind.media
+    assert q1[1].digest == q2[1].digest
+    assert q1[2].digest != q2[2].digest
+    # The content hash, not the URL, is the identity of a validated item.
+    assert other[1].digest != q1[1].digest
+
+
+def test_media_without_matching_hashes_falls_back_to_the_url() -> None:
+    body_a = chat(user([image("https://a.example/1.png"), text("?")]))
+    body_b = chat(user([image("https://a.example/2.png"), text("?")]))
+    assert candidate_anchors(body_a)[0].digest != candidate_anchors(body_b)[0].digest
+    assert candidate_anchors(body_a)[0].digest == candidate_anchors(body_a)[0].digest
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        (chat(user("x")), chat(user("x"), model="other")),
+        (chat(user("x")), chat(user("x"), cache_salt="tenant-1")),
+        (chat(user("x"), cache_salt="tenant-1"), chat(user("x"), cache_salt="tenant-2")),
+        (chat(user("x")), chat({"role": "assistant", "content": "x"})),
+        (chat(user("ab")), chat(user(["a", "b"]))),
+        ({"model": "m", "prompt": "x"}, chat(user("x"))),
+    ],
+)
+def test_different_streams_give_different_anchors(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert {x.digest for x in candidate_anchors(a)}.isdisjoint(
+        {x.digest for x in candidate_anchors(b)}
+    )
+
+
+def test_plain_prompts_sharing_a_prefix_share_its_blocks() -> None:
+    shared = "Example: question -> answer. " * 100  # 2,900 bytes: 5 whole blocks
+    a = candidate_anchors({"model": "m", "prompt": shared + "What is 2+2?"})
+    b = candidate_anchors({"model": "m", "prompt": shared + "Name a colour."})
+    assert [x.digest for x in a[:5]] == [x.digest for x in b[:5]]
+    assert a[5].digest != b[5].digest
+
+
+def test_candidates_are_capped_keeping_the_shortest() -> None:
+    body = {"model": "m", "prompt": "y" * 512 * 100}
+    anchors = candidate_anchors(body, max_candidates=10)
+    assert len(candidate_anchors(body, max_candidates=1000)) == 100
+    assert anchors == candidate_anchors(body, max_candidates=1000)[:10]
+
+
+def test_session_anchor_depends_on_model_and_session_only() -> None:
+    a = session_anchor(chat(user("x")), "s1")
+    assert a == session_anchor(chat(user("something else")), "s1")
+    assert a != session_anchor(chat(user("x")), "s2")
+    assert a != session_anchor(chat(user("x"), model="other"), "s1")
+    assert a.kind is AnchorKind.session
+
+
+# --- the hot-candidate window -----------------------------------------------------------
+
+
+def conv(i: int, turns: int = 1) -> dict[str, Any]:
+    messages: list[dict[str, Any]] = [SYSTEM, user(f"conversation {i}")]
+    for t in range(1, turns):
+        messages += [{"role": "assistant", "content": f"answer {t}"}, user(f"follow-up {t}")]
+    return chat(*messages)
+
+
+def test_shared_system_prompt_becomes_hot_after_min_count() -> None:
+    hot = HotCandidates(window=100, min_count=8)
+    system_digest = candidate_anchors(conv(0))[0].digest
+    for i in range(7):
+        hot.observe(candidate_anchors(conv(i)))
+    assert not hot.is_hot(system_digest, engines=4)
+    hot.observe(candidate_anchors(conv(7)))
+    assert hot.is_hot(system_digest, engines=4)
+    assert hot.pick(candidate_anchors(conv(99)), 4).kind is AnchorKind.first_user
+
+
+def test_a_conversation_alone_never_becomes_hot() -> None:
+    # Its turns are nested, so nothing branches: it stays on its shortest anchor.
+    hot = HotCandidates(window=100, min_count=2)
+    for turns in range(1, 31):
+        hot.observe(candidate_anchors(conv(0, turns)))
+    assert hot.pick(candidate_anchors(conv(0, 31)), 4).kind is AnchorKind.system
+
+
+def test_share_below_threshold_is_not_hot() -> None:
+    # Template A carries 1/10 of the traffic: under 1/(2 x 4) with 4 engines, over it with 8.
+    hot = HotCandidates(window=1000, min_count=2)
+    for i in range(200):
+        template = "A" if i % 10 == 0 else f"T{i}"
+        hot.observe(candidate_anchors(chat({"role": "system", "content": template}, user(str(i)))))
+    digest = candidate_anchors(chat({"role": "system", "content": "A"}, user("x")))[0].digest
+    assert not hot.is_hot(digest, engines=4)
+    assert hot.is_hot(digest, engines=8)
+
+
+def test_window_decays_old_traffic() -> None:
+    hot = HotCandidates(window=50, min_count=2)
+    digest = candidate_anchors(conv(0))[0].digest
+    for i in range(50):
+        hot.observe(candidate_anchors(conv(i)))
+    assert hot.is_hot(digest, 4)
+    for i in range(100):  # two generations of traffic without that system prompt
+        hot.observe(candidate_anchors(chat(user(f"plain {i}"))))
+    assert not hot.is_hot(digest, 4)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"window": 0}, {"divisor": 0.0}, {"min_count": 0}, {"window": -1}]
+)
+def test_hot_window_rejects_bad_settings(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="positive"):
+        HotCandidates(**kwargs)
