@@ -160,6 +160,11 @@ class UpstreamUnavailable(GatewayError):
     default_message = "The engine could not be reached."
 
 
+class UpstreamBroken(UpstreamUnavailable):
+    code = "upstream_broken"
+    default_message = "The engine's response broke off before it was complete."
+
+
 class UpstreamTimeout(GatewayError):
     status = 504
     code = "upstream_timeout"

@@ -1,0 +1,246 @@
+"""`create_app(settings)`: the middleware list, the gateway's own routes, the lifespan.
+
+The forwarding path is plain ASGI, not FastAPI routes: FastAPI's request handling cost
+~200-270 us of CPU per request on this machine (DESIGN.md, performance facts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import structlog
+
+from gateway.auth import KeyConfigError, KeyRing, build_keys, load_key_file
+from gateway.config import Settings, load_settings
+from gateway.endpoints import Action
+from gateway.errors import UnknownEndpoint
+from gateway.exchange import SCOPE_KEY, ASGIApp, Exchange, Receive, Scope, Send
+from gateway.logging import configure_logging
+from gateway.metrics import CONTENT_TYPE, Metrics
+from gateway.middleware import Authentication, EndpointGuard, InFlightLimit, RequestContext
+from gateway.proxy import Proxy
+from gateway.routing.policy import make_policy
+from gateway.routing.pool import Engine, EnginePool
+
+# The env var through which `vllm-gateway serve --workers N` hands each worker its
+# config file (uvicorn starts workers from an import string, not an object).
+CONFIG_ENV = "VLLM_GATEWAY_CONFIG"
+KEY_FILE_POLL = 1.0
+
+log = structlog.get_logger("gateway.app")
+
+
+def _json_response(status: int, payload: dict[str, Any]) -> tuple[int, bytes]:
+    return status, orjson.dumps(payload)
+
+
+class LocalRoutes:
+    """The gateway's own routes: /healthz, /readyz, /metrics."""
+
+    def __init__(self, pool: EnginePool, metrics: Metrics) -> None:
+        self.pool = pool
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope["gateway.path"]
+        content_type = b"application/json"
+        if path == "/healthz":
+            status, body = _json_response(200, {"status": "ok"})
+        elif path == "/readyz":
+            healthy = len(self.pool.healthy())
+            status, body = _json_response(
+                200 if healthy else 503,
+                {"status": "ready" if healthy else "no_healthy_engine", "healthy_engines": healthy},
+            )
+        elif path == "/metrics":
+            status, body, content_type = 200, self.metrics.render(), CONTENT_TYPE
+        else:
+            raise UnknownEndpoint()
+        ex: Exchange = scope[SCOPE_KEY]
+        ex.bytes_out = len(body)
+        headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+class Dispatch:
+    """Sends the gateway's own routes to `local`, everything else to `proxy`."""
+
+    def __init__(self, local: ASGIApp, proxy: ASGIApp) -> None:
+        self.local = local
+        self.proxy = proxy
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ex: Exchange = scope[SCOPE_KEY]
+        if ex.route.action is Action.local:
+            await self.local(scope, receive, send)
+        else:
+            await self.proxy(scope, receive, send)
+
+
+class KeyFileWatcher:
+    """Reloads the key file when its mtime or size changes. An invalid new file is
+    logged and ignored: the keys in force stay, so a typo cannot lock everyone out."""
+
+    def __init__(self, path: Path, keyring: KeyRing, settings: Settings) -> None:
+        self.path = path
+        self.keyring = keyring
+        self.settings = settings
+        self._stamp = self._stat()
+
+    def _stat(self) -> tuple[int, int] | None:
+        try:
+            st = self.path.stat()
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_size
+
+    def poll(self) -> None:
+        stamp = self._stat()
+        if stamp == self._stamp:
+            return
+        self._stamp = stamp
+        try:
+            keys = build_keys(self.settings.api_keys) + load_key_file(self.path)
+        except KeyConfigError as exc:
+            log.error("key_file_invalid", path=str(self.path), reason=str(exc), kept="old keys")
+            return
+        self.keyring.replace(keys)
+        log.info("key_file_reloaded", path=str(self.path), keys=len(keys))
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(KEY_FILE_POLL)
+            self.poll()
+
+
+class Gateway:
+    """The ASGI application: the middleware stack for HTTP, and the lifespan."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.metrics = Metrics()
+        keys = build_keys(settings.api_keys)
+        if settings.api_keys_file is not None:
+            keys += load_key_file(settings.api_keys_file)
+        self.keyring = KeyRing(keys, allow_unauthenticated=settings.allow_unauthenticated)
+        self.pool = EnginePool(
+            settings.engines,
+            settings.routing,
+            headers=self._upstream_auth(),
+            on_health=self._on_health,
+        )
+        self.pool.extra_models = frozenset(settings.served_models)
+        self.pool.models = self.pool.extra_models
+        self.proxy = Proxy(settings, self.pool, make_policy(settings.routing), self.metrics)
+        self.watcher = (
+            KeyFileWatcher(settings.api_keys_file, self.keyring, settings)
+            if settings.api_keys_file is not None
+            else None
+        )
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+        # The middleware stack, outermost first.
+        middleware: list[tuple[Callable[..., ASGIApp], dict[str, Any]]] = [
+            (RequestContext, {"metrics": self.metrics, "logger": structlog.get_logger("gateway")}),
+            (EndpointGuard, {"keyring": self.keyring}),
+            (Authentication, {"keyring": self.keyring, "public_metrics": settings.public_metrics}),
+            (InFlightLimit, {"limit": settings.limits.max_in_flight, "metrics": self.metrics}),
+        ]
+        app: ASGIApp = Dispatch(LocalRoutes(self.pool, self.metrics), self.proxy)
+        for cls, options in reversed(middleware):
+            app = cls(app, **options)
+        self.stack = app
+
+    def _upstream_auth(self) -> dict[str, str]:
+        key = self.settings.upstream_api_key
+        return {"Authorization": f"Bearer {key.get_secret_value()}"} if key else {}
+
+    def _on_health(self, engine: Engine) -> None:
+        self.metrics.set_engine_health(engine.url, engine.healthy)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self.stack(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+        else:
+            # WebSocket routes (/v1/realtime) are not proxied: refuse the handshake.
+            await send({"type": "websocket.close", "code": 1008})
+
+    async def startup(self) -> None:
+        connector = aiohttp.TCPConnector(
+            limit=self.settings.limits.max_in_flight + 16,
+            limit_per_host=0,
+            keepalive_timeout=self.settings.timeouts.upstream_keepalive,
+            # Engines are addressed by URL in settings; cache their DNS briefly.
+            ttl_dns_cache=10,
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            # Bytes are relayed as the engine sent them; the client decompresses.
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+            cookie_jar=aiohttp.DummyCookieJar(),
+        )
+        self.proxy.session = self._session
+        for engine in self.pool.engines:
+            self.metrics.set_engine_health(engine.url, False)
+        await self.pool.start(self._session)
+        if self.watcher is not None:
+            self._tasks.append(asyncio.create_task(self.watcher.run(), name="key-file"))
+        log.info(
+            "gateway_started",
+            engines=len(self.pool.engines),
+            healthy=len(self.pool.healthy()),
+            keys=len(self.keyring.keys),
+        )
+
+    async def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        await self.pool.stop()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception:
+                    log.exception("startup_failed")
+                    await send({"type": "lifespan.startup.failed", "message": "startup failed"})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+def create_app(settings: Settings) -> Gateway:
+    """Build the gateway for `settings`. Raises KeyConfigError for unusable keys."""
+    return Gateway(settings)
+
+
+def app_from_env() -> Gateway:
+    """uvicorn factory for `--workers N`: settings from the env and the config file."""
+    config = os.environ.get(CONFIG_ENV)
+    settings = load_settings(Path(config) if config else None)
+    configure_logging(settings.log_format, settings.log_level)
+    return create_app(settings)

@@ -1,0 +1,160 @@
+"""API keys: parsing them from settings or a key file, and the constant-time check.
+
+Keys are held only as SHA-256 digests. A presented key is hashed once and compared with
+`hmac.compare_digest` against every configured digest, without stopping at the first
+match, so the time taken says nothing about which key or how much of it matched
+(vLLM compared keys with `==` until CVE-2025-59425).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import SecretStr, TypeAdapter, ValidationError
+
+from gateway.config import ApiKeyConfig
+from gateway.endpoints import ALL_SCOPES, FORWARDED_GROUPS, Group
+from gateway.errors import InvalidApiKey
+
+_DIGEST_PREFIX = "sha256:"
+_BEARER = b"bearer "
+
+
+class KeyConfigError(ValueError):
+    """A key list that cannot be used. The message never contains a key."""
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    """A configured client key: its digest, a name for logs, and what it may use."""
+
+    name: str
+    digest: bytes
+    # Route groups this key may use. A key configured without scopes gets every
+    # forwarded group but not `metrics`: reading the gateway's metrics is granted only
+    # explicitly, so a leaked inference key does not also map the deployment.
+    scopes: frozenset[Group]
+    # None: every served model.
+    models: frozenset[str] | None
+
+    def allows_model(self, model: str) -> bool:
+        return self.models is None or model in self.models
+
+
+# Used when the operator set allow_unauthenticated and a request carries no key.
+ANONYMOUS = ApiKey("anonymous", b"", FORWARDED_GROUPS, None)
+
+
+def hash_key(key: str) -> str:
+    """The `sha256:<hex>` form of a plain key, for config files."""
+    return _DIGEST_PREFIX + hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def _digest(secret: str) -> bytes:
+    if secret.startswith(_DIGEST_PREFIX):
+        hexdigest = secret[len(_DIGEST_PREFIX) :]
+        try:
+            raw = bytes.fromhex(hexdigest)
+        except ValueError:
+            raw = b""
+        if len(raw) != 32:
+            raise KeyConfigError("a sha256: key must be followed by 64 hex digits")
+        return raw
+    if len(secret) < 16:
+        raise KeyConfigError("a plain API key must be at least 16 characters long")
+    return hashlib.sha256(secret.encode("utf-8")).digest()
+
+
+def _scopes(names: list[str] | None, label: str) -> frozenset[Group]:
+    if names is None:
+        return FORWARDED_GROUPS
+    unknown = sorted(set(names) - {g.value for g in ALL_SCOPES})
+    if unknown:
+        raise KeyConfigError(
+            f"key {label!r} has unknown scopes {unknown}; known: {sorted(ALL_SCOPES)}"
+        )
+    return frozenset(Group(n) for n in names)
+
+
+def build_keys(entries: Iterable[str | ApiKeyConfig]) -> tuple[ApiKey, ...]:
+    """Turn configured entries into keys; raises KeyConfigError for unusable entries."""
+    keys: list[ApiKey] = []
+    seen: set[bytes] = set()
+    for index, entry in enumerate(entries, start=1):
+        cfg = entry if isinstance(entry, ApiKeyConfig) else ApiKeyConfig(key=SecretStr(entry))
+        label = cfg.name or f"key-{index}"
+        try:
+            digest = _digest(cfg.key.get_secret_value())
+        except KeyConfigError as exc:
+            raise KeyConfigError(f"{label}: {exc}") from None
+        if digest in seen:
+            raise KeyConfigError(f"{label}: the same key is configured twice")
+        seen.add(digest)
+        models = frozenset(cfg.models) if cfg.models is not None else None
+        keys.append(ApiKey(label, digest, _scopes(cfg.scopes, label), models))
+    return tuple(keys)
+
+
+_ENTRIES: TypeAdapter[list[str | ApiKeyConfig]] = TypeAdapter(list[str | ApiKeyConfig])
+
+
+def load_key_file(path: Path) -> tuple[ApiKey, ...]:
+    """Keys from a YAML (or JSON) file: a list of entries, or `{api_keys: [...]}`."""
+    try:
+        data: Any = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        raise KeyConfigError(f"key file {path} cannot be read as YAML") from None
+    if isinstance(data, dict) and set(data) == {"api_keys"}:
+        data = data["api_keys"]
+    if data is None:
+        data = []
+    try:
+        entries = _ENTRIES.validate_python(data)
+    except ValidationError:
+        # pydantic's message would quote the offending value, which may be a key.
+        raise KeyConfigError(
+            f"key file {path}: expected a list of keys, `sha256:<hex>` digests or "
+            "objects with key, name, scopes, models"
+        ) from None
+    return build_keys(entries)
+
+
+class KeyRing:
+    """The keys in force. `replace` swaps the whole set at once (key-file reloads)."""
+
+    def __init__(self, keys: Sequence[ApiKey], *, allow_unauthenticated: bool = False) -> None:
+        self.keys: tuple[ApiKey, ...] = tuple(keys)
+        self.allow_unauthenticated = allow_unauthenticated
+
+    def replace(self, keys: Sequence[ApiKey]) -> None:
+        self.keys = tuple(keys)
+
+    def authenticate(self, authorization: bytes | None) -> ApiKey:
+        """The key presented in an `Authorization` header value, or InvalidApiKey."""
+        if authorization is None:
+            if self.allow_unauthenticated:
+                return ANONYMOUS
+            raise InvalidApiKey("Missing API key: send it as 'Authorization: Bearer <key>'.")
+        if authorization[:7].lower() != _BEARER:
+            raise InvalidApiKey("Only 'Authorization: Bearer <key>' is accepted.")
+        digest = hashlib.sha256(authorization[7:].strip()).digest()
+        found: ApiKey | None = None
+        for key in self.keys:
+            if hmac.compare_digest(key.digest, digest) and found is None:
+                found = key
+        if found is None:
+            raise InvalidApiKey("Invalid API key.")
+        return found
+
+    def identify(self, authorization: bytes | None) -> str | None:
+        """The name of the presented key, for logging refused requests; None if invalid."""
+        try:
+            return self.authenticate(authorization).name if authorization else None
+        except InvalidApiKey:
+            return None

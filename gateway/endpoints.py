@@ -1,0 +1,263 @@
+"""The endpoint table: every route vLLM serves, and what the gateway does with it.
+
+Default deny: a path is forwarded only because this table lists it. Blocked routes are
+refused with 403 (they exist on vLLM and are dangerous: runtime LoRA loading, dev mode,
+scaling, profiling), everything else is 404. Neither is ever forwarded.
+
+Matching is exact on the raw request path (the bytes on the wire, not a decoded form).
+A path that is not in canonical form (percent escapes, `//`, dot segments, a trailing
+slash, upper case, `;` parameters, NUL or other bytes outside the route alphabet) is
+never forwarded: it gets the verdict of its canonical form if that is blocked, else 404.
+So a spelling trick can only turn a route into a refusal, never into a different route;
+vLLM's own auth check once trusted a path rebuilt from another source (CVE-2026-48746).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Final
+from urllib.parse import unquote_to_bytes
+
+
+class Group(StrEnum):
+    """Route groups: the unit an API key's scopes grant."""
+
+    inference = "inference"
+    pooling = "pooling"
+    tokenize = "tokenize"
+    audio = "audio"
+    models = "models"
+    info = "info"
+    # The gateway's own /metrics; never granted implicitly (see auth.py).
+    metrics = "metrics"
+
+
+FORWARDED_GROUPS: Final = frozenset(
+    {Group.inference, Group.pooling, Group.tokenize, Group.audio, Group.models, Group.info}
+)
+ALL_SCOPES: Final = frozenset(Group)
+
+
+class Action(StrEnum):
+    forward = "forward"
+    blocked = "blocked"
+    # Answered by the gateway itself (/healthz, /readyz, /metrics).
+    local = "local"
+    unknown = "unknown"
+
+
+class BodyKind(StrEnum):
+    none = "none"
+    # Read whole (with the body cap), parsed once, `model` checked.
+    json = "json"
+    # Streamed to the engine under the upload cap.
+    multipart = "multipart"
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One entry of the table. `path` is the canonical path that is forwarded."""
+
+    path: str
+    action: Action
+    group: Group | None = None
+    methods: frozenset[str] = frozenset()
+    body: BodyKind = BodyKind.none
+    # Whether the body's `model` must be a served model the key may use.
+    check_model: bool = False
+    # Why a route is blocked; the reason goes into the error message.
+    reason: str = ""
+
+    @property
+    def label(self) -> str:
+        """Low-cardinality name for logs and metrics."""
+        return self.group.value if self.group is not None else self.action.value
+
+
+_POST = frozenset({"POST"})
+_GET = frozenset({"GET"})
+
+
+def _json(path: str, group: Group, *, model: bool = True) -> Route:
+    return Route(path, Action.forward, group, _POST, BodyKind.json, check_model=model)
+
+
+def _get(path: str, group: Group) -> Route:
+    return Route(path, Action.forward, group, _GET)
+
+
+def _blocked(path: str, reason: str) -> Route:
+    return Route(path, Action.blocked, reason=reason)
+
+
+_LORA = "runtime LoRA loading lets a caller choose files the engine reads"
+_DEV = "vLLM dev-mode routes run engine methods and change server state"
+_CONTROL = "scaling, abort and profiling routes control the engine"
+_RENDER = "render routes are not served through this gateway"
+_INTERNAL = "internal vLLM routes are not served through this gateway"
+_DOCS = "the engine's API docs are not exposed"
+_REALTIME = "WebSocket routes are not proxied by this gateway"
+
+_ROUTES: Final[tuple[Route, ...]] = (
+    # --- inference: generation, guarded or not by vLLM's own --api-key ---------------
+    _json("/v1/chat/completions", Group.inference),
+    _json("/v1/chat/completions/batch", Group.inference),
+    _json("/v1/completions", Group.inference),
+    _json("/v1/responses", Group.inference),
+    _json("/v1/messages", Group.inference),
+    _json("/v1/messages/count_tokens", Group.inference),
+    _json("/cohere/v2/chat", Group.inference),
+    # SageMaker entry point: full chat/completion/pooling, open in vLLM (vllm#58144).
+    _json("/invocations", Group.inference),
+    _json("/generative_scoring", Group.inference),
+    # --- pooling and scoring ----------------------------------------------------------
+    _json("/v1/embeddings", Group.pooling),
+    _json("/v2/embed", Group.pooling),
+    _json("/pooling", Group.pooling),
+    _json("/classify", Group.pooling),
+    _json("/score", Group.pooling),
+    _json("/v1/score", Group.pooling),
+    _json("/rerank", Group.pooling),
+    _json("/v1/rerank", Group.pooling),
+    _json("/v2/rerank", Group.pooling),
+    # --- tokenizer (/tokenize fetches media from chat messages, so it is inspected) ---
+    _json("/tokenize", Group.tokenize),
+    _json("/detokenize", Group.tokenize),
+    _get("/tokenizer_info", Group.tokenize),
+    # --- audio: multipart uploads -----------------------------------------------------
+    Route("/v1/audio/transcriptions", Action.forward, Group.audio, _POST, BodyKind.multipart),
+    Route("/v1/audio/translations", Action.forward, Group.audio, _POST, BodyKind.multipart),
+    # --- models and engine info (forwarded with a key; open in vLLM) ------------------
+    _get("/v1/models", Group.models),
+    _get("/health", Group.info),
+    Route("/ping", Action.forward, Group.info, frozenset({"GET", "POST"})),
+    _get("/version", Group.info),
+    _get("/load", Group.info),
+    # --- the gateway's own routes ------------------------------------------------------
+    Route("/healthz", Action.local, None, _GET),
+    Route("/readyz", Action.local, None, _GET),
+    Route("/metrics", Action.local, Group.metrics, _GET),
+    # --- blocked: exist on vLLM, never forwarded ----------------------------------------
+    _blocked("/v1/load_lora_adapter", _LORA),
+    _blocked("/v1/unload_lora_adapter", _LORA),
+    _blocked("/adapters", _LORA),
+    _blocked("/scale_elastic_ep", _CONTROL),
+    _blocked("/is_scaling_elastic_ep", _CONTROL),
+    _blocked("/abort_requests", _CONTROL),
+    _blocked("/start_profile", _CONTROL),
+    _blocked("/stop_profile", _CONTROL),
+    _blocked("/collective_rpc", _DEV),
+    _blocked("/server_info", _DEV),
+    _blocked("/reset_prefix_cache", _DEV),
+    _blocked("/reset_mm_cache", _DEV),
+    _blocked("/reset_encoder_cache", _DEV),
+    _blocked("/sleep", _DEV),
+    _blocked("/wake_up", _DEV),
+    _blocked("/is_sleeping", _DEV),
+    _blocked("/release_kv_cache_memory", _DEV),
+    _blocked("/pause", _DEV),
+    _blocked("/resume", _DEV),
+    _blocked("/is_paused", _DEV),
+    _blocked("/init_weight_transfer_engine", _DEV),
+    _blocked("/update_weights", _DEV),
+    _blocked("/get_world_size", _DEV),
+    _blocked("/v1/chat/completions/render", _RENDER),
+    _blocked("/v1/completions/render", _RENDER),
+    _blocked("/render", _RENDER),
+    _blocked("/derender", _RENDER),
+    _blocked("/kv_event_sources", _INTERNAL),
+    _blocked("/docs", _DOCS),
+    _blocked("/docs/oauth2-redirect", _DOCS),
+    _blocked("/redoc", _DOCS),
+    _blocked("/openapi.json", _DOCS),
+    _blocked("/v1/realtime", _REALTIME),
+)
+
+TABLE: Final[dict[str, Route]] = {r.path: r for r in _ROUTES}
+
+# Families of blocked routes, by prefix: every path below them is refused with 403.
+_BLOCKED_PREFIXES: Final[tuple[tuple[str, str], ...]] = (
+    ("/adapters/", _LORA),
+    ("/fault_tolerance/", _CONTROL),
+    ("/inference/", _INTERNAL),
+    # Weight-transfer dev routes: /update_weights_from_..., /get_weight_... and kin.
+    ("/update_weights", _DEV),
+    ("/init_weight", _DEV),
+    ("/get_weight", _DEV),
+    ("/sleep", _DEV),
+    ("/wake_up", _DEV),
+)
+
+# Response ids of /v1/responses/{id} and /v1/responses/{id}/cancel.
+_RESPONSE_ID = re.compile(r"/v1/responses/([A-Za-z0-9_-]{1,128})(/cancel)?")
+_RESPONSE_GET = Route("/v1/responses/{id}", Action.forward, Group.inference, _GET)
+_RESPONSE_CANCEL = Route("/v1/responses/{id}/cancel", Action.forward, Group.inference, _POST)
+
+UNKNOWN: Final = Route("", Action.unknown)
+
+# The alphabet of canonical paths: lower case letters, digits, `_`, `-`, `.` and `/`.
+# Response ids may carry upper case, so case is checked against the table separately.
+_CANONICAL = re.compile(rb"(/[A-Za-z0-9_.-]+)+")
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """A route matched to a request path. `path` is what is forwarded."""
+
+    route: Route
+    path: str
+
+
+def _lookup(path: str) -> Match:
+    route = TABLE.get(path)
+    if route is not None:
+        return Match(route, path)
+    m = _RESPONSE_ID.fullmatch(path)
+    if m is not None:
+        return Match(_RESPONSE_CANCEL if m.group(2) else _RESPONSE_GET, path)
+    for prefix, reason in _BLOCKED_PREFIXES:
+        if path.startswith(prefix):
+            return Match(_blocked(prefix, reason), path)
+    return Match(UNKNOWN, path)
+
+
+def canonical_form(raw_path: bytes) -> str:
+    """The path a lenient server could read `raw_path` as: decoded, `;` parameters
+    dropped, empty and dot segments resolved, lower case, no trailing slash."""
+    decoded = raw_path
+    # Decode repeatedly: a double-encoded `%252e` must not hide a dot segment.
+    for _ in range(3):
+        nxt = unquote_to_bytes(decoded)
+        if nxt == decoded:
+            break
+        decoded = nxt
+    text = decoded.replace(b"\x00", b"").replace(b"\\", b"/").decode("latin-1").lower()
+    parts: list[str] = []
+    for segment in text.split("/"):
+        segment = segment.split(";", 1)[0]
+        if segment in ("", "."):
+            continue
+        if segment == "..":
+            if parts:
+                parts.pop()
+            continue
+        parts.append(segment)
+    return "/" + "/".join(parts)
+
+
+def match(raw_path: bytes) -> Match:
+    """Classify a raw request path (without its query string)."""
+    if _CANONICAL.fullmatch(raw_path) and b"/./" not in raw_path + b"/":
+        path = raw_path.decode("ascii")
+        if "/../" not in path + "/":
+            found = _lookup(path)
+            if found.route.action is not Action.unknown:
+                return found
+    # Not canonical, or not in the table: a blocked canonical form stays blocked,
+    # anything else is unknown. Nothing here is ever forwarded.
+    canonical = _lookup(canonical_form(raw_path))
+    if canonical.route.action is Action.blocked:
+        return canonical
+    return Match(UNKNOWN, canonical.path)

@@ -1,0 +1,65 @@
+"""The record of one request as it passes through the gateway.
+
+Each middleware fills in what it learns (route, key, model, engine, sizes); the
+outermost one turns it into the request's log line and metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from gateway.auth import ApiKey
+from gateway.endpoints import UNKNOWN, Route
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+# The scope key under which the exchange travels.
+SCOPE_KEY = "gateway.exchange"
+
+
+class Exchange:
+    """Mutable per-request state. `code` is the error code, or "" on success."""
+
+    __slots__ = (
+        "bytes_in",
+        "bytes_out",
+        "code",
+        "disconnected",
+        "engine",
+        "key",
+        "key_name",
+        "model",
+        "path",
+        "request_id",
+        "route",
+        "started",
+        "status",
+        "ttfb",
+    )
+
+    def __init__(self, request_id: str, path: str, started: float) -> None:
+        self.request_id = request_id
+        self.path = path
+        self.started = started
+        self.route: Route = UNKNOWN
+        self.key: ApiKey | None = None
+        # Set when a key was recognised, even on a refused request.
+        self.key_name: str | None = None
+        self.model: str | None = None
+        self.engine: str | None = None
+        self.status = 0
+        self.code = ""
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.ttfb: float | None = None
+        self.disconnected = False
+
+
+def exchange_of(scope: Scope) -> Exchange:
+    ex: Exchange = scope[SCOPE_KEY]
+    return ex

@@ -1,0 +1,67 @@
+"""structlog setup: one line per event, JSON or console, with secrets scrubbed.
+
+The request line is built from fixed fields (see app.py); nothing a client sends is
+logged except its method, path and request id. As a second line of defence a processor
+masks values under secret-looking names and cuts `data:` URLs short, so a field added
+later cannot leak a key or a whole image into the logs.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from typing import Any, Literal
+
+import orjson
+import structlog
+from structlog.typing import EventDict, Processor, WrappedLogger
+
+_SECRET_NAMES = re.compile(r"authorization|api_?key|token|secret|password", re.I)
+_DATA_URL = re.compile(r"data:[^,\s]{0,100},[A-Za-z0-9+/=%_-]{16,}")
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
+
+
+def _scrub(value: Any) -> Any:
+    if isinstance(value, str) and "data:" in value:
+        return _DATA_URL.sub("data:<redacted>", value)
+    return value
+
+
+def redact(logger: WrappedLogger, method: str, event: EventDict) -> EventDict:
+    """Mask secret-named fields; shorten data URLs in string fields."""
+    for name, value in event.items():
+        if _SECRET_NAMES.search(name):
+            event[name] = "***"
+        else:
+            event[name] = _scrub(value)
+    return event
+
+
+def _orjson(logger: WrappedLogger, method: str, event: EventDict) -> bytes:
+    return orjson.dumps(event, default=str)
+
+
+def configure_logging(
+    fmt: Literal["json", "console"] = "json",
+    level: Literal["debug", "info", "warning", "error"] = "info",
+) -> None:
+    """Configure structlog for the process (uvicorn workers call it once each)."""
+    processors: list[Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        redact,
+    ]
+    if fmt == "json":
+        processors.append(_orjson)
+        factory: Any = structlog.BytesLoggerFactory(sys.stdout.buffer)
+    else:
+        processors.append(structlog.dev.ConsoleRenderer(colors=False))
+        factory = structlog.PrintLoggerFactory(sys.stdout)
+    structlog.configure(
+        processors=processors,
+        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS.get(level, logging.ERROR)),
+        logger_factory=factory,
+        cache_logger_on_first_use=True,
+    )

@@ -1,0 +1,185 @@
+"""The gateway's middleware: plain ASGI classes, composed in app.py.
+
+Refusals are raised as `GatewayError`; `RequestContext`, the outermost, renders them
+(through `errors.send_error`, the one renderer) and writes the request's log line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from typing import Any
+
+from gateway.auth import KeyRing
+from gateway.body import ClientDisconnected
+from gateway.endpoints import Action, Group, match
+from gateway.errors import (
+    EndpointBlocked,
+    GatewayError,
+    MethodNotAllowed,
+    Overloaded,
+    PermissionDenied,
+    UnknownEndpoint,
+    send_error,
+)
+from gateway.exchange import SCOPE_KEY, ASGIApp, Exchange, Message, Receive, Scope, Send
+from gateway.metrics import Metrics
+
+# A client's X-Request-Id becomes the engine's request id (VLLM-FACTS.md, "Wire
+# details"), so only a short, plain token is taken; anything else is replaced.
+_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
+_MAX_LOGGED_PATH = 200
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None
+
+
+class RequestContext:
+    """Request id, clock, the error renderer, the request's log line and metrics."""
+
+    def __init__(self, app: ASGIApp, *, metrics: Metrics, logger: Any) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.log = logger
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        given = _header(scope, b"x-request-id")
+        if given is not None and _REQUEST_ID.fullmatch(given):
+            request_id = given.decode("ascii")
+        else:
+            request_id = os.urandom(16).hex()
+        raw_path: bytes = scope.get("raw_path") or scope["path"].encode("utf-8", "replace")
+        ex = Exchange(request_id, raw_path.decode("latin-1")[:_MAX_LOGGED_PATH], started)
+        scope[SCOPE_KEY] = ex
+        id_header = (b"x-request-id", request_id.encode("ascii"))
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                ex.status = message["status"]
+                message["headers"] = [*message["headers"], id_header]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except GatewayError as exc:
+            ex.code = exc.code
+            if ex.status == 0:
+                await send_error(send_with_id, exc)
+        except ClientDisconnected:
+            ex.disconnected = True
+        except Exception:
+            ex.code = "internal_error"
+            self.log.exception("unhandled_error", request_id=request_id)
+            if ex.status == 0:
+                await send_error(send_with_id, GatewayError())
+        finally:
+            self._finish(scope, ex)
+
+    def _finish(self, scope: Scope, ex: Exchange) -> None:
+        duration = time.perf_counter() - ex.started
+        if ex.disconnected:
+            ex.code = ex.code or "client_disconnected"
+            # 499: nginx's "client closed request"; the client saw nothing.
+            ex.status = ex.status or 499
+        group = ex.route.label
+        rejected = ex.engine is None and ex.code != ""
+        self.metrics.observe_request(group, ex.status, ex.code, duration, rejected)
+        self.log.info(
+            "request",
+            request_id=ex.request_id,
+            key_name=ex.key_name,
+            method=scope["method"],
+            path=ex.path,
+            group=group,
+            model=ex.model,
+            engine=ex.engine,
+            status=ex.status,
+            code=ex.code or None,
+            bytes_in=ex.bytes_in,
+            bytes_out=ex.bytes_out,
+            ttfb_ms=None if ex.ttfb is None else round(ex.ttfb * 1000, 3),
+            duration_ms=round(duration * 1000, 3),
+        )
+
+
+class EndpointGuard:
+    """The endpoint table: unknown paths 404, blocked ones 403, wrong methods 405."""
+
+    def __init__(self, app: ASGIApp, *, keyring: KeyRing) -> None:
+        self.app = app
+        self.keyring = keyring
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ex: Exchange = scope[SCOPE_KEY]
+        raw_path: bytes = scope.get("raw_path") or scope["path"].encode("utf-8", "replace")
+        found = match(raw_path)
+        route = found.route
+        ex.route = route
+        if route.action is Action.forward or route.action is Action.local:
+            if scope["method"] not in route.methods:
+                raise MethodNotAllowed(f"{route.path} accepts {', '.join(sorted(route.methods))}.")
+            scope["gateway.path"] = found.path
+            await self.app(scope, receive, send)
+            return
+        # Refused without being forwarded. The key's name, if it is a valid key, goes
+        # into the log line so an operator can see who probed a blocked route.
+        ex.key_name = self.keyring.identify(_header(scope, b"authorization"))
+        if route.action is Action.blocked:
+            raise EndpointBlocked(f"This endpoint is blocked by the gateway: {route.reason}.")
+        raise UnknownEndpoint("Unknown endpoint: this path is not served by the gateway.")
+
+
+class Authentication:
+    """Bearer key check and route-group scopes. /healthz and /readyz need no key."""
+
+    def __init__(self, app: ASGIApp, *, keyring: KeyRing, public_metrics: bool) -> None:
+        self.app = app
+        self.keyring = keyring
+        self.public_metrics = public_metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ex: Exchange = scope[SCOPE_KEY]
+        group = ex.route.group
+        if group is None or (group is Group.metrics and self.public_metrics):
+            await self.app(scope, receive, send)
+            return
+        key = self.keyring.authenticate(_header(scope, b"authorization"))
+        ex.key = key
+        ex.key_name = key.name
+        if group not in key.scopes:
+            raise PermissionDenied(f"This API key has no '{group.value}' scope.")
+        await self.app(scope, receive, send)
+
+
+class InFlightLimit:
+    """Caps requests being forwarded; over the cap, 503 `overloaded` with Retry-After."""
+
+    def __init__(self, app: ASGIApp, *, limit: int, metrics: Metrics) -> None:
+        self.app = app
+        self.limit = limit
+        self.metrics = metrics
+        self.current = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ex: Exchange = scope[SCOPE_KEY]
+        if ex.route.action is not Action.forward:
+            await self.app(scope, receive, send)
+            return
+        if self.current >= self.limit:
+            raise Overloaded(retry_after=1)
+        self.current += 1
+        self.metrics.in_flight.inc()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.current -= 1
+            self.metrics.in_flight.dec()
