@@ -28,6 +28,7 @@ from typing import Any
 
 import httptools
 
+from bench.report import Report, progress
 from bench.stack import Target
 
 
@@ -505,3 +506,20 @@ def percentile(ordered: Sequence[float], pct: float) -> float:
         return 0.0
     index = min(len(ordered) - 1, max(0, round(pct / 100 * len(ordered) + 0.5) - 1))
     return float(ordered[index])
+
+
+def select(
+    choice: str, target: Target, path: str, body: bytes, quick: bool, report: Report
+) -> Generator:
+    """The generator named by `choice`, or for "auto" the one that drives `target` (the
+    engine, direct) harder at 64 connections; the choice and the rates go in the report."""
+    if choice == "auto":
+        progress("choosing the load generator: each drives the engine directly")
+        choice, rates = choose_generator(target, path, body, 64, 1.0 if quick else 3.0)
+        report.note(
+            f"load generator: {choice} (direct to the engine at 64 connections: "
+            + ", ".join(f"{k} {v:,.0f} req/s" for k, v in rates.items())
+            + ")"
+        )
+    report.meta["load_generator"] = choice
+    return generator_named(choice)

@@ -334,18 +334,7 @@ def run(cfg: RunConfig, report: Report) -> None:
         targets = [direct, gateway, *peers]
 
         chat = small_chat(model)
-        if cfg.loadgen == "auto":
-            progress("choosing the load generator: each drives the engine directly")
-            name, rates = loadgen.choose_generator(direct, CHAT, chat, 64, 1.0 if quick else 3.0)
-            report.note(
-                f"load generator: {name} (direct to the engine at 64 connections: "
-                + ", ".join(f"{k} {v:,.0f} req/s" for k, v in rates.items())
-                + ")"
-            )
-        else:
-            name = cfg.loadgen
-        report.meta["load_generator"] = name
-        generator = loadgen.generator_named(name)
+        generator = loadgen.select(cfg.loadgen, direct, CHAT, chat, quick, report)
 
         small = latency_case(
             report, "Small chat at 1 connection", targets, CHAT, chat, lat_samples, block, warmup

@@ -264,6 +264,7 @@ class Fleet:
         env: Mapping[str, str] | None = None,
         workers: int = 1,
         name: str = "gateway",
+        pin: bool = True,
     ) -> Server:
         port = free_port()
         args = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1"]
@@ -276,7 +277,8 @@ class Fleet:
             **(env or {}),
         }
         log = self.workdir / f"{name}-{port}.log"
-        server = Server(name, args, port, log, env=_clean_env(settings), cpus=self.cpus.proxy)
+        cpus = self.cpus.proxy if pin else None
+        server = Server(name, args, port, log, env=_clean_env(settings), cpus=cpus)
         server.ready_path = "/healthz"
         return self._start(server, timeout=60.0)
 
