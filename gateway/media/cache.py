@@ -1,0 +1,66 @@
+"""A small cache of fetched, validated media, keyed by canonical URL.
+
+Bounded in bytes (least recently used entries go first) and in age, so a popular image
+is fetched and decoded once per `cache_ttl` rather than once per request. Keys are
+canonical URLs only: the cache never widens what the policy allows, because a URL is
+checked before it is looked up.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+V = TypeVar("V")
+
+
+@dataclass
+class _Entry(Generic[V]):
+    value: V
+    size: int
+    expires: float
+
+
+class MediaCache(Generic[V]):
+    def __init__(
+        self, max_bytes: int, ttl: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._max_bytes = max_bytes
+        self._ttl = ttl
+        self._clock = clock
+        self._entries: OrderedDict[str, _Entry[V]] = OrderedDict()
+        self._bytes = 0
+
+    @property
+    def size_bytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: str) -> V | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        if entry.expires <= self._clock():
+            self._remove(key)
+            return None
+        self._entries.move_to_end(key)
+        return entry.value
+
+    def put(self, key: str, value: V, size: int) -> None:
+        if self._ttl <= 0 or size > self._max_bytes:
+            return
+        if key in self._entries:
+            self._remove(key)
+        self._entries[key] = _Entry(value, size, self._clock() + self._ttl)
+        self._bytes += size
+        while self._bytes > self._max_bytes:
+            self._remove(next(iter(self._entries)))
+
+    def _remove(self, key: str) -> None:
+        entry = self._entries.pop(key)
+        self._bytes -= entry.size
