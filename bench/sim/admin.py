@@ -1,0 +1,193 @@
+"""Health, information and LoRA routes, and the request recorder."""
+
+from __future__ import annotations
+
+import base64
+import time
+from collections import deque
+from typing import Any
+
+import orjson
+
+from bench.sim.config import VERSION
+from bench.sim.engine import Engine
+from bench.sim.errors import SimError, invalid_body
+from bench.sim.http import TEXT, Request, respond, respond_json
+
+METRICS_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+
+
+async def health(engine: Engine, req: Request) -> None:
+    # vLLM answers 200 with an empty body.
+    await respond(req.send, 200, b"", TEXT)
+
+
+async def version(engine: Engine, req: Request) -> None:
+    await respond_json(req.send, {"version": VERSION})
+
+
+async def load(engine: Engine, req: Request) -> None:
+    await respond_json(req.send, {"server_load": engine.in_flight})
+
+
+async def metrics(engine: Engine, req: Request) -> None:
+    body = engine.metrics.render(engine.running, engine.waiting, engine.prefix.usage())
+    await respond(req.send, 200, body, METRICS_TYPE)
+
+
+async def models(engine: Engine, req: Request) -> None:
+    created = int(time.time())
+    cards: list[dict[str, Any]] = [
+        {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "vllm",
+            "root": engine.config.model,
+            "parent": None,
+            "max_model_len": engine.config.max_model_len,
+            "permission": [],
+        }
+        for name in engine.config.names
+    ]
+    for name, path in engine.loras.items():
+        cards.append(
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "vllm",
+                "root": path,
+                "parent": engine.config.names[0],
+                "max_model_len": None,
+                "permission": [],
+            }
+        )
+    await respond_json(req.send, {"object": "list", "data": cards})
+
+
+def _lora_fields(body: dict[str, Any]) -> tuple[str, str]:
+    name = body.get("lora_name", body.get("name"))
+    path = body.get("lora_path", body.get("path", body.get("source")))
+    if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+        raise SimError(
+            400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput"
+        )
+    return name, path
+
+
+async def load_lora(engine: Engine, req: Request) -> None:
+    # A real vLLM reads whatever path or hub repo it is given here: the simulator only
+    # records it, so tests can see what a caller managed to make it load.
+    name, path = _lora_fields(req.json())
+    if name in engine.loras:
+        raise SimError(
+            400, f"The lora adapter '{name}' has already been loaded.", "InvalidUserInput"
+        )
+    engine.loras[name] = path
+    await respond(
+        req.send, 200, f"Success: LoRA adapter '{name}' added successfully.".encode(), TEXT
+    )
+
+
+async def _unload(engine: Engine, req: Request, name: object) -> None:
+    if not isinstance(name, str) or name not in engine.loras:
+        raise SimError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+    del engine.loras[name]
+    text = f"Success: LoRA adapter '{name}' removed successfully."
+    await respond(req.send, 200, text.encode(), TEXT)
+
+
+async def unload_lora(engine: Engine, req: Request) -> None:
+    await _unload(engine, req, req.json().get("lora_name"))
+
+
+async def delete_adapter(engine: Engine, req: Request) -> None:
+    await _unload(engine, req, req.path.removeprefix("/adapters/"))
+
+
+class Recorder:
+    """The last N requests as they arrived, for tests: GET/DELETE /sim/requests."""
+
+    def __init__(self, size: int) -> None:
+        self.entries: deque[dict[str, Any]] = deque(maxlen=size)
+
+    def add(self, req: Request) -> None:
+        headers: dict[str, str] = {}
+        for key, value in req.headers:
+            name = key.decode("latin-1").lower()
+            text = value.decode("latin-1")
+            headers[name] = f"{headers[name]}, {text}" if name in headers else text
+        entry: dict[str, Any] = {
+            "method": req.method,
+            "path": req.path,
+            "query": req.query.decode("latin-1"),
+            "headers": headers,
+            "body": None,
+            "body_base64": None,
+        }
+        try:
+            entry["body"] = req.body.decode("utf-8")
+        except UnicodeDecodeError:
+            entry["body_base64"] = base64.b64encode(req.body).decode()
+        self.entries.append(entry)
+
+    async def serve(self, req: Request) -> None:
+        if req.method == "DELETE":
+            cleared = len(self.entries)
+            self.entries.clear()
+            await respond_json(req.send, {"cleared": cleared})
+        elif req.method == "GET":
+            await respond(req.send, 200, orjson.dumps(list(self.entries)))
+        else:
+            raise SimError(405, "Method Not Allowed")
+
+
+def transcription_text(data: bytes) -> str:
+    return f"Simulated transcription of {len(data)} bytes of audio."
+
+
+async def transcriptions(engine: Engine, req: Request) -> None:
+    from starlette.datastructures import UploadFile
+    from starlette.requests import Request as StarletteRequest
+
+    sent = False
+
+    async def replay() -> dict[str, Any]:
+        nonlocal sent
+        if sent:
+            return {"type": "http.disconnect"}
+        sent = True
+        return {"type": "http.request", "body": req.body, "more_body": False}
+
+    scope = {
+        "type": "http",
+        "method": req.method,
+        "path": req.path,
+        "headers": req.headers,
+        "query_string": req.query,
+    }
+    content_type = req.header(b"content-type") or ""
+    if not content_type.lower().startswith("multipart/form-data"):
+        raise invalid_body("Expected a multipart/form-data body with a `file` field.")
+    try:
+        async with StarletteRequest(scope, replay).form(max_part_size=25 * 1024 * 1024) as form:
+            upload = form.get("file")
+            model = form.get("model")
+            fmt = form.get("response_format") or "json"
+            if not isinstance(upload, UploadFile):
+                raise invalid_body("file: Field required")
+            data = await upload.read()
+    except SimError:
+        raise
+    except Exception:
+        # python-multipart's errors; the client gets vLLM's generic validation shape.
+        raise invalid_body("The multipart body could not be parsed.") from None
+    engine.resolve_model(model if isinstance(model, str) else None)
+    if len(data) > 25 * 1024 * 1024:
+        raise SimError(400, "Maximum file size exceeded.", "BadRequestError")
+    text = transcription_text(data)
+    if fmt == "text":
+        await respond(req.send, 200, text.encode(), TEXT)
+        return
+    await respond_json(req.send, {"text": text})

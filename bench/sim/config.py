@@ -1,0 +1,80 @@
+"""Command-line options of the simulated engine, named like vLLM's own flags."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+DEFAULT_MODEL = "Qwen/Qwen3-VL-2B-Instruct"
+VERSION = "0.33.0"
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    model: str = DEFAULT_MODEL
+    runner: str = "generate"
+    max_model_len: int = 32768
+    kv_cache_tokens: int = 131072
+    block_size: int = 16
+    max_num_seqs: int = 64
+    api_key: str | None = None
+    allowed_media_domains: tuple[str, ...] = ()
+    allowed_local_media_path: str | None = None
+    enable_runtime_lora: bool = False
+    latency: str = "calibrated"
+    record_requests: int = 0
+    max_body_bytes: int = 256 * 1024 * 1024
+    served_model_names: tuple[str, ...] = field(default=())
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.served_model_names or (self.model,)
+
+    @property
+    def zero(self) -> bool:
+        return self.latency == "zero"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[str, int, SimConfig]:
+    p = argparse.ArgumentParser(prog="python -m bench.sim", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8001)
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--served-model-name", nargs="+", default=[])
+    p.add_argument("--runner", choices=("generate", "pooling"), default="generate")
+    p.add_argument("--max-model-len", type=int, default=32768)
+    p.add_argument("--kv-cache-tokens", type=int, default=131072)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--allowed-media-domains", nargs="*", default=[])
+    p.add_argument("--allowed-local-media-path", default=None)
+    p.add_argument("--enable-runtime-lora", action="store_true")
+    p.add_argument("--latency", choices=("calibrated", "zero"), default="calibrated")
+    p.add_argument(
+        "--record-requests",
+        type=int,
+        default=0,
+        metavar="N",
+        help="keep the last N requests and serve them at GET/DELETE /sim/requests",
+    )
+    a = p.parse_args(argv)
+    if a.block_size < 1 or a.max_model_len < 1 or a.max_num_seqs < 1:
+        p.error("--block-size, --max-model-len and --max-num-seqs must be positive")
+    config = SimConfig(
+        model=a.model,
+        runner=a.runner,
+        max_model_len=a.max_model_len,
+        kv_cache_tokens=a.kv_cache_tokens,
+        block_size=a.block_size,
+        max_num_seqs=a.max_num_seqs,
+        api_key=a.api_key,
+        allowed_media_domains=tuple(a.allowed_media_domains),
+        allowed_local_media_path=a.allowed_local_media_path,
+        enable_runtime_lora=a.enable_runtime_lora,
+        latency=a.latency,
+        record_requests=max(0, a.record_requests),
+        served_model_names=tuple(a.served_model_name),
+    )
+    return a.host, a.port, config

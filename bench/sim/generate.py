@@ -1,0 +1,282 @@
+"""Generation routes: /v1/chat/completions, /v1/completions, /tokenize, /detokenize.
+
+Bodies follow vllm/entrypoints/openai/{chat_completion,completion}/protocol.py; usage
+always carries `prompt_tokens_details.cached_tokens` (vLLM does so with
+`--enable-prompt-tokens-details`, which the gateway's tests rely on).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from bench.sim import prompt, tokenizer
+from bench.sim.engine import Engine, EngineRequest
+from bench.sim.errors import bad_request, invalid_body
+from bench.sim.http import Request, end_stream, respond_json, send_event, start_stream
+
+# Output text: 4-character pieces, so one piece is one token of the pseudo-tokenizer.
+_PIECES = (
+    " The", " sim", "ulat", "ed e", "ngin", "e an", "swer", "s wi", "th d", "eter",
+    "mini", "stic", " tex", "t; n", "o mo", "del ", "ran.",
+)  # fmt: skip
+
+
+def _int_field(body: dict[str, Any], name: str, minimum: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if type(value) is not int or value < minimum:
+        raise invalid_body(f"{name}: Input should be an integer of at least {minimum}")
+    return value
+
+
+def _bool_field(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise invalid_body(f"{name}: Input should be a valid boolean")
+    return value
+
+
+def _salt(body: dict[str, Any]) -> str:
+    salt = body.get("cache_salt")
+    if salt is None:
+        return ""
+    if not isinstance(salt, str) or not salt:
+        raise invalid_body("Parameter 'cache_salt' must be a non-empty string if provided.")
+    return salt
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise invalid_body("stream_options: Input should be a valid dictionary")
+    return bool(options.get("include_usage"))
+
+
+def _max_tokens(engine: Engine, body: dict[str, Any], prompt_len: int) -> int:
+    limit = engine.config.max_model_len
+    requested = _int_field(body, "max_completion_tokens", 1)
+    if requested is None:
+        requested = _int_field(body, "max_tokens", 1)
+    if prompt_len >= limit:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens. However, your "
+            f"request has {prompt_len} input tokens. Please reduce the length of the "
+            "input messages.",
+            "messages",
+        )
+    if requested is None:
+        return limit - prompt_len
+    if prompt_len + requested > limit:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens. However, you "
+            f"requested {requested} output tokens and your prompt contains {prompt_len} "
+            f"input tokens, for a total of {prompt_len + requested} tokens. Please reduce "
+            "the length of the input prompt or the number of requested output tokens.",
+            "max_tokens",
+        )
+    return requested
+
+
+def output(tokens: list[int], max_tokens: int, ignore_eos: bool) -> tuple[list[str], str]:
+    """Deterministic output pieces for a prompt, and the finish reason."""
+    seed = hash((len(tokens), *tokens[-8:])) & 0x7FFFFFFF
+    natural = 8 + seed % 25
+    count = max_tokens if ignore_eos else min(natural, max_tokens)
+    reason = "length" if ignore_eos or natural > max_tokens else "stop"
+    pieces = [_PIECES[(seed + i) % len(_PIECES)] for i in range(count)]
+    return pieces, reason
+
+
+def _usage(prompt_tokens: int, completion: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion,
+        "completion_tokens": completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+async def chat(engine: Engine, req: Request) -> None:
+    body = req.json()
+    model, lora = engine.resolve_model(body.get("model"))
+    stream = _bool_field(body, "stream")
+    add_generation_prompt = body.get("add_generation_prompt", True) is not False
+    segments = prompt.chat_segments(body.get("messages"), add_generation_prompt)
+    items = await engine.load_media(prompt.media_refs(segments))
+    tokens, spans = prompt.assemble(segments, items)
+    max_tokens = _max_tokens(engine, body, len(tokens))
+    include_usage = _include_usage(body)
+    ignore_eos = _bool_field(body, "ignore_eos")
+    cached = engine.lookup_prefix(tokens, spans, lora, _salt(body))
+    pieces, reason = output(tokens, max_tokens, ignore_eos)
+    usage = _usage(len(tokens), len(pieces), cached)
+    rid = req.header(b"x-request-id") or uuid.uuid4().hex
+    head = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time())}
+    async with EngineRequest(engine, len(tokens) - cached, items) as seq:
+        seq.finish_reason = reason
+        engine.metrics.generation_tokens += len(pieces)
+        if not stream:
+            await seq.decode(len(pieces))
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": "".join(pieces),
+                "refusal": None,
+                "annotations": None,
+                "audio": None,
+                "function_call": None,
+                "tool_calls": [],
+                "reasoning_content": None,
+            }
+            choice = {
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": reason,
+                "stop_reason": None,
+            }
+            await respond_json(
+                req.send,
+                {
+                    **head,
+                    "model": model,
+                    "choices": [choice],
+                    "service_tier": None,
+                    "system_fingerprint": None,
+                    "usage": usage,
+                    "prompt_logprobs": None,
+                    "kv_transfer_params": None,
+                },
+            )
+            return
+        head = {**head, "object": "chat.completion.chunk", "model": model}
+        await start_stream(req.send)
+        first = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        await send_event(req.send, {**head, "choices": [first]})
+        last = len(pieces) - 1
+        for i, piece in enumerate(pieces):
+            await seq.decode(1)
+            choice = {
+                "index": 0,
+                "delta": {"content": piece},
+                "logprobs": None,
+                "finish_reason": reason if i == last else None,
+            }
+            if i == last:
+                choice["stop_reason"] = None
+            await send_event(req.send, {**head, "choices": [choice]})
+        if include_usage:
+            await send_event(req.send, {**head, "choices": [], "usage": usage})
+        await end_stream(req.send)
+
+
+async def completions(engine: Engine, req: Request) -> None:
+    body = req.json()
+    model, lora = engine.resolve_model(body.get("model"))
+    stream = _bool_field(body, "stream")
+    if "prompt_embeds" in body:
+        raise bad_request("The simulator does not accept `prompt_embeds`.", "prompt_embeds")
+    prompts = prompt.completion_prompts(body.get("prompt"))
+    include_usage = _include_usage(body)
+    ignore_eos = _bool_field(body, "ignore_eos")
+    salt = _salt(body)
+    results = []
+    total_prompt = total_cached = 0
+    for tokens in prompts:
+        max_tokens = _max_tokens(engine, body, len(tokens))
+        cached = engine.lookup_prefix(tokens, (), lora, salt)
+        results.append(output(tokens, max_tokens, ignore_eos))
+        total_prompt += len(tokens)
+        total_cached += cached
+    total_out = sum(len(p) for p, _ in results)
+    usage = _usage(total_prompt, total_out, total_cached)
+    rid = req.header(b"x-request-id") or uuid.uuid4().hex
+    head = {
+        "id": f"cmpl-{rid}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+    }
+    async with EngineRequest(engine, total_prompt - total_cached) as seq:
+        seq.finish_reason = results[-1][1]
+        engine.metrics.generation_tokens += total_out
+        if not stream:
+            await seq.decode(max(len(p) for p, _ in results))
+            choices = [
+                {
+                    "index": i,
+                    "text": "".join(pieces),
+                    "logprobs": None,
+                    "finish_reason": reason,
+                    "stop_reason": None,
+                    "prompt_logprobs": None,
+                }
+                for i, (pieces, reason) in enumerate(results)
+            ]
+            await respond_json(
+                req.send, {**head, "choices": choices, "usage": usage, "kv_transfer_params": None}
+            )
+            return
+        await start_stream(req.send)
+        for index, (pieces, reason) in enumerate(results):
+            last = len(pieces) - 1
+            for i, piece in enumerate(pieces):
+                await seq.decode(1)
+                choice = {
+                    "index": index,
+                    "text": piece,
+                    "logprobs": None,
+                    "finish_reason": reason if i == last else None,
+                    "stop_reason": None,
+                }
+                await send_event(req.send, {**head, "choices": [choice]})
+        if include_usage:
+            await send_event(req.send, {**head, "choices": [], "usage": usage})
+        await end_stream(req.send)
+
+
+async def tokenize(engine: Engine, req: Request) -> None:
+    body = req.json()
+    engine.resolve_model(body.get("model"))
+    if "messages" in body:
+        # Like vLLM, /tokenize renders the chat and so fetches its media, and it is not
+        # guarded by --api-key (VLLM-FACTS.md).
+        segments = prompt.chat_segments(
+            body["messages"], body.get("add_generation_prompt", True) is not False
+        )
+        items = await engine.load_media(prompt.media_refs(segments))
+        tokens, _ = prompt.assemble(segments, items)
+    elif isinstance(body.get("prompt"), str):
+        tokens = tokenizer.encode(body["prompt"])
+    else:
+        raise invalid_body("Either `prompt` (a string) or `messages` is required.")
+    strs = [tokenizer.decode([t]) for t in tokens] if body.get("return_token_strs") else None
+    await respond_json(
+        req.send,
+        {
+            "count": len(tokens),
+            "max_model_len": engine.config.max_model_len,
+            "tokens": tokens,
+            "token_strs": strs,
+        },
+    )
+
+
+async def detokenize(engine: Engine, req: Request) -> None:
+    body = req.json()
+    engine.resolve_model(body.get("model"))
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(tokenizer.valid_id(t) for t in tokens):
+        raise invalid_body("tokens: Input should be a list of valid token ids")
+    await respond_json(req.send, {"prompt": tokenizer.decode(tokens)})
