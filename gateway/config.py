@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -23,6 +23,9 @@ from gateway.routing.settings import RoutingSettings
 
 class ApiKeyConfig(BaseModel):
     """One client key. `key` is the plain key or its `sha256:<hex>` digest."""
+
+    # A misspelt `scopes` must not silently leave a key with every scope.
+    model_config = ConfigDict(extra="forbid")
 
     key: SecretStr
     name: str | None = None

@@ -1,0 +1,124 @@
+"""Keys, scopes and the key file as tables of small cases (in-process)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from gateway.auth import ANONYMOUS, KeyConfigError, KeyRing, build_keys, hash_key, load_key_file
+from gateway.config import ApiKeyConfig
+from gateway.endpoints import FORWARDED_GROUPS, Group
+from gateway.errors import InvalidApiKey
+
+PLAIN = "plain-key-0123456789abcdef"
+OTHER = "other-key-0123456789abcdef"
+
+
+def ring(*entries: str | ApiKeyConfig, anonymous: bool = False) -> KeyRing:
+    return KeyRing(build_keys(entries), allow_unauthenticated=anonymous)
+
+
+def test_hash_key_is_sha256_hex() -> None:
+    assert hash_key(PLAIN) == "sha256:" + hashlib.sha256(PLAIN.encode()).hexdigest()
+
+
+def test_plain_and_digest_forms_accept_the_same_key() -> None:
+    for entry in (PLAIN, hash_key(PLAIN)):
+        key = ring(entry).authenticate(b"Bearer " + PLAIN.encode())
+        assert key.scopes == FORWARDED_GROUPS
+        assert Group.metrics not in key.scopes
+        assert key.models is None
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        None,
+        b"",
+        b"Bearer",
+        b"Bearer ",
+        b"Basic " + PLAIN.encode(),
+        PLAIN.encode(),
+        b"Bearer " + OTHER.encode(),
+        b"Bearer " + PLAIN.encode()[:-1],
+        b"Bearer " + hash_key(PLAIN).encode(),  # the digest itself is not a key
+    ],
+)
+def test_refused_headers(header: bytes | None) -> None:
+    with pytest.raises(InvalidApiKey) as info:
+        ring(PLAIN).authenticate(header)
+    assert info.value.status == 401
+    assert info.value.headers["WWW-Authenticate"] == "Bearer"
+    assert PLAIN not in info.value.message
+
+
+def test_bearer_scheme_is_case_insensitive() -> None:
+    assert ring(PLAIN).authenticate(b"bearer " + PLAIN.encode()).name == "key-1"
+
+
+def test_object_keys_carry_name_scopes_models() -> None:
+    r = ring(
+        PLAIN,
+        ApiKeyConfig(key=OTHER, name="tenant-b", scopes=["pooling", "metrics"], models=["m1"]),
+    )
+    key = r.authenticate(b"Bearer " + OTHER.encode())
+    assert key.name == "tenant-b"
+    assert key.scopes == {Group.pooling, Group.metrics}
+    assert key.allows_model("m1") and not key.allows_model("m2")
+    assert r.identify(b"Bearer " + OTHER.encode()) == "tenant-b"
+    assert r.identify(b"Bearer nope") is None
+    assert r.identify(None) is None
+
+
+@pytest.mark.parametrize(
+    ("entries", "message"),
+    [
+        (["short"], "at least 16"),
+        (["sha256:abcd"], "64 hex"),
+        (["sha256:" + "zz" * 32], "64 hex"),
+        ([PLAIN, hash_key(PLAIN)], "twice"),
+        ([ApiKeyConfig(key=PLAIN, scopes=["admin"])], "unknown scopes"),
+    ],
+)
+def test_unusable_keys_are_config_errors(entries: list[str | ApiKeyConfig], message: str) -> None:
+    with pytest.raises(KeyConfigError, match=message) as info:
+        build_keys(entries)
+    assert PLAIN not in str(info.value)
+
+
+def test_anonymous_only_when_allowed() -> None:
+    assert ring(anonymous=True).authenticate(None) is ANONYMOUS
+    with pytest.raises(InvalidApiKey):
+        ring(anonymous=True).authenticate(b"Bearer wrong-key-0123456789")
+    with pytest.raises(InvalidApiKey):
+        ring().authenticate(None)
+
+
+def test_replace_swaps_keys() -> None:
+    r = ring(PLAIN)
+    r.replace(build_keys([OTHER]))
+    assert r.authenticate(b"Bearer " + OTHER.encode()).name == "key-1"
+    with pytest.raises(InvalidApiKey):
+        r.authenticate(b"Bearer " + PLAIN.encode())
+
+
+def test_key_file_forms(tmp_path: Path) -> None:
+    f = tmp_path / "keys.yaml"
+    f.write_text(f"- {PLAIN}\n- key: {hash_key(OTHER)}\n  name: b\n  scopes: [inference]\n")
+    keys = load_key_file(f)
+    assert [k.name for k in keys] == ["key-1", "b"]
+    f.write_text(f'{{"api_keys": ["{PLAIN}"]}}')
+    assert len(load_key_file(f)) == 1
+    f.write_text("")
+    assert load_key_file(f) == ()
+
+
+@pytest.mark.parametrize("text", ["{not yaml", "api_keys: 3", f"- key: {PLAIN}\n  bogus: 1\n"])
+def test_bad_key_file_never_echoes_keys(tmp_path: Path, text: str) -> None:
+    f = tmp_path / "keys.yaml"
+    f.write_text(text)
+    with pytest.raises(KeyConfigError) as info:
+        load_key_file(f)
+    assert PLAIN not in str(info.value)

@@ -1,0 +1,120 @@
+"""`vllm-gateway` check-config and hash-key (in-process: they only read settings)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gateway.auth import hash_key
+from gateway.cli import main
+from tests.procs import ROOT
+
+SECRET = "sk-cli-secret-0123456789abcdef"
+UPSTREAM = "upstream-secret-0123456789"
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("GATEWAY_") or name == "VLLM_GATEWAY_CONFIG":
+            monkeypatch.delenv(name)
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_check_config_masks_every_secret(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "gateway.yaml"
+    config.write_text(
+        "engines: [http://127.0.0.1:8001]\n"
+        f"api_keys:\n  - {SECRET}\n  - key: {SECRET}x\n    name: tenant-a\n    scopes: [inference]\n"
+        f"upstream_api_key: {UPSTREAM}\n"
+    )
+    monkeypatch.setenv("GATEWAY_PORT", "9123")
+    code, out, err = run(capsys, "check-config", "--config", str(config))
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["port"] == 9123  # the environment overrides the file
+    assert data["engines"] == ["http://127.0.0.1:8001"]
+    assert data["api_keys"][0] == "***"
+    assert data["api_keys"][1] == {
+        "key": "***", "name": "tenant-a", "scopes": ["inference"], "models": None
+    }  # fmt: skip
+    assert data["upstream_api_key"] == "***"
+    assert SECRET not in out + err and UPSTREAM not in out + err
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({}, "no API keys configured"),
+        ({"GATEWAY_API_KEYS": '["short"]'}, "at least 16"),
+        ({"GATEWAY_API_KEYS": f'[{{"key": "{SECRET}", "scopes": 7}}]'}, "api_keys"),
+        ({"GATEWAY_API_KEYS": f'["{SECRET}"]', "GATEWAY_PORT": "99999"}, "port"),
+        ({"GATEWAY_API_KEYS": f'["{SECRET}"]', "GATEWAY_TIMEOUTS__UPSTREAM_KEEPALIVE": "6"},
+         "upstream_keepalive"),
+    ],  # fmt: skip
+)
+def test_check_config_refuses_invalid_settings(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    env: dict[str, str],
+    message: str,
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code, out, err = run(capsys, "check-config")
+    assert code == 2
+    assert message in err
+    assert SECRET not in out + err
+
+
+def test_check_config_missing_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = run(capsys, "check-config", "--config", str(tmp_path / "nope.yaml"))
+    assert code == 2 and "not found" in err
+
+
+def test_check_config_bad_key_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(f"- key: {SECRET}\n  scopez: [inference]\n")
+    monkeypatch.setenv("GATEWAY_API_KEYS_FILE", str(keys))
+    code, out, err = run(capsys, "check-config")
+    assert code == 2 and "key file" in err
+    assert SECRET not in out + err
+
+
+def test_hash_key(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO(SECRET + "\n"))
+    code, out, _ = run(capsys, "hash-key")
+    assert code == 0 and out.strip() == hash_key(SECRET)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    code, _, err = run(capsys, "hash-key")
+    assert code == 2 and "no key" in err
+
+
+def test_console_script_entry_point() -> None:
+    # `python -m gateway.cli` is what the test harness and the docs run.
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "hash-key"],
+        input=SECRET,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 0
+    assert result.stdout.strip() == hash_key(SECRET)
