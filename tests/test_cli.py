@@ -38,7 +38,8 @@ def test_check_config_masks_every_secret(
     config = tmp_path / "gateway.yaml"
     config.write_text(
         "engines: [http://127.0.0.1:8001]\n"
-        f"api_keys:\n  - {SECRET}\n  - key: {SECRET}x\n    name: tenant-a\n    scopes: [inference]\n"
+        f"api_keys:\n  - {SECRET}\n"
+        f"  - key: {SECRET}x\n    name: tenant-a\n    scopes: [inference]\n"
         f"upstream_api_key: {UPSTREAM}\n"
     )
     monkeypatch.setenv("GATEWAY_PORT", "9123")
@@ -62,9 +63,11 @@ def test_check_config_masks_every_secret(
         ({"GATEWAY_API_KEYS": '["short"]'}, "at least 16"),
         ({"GATEWAY_API_KEYS": f'[{{"key": "{SECRET}", "scopes": 7}}]'}, "api_keys"),
         ({"GATEWAY_API_KEYS": f'["{SECRET}"]', "GATEWAY_PORT": "99999"}, "port"),
-        ({"GATEWAY_API_KEYS": f'["{SECRET}"]', "GATEWAY_TIMEOUTS__UPSTREAM_KEEPALIVE": "6"},
-         "upstream_keepalive"),
-    ],  # fmt: skip
+        (
+            {"GATEWAY_API_KEYS": f'["{SECRET}"]', "GATEWAY_TIMEOUTS__UPSTREAM_KEEPALIVE": "6"},
+            "upstream_keepalive",
+        ),
+    ],
 )
 def test_check_config_refuses_invalid_settings(
     monkeypatch: pytest.MonkeyPatch,
