@@ -15,6 +15,8 @@ Prefill and encoder work is serialized (one GPU); the fixed part overlaps. Decod
 from __future__ import annotations
 
 import asyncio
+import itertools
+import secrets
 import time
 from collections.abc import Sequence
 from types import TracebackType
@@ -52,6 +54,12 @@ class Engine:
         self.in_flight = 0
         self._slots = asyncio.Semaphore(config.max_num_seqs)
         self._gpu = asyncio.Lock()
+        self._ids = itertools.count()
+        self._id_prefix = secrets.token_hex(6)
+
+    def request_id(self, given: str | None) -> str:
+        """The client's X-Request-Id, as vLLM uses it, else a fresh unique id."""
+        return given or f"{self._id_prefix}{next(self._ids):010x}"
 
     def resolve_model(self, model: object) -> tuple[str, str]:
         """(served name, LoRA name or "") for a request's `model`, vLLM's 404 if unknown."""

@@ -8,7 +8,6 @@ always carries `prompt_tokens_details.cached_tokens` (vLLM does so with
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any
 
 from bench.sim import prompt, tokenizer
@@ -117,7 +116,7 @@ async def chat(engine: Engine, req: Request) -> None:
     cached = engine.lookup_prefix(tokens, spans, lora, _salt(body))
     pieces, reason = output(tokens, max_tokens, ignore_eos)
     usage = _usage(len(tokens), len(pieces), cached)
-    rid = req.header(b"x-request-id") or uuid.uuid4().hex
+    rid = engine.request_id(req.header(b"x-request-id"))
     head = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time())}
     async with EngineRequest(engine, len(tokens) - cached, items) as seq:
         seq.finish_reason = reason
@@ -201,7 +200,7 @@ async def completions(engine: Engine, req: Request) -> None:
         total_cached += cached
     total_out = sum(len(p) for p, _ in results)
     usage = _usage(total_prompt, total_out, total_cached)
-    rid = req.header(b"x-request-id") or uuid.uuid4().hex
+    rid = engine.request_id(req.header(b"x-request-id"))
     head = {
         "id": f"cmpl-{rid}",
         "object": "text_completion",

@@ -14,7 +14,6 @@ import math
 import re
 import struct
 import time
-import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -98,8 +97,8 @@ def _usage(tokens: int) -> dict[str, Any]:
     }
 
 
-def _head(prefix: str, model: str, req: Request) -> dict[str, Any]:
-    rid = req.header(b"x-request-id") or uuid.uuid4().hex
+def _head(prefix: str, model: str, engine: Engine, req: Request) -> dict[str, Any]:
+    rid = engine.request_id(req.header(b"x-request-id"))
     return {"id": f"{prefix}-{rid}", "object": "list", "created": int(time.time()), "model": model}
 
 
@@ -122,7 +121,7 @@ async def embeddings(engine: Engine, req: Request) -> None:
             vector = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
         data.append({"index": index, "object": "embedding", "embedding": vector})
     await respond_json(
-        req.send, {**_head("embd", model, req), "data": data, "usage": _usage(tokens)}
+        req.send, {**_head("embd", model, engine, req), "data": data, "usage": _usage(tokens)}
     )
 
 
@@ -134,7 +133,7 @@ async def pooling(engine: Engine, req: Request) -> None:
     await _run(engine, tokens, items)
     data = [{"index": i, "object": "pooling", "data": embed(t)} for i, t in enumerate(texts)]
     await respond_json(
-        req.send, {**_head("pool", model, req), "data": data, "usage": _usage(tokens)}
+        req.send, {**_head("pool", model, engine, req), "data": data, "usage": _usage(tokens)}
     )
 
 
@@ -152,7 +151,7 @@ async def classify(engine: Engine, req: Request) -> None:
             {"index": index, "label": f"LABEL_{label}", "probs": [p, 1.0 - p], "num_classes": 2}
         )
     await respond_json(
-        req.send, {**_head("classify", model, req), "data": data, "usage": _usage(tokens)}
+        req.send, {**_head("classify", model, engine, req), "data": data, "usage": _usage(tokens)}
     )
 
 
@@ -185,7 +184,7 @@ async def score(engine: Engine, req: Request) -> None:
         for i, (a, b) in enumerate(zip(firsts, seconds, strict=True))
     ]
     await respond_json(
-        req.send, {**_head("score", model, req), "data": data, "usage": _usage(tokens)}
+        req.send, {**_head("score", model, engine, req), "data": data, "usage": _usage(tokens)}
     )
 
 
@@ -210,7 +209,7 @@ async def rerank(engine: Engine, req: Request) -> None:
     )
     if top_n:
         results = results[:top_n]
-    rid = req.header(b"x-request-id") or uuid.uuid4().hex
+    rid = engine.request_id(req.header(b"x-request-id"))
     await respond_json(
         req.send,
         {
