@@ -43,10 +43,12 @@ class Proc:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, ready_path: str = "/health", timeout: float = 20.0) -> Proc:
-        log = self.log_path.open("wb")
-        self.popen = subprocess.Popen(
-            self.args, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT
-        )
+        with self.log_path.open("wb") as log:
+            # The child keeps its own copy of the descriptor; closing ours avoids a
+            # ResourceWarning, which pytest turns into an error.
+            self.popen = subprocess.Popen(
+                self.args, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:
