@@ -39,6 +39,18 @@ def encoder_seconds(tokens: int) -> float:
     return (0.1 * tokens + 0.000136 * tokens * tokens) / 1000.0
 
 
+def prefill_seconds(
+    uncached_tokens: int, media: Sequence[MediaItem], tokens_per_s: float = PREFILL_TOKENS_PER_S
+) -> tuple[float, float]:
+    """(fixed, compute) seconds to the first token on an idle engine. The fixed part
+    overlaps with other requests; the compute part holds the GPU."""
+    fixed = BASE_TTFT + PER_MEDIA_ITEM * len(media)
+    compute = uncached_tokens / tokens_per_s + sum(
+        encoder_seconds(m.tokens) for m in media if not m.cached
+    )
+    return fixed, compute
+
+
 class Engine:
     """Everything one simulated engine owns. Built per app; no module state."""
 
@@ -153,10 +165,7 @@ class EngineRequest:
         started = time.perf_counter()
         engine.metrics.queue.observe(started - self.arrival)
         if not self.zero:
-            fixed = BASE_TTFT + PER_MEDIA_ITEM * len(self.media)
-            compute = self.uncached / self.rate + sum(
-                encoder_seconds(m.tokens) for m in self.media if not m.cached
-            )
+            fixed, compute = prefill_seconds(self.uncached, self.media, self.rate)
             await asyncio.sleep(fixed)
             async with engine._gpu:
                 await asyncio.sleep(compute)
