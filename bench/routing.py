@@ -1,0 +1,409 @@
+"""Routing benchmark: prefix-cache hit rate, TTFT and load balance per routing policy.
+
+`python -m bench.routing` (or `python -m bench routing`). For each front end it starts
+fresh simulated engines (calibrated latency, a KV cache small enough that eviction
+matters), puts the front end before them and replays the same workloads
+(bench/workloads.py) through it:
+
+- ideal: one engine with all four engines' cache, driven directly (zero latency: its hit
+  rate is the ceiling; one engine doing four engines' work has no comparable TTFT);
+- the gateway with `affinity`, `round_robin` and `least_loaded`;
+- vllm-router (PyPI `vllm-router`, Rust) with its `cache_aware` policy, when installed
+  (`.venv/bin/pip install vllm-router`; it is not a project dependency);
+- two gateway replicas, and two vllm-router replicas, splitting the traffic request by
+  request, as behind a plain load balancer.
+
+Hit rates and uncached prompt tokens come from the engines' own counters
+(`vllm:prefix_cache_queries_total`, `vllm:prefix_cache_hits_total`, deltas per workload);
+load is the requests each engine received (`sim:received_requests_total`), max / mean;
+TTFT is measured by the client (first streamed chunk), so it includes the front end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.report import Report, fmt, progress
+from bench.stack import BENCH_KEY, CpuPlan, Fleet, Server
+from bench.workloads import Workload, build
+
+INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions")
+MODEL = "Qwen/Qwen3-VL-2B-Instruct"
+
+
+@dataclass
+class Options:
+    engines: int = 4
+    kv_cache_tokens: int = 16384
+    concurrency: int = 16
+    scale: float = 1.0
+    workloads: list[str] = field(
+        default_factory=lambda: ["chat", "few_shot", "images", "templates"]
+    )
+    fronts: list[str] = field(default_factory=list)
+    load_epsilon: float | None = None
+
+
+# --- engine counters -------------------------------------------------------------------
+
+
+@dataclass
+class Counters:
+    queries: float = 0.0
+    hits: float = 0.0
+    requests: float = 0.0
+
+
+def scrape(url: str) -> Counters:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:  # noqa: S310 (loopback)
+        text = resp.read().decode()
+    out = Counters()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "vllm:prefix_cache_queries_total":
+                out.queries += s.value
+            elif s.name == "vllm:prefix_cache_hits_total":
+                out.hits += s.value
+            elif (
+                s.name == "sim:received_requests_total" and s.labels.get("path") in INFERENCE_PATHS
+            ):
+                out.requests += s.value
+    return out
+
+
+# --- the client ------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    ttft: list[float] = field(default_factory=list)
+    errors: int = 0
+    first_error: str = ""
+
+
+async def _send(
+    http: aiohttp.ClientSession, url: str, headers: dict[str, str], body: bytes, out: Outcome
+) -> None:
+    start = time.perf_counter()
+    try:
+        async with http.post(url, data=body, headers=headers) as resp:
+            first: float | None = None
+            async for _chunk in resp.content.iter_any():
+                if first is None:
+                    first = time.perf_counter() - start
+            if resp.status != 200:
+                out.errors += 1
+                out.first_error = out.first_error or f"HTTP {resp.status} from {url}"
+            elif first is not None:
+                out.ttft.append(first)
+    except aiohttp.ClientError as exc:
+        out.errors += 1
+        out.first_error = out.first_error or f"{type(exc).__name__} from {url}"
+
+
+async def replay(
+    workload: Workload, fronts: Sequence[str], headers: dict[str, str], concurrency: int
+) -> Outcome:
+    """Run the workload's sessions, `concurrency` at a time; calls alternate over `fronts`."""
+    out = Outcome()
+    sessions = iter(workload.sessions)
+    turn = itertools.count()
+    base = {"Content-Type": "application/json", **headers}
+
+    async def user(http: aiohttp.ClientSession) -> None:
+        for session in sessions:
+            for call in session:
+                front = fronts[next(turn) % len(fronts)]
+                await _send(http, front + call.path, base, orjson.dumps(call.body), out)
+
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+        await asyncio.gather(*(user(http) for _ in range(concurrency)))
+    return out
+
+
+# --- front ends ------------------------------------------------------------------------
+
+
+@dataclass
+class Front:
+    name: str
+    # Starts the engines' front end(s); returns their URLs and the client headers.
+    start: Callable[[Fleet, list[str]], tuple[list[str], dict[str, str]]] | None
+    ideal: bool = False
+
+
+def _gateway(
+    policy: str, replicas: int, epsilon: float | None
+) -> Callable[[Fleet, list[str]], tuple[list[str], dict[str, str]]]:
+    def start(fleet: Fleet, engines: list[str]) -> tuple[list[str], dict[str, str]]:
+        env = {"GATEWAY_ROUTING__POLICY": policy, "GATEWAY_LOG_LEVEL": "warning"}
+        if epsilon is not None:
+            env["GATEWAY_ROUTING__LOAD_EPSILON"] = str(epsilon)
+        urls = [
+            fleet.gateway(engines, env, name=f"gateway-{policy}-{i}").url for i in range(replicas)
+        ]
+        return urls, {"Authorization": f"Bearer {BENCH_KEY}"}
+
+    return start
+
+
+def _router(replicas: int) -> Callable[[Fleet, list[str]], tuple[list[str], dict[str, str]]]:
+    def start(fleet: Fleet, engines: list[str]) -> tuple[list[str], dict[str, str]]:
+        urls = []
+        for i in range(replicas):
+            server = fleet.vllm_router(engines, "cache_aware", name=f"vllm-router-{i}")
+            if server is None:
+                raise RuntimeError("vllm-router is not installed")
+            urls.append(server.url)
+        return urls, {}
+
+    return start
+
+
+def router_installed() -> bool:
+    return (Path(sys.executable).parent / "vllm-router").exists()
+
+
+def fronts(opts: Options) -> list[Front]:
+    eps = opts.load_epsilon
+    table = [
+        Front("ideal (1 engine, all the cache)", None, ideal=True),
+        Front("affinity", _gateway("affinity", 1, eps)),
+        Front("round_robin", _gateway("round_robin", 1, eps)),
+        Front("least_loaded", _gateway("least_loaded", 1, eps)),
+        Front("vllm-router cache_aware", _router(1)),
+        Front("affinity, 2 replicas", _gateway("affinity", 2, eps)),
+        Front("vllm-router cache_aware, 2 replicas", _router(2)),
+    ]
+    if not router_installed():
+        table = [f for f in table if not f.name.startswith("vllm-router")]
+    if opts.fronts:
+        table = [f for f in table if any(f.name.startswith(n) for n in opts.fronts)]
+    return table
+
+
+# --- one run ---------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    front: str
+    workload: str
+    hit_rate: float
+    uncached: float
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    max_over_mean: float | None
+    per_engine: list[float]
+    errors: int
+    seconds: float
+
+
+def _pct(values: list[float], p: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))] * 1000
+
+
+def run_front(
+    front: Front, workloads: list[Workload], opts: Options, workdir: Path, cpus: CpuPlan
+) -> list[Result]:
+    results: list[Result] = []
+    with Fleet(workdir, cpus) as fleet:
+        if front.ideal:
+            cache = str(opts.kv_cache_tokens * opts.engines)
+            sims = [fleet.sim("--kv-cache-tokens", cache, "--latency", "zero", name="sim-ideal")]
+        else:
+            sims = _start_sims(fleet, opts)
+        engines = [s.url for s in sims]
+        if front.start is None:
+            urls, headers = engines, {}
+        else:
+            urls, headers = front.start(fleet, engines)
+        for workload in workloads:
+            before = [scrape(e) for e in engines]
+            t0 = time.monotonic()
+            outcome = asyncio.run(replay(workload, urls, headers, opts.concurrency))
+            seconds = time.monotonic() - t0
+            after = [scrape(e) for e in engines]
+            queries = sum(a.queries - b.queries for a, b in zip(after, before, strict=True))
+            hits = sum(a.hits - b.hits for a, b in zip(after, before, strict=True))
+            per_engine = [a.requests - b.requests for a, b in zip(after, before, strict=True)]
+            mean = statistics.mean(per_engine)
+            result = Result(
+                front=front.name,
+                workload=workload.name,
+                hit_rate=hits / queries if queries else 0.0,
+                uncached=queries - hits,
+                ttft_p50_ms=None if front.ideal else _pct(outcome.ttft, 50),
+                ttft_p99_ms=None if front.ideal else _pct(outcome.ttft, 99),
+                max_over_mean=None if front.ideal or not mean else max(per_engine) / mean,
+                per_engine=per_engine,
+                errors=outcome.errors,
+                seconds=seconds,
+            )
+            if outcome.errors:
+                progress(f"  {outcome.errors} errors, first: {outcome.first_error}")
+            progress(
+                f"  {front.name} / {workload.name}: hit {result.hit_rate:.1%}, "
+                f"p50 {fmt(result.ttft_p50_ms)} ms, load {per_engine}, {seconds:.1f}s"
+            )
+            results.append(result)
+    return results
+
+
+def _start_sims(fleet: Fleet, opts: Options) -> list[Server]:
+    args = ("--kv-cache-tokens", str(opts.kv_cache_tokens), "--latency", "calibrated")
+    return [fleet.sim(*args, name=f"sim-{i}") for i in range(opts.engines)]
+
+
+# --- report ----------------------------------------------------------------------------
+
+
+def _by(results: list[Result], front: str, workload: str) -> Result | None:
+    return next((r for r in results if r.front == front and r.workload == workload), None)
+
+
+def write_report(report: Report, results: list[Result], workloads: list[Workload]) -> None:
+    for w in workloads:
+        rows = []
+        for r in (r for r in results if r.workload == w.name):
+            rows.append(
+                [
+                    r.front,
+                    f"{r.hit_rate:.1%}",
+                    f"{r.uncached:,.0f}",
+                    fmt(r.ttft_p50_ms),
+                    fmt(r.ttft_p99_ms),
+                    fmt(r.max_over_mean, 2),
+                    r.errors,
+                ]
+            )
+        report.table(
+            f"{w.name}: {w.description}",
+            [
+                "front end",
+                "hit rate",
+                "uncached tokens",
+                "TTFT p50 ms",
+                "TTFT p99 ms",
+                "max/mean load",
+                "errors",
+            ],
+            rows,
+        )
+    for w in workloads:
+        ideal = _by(results, "ideal (1 engine, all the cache)", w.name)
+        aff = _by(results, "affinity", w.name)
+        rr = _by(results, "round_robin", w.name)
+        ca = _by(results, "vllm-router cache_aware", w.name)
+        aff2 = _by(results, "affinity, 2 replicas", w.name)
+        ca2 = _by(results, "vllm-router cache_aware, 2 replicas", w.name)
+        if aff is None:
+            continue
+        if ideal is not None and ideal.hit_rate:
+            ratio = aff.hit_rate / ideal.hit_rate
+            report.goal(f"{w.name}: hit rate vs ideal", ">= 0.90", f"{ratio:.2f}", ratio >= 0.9)
+        if rr is not None and rr.uncached:
+            ratio = aff.uncached / rr.uncached
+            report.goal(
+                f"{w.name}: uncached tokens vs round robin", "<= 0.50", f"{ratio:.2f}", ratio <= 0.5
+            )
+        if ca is not None:
+            report.goal(
+                f"{w.name}: hit rate vs cache_aware",
+                ">= cache_aware",
+                f"{aff.hit_rate:.1%} vs {ca.hit_rate:.1%}",
+                aff.hit_rate >= ca.hit_rate - 0.005,
+            )
+        if aff2 is not None and ca2 is not None:
+            report.goal(
+                f"{w.name}: 2 replicas, hit rate vs cache_aware",
+                ">= cache_aware",
+                f"{aff2.hit_rate:.1%} vs {ca2.hit_rate:.1%}",
+                aff2.hit_rate >= ca2.hit_rate - 0.005,
+            )
+        if aff.max_over_mean is not None:
+            report.goal(
+                f"{w.name}: max/mean load",
+                "<= 1.30",
+                f"{aff.max_over_mean:.2f}",
+                aff.max_over_mean <= 1.3,
+            )
+    report.raw["results"] = [r.__dict__ for r in results]
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespace]:
+    p = argparse.ArgumentParser(prog="python -m bench.routing", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="a quarter of the requests")
+    p.add_argument("--scale", type=float, default=None, help="workload size factor (default 1)")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--kv-cache-tokens", type=int, default=16384, help="per engine")
+    p.add_argument("--workload", action="append", default=[], help="repeatable; default all")
+    p.add_argument(
+        "--front",
+        action="append",
+        default=[],
+        help="only front ends whose name starts with this (repeatable)",
+    )
+    p.add_argument("--load-epsilon", type=float, default=None, help="the gateway's load bound")
+    p.add_argument("--out", type=Path, help="results folder (default bench/results/<timestamp>)")
+    p.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
+    args, _unknown = p.parse_known_args(argv)
+    opts = Options(
+        kv_cache_tokens=args.kv_cache_tokens,
+        concurrency=args.concurrency,
+        scale=args.scale if args.scale is not None else (0.25 if args.quick else 1.0),
+        fronts=args.front,
+        load_epsilon=args.load_epsilon,
+    )
+    if args.workload:
+        opts.workloads = args.workload
+    return opts, args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    opts, args = parse_args(argv)
+    cpus = CpuPlan(None, None) if args.no_pin else CpuPlan.detect()
+    cpus.pin_self()
+    report = Report.create("routing", args.out)
+    report.meta.update(
+        engines=opts.engines,
+        kv_cache_tokens_per_engine=opts.kv_cache_tokens,
+        concurrency=opts.concurrency,
+        scale=opts.scale,
+        cpus_plan=cpus.describe(),
+    )
+    workloads = build(opts.workloads, MODEL, opts.scale)
+    if not router_installed():
+        report.note("vllm-router is not installed: `.venv/bin/pip install vllm-router` to compare")
+    results: list[Result] = []
+    with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
+        for front in fronts(opts):
+            progress(f"front end: {front.name}")
+            results += run_front(front, workloads, opts, Path(tmp), cpus)
+    write_report(report, results, workloads)
+    report.write()
+    print(report.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

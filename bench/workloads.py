@@ -1,0 +1,243 @@
+"""Workloads for the routing benchmark: who shares which prefix, and how often.
+
+Each workload is a list of sessions; a session's calls run one after another (a user
+waits for the answer before the next turn), and sessions run concurrently. Everything is
+generated from a seed, so every policy sees exactly the same requests in the same order.
+Sizes are in the simulated engine's tokens (bench/sim/tokenizer.py: 4 bytes of UTF-8
+per token), chosen so that one engine's KV cache holds about a quarter of a workload's
+distinct prefixes: eviction decides the hit rate, as in the DESIGN.md simulation.
+
+- chat: multi-turn conversations sharing one long system prompt;
+- few_shot: plain completions sharing a 3k-token few-shot prefix;
+- images: several questions, from different users at different times, per image;
+- templates: many system-prompt templates of Zipf-distributed popularity.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import random
+from dataclasses import dataclass
+from typing import Any
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+_WORDS = [
+    "account",
+    "balance",
+    "invoice",
+    "shipment",
+    "warranty",
+    "refund",
+    "policy",
+    "customer",
+    "order",
+    "product",
+    "delivery",
+    "address",
+    "payment",
+    "method",
+    "subscription",
+    "renewal",
+    "discount",
+    "coupon",
+    "support",
+    "ticket",
+    "escalation",
+    "manager",
+    "schedule",
+    "meeting",
+    "report",
+    "analysis",
+    "quarterly",
+    "revenue",
+    "forecast",
+    "budget",
+    "approval",
+    "contract",
+    "clause",
+    "liability",
+    "insurance",
+    "claim",
+    "premium",
+    "deductible",
+    "coverage",
+    "network",
+    "latency",
+    "server",
+    "cluster",
+    "deployment",
+    "rollback",
+    "incident",
+    "outage",
+    "monitoring",
+    "alert",
+    "threshold",
+    "capacity",
+    "planning",
+    "storage",
+    "backup",
+    "restore",
+    "encryption",
+    "certificate",
+    "rotation",
+]
+
+
+@dataclass(frozen=True)
+class Call:
+    path: str
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    description: str
+    sessions: list[list[Call]]
+
+    @property
+    def calls(self) -> int:
+        return sum(len(s) for s in self.sessions)
+
+
+def words(rng: random.Random, tokens: int) -> str:
+    """About `tokens` simulated tokens of text (4 bytes each)."""
+    out: list[str] = []
+    size = 0
+    while size < tokens * 4:
+        word = rng.choice(_WORDS)
+        out.append(word)
+        size += len(word) + 1
+    return " ".join(out)
+
+
+def _chat_body(model: str, messages: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
+    return {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True}
+
+
+def chat(model: str, scale: float, rng: random.Random, max_tokens: int) -> Workload:
+    system = {"role": "system", "content": "You are Acme's support assistant. " + words(rng, 1500)}
+    sessions: list[list[Call]] = []
+    for _ in range(max(4, round(48 * scale))):
+        history: list[dict[str, Any]] = [system]
+        calls: list[Call] = []
+        for _turn in range(rng.randint(3, 6)):
+            history = [*history, {"role": "user", "content": words(rng, rng.randint(30, 120))}]
+            calls.append(Call(CHAT, _chat_body(model, history, max_tokens)))
+            # The reply a client sends back with the next turn.
+            history = [
+                *history,
+                {"role": "assistant", "content": words(rng, rng.randint(100, 200))},
+            ]
+        sessions.append(calls)
+    return Workload(
+        "chat",
+        f"{len(sessions)} conversations of 3-6 turns sharing a 1,500-token system prompt",
+        sessions,
+    )
+
+
+def few_shot(model: str, scale: float, rng: random.Random, max_tokens: int) -> Workload:
+    examples = "".join(
+        f"Q: {words(rng, 40)}\nA: {words(rng, 35)}\n\n" for _ in range(40)
+    )  # ~3,000 tokens
+    sessions = [
+        [
+            Call(
+                COMPLETIONS,
+                {
+                    "model": model,
+                    "prompt": examples + f"Q: {words(rng, rng.randint(20, 60))}\nA:",
+                    "max_tokens": max_tokens,
+                    "stream": True,
+                },
+            )
+        ]
+        for _ in range(max(8, round(160 * scale)))
+    ]
+    return Workload(
+        "few_shot",
+        f"{len(sessions)} completions sharing a 3,000-token few-shot prefix",
+        sessions,
+    )
+
+
+def png_data_url(index: int, side: int = 896) -> str:
+    """A distinct PNG per index (896x896: 786 image tokens in the simulated Qwen3-VL)."""
+    from PIL import Image, ImageDraw
+
+    rng = random.Random(index)
+    image = Image.new("RGB", (side, side), (rng.randrange(256), rng.randrange(256), 90))
+    draw = ImageDraw.Draw(image)
+    for _ in range(6):
+        x, y = rng.randrange(side - 64), rng.randrange(side - 64)
+        draw.rectangle((x, y, x + 64, y + 64), fill=(rng.randrange(256), 40, rng.randrange(256)))
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def images(model: str, scale: float, rng: random.Random, max_tokens: int) -> Workload:
+    system = {"role": "system", "content": "Describe images precisely. " + words(rng, 200)}
+    count = max(4, round(32 * scale))
+    urls = [png_data_url(i) for i in range(count)]
+    calls = [
+        Call(
+            CHAT,
+            _chat_body(
+                model,
+                [
+                    system,
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image_url", "image_url": {"url": urls[i]}},
+                            {"type": "text", "text": words(rng, rng.randint(10, 40)) + "?"},
+                        ],
+                    },
+                ],
+                max_tokens,
+            ),
+        )
+        for i in range(count)
+        for _ in range(4)
+    ]
+    # Questions about one image come from different users at different times.
+    rng.shuffle(calls)
+    return Workload(
+        "images",
+        f"{count} images of 896x896, 4 questions each, in random order",
+        [[c] for c in calls],
+    )
+
+
+def templates(model: str, scale: float, rng: random.Random, max_tokens: int) -> Workload:
+    count = 60
+    prompts = [f"Template {i}. " + words(rng, rng.randint(300, 1200)) for i in range(count)]
+    # Zipf popularity (s = 1.1): the top template carries ~20% of the requests.
+    weights = [1.0 / (rank + 1) ** 1.1 for rank in range(count)]
+    sessions = []
+    for _ in range(max(8, round(240 * scale))):
+        (template,) = rng.choices(prompts, weights)
+        messages = [
+            {"role": "system", "content": template},
+            {"role": "user", "content": words(rng, rng.randint(20, 80))},
+        ]
+        sessions.append([Call(CHAT, _chat_body(model, messages, max_tokens))])
+    return Workload(
+        "templates",
+        f"{len(sessions)} requests over {count} templates of 300-1,200 tokens, Zipf 1.1",
+        sessions,
+    )
+
+
+GENERATORS = {"chat": chat, "few_shot": few_shot, "images": images, "templates": templates}
+
+
+def build(
+    names: list[str], model: str, scale: float = 1.0, seed: int = 5, max_tokens: int = 16
+) -> list[Workload]:
+    return [GENERATORS[n](model, scale, random.Random(f"{seed}:{n}"), max_tokens) for n in names]
