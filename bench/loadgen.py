@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import multiprocessing as mp
 import os
 import shutil
@@ -504,7 +505,7 @@ def percentile(ordered: Sequence[float], pct: float) -> float:
     """Nearest-rank percentile of already sorted values (0.0 for none)."""
     if not ordered:
         return 0.0
-    index = min(len(ordered) - 1, max(0, round(pct / 100 * len(ordered) + 0.5) - 1))
+    index = min(len(ordered) - 1, max(0, math.ceil(pct / 100 * len(ordered)) - 1))
     return float(ordered[index])
 
 

@@ -229,7 +229,7 @@ def throughput_case(
     progress(f"throughput at {connections} connections: {repeats} x {duration}s per target")
     # Warm-up: a short run each, thrown away.
     for t in targets:
-        generator(t, CHAT, body, connections, 1.0)
+        generator(t, CHAT, body, connections, min(1.0, duration))
     runs: dict[str, list[LoadResult]] = {t.name: [] for t in targets}
     for r in range(repeats):
         for t in targets:
@@ -351,7 +351,7 @@ def run(cfg: RunConfig, report: Report) -> None:
             5 if quick else 50,
         )
 
-        duration, repeats = (1.0, 1) if quick else (4.0, 3)
+        duration, repeats = (0.5, 1) if quick else (4.0, 3)
         tput: dict[int, dict[str, Any]] = {}
         for conns in (64,) if quick else (64, 256):
             tput[conns] = throughput_case(

@@ -216,15 +216,30 @@ def rerank_check(answer: Any, match: int) -> str:
     return f"{ok} (index {top.get('index')}, score {top.get('relevance_score', 0):.3f})"
 
 
+def received(engine: Target, path: str = CHAT) -> float | None:
+    """Requests for `path` the engine saw (the simulator's counter; None on a real vLLM)."""
+    try:
+        text = scrape(engine)
+    except OSError:
+        return None
+    found = None
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "sim:received_requests_total" and s.labels.get("path") == path:
+                found = (found or 0.0) + s.value
+    return found
+
+
 def ssrf_case(
     report: Report,
-    rows_spec: Mapping[str, tuple[Target, int]],
+    rows_spec: Mapping[str, tuple[Target, Target]],
     model: str,
     canary: MediaOrigin,
 ) -> list[dict[str, Any]]:
     """Probe each target with internal URLs as images: status, message, latency, canary."""
     table: list[dict[str, Any]] = []
-    for name, (target, engine_port) in rows_spec.items():
+    for name, (target, engine) in rows_spec.items():
+        engine_port = engine.port
         probes = {
             "engine /health": f"http://127.0.0.1:{engine_port}/health",
             "engine /metrics": f"http://127.0.0.1:{engine_port}/metrics",
@@ -247,7 +262,7 @@ def ssrf_case(
                     "max_tokens": 4,
                 }
             )
-            seen = canary.connections
+            seen, engine_before = canary.connections, received(engine)
             with KeepAliveClient(target.host, target.port, timeout=60) as c:
                 try:
                     resp = c.send(raw_request(target, CHAT, body))
@@ -256,6 +271,10 @@ def ssrf_case(
                 except OSError as exc:
                     status, ms, message = 0, 0.0, f"connection error: {type(exc).__name__}"
             time.sleep(0.05)  # let a late fetch land before reading the canary
+            engine_after = received(engine)
+            reached = None
+            if engine_before is not None and engine_after is not None:
+                reached = engine_after > engine_before
             table.append(
                 {
                     "target": name,
@@ -264,6 +283,7 @@ def ssrf_case(
                     "message": message,
                     "latency_ms": ms,
                     "canary_contacted": canary.connections > seen,
+                    "reached_engine": reached,
                 }
             )
     report.table(
@@ -302,8 +322,8 @@ def _error_message(body: bytes) -> str:
 
 
 def run(cfg: RunConfig, report: Report) -> None:
-    rounds = 2 if cfg.quick else 10
-    post_rounds = 3 if cfg.quick else 20
+    rounds = 1 if cfg.quick else 10
+    post_rounds = 2 if cfg.quick else 20
     report.meta["pinning"] = cfg.cpus.describe()
     with Fleet(cfg.workdir, cfg.cpus) as fleet, MediaOrigin() as canary:
         if cfg.external:
@@ -311,8 +331,8 @@ def run(cfg: RunConfig, report: Report) -> None:
             gateway = cfg.gateway_target(cfg.gateway_url or "")
             pool_direct, pool_gw = cfg.direct_target(cfg.engine_urls[-1]), gateway
             ssrf_rows = {
-                "engine (as deployed)": (direct, direct.port),
-                "gateway": (gateway, direct.port),
+                "engine (as deployed)": (direct, direct),
+                "gateway": (gateway, direct),
             }
         else:
             progress("starting calibrated simulated engines and gateways")
@@ -332,12 +352,12 @@ def run(cfg: RunConfig, report: Report) -> None:
             pool_direct = cfg.direct_target(pool.url, pool.pid)
             pool_gw = cfg.gateway_target(pgw.url, pgw.pid)
             ssrf_rows = {
-                "engine, default": (direct, sim.port),
+                "engine, default": (direct, direct),
                 "engine, --allowed-media-domains example.com": (
                     cfg.direct_target(strict.url, strict.pid),
-                    strict.port,
+                    cfg.direct_target(strict.url, strict.pid),
                 ),
-                "gateway (default settings)": (gateway, sim.port),
+                "gateway (default settings)": (gateway, direct),
             }
         model = cfg.model or discover_model(direct)
         pool_model = cfg.model or discover_model(pool_direct)
@@ -406,9 +426,15 @@ def run(cfg: RunConfig, report: Report) -> None:
         table = ssrf_case(report, ssrf_rows, model, canary)
 
     gw_rows = [r for r in table if r["target"].startswith("gateway")]
-    refused = [r for r in gw_rows if 400 <= r["status"] < 500 and not r["canary_contacted"]]
+    # Refused means: a 4xx, the canary untouched, and the request never reached the engine
+    # (an engine that fetched /health and then failed to decode it also answers 400).
+    refused = [
+        r
+        for r in gw_rows
+        if 400 <= r["status"] < 500 and not r["canary_contacted"] and r["reached_engine"] is False
+    ]
     report.goal(
-        "gateway refuses every SSRF probe, canary never contacted",
+        "gateway refuses every SSRF probe before the engine, canary never contacted",
         f"{len(gw_rows)} of {len(gw_rows)} refused",
         f"{len(refused)} of {len(gw_rows)} refused",
         len(refused) == len(gw_rows),

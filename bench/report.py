@@ -8,6 +8,7 @@ PNGs. The summary printed at the end of a run is the report's tables.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -35,7 +36,7 @@ def spread(values: Sequence[float]) -> dict[str, float]:
     ordered = sorted(values)
 
     def pct(p: float) -> float:
-        return ordered[min(len(ordered) - 1, max(0, round(p / 100 * len(ordered) + 0.5) - 1))]
+        return ordered[min(len(ordered) - 1, max(0, math.ceil(p / 100 * len(ordered)) - 1))]
 
     return {
         "n": len(ordered),

@@ -52,7 +52,7 @@ class RssSampler:
 def run(cfg: RunConfig, report: Report) -> None:
     levels = (1, 16, 64) if cfg.quick else (1, 4, 16, 64, 256, 1024)
     workers = (1,) if cfg.quick else (1, 2)
-    duration, repeats = (1.0, 1) if cfg.quick else (3.0, 2)
+    duration, repeats = (0.5, 1) if cfg.quick else (3.0, 2)
     report.meta["pinning"] = (
         cfg.cpus.describe() + "; the 2-worker gateway is not pinned (it needs both CPUs)"
     )
@@ -76,7 +76,7 @@ def run(cfg: RunConfig, report: Report) -> None:
         results: dict[str, dict[int, list[LoadResult]]] = {t.name: {} for t in targets}
         rss: dict[str, dict[int, int]] = {t.name: {} for t in targets}
         for t in targets:
-            generator(t, CHAT, body, 16, 1.0)  # warm-up
+            generator(t, CHAT, body, 16, min(1.0, duration))  # warm-up
             if t.pid is not None:
                 rss[t.name][0] = rss_bytes(t.pid)
         for level in levels:

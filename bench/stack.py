@@ -24,7 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCH_KEY = "bench-key"
+BENCH_KEY = "bench-local-key-not-secret"
 
 
 def free_port() -> int:

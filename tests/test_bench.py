@@ -1,0 +1,176 @@
+"""Smoke tests of the benchmark suites: each runs in its tiny mode against real simulated
+engines and a real gateway on loopback, and the report must hold real measurements."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.loadgen import percentile
+from bench.report import paired_ratios, spread
+from tests.procs import ROOT, gateway_proc, running, sim_proc
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run_suite(out: Path, *args: str, timeout: float = 120) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", *args, "--quick", "--loadgen", "python", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "report:" in proc.stdout
+    data: dict[str, Any] = json.loads((out / "results.json").read_text())
+    report = (out / "report.md").read_text()
+    for plot in data["plots"]:
+        assert (out / plot).read_bytes()[:8] == PNG_MAGIC
+        assert f"]({plot})" in report
+    return data
+
+
+@pytest.fixture(scope="module")
+def overhead(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_suite(tmp_path_factory.mktemp("overhead"), "overhead", "--no-peers")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_suite(tmp_path_factory.mktemp("reference"), "reference")
+
+
+@pytest.fixture(scope="module")
+def external_scale(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The scale suite pointed at an engine and a gateway it did not start."""
+    tmp = tmp_path_factory.mktemp("scale")
+    key = "external-bench-key-0123456789"
+    sim = sim_proc(tmp, "--latency", "zero")
+    gw = gateway_proc(
+        tmp, {"GATEWAY_ENGINES": json.dumps([sim.url]), "GATEWAY_API_KEYS": json.dumps([key])}
+    )
+    with running(sim):
+        gw.start("/healthz")
+        try:
+            yield run_suite(
+                tmp / "out",
+                "scale",
+                "--engine-url",
+                sim.url,
+                "--gateway-url",
+                gw.url,
+                "--api-key",
+                key,
+            )
+        finally:
+            gw.stop()
+
+
+@pytest.mark.slow
+def test_overhead_measures_every_case(overhead: dict[str, Any]) -> None:
+    raw = overhead["raw"]
+    small = raw["Small chat at 1 connection"]
+    for name in ("direct", "gateway"):
+        assert small[name]["statuses"] == {"200": 200}
+        assert small[name]["latency_us"]["n"] == 200
+        assert 0 < small[name]["latency_us"]["median"] < 1e6
+    # Added latency is the difference of two real medians, not a constant.
+    added = small["gateway"]["added_us"]["p50"]
+    assert added == pytest.approx(
+        small["gateway"]["latency_us"]["median"] - small["direct"]["latency_us"]["median"]
+    )
+    stream = raw["streaming"]
+    assert stream["gateway"]["first_chunk_us"]["n"] == 40
+    assert stream["direct"]["statuses"] == {"200": 60}
+    tput = raw["throughput_64"]
+    for name in ("direct", "gateway"):
+        run = tput[name]["runs"][0]
+        assert run["requests"] > 50 and run["errors"] == 0
+        # CPU time read from /proc of the process that served the requests.
+        assert tput[name]["cpu_us_per_request_median"] > 0
+    assert tput["direct"]["ratio_to_direct"]["median"] == pytest.approx(1.0)
+    embed = raw["Embeddings, 64 sentences, at 1 connection"]
+    assert embed["gateway"]["statuses"] == {"200": 20}
+    for depth in ("header", "decode", "reencode"):
+        statuses = raw[f"1 MB data: image, validation={depth}"][f"gateway ({depth})"]["statuses"]
+        assert sum(statuses.values()) == 10  # recorded whatever the gateway answered
+    assert "inline_fetch" in raw
+    goals = {g["name"] for g in overhead["goals"]}
+    assert "added latency p50 at 1 connection" in goals
+    assert "small requests/s at 64 connections" in goals
+    assert any("peers: skipped" in n for n in overhead["notes"])
+
+
+@pytest.mark.slow
+def test_reference_reproduces_the_seed_measurements(reference: dict[str, Any]) -> None:
+    raw = reference["raw"]
+    steps = raw["image_ttft"]["steps"]
+    assert len(steps) == 6
+    for step in steps.values():
+        assert step["direct_ms"]["median"] > 0 and step["gateway_ms"]["median"] > 0
+    # A calibrated engine answers a new 896 image much slower than a cached one.
+    assert (
+        steps["896 new image"]["direct_ms"]["median"]
+        > 3 * (steps["896 same image and question"]["direct_ms"]["median"])
+    )
+    hits, queries = raw["image_ttft"]["mm_cache"]
+    assert 0 < hits < queries
+    rerank = raw["rerank: 1 query, 32 documents"]
+    assert rerank["direct"]["check"].startswith("matching document first")
+    ssrf = {(r["target"], r["probe"]): r for r in raw["ssrf"]}
+    assert len(ssrf) == 12
+    # The unprotected engine fetches the canary: the probe table can see an SSRF.
+    assert ssrf[("engine, default", "canary (metadata path)")]["canary_contacted"] is True
+    allow = ssrf[("engine, --allowed-media-domains example.com", "canary (metadata path)")]
+    assert allow["canary_contacted"] is False and allow["status"] == 400
+    assert ssrf[("engine, default", "engine /health")]["reached_engine"] is True
+    assert any(g["name"].startswith("gateway refuses every SSRF probe") for g in reference["goals"])
+
+
+@pytest.mark.slow
+def test_scale_against_an_external_deployment(external_scale: dict[str, Any]) -> None:
+    assert external_scale["meta"]["mode"] == "external deployment"
+    scale = external_scale["raw"]["scale"]
+    assert set(scale) == {"direct", "gateway"}
+    for name in ("direct", "gateway"):
+        for level in ("1", "16", "64"):
+            run = scale[name][level]["runs"][0]
+            assert run["connections"] == int(level)
+            assert run["requests"] > 0 and run["errors"] == 0
+            assert run["p99_us"] >= run["p50_us"] > 0
+
+
+def test_cli_refuses_half_an_external_deployment() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "overhead", "--gateway-url", "http://127.0.0.1:1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2
+    assert "--gateway-url needs --engine-url" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("values", "pct", "expected"),
+    [([], 50, 0.0), ([5.0], 99, 5.0), ([1.0, 2.0, 3.0, 4.0], 50, 2.0), ([*range(1, 101)], 99, 99)],
+)
+def test_percentile_is_nearest_rank(values: list[float], pct: float, expected: float) -> None:
+    assert percentile(values, pct) == expected
+
+
+def test_spread_and_paired_ratios() -> None:
+    s = spread([3.0, 1.0, 2.0])
+    assert (s["median"], s["min"], s["max"], s["n"]) == (2.0, 1.0, 3.0, 3)
+    assert spread([]) == {}
+    r = paired_ratios([2.0, 3.0, 8.0], [1.0, 2.0, 4.0])
+    assert r == {"median": 2.0, "min": 1.5, "max": 2.0}
+    assert paired_ratios([1.0], [0.0]) == {}
