@@ -23,6 +23,13 @@ def jpeg(width: int = 8, height: int = 8) -> bytes:
     return out.getvalue()
 
 
+def noisy_jpeg(size: int = 64) -> bytes:
+    """A JPEG whose scan data dominates, so cutting its tail leaves the header whole."""
+    out = io.BytesIO()
+    Image.effect_noise((size, size), 80).convert("RGB").save(out, format="JPEG")
+    return out.getvalue()
+
+
 def gif(frames: int, size: int = 4) -> bytes:
     # Each frame differs from the last, or Pillow merges them when saving.
     images = [Image.new("RGB", (size, size), (i % 2 * 255, 0, 0)) for i in range(frames)]
