@@ -1,0 +1,625 @@
+"""The gateway under uvicorn in front of real simulated engines, on loopback.
+
+One module-scoped stack serves every test here: two generate engines behind gateway G
+(health checks every 30 s, so a killed engine stays in the pool until a connection to it
+is refused), a pooling engine behind gateway P, and gateway E whose only engine is dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from gateway.endpoints import TABLE, Action, BodyKind, Group
+from tests.procs import Proc, free_port, gateway_proc, scrape, sim_proc, wait_for
+
+MODEL = "Qwen/Qwen3-VL-2B-Instruct"
+UPSTREAM = "upstream-secret-key-0123456789"
+FULL = "sk-full-0123456789abcdef-SECRET"
+POOLING_ONLY = "sk-pooling-0123456789abcdef-SECRET"
+METRICS_ONLY = "sk-metrics-0123456789abcdef-SECRET"
+OTHER_MODEL = "sk-othermodel-0123456789abcdef-SECRET"
+FILE_A = "sk-file-a-0123456789abcdef-SECRET"
+FILE_B = "sk-file-b-0123456789abcdef-SECRET"
+PROMPT_MARKER = "PROMPT-MARKER-7f3a"
+DATA_URL = "data:image/png;base64," + "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJ" * 4
+MAX_BODY = 100_000
+MAX_UPLOAD = 200_000
+MAX_IN_FLIGHT = 3
+KEYS = json.dumps(
+    [
+        FULL,
+        {"key": POOLING_ONLY, "name": "pooling-only", "scopes": ["pooling"]},
+        {"key": METRICS_ONLY, "name": "metrics-only", "scopes": ["metrics"]},
+        {"key": OTHER_MODEL, "name": "other-model", "models": ["some/other-model"]},
+    ]
+)
+
+
+@dataclass
+class Stack:
+    gen: Proc
+    victim: Proc
+    pool_sim: Proc
+    g: Proc
+    p: Proc
+    e: Proc
+    key_file: Path
+
+    @property
+    def gen_sims(self) -> list[Proc]:
+        return [s for s in (self.gen, self.victim) if s.alive()]
+
+
+def _gateway_env(engines: list[str], **extra: str) -> dict[str, str]:
+    return {
+        "GATEWAY_ENGINES": json.dumps(engines),
+        "GATEWAY_API_KEYS": KEYS,
+        "GATEWAY_UPSTREAM_API_KEY": UPSTREAM,
+        "GATEWAY_LIMITS__MAX_BODY_BYTES": str(MAX_BODY),
+        "GATEWAY_LIMITS__MAX_UPLOAD_BYTES": str(MAX_UPLOAD),
+        "GATEWAY_ROUTING__HEALTH_INTERVAL": "30",
+        **extra,
+    }
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("gateway")
+    key_file = tmp / "keys.yaml"
+    key_file.write_text(f"- key: {FILE_A}\n  name: file-a\n")
+    sim_opts = ("--api-key", UPSTREAM, "--record-requests", "200")
+    gen = sim_proc(tmp, *sim_opts)
+    victim = sim_proc(tmp, *sim_opts)
+    pool_sim = sim_proc(tmp, "--runner", "pooling", "--api-key", UPSTREAM)
+    g = gateway_proc(
+        tmp,
+        _gateway_env(
+            [gen.url, victim.url],
+            GATEWAY_API_KEYS_FILE=str(key_file),
+            GATEWAY_LIMITS__MAX_IN_FLIGHT=str(MAX_IN_FLIGHT),
+            # Issue 3's engine choice; the affinity policy has its own tests.
+            GATEWAY_ROUTING__POLICY="round_robin",
+        ),
+    )
+    p = gateway_proc(tmp, _gateway_env([pool_sim.url]))
+    dead = f"http://127.0.0.1:{free_port()}"
+    e = gateway_proc(tmp, _gateway_env([dead], GATEWAY_SERVED_MODELS=json.dumps([MODEL])))
+    procs = [gen, victim, pool_sim, g, p, e]
+    try:
+        for proc in procs:
+            proc.start("/healthz" if proc in (g, p, e) else "/health")
+        for gw in (g, p):
+            assert wait_for(lambda gw=gw: httpx.get(gw.url + "/readyz").status_code == 200)
+        yield Stack(gen, victim, pool_sim, g, p, e, key_file)
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def received(sims: list[Proc]) -> dict[str, float]:
+    """Requests per path the engines received, minus scrapes of /metrics."""
+    out: dict[str, float] = {}
+    for sim in sims:
+        for (name, labels), value in scrape(sim.url + "/metrics").items():
+            if name == "sim:received_requests_total":
+                path = dict(labels)["path"]
+                if path != "/metrics":
+                    out[path] = out.get(path, 0) + value
+    return out
+
+
+def total(counts: dict[str, float]) -> float:
+    return sum(counts.values())
+
+
+def aborted(sims: list[Proc]) -> float:
+    return sum(scrape(s.url + "/metrics").get(("sim:aborted_requests_total", ()), 0) for s in sims)
+
+
+def recorded(sims: list[Proc]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for sim in sims:
+        out += [r for r in httpx.get(sim.url + "/sim/requests").json() if r["path"] != "/metrics"]
+    return out
+
+
+def clear_records(sims: list[Proc]) -> None:
+    for sim in sims:
+        httpx.delete(sim.url + "/sim/requests")
+
+
+def error_code(resp: httpx.Response) -> str | None:
+    try:
+        return str(resp.json()["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+# --- the route matrix ------------------------------------------------------------------
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+
+
+def request_for(path: str, method: str) -> dict[str, Any]:
+    """A well-formed request for a table route."""
+    route = TABLE.get(path)
+    if route is not None and route.body is BodyKind.json:
+        return {"json": CHAT}
+    if route is not None and route.body is BodyKind.multipart:
+        return {
+            "files": {"file": ("a.wav", b"RIFF0000WAVE", "audio/wav")},
+            "data": {"model": MODEL},
+        }
+    return {}
+
+
+FORWARDED = sorted(
+    [(r.path, m) for r in TABLE.values() if r.action is Action.forward for m in sorted(r.methods)]
+    + [("/v1/responses/resp_abc123", "GET"), ("/v1/responses/resp_abc123/cancel", "POST")]
+)
+BLOCKED = sorted(
+    [(r.path, "POST") for r in TABLE.values() if r.action is Action.blocked]
+    + [
+        ("/adapters/my-lora", "DELETE"),
+        ("/fault_tolerance/apply", "POST"),
+        ("/inference/v1/generate", "POST"),
+        ("/update_weights_from_disk", "POST"),
+    ]
+)
+UNKNOWN = [("/v1/files", "GET"), ("/", "GET"), ("/v1/chat", "POST"), ("/admin", "GET")]
+
+
+def test_route_matrix_refusals_never_reach_an_engine(stack: Stack) -> None:
+    """Every route x {no key, wrong key, key without the scope}: status, code, and
+    the engines' received counters unchanged."""
+    before = received(stack.gen_sims)
+    seen = 0
+    with httpx.Client(base_url=stack.g.url, timeout=10) as client:
+        for headers in ({}, auth("sk-wrong-0123456789abcdef"), auth(METRICS_ONLY)):
+            for path, method in FORWARDED:
+                r = client.request(method, path, headers=headers, **request_for(path, method))
+                if headers.get("Authorization", "").endswith(METRICS_ONLY):
+                    assert (r.status_code, error_code(r)) == (403, "scope_not_allowed"), path
+                else:
+                    assert (r.status_code, error_code(r)) == (401, "invalid_api_key"), path
+                    assert r.headers["www-authenticate"] == "Bearer"
+                seen += 1
+            for path, method in BLOCKED:
+                r = client.request(method, path, headers=headers, json=CHAT)
+                assert (r.status_code, error_code(r)) == (403, "endpoint_blocked"), path
+                seen += 1
+            for path, method in UNKNOWN:
+                r = client.request(method, path, headers=headers)
+                assert (r.status_code, error_code(r)) == (404, "unknown_endpoint"), path
+                seen += 1
+    assert seen > 150
+    assert received(stack.gen_sims) == before
+
+
+def test_route_matrix_right_key_forwards_the_canonical_path(stack: Stack) -> None:
+    clear_records(stack.gen_sims)
+    before = total(received(stack.gen_sims))
+    with httpx.Client(base_url=stack.g.url, timeout=10) as client:
+        for path, method in FORWARDED:
+            r = client.request(method, path, headers=auth(FULL), **request_for(path, method))
+            # The engine answered (some routes only exist on a pooling engine): never a
+            # refusal of the gateway's own.
+            assert error_code(r) not in ("invalid_api_key", "endpoint_blocked", "scope_not_allowed")
+            assert r.status_code != 401, path  # the engine accepted the upstream key
+        # The right key on a blocked route is still blocked.
+        r = client.post("/v1/load_lora_adapter", headers=auth(FULL), json={"lora_name": "x"})
+        assert (r.status_code, error_code(r)) == (403, "endpoint_blocked")
+    assert total(received(stack.gen_sims)) - before == len(FORWARDED)
+    records = recorded(stack.gen_sims)
+    assert sorted((r["method"], r["path"]) for r in records) == sorted((m, p) for p, m in FORWARDED)
+    for rec in records:
+        assert rec["headers"]["authorization"] == f"Bearer {UPSTREAM}"
+        assert rec["headers"]["x-request-id"]
+        assert "connection" not in rec["headers"] or rec["headers"]["connection"] == "keep-alive"
+
+
+def test_gateway_metrics_need_the_metrics_scope(stack: Stack) -> None:
+    before = received(stack.gen_sims)
+    r = httpx.get(stack.g.url + "/metrics")
+    assert (r.status_code, error_code(r)) == (401, "invalid_api_key")
+    # A key without scopes gets every forwarded group, but not the metrics.
+    r = httpx.get(stack.g.url + "/metrics", headers=auth(FULL))
+    assert (r.status_code, error_code(r)) == (403, "scope_not_allowed")
+    r = httpx.get(stack.g.url + "/metrics", headers=auth(METRICS_ONLY))
+    assert r.status_code == 200
+    assert "gateway_requests_total" in r.text and "gateway_engine_healthy" in r.text
+    assert "sim:" not in r.text and "vllm:" not in r.text  # never the engine's metrics
+    samples = scrape(stack.g.url + "/metrics", auth(METRICS_ONLY))
+    rejected = samples[("gateway_rejections_total", (("code", "endpoint_blocked"),))]
+    assert rejected > 0
+    assert received(stack.gen_sims) == before
+
+
+def test_own_routes_need_no_key(stack: Stack) -> None:
+    assert httpx.get(stack.g.url + "/healthz").json() == {"status": "ok"}
+    r = httpx.get(stack.g.url + "/readyz")
+    assert r.status_code == 200 and r.json()["healthy_engines"] == 2
+
+
+PATH_TRICKS = [
+    ("//v1/chat/completions", 404, "unknown_endpoint"),
+    ("/v1//chat/completions", 404, "unknown_endpoint"),
+    ("/v1/chat/completions/", 404, "unknown_endpoint"),
+    ("/v1/./chat/completions", 404, "unknown_endpoint"),
+    ("/v1/x/../chat/completions", 404, "unknown_endpoint"),
+    ("/V1/chat/completions", 404, "unknown_endpoint"),
+    ("/v1/chat%2fcompletions", 404, "unknown_endpoint"),
+    ("/v1/chat/completions%00", 404, "unknown_endpoint"),
+    ("/v1/chat/completions;a=b", 404, "unknown_endpoint"),
+    ("/%76%31/chat/completions", 404, "unknown_endpoint"),
+    ("/v1/chat/completions/render", 403, "endpoint_blocked"),
+    ("/v1/load_lora_adapter/", 403, "endpoint_blocked"),
+    ("//v1/load_lora_adapter", 403, "endpoint_blocked"),
+    ("/V1/Load_Lora_Adapter", 403, "endpoint_blocked"),
+    ("/v1/%6coad_lora_adapter", 403, "endpoint_blocked"),
+    ("/v1/%256coad_lora_adapter", 403, "endpoint_blocked"),
+    ("/v1/chat/../load_lora_adapter", 403, "endpoint_blocked"),
+    ("/v1/models/..%2fload_lora_adapter", 403, "endpoint_blocked"),
+    ("/adapters;x=1", 403, "endpoint_blocked"),
+    ("/x/%2e%2e/collective_rpc", 403, "endpoint_blocked"),
+    ("/inference/v1/generate", 403, "endpoint_blocked"),
+    ("/metrics/", 404, "unknown_endpoint"),
+]
+
+
+def _raw_request(port: int, path: str, key: str) -> tuple[int, bytes]:
+    """Send `path` byte for byte: HTTP clients normalise paths before sending them."""
+    body = json.dumps(CHAT).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(head + body)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    status = int(data.split(b" ", 2)[1])
+    return status, data.split(b"\r\n\r\n", 1)[1]
+
+
+def test_path_tricks_never_reach_an_engine(stack: Stack) -> None:
+    before = received(stack.gen_sims)
+    for path, status, code in PATH_TRICKS:
+        got, body = _raw_request(stack.g.port, path, FULL)
+        assert (got, json.loads(body)["error"]["code"]) == (status, code), path
+    assert received(stack.gen_sims) == before
+
+
+# --- bodies, models, limits ---------------------------------------------------------
+
+
+def _chat(client: httpx.Client, key: str = FULL, **body: Any) -> httpx.Response:
+    return client.post("/v1/chat/completions", headers=auth(key), json={**CHAT, **body})
+
+
+BAD_MODELS = ["../x", "../../etc/passwd", "some/other-model", "", 42, None, ["a"]]
+
+
+def test_model_must_be_served_and_allowed(stack: Stack) -> None:
+    before = received(stack.gen_sims)
+    with httpx.Client(base_url=stack.g.url, timeout=10) as client:
+        for model in BAD_MODELS:
+            if model is None:
+                continue
+            r = _chat(client, model=model)
+            assert (r.status_code, error_code(r)) == (403, "model_not_allowed"), model
+            assert "../" not in r.text
+        # A key limited to another model may not use the served one, nor leave it out.
+        r = _chat(client, OTHER_MODEL)
+        assert (r.status_code, error_code(r)) == (403, "model_not_allowed")
+        body = {k: v for k, v in CHAT.items() if k != "model"}
+        r = client.post("/v1/chat/completions", headers=auth(OTHER_MODEL), json=body)
+        assert (r.status_code, error_code(r)) == (403, "model_not_allowed")
+    assert received(stack.gen_sims) == before
+
+
+@pytest.mark.parametrize(
+    ("content", "content_type", "status", "code"),
+    [
+        (b"{not json", "application/json", 400, "invalid_json"),
+        (b"", "application/json", 400, "invalid_json"),
+        (b"[1, 2]", "application/json", 400, "invalid_json"),
+        (b'"text"', "application/json", 400, "invalid_json"),
+        (b"\xff\xfe", "application/json", 400, "invalid_json"),
+        (json.dumps(CHAT).encode(), "text/plain", 415, "unsupported_media_type"),
+        (
+            json.dumps(CHAT).encode(),
+            "application/x-www-form-urlencoded",
+            415,
+            "unsupported_media_type",
+        ),
+    ],
+)
+def test_bad_bodies(
+    stack: Stack, content: bytes, content_type: str, status: int, code: str
+) -> None:
+    before = received(stack.gen_sims)
+    r = httpx.post(
+        stack.g.url + "/v1/chat/completions",
+        content=content,
+        headers={**auth(FULL), "Content-Type": content_type},
+    )
+    assert (r.status_code, error_code(r)) == (status, code)
+    assert received(stack.gen_sims) == before
+
+
+def test_body_cap_with_and_without_content_length(stack: Stack) -> None:
+    before = received(stack.gen_sims)
+    big = json.dumps({**CHAT, "pad": "x" * MAX_BODY}).encode()
+    r = httpx.post(
+        stack.g.url + "/v1/chat/completions",
+        content=big,
+        headers={**auth(FULL), "Content-Type": "application/json"},
+    )
+    assert (r.status_code, error_code(r)) == (413, "request_too_large")
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: chunked transfer encoding
+        for i in range(0, len(big), 8192):
+            yield big[i : i + 8192]
+
+    r = httpx.post(
+        stack.g.url + "/v1/chat/completions",
+        content=chunks(),
+        headers={**auth(FULL), "Content-Type": "application/json"},
+    )
+    assert (r.status_code, error_code(r)) == (413, "request_too_large")
+    # Uploads have their own cap.
+    files = {"file": ("a.wav", b"\0" * (MAX_UPLOAD + 1), "audio/wav")}
+    r = httpx.post(stack.g.url + "/v1/audio/transcriptions", headers=auth(FULL), files=files)
+    assert (r.status_code, error_code(r)) == (413, "request_too_large")
+    assert received(stack.gen_sims) == before
+    # Just under the cap passes.
+    r = httpx.post(
+        stack.g.url + "/v1/chat/completions",
+        content=json.dumps({**CHAT, "pad": "x" * (MAX_BODY - 200)}),
+        headers={**auth(FULL), "Content-Type": "application/json"},
+    )
+    assert r.status_code == 200
+
+
+def test_upload_streams_through(stack: Stack) -> None:
+    files = {"file": ("a.wav", b"\1" * 50_000, "audio/wav")}
+    r = httpx.post(
+        stack.g.url + "/v1/audio/transcriptions",
+        headers=auth(FULL),
+        files=files,
+        data={"model": MODEL},
+    )
+    assert r.status_code == 200, r.text
+    assert "50000 bytes" in r.json()["text"]
+
+
+# --- request ids, headers -------------------------------------------------------------
+
+
+def test_request_id_taken_or_minted_and_sent_to_the_engine(stack: Stack) -> None:
+    clear_records(stack.gen_sims)
+    with httpx.Client(base_url=stack.g.url, timeout=10) as client:
+        r = client.post(
+            "/v1/chat/completions",
+            headers={**auth(FULL), "X-Request-Id": "client-id-1", "Proxy-Authorization": "x"},
+            json=CHAT,
+        )
+        assert r.headers["x-request-id"] == "client-id-1"
+        bad = client.post(
+            "/v1/chat/completions", headers={**auth(FULL), "X-Request-Id": "bad id\t!"}, json=CHAT
+        )
+        minted = bad.headers["x-request-id"]
+        assert minted != "bad id\t!" and len(minted) == 32
+        refused = client.get("/nope")
+        assert len(refused.headers["x-request-id"]) == 32
+    ids = [rec["headers"]["x-request-id"] for rec in recorded(stack.gen_sims)]
+    assert sorted(ids) == sorted(["client-id-1", minted])
+    for rec in recorded(stack.gen_sims):
+        assert FULL not in json.dumps(rec)
+        assert "proxy-authorization" not in rec["headers"]
+
+
+# --- streaming and disconnects ---------------------------------------------------------
+
+
+def test_streaming_arrives_incrementally(stack: Stack) -> None:
+    arrivals: list[float] = []
+    body = {**CHAT, "max_tokens": 150, "ignore_eos": True, "stream": True}
+    start = time.perf_counter()
+    with httpx.stream(
+        "POST", stack.g.url + "/v1/chat/completions", headers=auth(FULL), json=body, timeout=30
+    ) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        frames = ""
+        for chunk in r.iter_text():
+            arrivals.append(time.perf_counter() - start)
+            frames += chunk
+    assert frames.rstrip().endswith("data: [DONE]")
+    # 150 simulated decode steps: the first chunk comes long before the last.
+    assert len(arrivals) > 20
+    assert arrivals[-1] - arrivals[0] > 0.3
+    assert arrivals[0] < arrivals[-1] / 3
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_the_engine_request(stack: Stack, stream: bool) -> None:
+    before = aborted(stack.gen_sims)
+    body = {**CHAT, "max_tokens": 2000, "ignore_eos": True, "stream": stream}
+    with httpx.Client(base_url=stack.g.url, timeout=30) as client:
+        if stream:
+            with client.stream("POST", "/v1/chat/completions", headers=auth(FULL), json=body) as r:
+                assert r.status_code == 200
+                next(r.iter_raw())
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                client.post("/v1/chat/completions", headers=auth(FULL), json=body, timeout=0.5)
+    # The client closed its connection; the engine must see its request aborted.
+    assert wait_for(lambda: aborted(stack.gen_sims) > before, timeout=10)
+
+
+def test_in_flight_cap_answers_503(stack: Stack) -> None:
+    async def scenario() -> tuple[httpx.Response, float]:
+        body = {**CHAT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        async with httpx.AsyncClient(base_url=stack.g.url, timeout=30) as client:
+            streams = []
+            for _ in range(MAX_IN_FLIGHT):
+                cm = client.stream("POST", "/v1/chat/completions", headers=auth(FULL), json=body)
+                r = await cm.__aenter__()
+                assert r.status_code == 200
+                streams.append(cm)
+            before = total(received(stack.gen_sims))
+            over = await client.post("/v1/chat/completions", headers=auth(FULL), json=CHAT)
+            delta = total(received(stack.gen_sims)) - before
+            for cm in streams:
+                await cm.__aexit__(None, None, None)
+            return over, delta
+
+    over, delta = asyncio.run(scenario())
+    assert (over.status_code, error_code(over)) == (503, "overloaded")
+    assert over.headers["retry-after"] == "1"
+    assert delta == 0
+    # The slots come back when the streams end.
+    with httpx.Client(base_url=stack.g.url) as client:
+        assert wait_for(lambda: _chat(client).status_code == 200)
+
+
+# --- the OpenAI client -----------------------------------------------------------------
+
+
+def test_openai_client_chat(stack: Stack) -> None:
+    client = openai.OpenAI(base_url=stack.g.url + "/v1", api_key=FULL, max_retries=0)
+    with client:
+        out = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=5
+        )
+        assert out.choices[0].message.content
+        pieces = [
+            c.choices[0].delta.content or ""
+            for c in client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "hello"}],
+                max_tokens=5,
+                stream=True,
+            )
+            if c.choices
+        ]
+        assert "".join(pieces)
+        assert [m.id for m in client.models.list()] == [MODEL]
+        wrong = openai.OpenAI(
+            base_url=stack.g.url + "/v1", api_key="sk-wrong-0123456789", max_retries=0
+        )
+        with wrong, pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+
+
+def test_openai_client_embeddings_and_rerank(stack: Stack) -> None:
+    with openai.OpenAI(base_url=stack.p.url + "/v1", api_key=POOLING_ONLY, max_retries=0) as c:
+        models = httpx.get(stack.p.url + "/v1/models", headers=auth(FULL)).json()
+        model = models["data"][0]["id"]
+        emb = c.embeddings.create(model=model, input=["a sentence", "another one"])
+        assert len(emb.data) == 2 and len(emb.data[0].embedding) > 0
+        ranked = c.post(
+            "/../rerank",
+            cast_to=object,
+            body={"model": model, "query": "q", "documents": ["d1", "d2", "d3"]},
+        )
+        assert isinstance(ranked, dict) and len(ranked["results"]) == 3
+        # The pooling-only key may not generate text.
+        with pytest.raises(openai.PermissionDeniedError) as info:
+            c.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}])
+        assert info.value.code == "scope_not_allowed"
+
+
+# --- engine failures -------------------------------------------------------------------
+
+
+def test_dead_engine_is_502(stack: Stack) -> None:
+    r = httpx.post(stack.e.url + "/v1/chat/completions", headers=auth(FULL), json=CHAT)
+    assert (r.status_code, error_code(r)) == (502, "upstream_unavailable")
+    assert httpx.get(stack.e.url + "/readyz").status_code == 503
+
+
+def test_engine_error_passes_through(stack: Stack) -> None:
+    r = httpx.post(
+        stack.g.url + "/v1/chat/completions",
+        headers=auth(FULL),
+        json={**CHAT, "max_tokens": -5},
+    )
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] not in ("invalid_json", "model_not_allowed")
+
+
+# --- keys: reload without restart ------------------------------------------------------
+
+
+def test_key_file_change_takes_effect_without_restart(stack: Stack) -> None:
+    url = stack.g.url + "/v1/models"
+    assert httpx.get(url, headers=auth(FILE_A)).status_code == 200
+    assert httpx.get(url, headers=auth(FILE_B)).status_code == 401
+    stack.key_file.write_text(f"- key: {FILE_B}\n  name: file-b\n")
+    assert wait_for(lambda: httpx.get(url, headers=auth(FILE_B)).status_code == 200, timeout=5)
+    assert httpx.get(url, headers=auth(FILE_A)).status_code == 401
+    # A broken file is ignored: the keys in force stay.
+    stack.key_file.write_text("- key: short\n")
+    time.sleep(1.6)
+    assert httpx.get(url, headers=auth(FILE_B)).status_code == 200
+    assert "key_file_invalid" in stack.g.log()
+
+
+# --- failover (kills an engine: keep after the tests that count both engines) ----------
+
+
+def test_refused_connection_fails_over_to_the_next_engine(stack: Stack) -> None:
+    stack.victim.kill()
+    with httpx.Client(base_url=stack.g.url, timeout=10) as client:
+        codes = [_chat(client, user=f"u{i}").status_code for i in range(6)]
+    assert codes == [200] * 6
+    r = httpx.get(stack.g.url + "/readyz")
+    assert r.json()["healthy_engines"] == 1
+
+
+# --- logs (last: reads what every test above logged) ----------------------------------
+
+
+def test_logs_carry_no_secrets(stack: Stack) -> None:
+    with httpx.Client(base_url=stack.g.url, timeout=10) as client:
+        content = [
+            {"type": "text", "text": PROMPT_MARKER},
+            {"type": "image_url", "image_url": {"url": DATA_URL}},
+        ]
+        _chat(client, messages=[{"role": "user", "content": content}])
+        _chat(client, messages=[{"role": "user", "content": PROMPT_MARKER}])
+        client.get("/v1/models", headers=auth(FULL + "-wrong"))
+        client.post("/v1/load_lora_adapter", headers=auth(FULL), json={"lora_name": "x"})
+    for proc in (stack.g, stack.p, stack.e):
+        log = proc.log()
+        assert '"event":"request"' in log
+        for secret in (FULL, POOLING_ONLY, METRICS_ONLY, OTHER_MODEL, FILE_A, FILE_B, UPSTREAM,
+                       PROMPT_MARKER, DATA_URL[:40], "SECRET"):  # fmt: skip
+            assert secret not in log, secret
+    # Refusals of blocked routes are logged with the key's name.
+    lines = [json.loads(line) for line in stack.g.log().splitlines() if line.startswith("{")]
+    blocked = [x for x in lines if x.get("code") == "endpoint_blocked" and x.get("key_name")]
+    assert blocked and blocked[-1]["key_name"] == "key-1"
+    assert {x["group"] for x in lines if x.get("event") == "request"} >= {
+        g.value for g in (Group.inference, Group.models, Group.audio)
+    }
