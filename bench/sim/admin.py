@@ -148,6 +148,8 @@ def transcription_text(data: bytes) -> str:
 
 
 async def transcriptions(engine: Engine, req: Request) -> None:
+    # Starlette's form parser (python-multipart underneath) is imported here, off the
+    # startup path: only the audio route needs it.
     from starlette.datastructures import UploadFile
     from starlette.requests import Request as StarletteRequest
 
