@@ -19,48 +19,54 @@ from tests.procs import ROOT, gateway_proc, running, sim_proc
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def run_suite(out: Path, *args: str, timeout: float = 120) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench", *args, "--quick", "--loadgen", "python", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "report:" in proc.stdout
-    data: dict[str, Any] = json.loads((out / "results.json").read_text())
-    report = (out / "report.md").read_text()
-    for plot in data["plots"]:
-        assert (out / plot).read_bytes()[:8] == PNG_MAGIC
-        assert f"]({plot})" in report
-    return data
+class SuiteRun:
+    """`python -m bench <suite> --quick` started in the background; `result()` waits."""
+
+    def __init__(self, out: Path, *args: str) -> None:
+        self.out = out
+        cmd = [sys.executable, "-m", "bench", *args, "--quick", "--loadgen", "python"]
+        self.proc = subprocess.Popen(
+            [*cmd, "--out", str(out)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def result(self, timeout: float = 120) -> dict[str, Any]:
+        stdout, stderr = self.proc.communicate(timeout=timeout)
+        assert self.proc.returncode == 0, stderr[-3000:]
+        assert "report:" in stdout
+        data: dict[str, Any] = json.loads((self.out / "results.json").read_text())
+        report = (self.out / "report.md").read_text()
+        for plot in data["plots"]:
+            assert (self.out / plot).read_bytes()[:8] == PNG_MAGIC
+            assert f"]({plot})" in report
+        return data
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
 
 
 @pytest.fixture(scope="module")
-def overhead(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run_suite(tmp_path_factory.mktemp("overhead"), "overhead", "--no-peers")
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run_suite(tmp_path_factory.mktemp("reference"), "reference")
-
-
-@pytest.fixture(scope="module")
-def external_scale(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """The scale suite pointed at an engine and a gateway it did not start."""
-    tmp = tmp_path_factory.mktemp("scale")
+def suites(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, SuiteRun]]:
+    """All three suites run at once (they only share the machine), to keep this module
+    fast; `scale` is pointed at an engine and a gateway it did not start."""
+    tmp = tmp_path_factory.mktemp("bench")
     key = "external-bench-key-0123456789"
     sim = sim_proc(tmp, "--latency", "zero")
-    gw = gateway_proc(
-        tmp, {"GATEWAY_ENGINES": json.dumps([sim.url]), "GATEWAY_API_KEYS": json.dumps([key])}
-    )
+    env = {"GATEWAY_ENGINES": json.dumps([sim.url]), "GATEWAY_API_KEYS": json.dumps([key])}
+    gw = gateway_proc(tmp, env)
+    runs: dict[str, SuiteRun] = {}
     with running(sim):
         gw.start("/healthz")
         try:
-            yield run_suite(
-                tmp / "out",
+            runs["overhead"] = SuiteRun(tmp / "overhead", "overhead", "--no-peers")
+            runs["reference"] = SuiteRun(tmp / "reference", "reference")
+            runs["scale"] = SuiteRun(
+                tmp / "scale",
                 "scale",
                 "--engine-url",
                 sim.url,
@@ -69,8 +75,26 @@ def external_scale(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
                 "--api-key",
                 key,
             )
+            yield runs
         finally:
+            for run in runs.values():
+                run.kill()
             gw.stop()
+
+
+@pytest.fixture(scope="module")
+def overhead(suites: dict[str, SuiteRun]) -> dict[str, Any]:
+    return suites["overhead"].result()
+
+
+@pytest.fixture(scope="module")
+def reference(suites: dict[str, SuiteRun]) -> dict[str, Any]:
+    return suites["reference"].result()
+
+
+@pytest.fixture(scope="module")
+def external_scale(suites: dict[str, SuiteRun]) -> dict[str, Any]:
+    return suites["scale"].result()
 
 
 @pytest.mark.slow
