@@ -21,9 +21,10 @@ import openai
 import pytest
 
 from gateway.endpoints import TABLE, Action, BodyKind, Group
-from tests.procs import Proc, free_port, gateway_proc, scrape, sim_proc, wait_for
+from tests.procs import Proc, gateway_proc, scrape, sim_proc, wait_for
 
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"
+EXTRA_MODEL = "configured/extra-model"
 UPSTREAM = "upstream-secret-key-0123456789"
 FULL = "sk-full-0123456789abcdef-SECRET"
 POOLING_ONLY = "sk-pooling-0123456789abcdef-SECRET"
@@ -51,6 +52,7 @@ class Stack:
     gen: Proc
     victim: Proc
     pool_sim: Proc
+    doomed: Proc
     g: Proc
     p: Proc
     e: Proc
@@ -93,15 +95,23 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         ),
     )
     p = gateway_proc(tmp, _gateway_env([pool_sim.url]))
-    dead = f"http://127.0.0.1:{free_port()}"
-    e = gateway_proc(tmp, _gateway_env([dead], GATEWAY_SERVED_MODELS=json.dumps([MODEL])))
-    procs = [gen, victim, pool_sim, g, p, e]
+    # E's only engine is killed by the tests below; its first-byte timeout is short.
+    doomed = sim_proc(tmp, "--api-key", UPSTREAM)
+    e = gateway_proc(
+        tmp,
+        _gateway_env(
+            [doomed.url],
+            GATEWAY_SERVED_MODELS=json.dumps([EXTRA_MODEL]),
+            GATEWAY_TIMEOUTS__FIRST_BYTE="0.5",
+        ),
+    )
+    procs = [gen, victim, pool_sim, doomed, g, p, e]
     try:
         for proc in procs:
             proc.start("/healthz" if proc in (g, p, e) else "/health")
         for gw in (g, p):
             assert wait_for(lambda gw=gw: httpx.get(gw.url + "/readyz").status_code == 200)
-        yield Stack(gen, victim, pool_sim, g, p, e, key_file)
+        yield Stack(gen, victim, pool_sim, doomed, g, p, e, key_file)
     finally:
         for proc in reversed(procs):
             proc.stop()
@@ -552,9 +562,43 @@ def test_openai_client_embeddings_and_rerank(stack: Stack) -> None:
 # --- engine failures -------------------------------------------------------------------
 
 
+def test_configured_models_are_accepted_and_slow_engines_time_out(stack: Stack) -> None:
+    before = received([stack.doomed])
+    aborts = aborted([stack.doomed])
+    with httpx.Client(base_url=stack.e.url, headers=auth(FULL), timeout=10) as client:
+        # Not listed by the engine, but configured: forwarded (the engine answers it).
+        r = client.post("/v1/chat/completions", json={**CHAT, "model": EXTRA_MODEL})
+        assert error_code(r) != "model_not_allowed"
+        assert total(received([stack.doomed])) == total(before) + 1
+        # 300 decode steps take longer than E's 0.5 s first-byte timeout.
+        slow = {**CHAT, "max_tokens": 300, "ignore_eos": True}
+        r = client.post("/v1/chat/completions", json=slow)
+        assert (r.status_code, error_code(r)) == (504, "upstream_timeout")
+    # The gateway closed the upstream connection: the engine aborted the request.
+    assert wait_for(lambda: aborted([stack.doomed]) > aborts, timeout=10)
+
+
+def test_stream_broken_midway_ends_with_an_error_frame(stack: Stack) -> None:
+    body = {**CHAT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream(
+        "POST", stack.e.url + "/v1/chat/completions", headers=auth(FULL), json=body, timeout=10
+    ) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        stack.doomed.kill()
+        rest = [line for line in lines if line]
+    assert rest[-1].startswith("data: {")
+    assert json.loads(rest[-1][len("data: ") :])["error"]["code"] == "upstream_broken"
+    assert "[DONE]" not in rest[-1]
+
+
 def test_dead_engine_is_502(stack: Stack) -> None:
-    r = httpx.post(stack.e.url + "/v1/chat/completions", headers=auth(FULL), json=CHAT)
-    assert (r.status_code, error_code(r)) == (502, "upstream_unavailable")
+    # Runs after the test above killed E's only engine.
+    assert not stack.doomed.alive()
+    for _ in range(2):  # first refused while still marked healthy, then after ejection
+        r = httpx.post(stack.e.url + "/v1/chat/completions", headers=auth(FULL), json=CHAT)
+        assert (r.status_code, error_code(r)) == (502, "upstream_unavailable")
     assert httpx.get(stack.e.url + "/readyz").status_code == 503
 
 
