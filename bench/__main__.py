@@ -63,12 +63,12 @@ def suite_runner(name: str) -> Callable[[RunConfig, Report], None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.suite == "routing":
-        # The routing suite has its own entry point and report (bench/routing.py).
+    raw = list(sys.argv[1:] if argv is None else argv)
+    if raw[:1] == ["routing"]:
+        # The routing suite has its own options, entry point and report (bench/routing.py).
         module = importlib.import_module("bench.routing")
-        rest = list(sys.argv[2:] if argv is None else argv[1:])
-        return int(module.main(rest) or 0)
+        return int(module.main(raw[1:]) or 0)
+    args = parse_args(raw)
     cpus = CpuPlan(None, None) if args.no_pin else CpuPlan.detect()
     # The load generator (this process and its children) shares the engines' CPU.
     cpus.pin_self()
