@@ -33,7 +33,13 @@ from typing import Any
 
 import httpx
 
-from gateway.errors import FieldNotAllowed, InvalidRequest, MediaInvalid, MediaTooLarge
+from gateway.errors import (
+    FieldNotAllowed,
+    InvalidRequest,
+    MediaInvalid,
+    MediaTooLarge,
+    MediaUrlNotAllowed,
+)
 from gateway.media.av import audio_type
 from gateway.media.fetch import MediaFetcher, Resolver
 from gateway.media.images import check_formats
@@ -220,7 +226,29 @@ class _Walker:
         elif isinstance(value, dict) and isinstance(value.get("url"), str):
             self.url(value["url"], kind, f"{param}.url", self._setter(value, "url"))
         else:
+            self.nested_urls(value, param, 0)
             raise MediaInvalid("The media part's shape is not recognised.", param=param)
+
+    def nested_urls(self, value: object, param: str, depth: int) -> None:
+        """Check URLs inside an unrecognised media value, so that a forbidden URL is
+        reported as such even where the shape is refused anyway."""
+        if depth > 4:
+            return
+        if isinstance(value, str):
+            try:
+                self.policy.check(value)
+            except MediaUrlNotAllowed as exc:
+                exc.param = param
+                raise
+            except (MediaInvalid, MediaTooLarge):
+                pass
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if key in _URLISH_KEYS:
+                    self.nested_urls(item, f"{param}.{key}", depth + 1)
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                self.nested_urls(item, f"{param}[{i}]", depth + 1)
 
     def source(
         self, source: dict[str, Any], part: dict[str, Any], kind: MediaKind | None, param: str

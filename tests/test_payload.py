@@ -1,0 +1,439 @@
+"""The payload walker over every body shape in VLLM-FACTS.md, with a real media origin
+and a canary on loopback: a disallowed URL anywhere is refused before any connection,
+an allowed one is fetched, validated and inlined, dangerous fields are refused."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import orjson
+import pytest
+
+from gateway.errors import (
+    FieldNotAllowed,
+    GatewayError,
+    InvalidRequest,
+    MediaFetchFailed,
+    MediaInvalid,
+    MediaTooLarge,
+    MediaUrlNotAllowed,
+)
+from gateway.media.settings import MediaMode, MediaSettings, UuidPolicy
+from gateway.payload import PayloadInspector
+from tests.procs import RecordingServer, Route
+from tests.test_media_samples import HTML, SVG, data_url, jpeg, png, wav
+
+PNG = png()
+PNG_B64 = base64.b64encode(PNG).decode()
+PNG_HASH = hashlib.sha256(PNG).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def canary() -> Iterator[RecordingServer]:
+    with RecordingServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def origin(canary: RecordingServer) -> Iterator[RecordingServer]:
+    routes = {
+        "/img.png": Route(body=PNG, headers={"Content-Type": "image/png"}),
+        "/other.png": Route(body=PNG, headers={"Content-Type": "image/png"}),
+        "/svg": Route(body=SVG, headers={"Content-Type": "image/svg+xml"}),
+        "/redirect": Route(status=302, headers={"Location": canary.url + "/stolen"}),
+    }
+    with RecordingServer(routes) as server:
+        yield server
+
+
+def make_settings(origin: RecordingServer, **overrides: Any) -> MediaSettings:
+    base: dict[str, Any] = {
+        "allowed_domains": [f"127.0.0.1:{origin.port}"],
+        "allowed_schemes": ["http"],
+        "allowed_networks": ["127.0.0.0/8"],
+        "fetch_timeout": 2.0,
+    }
+    base.update(overrides)
+    return MediaSettings.model_validate(base)
+
+
+async def inspect(
+    settings: MediaSettings, body: dict[str, Any], path: str = "/v1/chat/completions",
+    key_name: str = "tenant-a",
+) -> list[str]:  # fmt: skip
+    inspector = PayloadInspector(settings)
+    try:
+        return await inspector.inspect(path, body, key_name=key_name)
+    finally:
+        await inspector.aclose()
+
+
+def chat(part: dict[str, Any], role: str = "user") -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": role, "content": [part]}]}
+
+
+def img_part(u: str) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": u}}
+
+
+# (path, body builder): every place an image URL can sit.
+IMAGE_SHAPES: list[tuple[str, Callable[[str], dict[str, Any]]]] = [
+    ("/v1/chat/completions", lambda u: chat(img_part(u))),
+    ("/v1/chat/completions", lambda u: chat({"type": "image_url", "image_url": u})),
+    ("/v1/chat/completions", lambda u: chat({"image_url": {"url": u}})),
+    ("/v1/chat/completions", lambda u: chat({"image_url": u})),
+    ("/v1/chat/completions", lambda u: chat({"type": "text", "image_url": u})),
+    ("/v1/chat/completions", lambda u: chat({"type": "input_image", "image_url": u})),
+    ("/v1/chat/completions", lambda u: chat(img_part(u), role="system")),
+    ("/v1/chat/completions", lambda u: chat(img_part(u), role="assistant")),
+    ("/v1/chat/completions", lambda u: chat(img_part(u), role="tool")),
+    ("/v1/chat/completions", lambda u: chat(img_part(u), role="developer")),
+    ("/v1/chat/completions", lambda u: chat(img_part(u), role="custom_role")),
+    ("/v1/chat/completions", lambda u: chat({**img_part(u), "uuid": "abc"})),
+    ("/v1/chat/completions", lambda u: {"messages": [
+        {"role": "user", "content": "hi"}, {"role": "user", "content": [
+            {"type": "text", "text": "look"}, img_part(u)]}]}),
+    ("/cohere/v2/chat", lambda u: chat(img_part(u))),
+    ("/tokenize", lambda u: chat(img_part(u))),
+    ("/pooling", lambda u: chat(img_part(u))),
+    ("/classify", lambda u: chat(img_part(u))),
+    ("/v1/embeddings", lambda u: chat(img_part(u))),
+    ("/v1/embeddings", lambda u: {"input": [{"role": "user", "content": [img_part(u)]}]}),
+    ("/invocations", lambda u: chat(img_part(u))),
+    ("/v1/responses", lambda u: {"input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": u}]}]}),
+    ("/v1/responses", lambda u: {"input": [{"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": "x"}, {"type": "input_image", "image_url": u}]}]}),
+    ("/v1/responses", lambda u: {"input": [{"type": "function_call_output", "call_id": "c",
+        "output": [{"type": "input_image", "image_url": u}]}]}),
+    ("/v1/messages", lambda u: {"messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "url", "url": u}}]}]}),
+    ("/v1/messages", lambda u: {"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": [
+            {"type": "image", "source": {"type": "url", "url": u}}]}]}]}),
+    ("/score", lambda u: {"text_1": "q", "text_2": {"content": [img_part(u)]}}),
+    ("/v1/score", lambda u: {"data_1": {"content": [img_part(u)]}, "data_2": ["a"]}),
+    ("/rerank", lambda u: {"query": "q", "documents": {"content": [img_part(u)]}}),
+    ("/v1/rerank", lambda u: {"query": {"content": [img_part(u)]}, "documents": ["d"]}),
+    ("/v2/rerank", lambda u: {"query": "q", "documents": [{"content": [img_part(u)]}]}),
+    ("/v2/rerank", lambda u: {"queries": [{"content": [img_part(u)]}], "documents": ["d"]}),
+    ("/v2/embed", lambda u: {"images": [u], "input_type": "image"}),
+    ("/v2/embed", lambda u: {"inputs": [{"content": [{"type": "text", "text": "t"},
+                                                      img_part(u)]}]}),
+    ("/v1/systemone", lambda u: {"images": [u]}),
+    ("/v1/systemone", lambda u: {"images": u}),
+]  # fmt: skip
+
+# Shapes with other kinds or unknown shapes: refused when the URL is disallowed.
+OTHER_SHAPES: list[tuple[str, Callable[[str], dict[str, Any]]]] = [
+    ("/v1/chat/completions", lambda u: chat({"type": "video_url", "video_url": {"url": u}})),
+    ("/v1/chat/completions", lambda u: chat({"video_url": u})),
+    ("/v1/chat/completions", lambda u: chat({"type": "audio_url", "audio_url": {"url": u}})),
+    ("/v1/chat/completions", lambda u: chat({"audio_url": u})),
+    ("/v1/chat/completions", lambda u: chat({"type": "weird", "url": u})),
+    ("/v1/chat/completions", lambda u: chat({"type": "file", "file": {"url": u}})),
+    ("/v1/chat/completions", lambda u: chat({"src": u})),
+    ("/v1/chat/completions", lambda u: chat({"image": u})),
+    ("/v1/chat/completions", lambda u: chat({"type": "input_file", "file_url": u})),
+    ("/v1/messages", lambda u: {"messages": [{"role": "user", "content": [
+        {"type": "document", "source": {"type": "url", "url": u}}]}]}),
+    ("/v1/messages", lambda u: {"system": [{"type": "image", "source": {"type": "url",
+                                                                        "url": u}}]}),
+    ("/v1/systemone", lambda u: {"audio": [u]}),
+    ("/v1/systemone", lambda u: {"videos": [u]}),
+    ("/v1/completions", lambda u: {"prompt": {"prompt": "x", "multi_modal_data": {"image": u}}}),
+]  # fmt: skip
+
+DISALLOWED = [
+    "http://169.254.169.254/latest/meta-data/",
+    "http://127.0.0.1:{canary}/x.png",
+    "http://2130706433:{canary}/",
+    "http://[::1]:{canary}/",
+    "http://127.0.0.1:{origin}\\@evil.example/",
+    "file:///etc/passwd",
+    "/etc/passwd",
+    "https://evil.example/a.png",
+]
+
+
+@pytest.fixture(scope="module")
+def shared(origin: RecordingServer) -> Iterator[PayloadInspector]:
+    """One inspector for the refusal table: refusals do no I/O, so no event loop is
+    bound, and building an httpx client (its TLS context) per row costs ~40 ms."""
+    inspector = PayloadInspector(make_settings(origin))
+    yield inspector
+    asyncio.run(inspector.aclose())
+
+
+@pytest.mark.parametrize("raw", DISALLOWED)
+@pytest.mark.parametrize(("path", "build"), IMAGE_SHAPES + OTHER_SHAPES)
+async def test_a_disallowed_url_anywhere_is_refused(
+    origin: RecordingServer, canary: RecordingServer, shared: PayloadInspector, path: str,
+    build: Callable[[str], dict[str, Any]], raw: str,
+) -> None:  # fmt: skip
+    before = len(origin.hits)
+    u = raw.format(canary=canary.port, origin=origin.port)
+    with pytest.raises(MediaUrlNotAllowed) as info:
+        await shared.inspect(path, build(u), key_name="k")
+    assert info.value.status == 400 and info.value.code == "media_url_not_allowed"
+    assert info.value.param  # names where in the body
+    assert not canary.contacted
+    assert len(origin.hits) == before
+
+
+@pytest.mark.parametrize(("path", "build"), IMAGE_SHAPES)
+async def test_an_allowed_image_is_fetched_validated_and_inlined(
+    origin: RecordingServer, path: str, build: Callable[[str], dict[str, Any]]
+) -> None:
+    u = f"http://127.0.0.1:{origin.port}/img.png"
+    body = build(u)
+    hashes = await inspect(make_settings(origin, cache_ttl=0), body, path)
+    assert hashes == [PNG_HASH]
+    text = orjson.dumps(body).decode()
+    assert u not in text and "127.0.0.1" not in text
+    assert PNG_B64 in text
+
+
+async def test_same_image_twice_has_the_same_hash_and_is_fetched_once(
+    origin: RecordingServer,
+) -> None:
+    u = f"http://127.0.0.1:{origin.port}/other.png"
+    parts = [img_part(u), img_part(u), img_part(data_url("image/png", PNG))]
+    body = {"messages": [{"role": "user", "content": parts}]}
+    inspector = PayloadInspector(make_settings(origin))
+    try:
+        before = sum(h.path == "/other.png" for h in origin.hits)
+        hashes = await inspector.inspect("/v1/chat/completions", body, key_name="k")
+        again = await inspector.inspect("/v1/chat/completions", chat(img_part(u)), key_name="k")
+    finally:
+        await inspector.aclose()
+    assert hashes == [PNG_HASH] * 3 and again == [PNG_HASH]
+    # Two concurrent fetches at most for the first request, none for the cached second.
+    assert sum(h.path == "/other.png" for h in origin.hits) - before <= 2
+    other = hashlib.sha256(png(9, 9)).hexdigest()
+    assert await inspect(
+        make_settings(origin), chat(img_part(data_url("image/png", png(9, 9))))
+    ) == [other]
+
+
+async def test_redirects_through_the_walker_are_422_and_canary_untouched(
+    origin: RecordingServer, canary: RecordingServer
+) -> None:
+    body = chat(img_part(f"http://127.0.0.1:{origin.port}/redirect"))
+    with pytest.raises(MediaFetchFailed, match="redirect") as info:
+        await inspect(make_settings(origin), body)
+    assert info.value.status == 422
+    assert not canary.contacted
+
+
+@pytest.mark.parametrize(
+    ("part", "error"),
+    [
+        (img_part(data_url("image/svg+xml", SVG)), MediaInvalid),
+        (img_part(data_url("image/png", SVG)), MediaInvalid),
+        (img_part(data_url("text/html", HTML)), MediaInvalid),
+        (img_part(data_url("application/postscript", b"%!PS-Adobe-3.0\n")), MediaInvalid),
+        (img_part(data_url("image/jpeg", PNG)), MediaInvalid),
+        (img_part(data_url("video/mp4", PNG)), MediaInvalid),
+        (img_part("data:image/png;base64,@@@"), MediaInvalid),
+        (img_part("data:image/png;base64," + "A" * 40_000), MediaTooLarge),
+        ({"type": "audio_url", "audio_url": {"url": data_url("audio/wav", PNG)}}, MediaInvalid),
+        ({"type": "video_url", "video_url": {"url": data_url("video/jpeg", PNG)}}, MediaInvalid),
+        ({"type": "input_audio", "input_audio": {"data": "@@", "format": "wav"}}, MediaInvalid),
+        ({"type": "input_audio", "input_audio": {"data": PNG_B64, "format": "wav"}},
+         MediaInvalid),
+        ({"type": "input_audio", "input_audio": {"data": PNG_B64, "format": "exe"}},
+         MediaInvalid),
+        ({"type": "input_audio", "input_audio": "http://x"}, MediaInvalid),
+        ({"type": "image_url", "image_url": {"href": "x"}}, MediaUrlNotAllowed),
+        ({"type": "image_url", "image_url": {"detail": "auto"}}, MediaInvalid),
+        ({"type": "image_url", "image_url": 5}, MediaInvalid),
+        ({"type": "document", "source": {"type": "base64", "media_type": "application/pdf",
+                                         "data": PNG_B64}}, MediaInvalid),
+        ({"type": "image", "source": {"type": "base64", "media_type": "image/svg+xml",
+                                      "data": base64.b64encode(SVG).decode()}}, MediaInvalid),
+        ({"type": "image", "source": {"type": "file", "file_id": "f"}}, MediaInvalid),
+    ],
+)  # fmt: skip
+async def test_bad_inline_media_is_refused(
+    origin: RecordingServer, part: dict[str, Any], error: type[GatewayError]
+) -> None:
+    with pytest.raises(error) as info:
+        await inspect(make_settings(origin, max_bytes=20_000), chat(part))
+    assert info.value.status in (400, 413)
+
+
+async def test_a_fetched_svg_is_refused(origin: RecordingServer) -> None:
+    with pytest.raises(MediaInvalid):
+        await inspect(make_settings(origin), chat(img_part(f"http://127.0.0.1:{origin.port}/svg")))
+
+
+async def test_inline_audio_video_and_base64_sources_are_validated_and_kept(
+    origin: RecordingServer,
+) -> None:
+    audio = wav()
+    frames = ",".join(base64.b64encode(f).decode() for f in (jpeg(), jpeg(4, 4)))
+    body = {"messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": base64.b64encode(audio).decode(),
+                                                "format": "wav"}},
+        {"type": "audio_url", "audio_url": {"url": data_url("audio/wav", audio)}},
+        {"type": "video_url", "video_url": {"url": "data:video/jpeg;base64," + frames}},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": PNG_B64}},
+    ]}]}  # fmt: skip
+    hashes = await inspect(make_settings(origin), body)
+    assert hashes[0] == hashes[1] == hashlib.sha256(audio).hexdigest()
+    assert hashes[3] == PNG_HASH and len(set(hashes)) == 3
+    content = body["messages"][0]["content"]
+    assert content[2]["video_url"]["url"] == "data:video/jpeg;base64," + frames
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"prompt": "x", "prompt_embeds": "AAAA"}, "prompt_embeds"),
+        ({"prompt": {"prompt_embeds": "AAAA"}}, "prompt"),
+        ({"prompt": [{"prompt_embeds": "AAAA"}]}, "prompt[0]"),
+        (chat({"type": "prompt_embeds", "data": "AAAA"}), "messages[0].content[0]"),
+        (chat({"type": "image_embeds", "image_embeds": "AAAA"}), "messages[0].content[0]"),
+        (chat({"image_embeds": {"image_embeds": "AAAA"}}), "messages[0].content[0]"),
+        (chat({"type": "audio_embeds", "audio_embeds": "AAAA"}), "messages[0].content[0]"),
+        (chat({"type": "video_embeds", "video_embeds": "AAAA"}), "messages[0].content[0]"),
+        (chat({"type": "text", "text": "x"}) | {"kv_transfer_params": {"do_remote_prefill": True}},
+         "kv_transfer_params"),
+        ({"prompt": "x", "ec_transfer_params": {}}, "ec_transfer_params"),
+        ({"messages": [], "media_io_kwargs": {"video": {"num_frames": -1}}}, "media_io_kwargs"),
+        ({"messages": [], "mm_processor_kwargs": {"num_frames": -1}}, "mm_processor_kwargs"),
+        ({"messages": [], "chat_template": "{{ x }}"}, "chat_template"),
+        ({"messages": [], "chat_template_kwargs": {"chat_template": "{{ x }}"}},
+         "chat_template_kwargs.chat_template"),
+        ({"input": [{"role": "user", "content": [{"type": "image_embeds",
+                                                  "image_embeds": "A"}]}]}, "input[0].content[0]"),
+    ],
+)  # fmt: skip
+async def test_dangerous_fields_are_refused_by_default(
+    origin: RecordingServer, body: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(FieldNotAllowed) as info:
+        await inspect(make_settings(origin), body)
+    assert info.value.status == 400 and info.value.code == "field_not_allowed"
+    assert info.value.param == field
+
+
+@pytest.mark.parametrize(
+    ("body", "setting"),
+    [
+        ({"prompt": "x", "prompt_embeds": "AAAA"}, "allow_prompt_embeds"),
+        (chat({"type": "image_embeds", "image_embeds": "AAAA"}), "allow_embeds_parts"),
+        ({"prompt": "x", "kv_transfer_params": {}}, "allow_kv_transfer_params"),
+        ({"prompt": "x", "ec_transfer_params": {}}, "allow_ec_transfer_params"),
+        ({"messages": [], "media_io_kwargs": {}}, "allow_media_io_kwargs"),
+        ({"messages": [], "mm_processor_kwargs": {}}, "allow_mm_processor_kwargs"),
+        ({"messages": [], "chat_template": "x"}, "allow_chat_template"),
+    ],
+)
+async def test_each_dangerous_field_has_an_explicit_opt_in(
+    origin: RecordingServer, body: dict[str, Any], setting: str
+) -> None:
+    assert await inspect(make_settings(origin, **{setting: True}), body) == []
+
+
+async def test_uuids_are_namespaced_per_key(origin: RecordingServer) -> None:
+    settings = make_settings(origin)
+    part = {**img_part(data_url("image/png", PNG)), "uuid": "shared-id"}
+    bodies = [chat(dict(part)) for _ in range(3)]
+    await inspect(settings, bodies[0], key_name="tenant-a")
+    await inspect(settings, bodies[1], key_name="tenant-a")
+    await inspect(settings, bodies[2], key_name="tenant-b")
+    uuids = [b["messages"][0]["content"][0]["uuid"] for b in bodies]
+    assert uuids[0] == uuids[1] != uuids[2]
+    assert all(u != "shared-id" and u.startswith("gw-") for u in uuids)
+    # A uuid alone (vLLM reads the cached item) can only name the caller's own items.
+    ref_only = chat({"type": "image_url", "image_url": None, "uuid": "shared-id"})
+    hashes = await inspect(settings, ref_only, key_name="tenant-b")
+    assert ref_only["messages"][0]["content"][0]["uuid"] == uuids[2] == hashes[0]
+
+
+async def test_uuid_drop_policy(origin: RecordingServer) -> None:
+    settings = make_settings(origin, uuids=UuidPolicy.drop)
+    body = chat({**img_part(data_url("image/png", PNG)), "uuid": "x"})
+    await inspect(settings, body)
+    assert "uuid" not in body["messages"][0]["content"][0]
+    with pytest.raises(FieldNotAllowed):
+        await inspect(settings, chat({"type": "image_url", "image_url": None, "uuid": "x"}))
+
+
+@pytest.mark.parametrize("salt", ["x" * 257, 5, ["a"]])
+async def test_cache_salt_is_capped(origin: RecordingServer, salt: object) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        await inspect(make_settings(origin), {"prompt": "x", "cache_salt": salt})
+    assert info.value.param == "cache_salt"
+    assert await inspect(make_settings(origin), {"prompt": "x", "cache_salt": "x" * 256}) == []
+
+
+async def test_passthrough_forwards_the_canonical_url_without_fetching(
+    origin: RecordingServer,
+) -> None:
+    settings = make_settings(origin, mode=MediaMode.passthrough)
+    before = len(origin.hits)
+    body = chat(img_part(f"HTTP://127.0.0.1:{origin.port}/img.png?a=1"))
+    source = {"type": "url", "url": f"http://127.0.0.1:{origin.port}/img.png"}
+    msgs = {"messages": [{"role": "user", "content": [{"type": "image", "source": source}]}]}
+    hashes = await inspect(settings, body)
+    await inspect(settings, msgs, "/v1/messages")
+    assert body["messages"][0]["content"][0]["image_url"]["url"] == (
+        f"http://127.0.0.1:{origin.port}/img.png?a=1"
+    )
+    assert source["url"] == f"http://127.0.0.1:{origin.port}/img.png"
+    assert len(hashes) == 1 and hashes[0] != PNG_HASH
+    assert len(origin.hits) == before
+    with pytest.raises(MediaUrlNotAllowed):
+        await inspect(settings, chat(img_part("http://169.254.169.254/")))
+    with pytest.raises(MediaInvalid):
+        await inspect(settings, chat(img_part(data_url("image/svg+xml", SVG))))
+
+
+async def test_data_only_mode(origin: RecordingServer, canary: RecordingServer) -> None:
+    settings = make_settings(origin, mode=MediaMode.data_only)
+    with pytest.raises(MediaUrlNotAllowed, match="rule: mode"):
+        await inspect(settings, chat(img_part(f"http://127.0.0.1:{origin.port}/img.png")))
+    assert await inspect(settings, chat(img_part(data_url("image/png", PNG)))) == [PNG_HASH]
+
+
+async def test_item_and_nesting_caps(origin: RecordingServer) -> None:
+    settings = make_settings(origin, max_items=2)
+    parts = [img_part(data_url("image/png", PNG))] * 3
+    with pytest.raises(MediaTooLarge):
+        await inspect(settings, {"messages": [{"role": "user", "content": parts}]})
+    deep: Any = [img_part("http://169.254.169.254/")]
+    for _ in range(40):
+        deep = [{"type": "tool_result", "content": deep}]
+    with pytest.raises(InvalidRequest):
+        await inspect(settings, {"messages": [{"role": "user", "content": deep}]})
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": [{"role": "user", "content": "https://evil.example/a.png"}]},
+        {"input": ["http://169.254.169.254/", "text"]},
+        {"prompt": "see file:///etc/passwd"},
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"url": {"type": "string"}}}}}]},
+        {"messages": [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "f",
+                                                         "arguments": '{"url": "x"}'}}]}]},
+        {"audio": {"voice": "alloy", "format": "wav"}},
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {"image_url": 1}}}},
+    ],
+)  # fmt: skip
+async def test_text_that_mentions_urls_is_not_media(
+    origin: RecordingServer, body: dict[str, Any]
+) -> None:
+    copy = orjson.loads(orjson.dumps(body))
+    assert await inspect(make_settings(origin), body) == []
+    assert body == copy
