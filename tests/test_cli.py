@@ -7,13 +7,15 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pytest
 
 from gateway.auth import hash_key
 from gateway.cli import main
-from tests.procs import ROOT
+from tests.procs import ROOT, Proc, gateway_proc, running, wait_for
 
 SECRET = "sk-cli-secret-0123456789abcdef"
 UPSTREAM = "upstream-secret-0123456789"
@@ -121,3 +123,24 @@ def test_console_script_entry_point() -> None:
     )
     assert result.returncode == 0
     assert result.stdout.strip() == hash_key(SECRET)
+
+
+def test_serve_with_a_config_file_and_two_workers(
+    tmp_path: Path, start_sim: Callable[..., Proc]
+) -> None:
+    """The multi-worker path: uvicorn builds each worker's app from `app_from_env`."""
+    sim = start_sim("--latency", "zero")
+    config = tmp_path / "gateway.yaml"
+    config.write_text(
+        f"engines: [{sim.url}]\napi_keys: [{SECRET}]\nlog_format: console\n"
+        "routing: {health_interval: 30}\n"
+    )
+    gw = gateway_proc(tmp_path, {}, "--config", str(config), "--workers", "2")
+    with running(gw, ready_path="/healthz"):
+        assert wait_for(lambda: httpx.get(gw.url + "/readyz").status_code == 200)
+        for _ in range(4):
+            r = httpx.get(gw.url + "/v1/models", headers={"Authorization": f"Bearer {SECRET}"})
+            assert r.status_code == 200 and r.json()["data"]
+        r = httpx.get(gw.url + "/v1/models")
+        assert r.status_code == 401
+    assert "request" in gw.log() and SECRET not in gw.log()
