@@ -1,0 +1,101 @@
+"""Multipart audio uploads: parsed with python-multipart under caps, forwarded only when
+the single `file` part is an allowed audio container."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from gateway.errors import (
+    FieldNotAllowed,
+    GatewayError,
+    InvalidRequest,
+    MediaInvalid,
+    MediaTooLarge,
+    UnsupportedMediaType,
+)
+from gateway.media.settings import MediaSettings
+from gateway.multipart import validate_upload
+from tests.test_media_samples import HTML, SVG, png, wav
+
+BOUNDARY = "gwtestboundary"
+CTYPE = f"multipart/form-data; boundary={BOUNDARY}"
+SETTINGS = MediaSettings(upload_max_parts=6, upload_max_field_bytes=64)
+MAX_FILE = 50_000
+
+
+def form(*parts: tuple[str, bytes, str | None, str | None], end: bool = True) -> bytes:
+    out = b""
+    for name, data, filename, ctype in parts:
+        disposition = f'form-data; name="{name}"'
+        if filename is not None:
+            disposition += f'; filename="{filename}"'
+        out += f"--{BOUNDARY}\r\nContent-Disposition: {disposition}\r\n".encode()
+        if ctype:
+            out += f"Content-Type: {ctype}\r\n".encode()
+        out += b"\r\n" + data + b"\r\n"
+    if end:
+        out += f"--{BOUNDARY}--\r\n".encode()
+    return out
+
+
+def audio(
+    data: bytes | None = None, ctype: str | None = "audio/wav"
+) -> tuple[str, bytes, str | None, str | None]:
+    return ("file", wav() if data is None else data, "a.wav", ctype)
+
+
+def test_a_valid_upload_is_accepted() -> None:
+    body = form(audio(), ("model", b"whisper", None, None), ("language", b"en", None, None),
+                ("timestamp_granularities[]", b"word", None, None),
+                ("timestamp_granularities[]", b"segment", None, None))  # fmt: skip
+    upload = validate_upload(CTYPE, body, SETTINGS, max_file_bytes=MAX_FILE)
+    assert upload.audio_format == "wav" and upload.filename == "a.wav"
+    assert upload.digest == hashlib.sha256(wav()).hexdigest()
+    assert upload.fields["model"] == ["whisper"]
+    assert upload.fields["timestamp_granularities[]"] == ["word", "segment"]
+
+
+def test_octet_stream_uploads_are_named_by_their_magic_bytes() -> None:
+    body = form(audio(ctype="application/octet-stream"))
+    assert validate_upload(CTYPE, body, SETTINGS, max_file_bytes=MAX_FILE).audio_format == "wav"
+    body = form(audio(ctype=None))
+    assert validate_upload(CTYPE, body, SETTINGS, max_file_bytes=MAX_FILE).size == len(wav())
+
+
+@pytest.mark.parametrize(
+    ("ctype", "body", "error"),
+    [
+        ("application/json", b"{}", UnsupportedMediaType),
+        (None, form(audio()), UnsupportedMediaType),
+        ("multipart/form-data", form(audio()), UnsupportedMediaType),  # no boundary
+        ("multipart/form-data; boundary=" + "b" * 71, form(audio()), UnsupportedMediaType),
+        (CTYPE, form(("model", b"m", None, None)), InvalidRequest),  # no file
+        (CTYPE, form(audio(), audio()), InvalidRequest),  # two files
+        (CTYPE, form(("file", wav(), None, "audio/wav")), InvalidRequest),  # no filename
+        (CTYPE, form(audio(), ("other", b"x", "b.wav", "audio/wav")), InvalidRequest),
+        (CTYPE, form(audio(), ("model", b"a", None, None), ("model", b"b", None, None)),
+         InvalidRequest),
+        (CTYPE, form(audio(), ("model", b"x" * 65, None, None)), InvalidRequest),
+        (CTYPE, form(audio(), ("model", b"\xff\xfe", None, None)), InvalidRequest),
+        (CTYPE, form(audio(), *[(f"f{i}", b"x", None, None) for i in range(6)]), InvalidRequest),
+        (CTYPE, form(audio(), end=False), InvalidRequest),  # truncated
+        (CTYPE, b"garbage without boundaries", InvalidRequest),
+        (CTYPE, f"--{BOUNDARY}\r\nX-Pad: {'a' * 5000}\r\n\r\nx\r\n--{BOUNDARY}--\r\n".encode(),
+         InvalidRequest),
+        (CTYPE, f"--{BOUNDARY}\r\nContent-Type: text/plain\r\n\r\nx\r\n--{BOUNDARY}--\r\n"
+         .encode(), InvalidRequest),  # no Content-Disposition name
+        (CTYPE, form(audio(), ("mm_processor_kwargs", b"{}", None, None)), FieldNotAllowed),
+        (CTYPE, form(audio(), ("kv_transfer_params", b"{}", None, None)), FieldNotAllowed),
+        (CTYPE, form(audio(HTML, "audio/wav")), MediaInvalid),
+        (CTYPE, form(audio(SVG, "application/octet-stream")), MediaInvalid),
+        (CTYPE, form(audio(png(), "audio/wav")), MediaInvalid),
+        (CTYPE, form(audio(b"", "audio/wav")), MediaInvalid),
+        (CTYPE, form(audio(wav(30_000))), MediaTooLarge),
+    ],
+)  # fmt: skip
+def test_bad_uploads_are_refused(ctype: str | None, body: bytes, error: type[GatewayError]) -> None:
+    with pytest.raises(error) as info:
+        validate_upload(ctype, body, SETTINGS, max_file_bytes=MAX_FILE)
+    assert 400 <= info.value.status < 500
