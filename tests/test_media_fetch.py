@@ -6,8 +6,9 @@ from __future__ import annotations
 import ipaddress
 import socket
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 
+import httpx
 import pytest
 
 from gateway.errors import MediaFetchFailed
@@ -290,3 +291,41 @@ async def test_proxy_environment_variables_are_ignored(
     data = await fetch(settings(origin.port), f"http://127.0.0.1:{origin.port}/img.png")
     assert data == PNG
     assert not canary.contacted
+
+
+class RecordingInner(httpx.AsyncBaseTransport):
+    """Stands in for the network below SafeTransport (the code under test), recording
+    what SafeTransport asks it to connect to."""
+
+    def __init__(self) -> None:
+        self.requests: list[httpx.Request] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        return httpx.Response(200, headers={"Content-Type": "image/png"}, stream=OneChunk())
+
+
+class OneChunk(httpx.AsyncByteStream):
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield PNG
+
+
+@pytest.mark.parametrize(("answer", "network"), [("127.0.0.1", "127.0.0.0/8"), ("::1", "::1/128")])
+async def test_https_connects_to_the_checked_ip_with_the_name_for_sni(
+    answer: str, network: str
+) -> None:
+    s = MediaSettings(
+        allowed_domains=["images.example"], allowed_networks=[network], fetch_timeout=2.0
+    )
+    inner = RecordingInner()
+    fetcher = MediaFetcher(s, transport=inner, resolver=StaticResolver([answer]))
+    try:
+        data = await fetcher.fetch(url(s, "https://images.example/a.png?x=1"))
+    finally:
+        await fetcher.aclose()
+    assert data.data == PNG
+    (sent,) = inner.requests
+    assert sent.url.host == answer and sent.url.scheme == "https"
+    assert sent.url.raw_path == b"/a.png?x=1"
+    assert sent.extensions["sni_hostname"] == "images.example"
+    assert sent.headers["host"] == "images.example"
