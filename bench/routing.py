@@ -30,6 +30,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,7 +39,7 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.report import Report, fmt, progress
-from bench.stack import BENCH_KEY, CpuPlan, Fleet, Server
+from bench.stack import BENCH_KEY, CpuPlan, Fleet, Server, free_port
 from bench.workloads import Workload, build
 
 INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -56,6 +57,7 @@ class Options:
     )
     fronts: list[str] = field(default_factory=list)
     load_epsilon: float | None = None
+    gateway_env: dict[str, str] = field(default_factory=dict)
 
 
 # --- engine counters -------------------------------------------------------------------
@@ -93,6 +95,8 @@ class Outcome:
     ttft: list[float] = field(default_factory=list)
     errors: int = 0
     first_error: str = ""
+    # Per engine, the sum of its `/load` (requests in flight) over the samples taken.
+    busy: list[float] = field(default_factory=list)
 
 
 async def _send(
@@ -115,8 +119,28 @@ async def _send(
         out.first_error = out.first_error or f"{type(exc).__name__} from {url}"
 
 
+async def _sample_load(
+    http: aiohttp.ClientSession, engines: Sequence[str], out: Outcome, stop: asyncio.Event
+) -> None:
+    """Poll each engine's `/load` (vLLM's requests-in-flight figure) every 50 ms."""
+    out.busy = [0.0] * len(engines)
+    while not stop.is_set():
+        for i, engine in enumerate(engines):
+            try:
+                async with http.get(engine + "/load") as resp:
+                    out.busy[i] += float((await resp.json())["server_load"])
+            except (aiohttp.ClientError, KeyError, ValueError):
+                pass
+        with suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.05)
+
+
 async def replay(
-    workload: Workload, fronts: Sequence[str], headers: dict[str, str], concurrency: int
+    workload: Workload,
+    fronts: Sequence[str],
+    headers: dict[str, str],
+    concurrency: int,
+    engines: Sequence[str] = (),
 ) -> Outcome:
     """Run the workload's sessions, `concurrency` at a time; calls alternate over `fronts`."""
     out = Outcome()
@@ -132,29 +156,38 @@ async def replay(
 
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=120)
+    stop = asyncio.Event()
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+        sampler = asyncio.create_task(_sample_load(http, engines, out, stop))
         await asyncio.gather(*(user(http) for _ in range(concurrency)))
+        stop.set()
+        await sampler
     return out
 
 
 # --- front ends ------------------------------------------------------------------------
 
 
+# Starts the engines' front end(s) (stopped by the fleet or the exit stack); returns their
+# URLs and the headers a client sends.
+Starter = Callable[[Fleet, list[str], ExitStack], tuple[list[str], dict[str, str]]]
+
+
 @dataclass
 class Front:
     name: str
-    # Starts the engines' front end(s); returns their URLs and the client headers.
-    start: Callable[[Fleet, list[str]], tuple[list[str], dict[str, str]]] | None
+    start: Starter | None
     ideal: bool = False
 
 
-def _gateway(
-    policy: str, replicas: int, epsilon: float | None
-) -> Callable[[Fleet, list[str]], tuple[list[str], dict[str, str]]]:
-    def start(fleet: Fleet, engines: list[str]) -> tuple[list[str], dict[str, str]]:
+def _gateway(policy: str, replicas: int, opts: Options) -> Starter:
+    def start(
+        fleet: Fleet, engines: list[str], stack: ExitStack
+    ) -> tuple[list[str], dict[str, str]]:
         env = {"GATEWAY_ROUTING__POLICY": policy, "GATEWAY_LOG_LEVEL": "warning"}
-        if epsilon is not None:
-            env["GATEWAY_ROUTING__LOAD_EPSILON"] = str(epsilon)
+        if opts.load_epsilon is not None:
+            env["GATEWAY_ROUTING__LOAD_EPSILON"] = str(opts.load_epsilon)
+        env.update(opts.gateway_env)
         urls = [
             fleet.gateway(engines, env, name=f"gateway-{policy}-{i}").url for i in range(replicas)
         ]
@@ -163,13 +196,21 @@ def _gateway(
     return start
 
 
-def _router(replicas: int) -> Callable[[Fleet, list[str]], tuple[list[str], dict[str, str]]]:
-    def start(fleet: Fleet, engines: list[str]) -> tuple[list[str], dict[str, str]]:
+def _router(replicas: int) -> Starter:
+    def start(
+        fleet: Fleet, engines: list[str], stack: ExitStack
+    ) -> tuple[list[str], dict[str, str]]:
         urls = []
         for i in range(replicas):
-            server = fleet.vllm_router(engines, "cache_aware", name=f"vllm-router-{i}")
-            if server is None:
-                raise RuntimeError("vllm-router is not installed")
+            port = free_port()
+            # Each replica needs its own metrics port: the default (29000) is shared.
+            args = [str(Path(sys.executable).parent / "vllm-router"), "--host", "127.0.0.1"]
+            args += ["--port", str(port), "--policy", "cache_aware", "--log-level", "warning"]
+            args += ["--prometheus-port", str(free_port()), "--worker-urls", *engines]
+            log = fleet.workdir / f"vllm-router-{i}-{port}.log"
+            server = Server(f"vllm-router-{i}", args, port, log, cpus=fleet.cpus.proxy)
+            server.start(timeout=60.0)
+            stack.callback(server.stop)
             urls.append(server.url)
         return urls, {}
 
@@ -181,14 +222,13 @@ def router_installed() -> bool:
 
 
 def fronts(opts: Options) -> list[Front]:
-    eps = opts.load_epsilon
     table = [
         Front("ideal (1 engine, all the cache)", None, ideal=True),
-        Front("affinity", _gateway("affinity", 1, eps)),
-        Front("round_robin", _gateway("round_robin", 1, eps)),
-        Front("least_loaded", _gateway("least_loaded", 1, eps)),
+        Front("affinity", _gateway("affinity", 1, opts)),
+        Front("round_robin", _gateway("round_robin", 1, opts)),
+        Front("least_loaded", _gateway("least_loaded", 1, opts)),
         Front("vllm-router cache_aware", _router(1)),
-        Front("affinity, 2 replicas", _gateway("affinity", 2, eps)),
+        Front("affinity, 2 replicas", _gateway("affinity", 2, opts)),
         Front("vllm-router cache_aware, 2 replicas", _router(2)),
     ]
     if not router_installed():
@@ -210,6 +250,8 @@ class Result:
     ttft_p50_ms: float | None
     ttft_p99_ms: float | None
     max_over_mean: float | None
+    # Max / mean of the engines' time-averaged requests in flight.
+    busy_max_over_mean: float | None
     per_engine: list[float]
     errors: int
     seconds: float
@@ -226,7 +268,7 @@ def run_front(
     front: Front, workloads: list[Workload], opts: Options, workdir: Path, cpus: CpuPlan
 ) -> list[Result]:
     results: list[Result] = []
-    with Fleet(workdir, cpus) as fleet:
+    with Fleet(workdir, cpus) as fleet, ExitStack() as stack:
         if front.ideal:
             cache = str(opts.kv_cache_tokens * opts.engines)
             sims = [fleet.sim("--kv-cache-tokens", cache, "--latency", "zero", name="sim-ideal")]
@@ -236,11 +278,11 @@ def run_front(
         if front.start is None:
             urls, headers = engines, {}
         else:
-            urls, headers = front.start(fleet, engines)
+            urls, headers = front.start(fleet, engines, stack)
         for workload in workloads:
             before = [scrape(e) for e in engines]
             t0 = time.monotonic()
-            outcome = asyncio.run(replay(workload, urls, headers, opts.concurrency))
+            outcome = asyncio.run(replay(workload, urls, headers, opts.concurrency, engines))
             seconds = time.monotonic() - t0
             after = [scrape(e) for e in engines]
             queries = sum(a.queries - b.queries for a, b in zip(after, before, strict=True))
@@ -255,6 +297,7 @@ def run_front(
                 ttft_p50_ms=None if front.ideal else _pct(outcome.ttft, 50),
                 ttft_p99_ms=None if front.ideal else _pct(outcome.ttft, 99),
                 max_over_mean=None if front.ideal or not mean else max(per_engine) / mean,
+                busy_max_over_mean=_max_over_mean(outcome.busy) if not front.ideal else None,
                 per_engine=per_engine,
                 errors=outcome.errors,
                 seconds=seconds,
@@ -267,6 +310,11 @@ def run_front(
             )
             results.append(result)
     return results
+
+
+def _max_over_mean(values: Sequence[float]) -> float | None:
+    mean = statistics.mean(values) if values else 0.0
+    return max(values) / mean if mean else None
 
 
 def _start_sims(fleet: Fleet, opts: Options) -> list[Server]:
@@ -293,6 +341,7 @@ def write_report(report: Report, results: list[Result], workloads: list[Workload
                     fmt(r.ttft_p50_ms),
                     fmt(r.ttft_p99_ms),
                     fmt(r.max_over_mean, 2),
+                    fmt(r.busy_max_over_mean, 2),
                     r.errors,
                 ]
             )
@@ -304,7 +353,8 @@ def write_report(report: Report, results: list[Result], workloads: list[Workload
                 "uncached tokens",
                 "TTFT p50 ms",
                 "TTFT p99 ms",
-                "max/mean load",
+                "max/mean requests",
+                "max/mean busy",
                 "errors",
             ],
             rows,
@@ -364,6 +414,13 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespace]
         help="only front ends whose name starts with this (repeatable)",
     )
     p.add_argument("--load-epsilon", type=float, default=None, help="the gateway's load bound")
+    p.add_argument(
+        "--gateway-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="extra gateway setting, e.g. GATEWAY_ROUTING__HOT_DIVISOR=4 (repeatable)",
+    )
     p.add_argument("--out", type=Path, help="results folder (default bench/results/<timestamp>)")
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
     args, _unknown = p.parse_known_args(argv)
@@ -373,6 +430,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespace]
         scale=args.scale if args.scale is not None else (0.25 if args.quick else 1.0),
         fronts=args.front,
         load_epsilon=args.load_epsilon,
+        gateway_env=dict(item.split("=", 1) for item in args.gateway_env),
     )
     if args.workload:
         opts.workloads = args.workload

@@ -9,7 +9,7 @@ distinct prefixes: eviction decides the hit rate, as in the DESIGN.md simulation
 
 - chat: multi-turn conversations sharing one long system prompt;
 - few_shot: plain completions sharing a 3k-token few-shot prefix;
-- images: several questions, from different users at different times, per image;
+- images: three questions per image, from different users at different times;
 - templates: many system-prompt templates of Zipf-distributed popularity.
 """
 
@@ -165,8 +165,8 @@ def few_shot(model: str, scale: float, rng: random.Random, max_tokens: int) -> W
     )
 
 
-def png_data_url(index: int, side: int = 896) -> str:
-    """A distinct PNG per index (896x896: 786 image tokens in the simulated Qwen3-VL)."""
+def png_data_url(index: int, side: int = 672) -> str:
+    """A distinct PNG per index (672x672: 443 image tokens in the simulated Qwen3-VL)."""
     from PIL import Image, ImageDraw
 
     rng = random.Random(index)
@@ -182,7 +182,7 @@ def png_data_url(index: int, side: int = 896) -> str:
 
 def images(model: str, scale: float, rng: random.Random, max_tokens: int) -> Workload:
     system = {"role": "system", "content": "Describe images precisely. " + words(rng, 200)}
-    count = max(4, round(32 * scale))
+    count = max(4, round(64 * scale))
     urls = [png_data_url(i) for i in range(count)]
     calls = [
         Call(
@@ -203,13 +203,13 @@ def images(model: str, scale: float, rng: random.Random, max_tokens: int) -> Wor
             ),
         )
         for i in range(count)
-        for _ in range(4)
+        for _ in range(3)
     ]
     # Questions about one image come from different users at different times.
     rng.shuffle(calls)
     return Workload(
         "images",
-        f"{count} images of 896x896, 4 questions each, in random order",
+        f"{count} images of 672x672, 3 questions each, in random order",
         [[c] for c in calls],
     )
 
