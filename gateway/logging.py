@@ -22,19 +22,20 @@ _DATA_URL = re.compile(r"data:[^,\s]{0,100},[A-Za-z0-9+/=%_-]{16,}")
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
 
 
-def _scrub(value: Any) -> Any:
-    if isinstance(value, str) and "data:" in value:
-        return _DATA_URL.sub("data:<redacted>", value)
-    return value
+# Field names are few and fixed: decide once per name, not once per log line.
+_secret_name: dict[str, bool] = {}
 
 
 def redact(logger: WrappedLogger, method: str, event: EventDict) -> EventDict:
     """Mask secret-named fields; shorten data URLs in string fields."""
     for name, value in event.items():
-        if _SECRET_NAMES.search(name):
+        secret = _secret_name.get(name)
+        if secret is None:
+            secret = _secret_name[name] = bool(_SECRET_NAMES.search(name))
+        if secret:
             event[name] = "***"
-        else:
-            event[name] = _scrub(value)
+        elif isinstance(value, str) and "data:" in value:
+            event[name] = _DATA_URL.sub("data:<redacted>", value)
     return event
 
 

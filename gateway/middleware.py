@@ -21,6 +21,7 @@ from gateway.errors import (
     Overloaded,
     PermissionDenied,
     UnknownEndpoint,
+    error_body,
     send_error,
 )
 from gateway.exchange import SCOPE_KEY, ASGIApp, Exchange, Message, Receive, Scope, Send
@@ -74,6 +75,7 @@ class RequestContext:
             ex.code = exc.code
             if ex.status == 0:
                 await send_error(send_with_id, exc)
+                ex.bytes_out = len(error_body(exc))
         except ClientDisconnected:
             ex.disconnected = True
         except Exception:

@@ -1,0 +1,161 @@
+"""The README's first command: the gateway in front of two simulated engines, on loopback.
+
+`python -m bench.demo` starts two simulated vLLM engines and the gateway with a freshly
+generated API key, sends a few requests through it (chat, streaming chat, a blocked
+route, a request without a key, a path trick, a LoRA path in `model`), prints what
+happened, and stops everything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{url} exited early:\n{log.read_text(errors='replace')}")
+        try:
+            if httpx.get(url, timeout=0.5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise SystemExit(f"{url} did not become ready:\n{log.read_text(errors='replace')}")
+
+
+@contextmanager
+def _started(
+    args: list[str], ready: str, log: Path, env: dict[str, str]
+) -> Iterator[subprocess.Popen[bytes]]:
+    with log.open("wb") as out:
+        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait(ready, proc, log)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def _show(title: str, resp: httpx.Response) -> None:
+    try:
+        body = resp.json()
+        detail = body["error"]["code"] if "error" in body else json.dumps(body)[:160]
+    except (ValueError, KeyError, TypeError):
+        detail = resp.text[:160]
+    print(f"  {title:<52} -> {resp.status_code} {detail}")
+
+
+def main() -> int:
+    key = "sk-demo-" + secrets.token_urlsafe(24)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    tmp = Path(tempfile.mkdtemp(prefix="vllm-gateway-demo-"))
+    ports = [_free_port() for _ in range(3)]
+    engines = [f"http://127.0.0.1:{p}" for p in ports[:2]]
+    gateway = f"http://127.0.0.1:{ports[2]}"
+    print(f"Starting 2 simulated engines ({', '.join(engines)}) and the gateway ({gateway}).")
+    print(f"Logs in {tmp}. The demo key is generated for this run only.\n")
+    sims = [
+        [sys.executable, "-m", "bench.sim", "--host", "127.0.0.1", "--port", str(p)]
+        for p in ports[:2]
+    ]
+    gw_env = {
+        **env,
+        "GATEWAY_ENGINES": json.dumps(engines),
+        "GATEWAY_API_KEYS": json.dumps([key]),
+        "GATEWAY_LOG_FORMAT": "json",
+    }
+    serve = [
+        sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1",
+        "--port", str(ports[2]),
+    ]  # fmt: skip
+    with (
+        _started(sims[0], engines[0] + "/health", tmp / "engine-1.log", env),
+        _started(sims[1], engines[1] + "/health", tmp / "engine-2.log", env),
+        _started(serve, gateway + "/readyz", tmp / "gateway.log", gw_env),
+        httpx.Client(base_url=gateway, timeout=30) as client,
+    ):
+        auth = {"Authorization": f"Bearer {key}"}
+        models = client.get("/v1/models", headers=auth).json()
+        model = models["data"][0]["id"]
+        print(f"The engines serve {model!r}; the gateway learned it from /v1/models.\n")
+        chat = {"model": model, "messages": [{"role": "user", "content": "Hello!"}]}
+
+        print("Allowed:")
+        r = client.post("/v1/chat/completions", headers=auth, json={**chat, "max_tokens": 12})
+        answer = r.json()["choices"][0]["message"]["content"]
+        print(f"  {'POST /v1/chat/completions':<52} -> {r.status_code} {answer!r}")
+        print(f"  {'streaming, chunks as they arrive:':<52} -> ", end="", flush=True)
+        body = {**chat, "max_tokens": 24, "stream": True}
+        with client.stream("POST", "/v1/chat/completions", headers=auth, json=body) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    delta = json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                    print(delta, end="", flush=True)
+        print()
+
+        print("\nRefused by the gateway (none of these reaches an engine):")
+        _show(
+            "POST /v1/chat/completions without a key",
+            client.post("/v1/chat/completions", json=chat),
+        )
+        _show(
+            "... with a wrong key",
+            client.post("/v1/chat/completions", json=chat, headers={"Authorization": "Bearer x"}),
+        )
+        _show(
+            "POST /v1/load_lora_adapter (runtime LoRA loading)",
+            client.post("/v1/load_lora_adapter", headers=auth, json={"lora_name": "x"}),
+        )
+        _show("POST /collective_rpc (vLLM dev mode)", client.post("/collective_rpc", headers=auth))
+        _show("GET /docs (engine API docs)", client.get("/docs", headers=auth))
+        _show(
+            'POST /v1/chat/completions with model "../x"',
+            client.post("/v1/chat/completions", headers=auth, json={**chat, "model": "../x"}),
+        )
+        _show("GET /V1/models (a case variant)", client.get("/V1/models", headers=auth))
+        _show("GET /metrics with an inference key", client.get("/metrics", headers=auth))
+        _show("GET /no/such/route", client.get("/no/such/route", headers=auth))
+
+        print("\nThe gateway's request log (one line per request, no keys, no prompts):")
+    for line in (tmp / "gateway.log").read_text(errors="replace").splitlines()[-12:]:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if entry.get("event") == "request":
+            fields = ("status", "code", "method", "path", "key_name", "model", "engine")
+            print("  " + " ".join(f"{f}={entry.get(f)}" for f in fields if entry.get(f)))
+    print("\nEverything stopped.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
