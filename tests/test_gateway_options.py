@@ -1,0 +1,104 @@
+"""Operator options and small refusal cases, in-process (no engine is ever needed: every
+case here is answered by the gateway before forwarding)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.app import create_app
+from gateway.config import Settings
+from gateway.logging import redact
+
+KEY = "sk-options-0123456789abcdef"
+
+
+def settings(**overrides: Any) -> Settings:
+    base: dict[str, Any] = {"engines": ["http://127.0.0.1:9"], "api_keys": [KEY]}
+    return Settings(**{**base, **overrides})
+
+
+async def call(s: Settings, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    transport = httpx.ASGITransport(app=create_app(s))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+        return await client.request(method, path, **kwargs)
+
+
+def run(s: Settings, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    return asyncio.run(call(s, method, path, **kwargs))
+
+
+@pytest.mark.parametrize(
+    ("options", "method", "path", "headers", "status", "code"),
+    [
+        ({}, "GET", "/metrics", {}, 401, "invalid_api_key"),
+        ({"public_metrics": True}, "GET", "/metrics", {}, 200, None),
+        # Without a key, allowed only by allow_unauthenticated (the body check then runs).
+        ({}, "POST", "/v1/chat/completions", {}, 401, "invalid_api_key"),
+        ({"allow_unauthenticated": True}, "POST", "/v1/chat/completions", {}, 400, "invalid_json"),
+        # Anonymous callers never get the metrics scope.
+        ({"api_keys": [], "allow_unauthenticated": True}, "GET", "/metrics", {}, 403,
+         "scope_not_allowed"),
+        # Wrong methods never reach an engine.
+        ({}, "GET", "/v1/chat/completions", {"Authorization": f"Bearer {KEY}"}, 405,
+         "method_not_allowed"),
+        ({}, "DELETE", "/v1/models", {"Authorization": f"Bearer {KEY}"}, 405,
+         "method_not_allowed"),
+        ({}, "POST", "/healthz", {}, 405, "method_not_allowed"),
+        # A key header in another scheme is not accepted.
+        ({}, "GET", "/v1/models", {"Authorization": f"Basic {KEY}"}, 401, "invalid_api_key"),
+        ({}, "GET", "/v1/models", {"X-Api-Key": KEY}, 401, "invalid_api_key"),
+    ],
+)  # fmt: skip
+def test_options_and_refusals(
+    options: dict[str, Any],
+    method: str,
+    path: str,
+    headers: dict[str, str],
+    status: int,
+    code: str | None,
+) -> None:
+    headers = {**headers, "Content-Type": "application/json"}
+    r = run(settings(**options), method, path, headers=headers, content=b"{bad")
+    assert r.status_code == status
+    if code is None:
+        assert "gateway_requests_total" in r.text
+    else:
+        assert r.json()["error"]["code"] == code
+        assert KEY not in r.text
+    assert len(r.headers["x-request-id"]) == 32
+
+
+def test_no_keys_refuses_to_start() -> None:
+    with pytest.raises(ValueError, match="no API keys configured"):
+        Settings(engines=["http://127.0.0.1:9"])
+
+
+def test_no_engine_configured_is_503() -> None:
+    r = run(
+        settings(engines=[], served_models=["m"]),
+        "POST",
+        "/v1/chat/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"model": "m"},
+    )
+    assert (r.status_code, r.json()["error"]["code"]) == (503, "no_engine_available")
+
+
+@pytest.mark.parametrize(
+    ("event", "expected"),
+    [
+        ({"authorization": "Bearer x", "event": "e"}, {"authorization": "***", "event": "e"}),
+        ({"api_key": "k", "upstream_token": "t"}, {"api_key": "***", "upstream_token": "***"}),
+        (
+            {"url": "see data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAAB tail"},
+            {"url": "see data:<redacted> tail"},
+        ),
+        ({"key_name": "tenant-a", "status": 200}, {"key_name": "tenant-a", "status": 200}),
+    ],
+)
+def test_log_redaction(event: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert redact(None, "info", dict(event)) == expected
