@@ -63,7 +63,8 @@ def fmt(value: Any, digits: int = 1) -> str:
     if isinstance(value, float):
         if abs(value) >= 1000:
             return f"{value:,.0f}"
-        return f"{value:.{digits}f}"
+        # Ratios sit near 1: one decimal would hide the differences that matter.
+        return f"{value:.{max(digits, 2) if abs(value) < 10 else digits}f}"
     return str(value)
 
 
