@@ -49,7 +49,6 @@ def configure_logging(
 ) -> None:
     """Configure structlog for the process (uvicorn workers call it once each)."""
     processors: list[Processor] = [
-        structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         redact,

@@ -304,8 +304,8 @@ class Proxy:
         length = resp.content_length
         if length is not None and length <= _SMALL_RESPONSE:
             try:
-                async with asyncio.timeout(self._idle):
-                    body = await resp.read()
+                # Bounded by the client's sock_read timeout; no extra timer on this path.
+                body = await resp.read()
             except (aiohttp.ClientError, TimeoutError):
                 raise UpstreamBroken() from None
             if watcher is not None:
