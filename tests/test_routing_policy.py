@@ -283,14 +283,74 @@ def test_requests_without_a_prompt_spread_round_robin(req: RoutingRequest) -> No
 
 
 def test_removing_an_engine_moves_only_its_own_anchors() -> None:
+    # Pure rendezvous (no placement memory): two instances that never met agree on every
+    # anchor whose first choice is still there.
     pool = engines(5)
-    policy_a, policy_b = affinity(), affinity()
+    policy_a, policy_b = affinity(placement_epsilon=None), affinity(placement_epsilon=None)
     before = [route(policy_a, chat_request(conversation(i, 1)), pool) for i in range(100)]
     gone = pool[2].url
     smaller = [e for e in pool if e.url != gone]
     after = [route(policy_b, chat_request(conversation(i, 1)), smaller) for i in range(100)]
     moved = [(b, a) for b, a in zip(before, after, strict=True) if b != a]
     assert moved and all(b == gone for b, _ in moved)
+
+
+def test_placements_stay_when_an_engine_leaves() -> None:
+    pool = engines(5)
+    policy = affinity()
+    for req in background(20):  # past the warm-up: anchors are first user messages
+        route(policy, req, pool)
+    before = [route(policy, chat_request(conversation(i, 1)), pool) for i in range(100)]
+    gone = pool[2].url
+    smaller = [e for e in pool if e.url != gone]
+    after = [route(policy, chat_request(conversation(i, 2)), smaller) for i in range(100)]
+    moved = [(b, a) for b, a in zip(before, after, strict=True) if b != a]
+    assert moved and all(b == gone for b, _ in moved)
+
+
+def uneven_conversations() -> list[RoutingRequest]:
+    """64 conversations of 1 to 8 turns (anchors of uneven weight), 8 users at a time:
+    each user takes the next conversation when theirs ends, as traffic arrives."""
+    queue = [[conversation(i, t) for t in range(1, 2 + (i * 5) % 8)] for i in range(64)]
+    active: list[list[dict[str, Any]]] = []
+    out: list[RoutingRequest] = []
+    while queue or active:
+        while queue and len(active) < 8:
+            active.append(queue.pop(0))
+        for turns in active:
+            out.append(chat_request(turns.pop(0)))
+        active = [turns for turns in active if turns]
+    return out
+
+
+def max_over_mean(counts: Counter[str], n: int) -> float:
+    return max(counts.values()) / (sum(counts.values()) / n)
+
+
+def test_placement_evens_out_anchors_of_uneven_weight() -> None:
+    worst_plain, worst_placed = 0.0, 0.0
+    for pool_id in range(6):
+        pool = [FakeEngine(f"http://10.{pool_id}.0.{i}:8000") for i in range(4)]
+        plain, placed = affinity(placement_epsilon=None), affinity(placement_epsilon=0.2)
+        plain_load = Counter(route(plain, r, pool) for r in uneven_conversations())
+        placed_load = Counter(route(placed, r, pool) for r in uneven_conversations())
+        worst_plain = max(worst_plain, max_over_mean(plain_load, 4))
+        worst_placed = max(worst_placed, max_over_mean(placed_load, 4))
+    # Rendezvous alone leaves an engine well over its share in some draw of URLs ...
+    assert worst_plain > 1.5
+    # ... placement keeps every draw within the issue's 1.3 (1.26 measured).
+    assert worst_placed <= 1.3
+
+
+def test_placement_keeps_each_conversation_on_one_engine() -> None:
+    policy, pool = affinity(placement_epsilon=0.0), engines()
+    for req in background(20):
+        route(policy, req, pool)
+    homes: dict[int, set[str]] = {}
+    for t in range(1, 6):
+        for i in range(40):
+            homes.setdefault(i, set()).add(route(policy, chat_request(conversation(i, t)), pool))
+    assert all(len(urls) == 1 for urls in homes.values())
 
 
 def test_no_engines_gives_an_empty_order() -> None:

@@ -16,6 +16,7 @@ from typing import Any, Protocol, TypeVar
 
 from gateway.routing.hotspots import HotCandidates
 from gateway.routing.keys import Anchor, candidate_anchors, session_anchor
+from gateway.routing.placement import Placements
 from gateway.routing.rendezvous import first_within_bound, rendezvous_order
 from gateway.routing.settings import RoutingPolicy, RoutingSettings
 
@@ -107,6 +108,13 @@ class Affinity:
             divisor=settings.hot_divisor,
             min_count=settings.hot_min_count,
         )
+        self._placements: Placements | None = None
+        if settings.placement_epsilon is not None:
+            self._placements = Placements(
+                epsilon=settings.placement_epsilon,
+                window=settings.hot_window,
+                capacity=settings.placement_capacity,
+            )
         self._fallback = RoundRobin()
 
     def anchor(self, request: RoutingRequest, engines: int) -> Anchor | None:
@@ -135,15 +143,22 @@ class Affinity:
             return []
         anchor = self.anchor(request, len(engines))
         if anchor is None:
-            return self._fallback.order(request, engines)
-        ordered = rendezvous_order(anchor.digest, engines)
-        request.anchor = anchor.digest.hex()
-        request.anchor_kind = anchor.kind.value
-        request.first_choice = ordered[0].url
-        index = first_within_bound(ordered, self._settings.load_epsilon)
-        request.spilled = index != 0
-        if index:
-            ordered.insert(0, ordered.pop(index))
+            ordered = self._fallback.order(request, engines)
+        else:
+            ordered = rendezvous_order(anchor.digest, engines)
+            request.anchor = anchor.digest.hex()
+            request.anchor_kind = anchor.kind.value
+            request.first_choice = ordered[0].url
+            if self._placements is not None:
+                home = self._placements.home(anchor.digest, [e.url for e in ordered])
+                if home:
+                    ordered.insert(0, ordered.pop(home))
+            index = first_within_bound(ordered, self._settings.load_epsilon)
+            if index:
+                ordered.insert(0, ordered.pop(index))
+            request.spilled = ordered[0].url != request.first_choice
+        if self._placements is not None:
+            self._placements.count(ordered[0].url)
         return ordered
 
 
