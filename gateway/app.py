@@ -25,6 +25,7 @@ from gateway.exchange import SCOPE_KEY, ASGIApp, Exchange, Receive, Scope, Send
 from gateway.logging import configure_logging
 from gateway.metrics import CONTENT_TYPE, Metrics
 from gateway.middleware import Authentication, EndpointGuard, InFlightLimit, RequestContext
+from gateway.payload import PayloadInspector
 from gateway.proxy import Proxy
 from gateway.routing.policy import make_policy
 from gateway.routing.pool import Engine, EnginePool
@@ -139,7 +140,10 @@ class Gateway:
         )
         self.pool.extra_models = frozenset(settings.served_models)
         self.pool.models = self.pool.extra_models
-        self.proxy = Proxy(settings, self.pool, make_policy(settings.routing), self.metrics)
+        self.inspector = PayloadInspector(settings.media)
+        self.proxy = Proxy(
+            settings, self.pool, make_policy(settings.routing), self.metrics, self.inspector
+        )
         self.watcher = (
             KeyFileWatcher(settings.api_keys_file, self.keyring, settings)
             if settings.api_keys_file is not None
@@ -212,6 +216,7 @@ class Gateway:
                 await task
         self._tasks.clear()
         await self.pool.stop()
+        await self.inspector.aclose()
         if self._session is not None:
             await self._session.close()
             self._session = None

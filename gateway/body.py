@@ -6,7 +6,7 @@ cut off at the cap instead of being buffered whole first.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from gateway.errors import RequestTooLarge
@@ -59,37 +59,3 @@ async def read_body(receive: Receive, limit: int) -> bytes:
     if len(chunks) == 1:
         return chunks[0]
     return b"".join(chunks)
-
-
-class BodyStream:
-    """The body as an async iterator for streaming uploads, capped at `limit` bytes.
-
-    `exceeded` tells the caller, after a failed upstream write, that the cap (not the
-    engine) ended the upload; `done` is set once the client sent its last chunk.
-    """
-
-    def __init__(self, receive: Receive, limit: int) -> None:
-        self._receive = receive
-        self._limit = limit
-        self.size = 0
-        self.exceeded = False
-        self.disconnected = False
-        self.done = False
-
-    def too_large(self) -> RequestTooLarge:
-        return _too_large(self._limit)
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        while not self.done:
-            message = await self._receive()
-            if message["type"] == "http.disconnect":
-                self.disconnected = True
-                raise ClientDisconnected
-            chunk: bytes = message.get("body", b"")
-            self.done = not message.get("more_body", False)
-            if chunk:
-                self.size += len(chunk)
-                if self.size > self._limit:
-                    self.exceeded = True
-                    raise self.too_large()
-                yield chunk

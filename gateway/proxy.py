@@ -17,9 +17,9 @@ import aiohttp
 import orjson
 import structlog
 
-from gateway.body import BodyStream, ClientDisconnected, check_declared, read_body
+from gateway.body import ClientDisconnected, check_declared, read_body
 from gateway.config import Settings
-from gateway.endpoints import BodyKind, Route
+from gateway.endpoints import BodyKind
 from gateway.errors import (
     InvalidJson,
     ModelNotAllowed,
@@ -32,6 +32,8 @@ from gateway.errors import (
 )
 from gateway.exchange import SCOPE_KEY, Exchange, Receive, Scope, Send
 from gateway.metrics import Metrics
+from gateway.multipart import validate_upload
+from gateway.payload import PayloadInspector
 from gateway.routing.policy import Policy, RoutingRequest
 from gateway.routing.pool import Engine, EnginePool
 
@@ -78,13 +80,11 @@ _RESPONSE_DROP = frozenset(
 _SMALL_RESPONSE = 64 * 1024
 
 
-async def prepare_body(route: Route, raw: bytes, body: dict[str, Any], exchange: Exchange) -> bytes:
-    """The bytes to forward for a JSON request whose object `body` was parsed from `raw`.
-
-    The single place where request bodies are inspected or rewritten before they reach
-    an engine (media inspection plugs in here). Returns `raw` when nothing changes.
-    """
-    return raw
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None
 
 
 def _is_json(content_type: bytes | None) -> bool:
@@ -97,9 +97,15 @@ class Proxy:
     """The innermost ASGI app: forwards an authorised request to an engine."""
 
     def __init__(
-        self, settings: Settings, pool: EnginePool, policy: Policy, metrics: Metrics
+        self,
+        settings: Settings,
+        pool: EnginePool,
+        policy: Policy,
+        metrics: Metrics,
+        inspector: PayloadInspector,
     ) -> None:
         self.settings = settings
+        self.inspector = inspector
         self.pool = pool
         self.policy = policy
         self.metrics = metrics
@@ -155,19 +161,31 @@ class Proxy:
             )
         ex.model = model
 
+    async def prepare_body(
+        self, raw: bytes, body: dict[str, Any], ex: Exchange
+    ) -> tuple[bytes, list[str]]:
+        """The bytes to forward for a JSON request whose object `body` was parsed from
+        `raw`, and the content hashes of its media items (for routing).
+
+        The single place where request bodies are inspected or rewritten before they
+        reach an engine. Every body mutation the inspector makes (media rewritten to a
+        data: or canonical URL, a uuid namespaced) belongs to a media item, so a body
+        with no media items is forwarded as the client sent it, without re-encoding.
+        """
+        hashes = await self.inspector.inspect(ex.route.path, body, key_name=ex.key_name or "")
+        if hashes:
+            raw = orjson.dumps(body)
+        return raw, hashes
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ex: Exchange = scope[SCOPE_KEY]
         route = ex.route
         limits = self.settings.limits
-        data: bytes | BodyStream | None = None
+        data: bytes | None = None
         parsed: dict[str, Any] | None = None
+        media_hashes: list[str] = []
         if route.body is BodyKind.json:
-            content_type = None
-            for name, value in scope["headers"]:
-                if name == b"content-type":
-                    content_type = value
-                    break
-            if not _is_json(content_type):
+            if not _is_json(_header(scope, b"content-type")):
                 raise UnsupportedMediaType("This endpoint takes 'Content-Type: application/json'.")
             check_declared(scope["headers"], limits.max_body_bytes)
             raw = await read_body(receive, limits.max_body_bytes)
@@ -180,16 +198,30 @@ class Proxy:
                 raise InvalidJson("The request body must be a JSON object.")
             parsed = loaded
             self._check_model(ex, parsed)
-            data = await prepare_body(route, raw, parsed, ex)
+            data, media_hashes = await self.prepare_body(raw, parsed, ex)
         elif route.body is BodyKind.multipart:
+            # Read whole (capped) and validated before anything reaches an engine: the
+            # upload is forwarded only when it is one well-formed audio file.
             check_declared(scope["headers"], limits.max_upload_bytes)
-            data = BodyStream(receive, limits.max_upload_bytes)
+            raw = await read_body(receive, limits.max_upload_bytes)
+            ex.bytes_in = len(raw)
+            content_type = _header(scope, b"content-type")
+            validate_upload(
+                None if content_type is None else content_type.decode("latin-1"),
+                raw,
+                self.settings.media,
+                max_file_bytes=limits.max_upload_bytes,
+            )
+            data = raw
 
         engines: Sequence[Engine] = self.pool.healthy() or self.pool.engines
         if not engines:
             raise NoEngineAvailable("No engine is configured.")
         order = self.policy.order(
-            RoutingRequest(path=route.path, body=parsed, key_name=ex.key_name), engines
+            RoutingRequest(
+                path=route.path, body=parsed, media_hashes=media_hashes, key_name=ex.key_name
+            ),
+            engines,
         )
         target = scope["gateway.path"]
         query: bytes = scope.get("query_string", b"")
@@ -199,10 +231,8 @@ class Proxy:
 
         task = asyncio.current_task()
         assert task is not None
-        watcher: asyncio.Task[None] | None = None
-        if not isinstance(data, BodyStream):
-            # The body is consumed: from now on `receive` only reports a disconnect.
-            watcher = asyncio.create_task(self._watch(receive, ex, task))
+        # The body is consumed: from now on `receive` only reports a disconnect.
+        watcher = asyncio.create_task(self._watch(receive, ex, task))
         try:
             await self._forward(scope, send, ex, order, target, headers, data, watcher)
         except asyncio.CancelledError:
@@ -234,7 +264,7 @@ class Proxy:
         order: Sequence[Engine],
         target: str,
         headers: list[tuple[str, str]],
-        data: bytes | BodyStream | None,
+        data: bytes | None,
         watcher: asyncio.Task[None] | None,
     ) -> None:
         session = self.session
@@ -265,17 +295,9 @@ class Proxy:
             except aiohttp.ClientError:
                 engine.in_flight -= 1
                 ex.engine = engine.url
-                if isinstance(data, BodyStream):
-                    # The upload ended the request, not the engine.
-                    if data.exceeded:
-                        raise data.too_large() from None
-                    if data.disconnected:
-                        raise ClientDisconnected from None
                 raise UpstreamUnavailable("The connection to the engine failed.") from None
             except BaseException:
                 engine.in_flight -= 1
-                if isinstance(data, BodyStream) and data.exceeded:
-                    raise data.too_large() from None
                 raise
             ex.engine = engine.url
             ex.ttfb = time.perf_counter() - sent_at
