@@ -30,6 +30,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -267,7 +268,14 @@ def _pct(values: list[float], p: float) -> float | None:
 def run_front(
     front: Front, workloads: list[Workload], opts: Options, workdir: Path, cpus: CpuPlan
 ) -> list[Result]:
-    results: list[Result] = []
+    """Each workload on fresh engines and a fresh front end: no cache, hot window or
+    placement carries over, so every row measures that workload alone."""
+    return [run_one(front, w, opts, workdir, cpus) for w in workloads]
+
+
+def run_one(
+    front: Front, workload: Workload, opts: Options, workdir: Path, cpus: CpuPlan
+) -> Result:
     with Fleet(workdir, cpus) as fleet, ExitStack() as stack:
         if front.ideal:
             cache = str(opts.kv_cache_tokens * opts.engines)
@@ -279,37 +287,35 @@ def run_front(
             urls, headers = engines, {}
         else:
             urls, headers = front.start(fleet, engines, stack)
-        for workload in workloads:
-            before = [scrape(e) for e in engines]
-            t0 = time.monotonic()
-            outcome = asyncio.run(replay(workload, urls, headers, opts.concurrency, engines))
-            seconds = time.monotonic() - t0
-            after = [scrape(e) for e in engines]
-            queries = sum(a.queries - b.queries for a, b in zip(after, before, strict=True))
-            hits = sum(a.hits - b.hits for a, b in zip(after, before, strict=True))
-            per_engine = [a.requests - b.requests for a, b in zip(after, before, strict=True)]
-            mean = statistics.mean(per_engine)
-            result = Result(
-                front=front.name,
-                workload=workload.name,
-                hit_rate=hits / queries if queries else 0.0,
-                uncached=queries - hits,
-                ttft_p50_ms=None if front.ideal else _pct(outcome.ttft, 50),
-                ttft_p99_ms=None if front.ideal else _pct(outcome.ttft, 99),
-                max_over_mean=None if front.ideal or not mean else max(per_engine) / mean,
-                busy_max_over_mean=_max_over_mean(outcome.busy) if not front.ideal else None,
-                per_engine=per_engine,
-                errors=outcome.errors,
-                seconds=seconds,
-            )
-            if outcome.errors:
-                progress(f"  {outcome.errors} errors, first: {outcome.first_error}")
-            progress(
-                f"  {front.name} / {workload.name}: hit {result.hit_rate:.1%}, "
-                f"p50 {fmt(result.ttft_p50_ms)} ms, load {per_engine}, {seconds:.1f}s"
-            )
-            results.append(result)
-    return results
+        before = [scrape(e) for e in engines]
+        t0 = time.monotonic()
+        outcome = asyncio.run(replay(workload, urls, headers, opts.concurrency, engines))
+        seconds = time.monotonic() - t0
+        after = [scrape(e) for e in engines]
+    queries = sum(a.queries - b.queries for a, b in zip(after, before, strict=True))
+    hits = sum(a.hits - b.hits for a, b in zip(after, before, strict=True))
+    per_engine = [a.requests - b.requests for a, b in zip(after, before, strict=True)]
+    mean = statistics.mean(per_engine)
+    result = Result(
+        front=front.name,
+        workload=workload.name,
+        hit_rate=hits / queries if queries else 0.0,
+        uncached=queries - hits,
+        ttft_p50_ms=None if front.ideal else _pct(outcome.ttft, 50),
+        ttft_p99_ms=None if front.ideal else _pct(outcome.ttft, 99),
+        max_over_mean=None if front.ideal or not mean else max(per_engine) / mean,
+        busy_max_over_mean=_max_over_mean(outcome.busy) if not front.ideal else None,
+        per_engine=per_engine,
+        errors=outcome.errors,
+        seconds=seconds,
+    )
+    if outcome.errors:
+        progress(f"  {outcome.errors} errors, first: {outcome.first_error}")
+    progress(
+        f"  {front.name} / {workload.name}: hit {result.hit_rate:.1%}, "
+        f"p50 {fmt(result.ttft_p50_ms)} ms, load {per_engine}, {seconds:.1f}s"
+    )
+    return result
 
 
 def _max_over_mean(values: Sequence[float]) -> float | None:
@@ -319,7 +325,10 @@ def _max_over_mean(values: Sequence[float]) -> float | None:
 
 def _start_sims(fleet: Fleet, opts: Options) -> list[Server]:
     args = ("--kv-cache-tokens", str(opts.kv_cache_tokens), "--latency", "calibrated")
-    return [fleet.sim(*args, name=f"sim-{i}") for i in range(opts.engines)]
+    # In parallel: each start waits for /health, and there are 4 x 7 x 4 of them a run.
+    with ThreadPoolExecutor(opts.engines) as pool:
+        futures = [pool.submit(fleet.sim, *args, name=f"sim-{i}") for i in range(opts.engines)]
+        return [f.result() for f in futures]
 
 
 # --- report ----------------------------------------------------------------------------
