@@ -2,12 +2,15 @@
 
 `python -m bench.demo` starts two simulated vLLM engines and the gateway with a freshly
 generated API key, sends a few requests through it (chat, streaming chat, a blocked
-route, a request without a key, a path trick, a LoRA path in `model`), prints what
-happened, and stops everything.
+route, a request without a key, a path trick, a LoRA path in `model`, image URLs
+aimed at internal addresses, a dangerous field), prints what happened, and stops
+everything.
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 import secrets
@@ -21,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+from PIL import Image
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,6 +76,21 @@ def _show(title: str, resp: httpx.Response) -> None:
     print(f"  {title:<52} -> {resp.status_code} {detail}")
 
 
+def _png() -> str:
+    image = Image.new("RGB", (64, 48), "white")
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _image_chat(model: str, url: str) -> dict[str, object]:
+    content = [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image_url", "image_url": {"url": url}},
+    ]
+    return {"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": content}]}
+
+
 def main() -> int:
     key = "sk-demo-" + secrets.token_urlsafe(24)
     env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
@@ -120,6 +139,10 @@ def main() -> int:
                     delta = json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
                     print(delta, end="", flush=True)
         print()
+        _show(
+            "a chat with a data: image (validated by the gateway)",
+            client.post("/v1/chat/completions", headers=auth, json=_image_chat(model, _png())),
+        )
 
         print("\nRefused by the gateway (none of these reaches an engine):")
         _show(
@@ -143,6 +166,33 @@ def main() -> int:
         _show("GET /V1/models (a case variant)", client.get("/V1/models", headers=auth))
         _show("GET /metrics with an inference key", client.get("/metrics", headers=auth))
         _show("GET /no/such/route", client.get("/no/such/route", headers=auth))
+        metadata = "http://169.254.169.254/latest/meta-data/"
+        _show(
+            "an image URL at the cloud metadata address",
+            client.post("/v1/chat/completions", headers=auth, json=_image_chat(model, metadata)),
+        )
+        _show(
+            "an image URL at the engine's own /metrics",
+            client.post(
+                "/v1/chat/completions",
+                headers=auth,
+                json=_image_chat(model, engines[0] + "/metrics"),
+            ),
+        )
+        _show(
+            "a 'file:///etc/passwd' image",
+            client.post(
+                "/v1/chat/completions", headers=auth, json=_image_chat(model, "file:///etc/passwd")
+            ),
+        )
+        _show(
+            "prompt_embeds (torch.load of client bytes in vLLM)",
+            client.post(
+                "/v1/completions",
+                headers=auth,
+                json={"model": model, "prompt": "x", "prompt_embeds": "AAAA"},
+            ),
+        )
 
         print("\nThe gateway's request log (one line per request, no keys, no prompts):")
     for line in (tmp / "gateway.log").read_text(errors="replace").splitlines()[-12:]:

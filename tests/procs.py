@@ -106,9 +106,7 @@ def sim_proc(tmp: Path, *opts: str, port: int | None = None) -> Proc:
     return Proc(args, port, _env(None), tmp / f"sim-{port}.log")
 
 
-def gateway_proc(
-    tmp: Path, env: Mapping[str, str], *opts: str, port: int | None = None
-) -> Proc:
+def gateway_proc(tmp: Path, env: Mapping[str, str], *opts: str, port: int | None = None) -> Proc:
     """The gateway under uvicorn (`vllm-gateway serve`), not yet started."""
     port = port or free_port()
     args = [
@@ -129,7 +127,9 @@ def running(*procs: Proc, ready_path: str = "/health") -> Iterator[Sequence[Proc
             p.stop()
 
 
-def scrape(url: str, headers: Mapping[str, str] | None = None) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def scrape(
+    url: str, headers: Mapping[str, str] | None = None
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Samples of a Prometheus endpoint as {(name, sorted labels): value}."""
     text = httpx.get(url, headers=headers, timeout=5).text
     out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
@@ -139,7 +139,9 @@ def scrape(url: str, headers: Mapping[str, str] | None = None) -> dict[tuple[str
     return out
 
 
-def sim_received(engine_url: str, exclude_paths: Sequence[str] = ("/health", "/metrics", "/v1/models")) -> float:
+def sim_received(
+    engine_url: str, exclude_paths: Sequence[str] = ("/health", "/metrics", "/v1/models")
+) -> float:
     """Requests an engine received, from its `sim:received_requests_total`, minus the
     gateway's own health checks and model discovery and the scrape itself."""
     total = 0.0
