@@ -139,10 +139,10 @@ def main() -> int:
                     delta = json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
                     print(delta, end="", flush=True)
         print()
-        _show(
-            "a chat with a data: image (validated by the gateway)",
-            client.post("/v1/chat/completions", headers=auth, json=_image_chat(model, _png())),
-        )
+        r = client.post("/v1/chat/completions", headers=auth, json=_image_chat(model, _png()))
+        tokens = r.json()["usage"]["prompt_tokens"]
+        title = "a chat with a data: image (validated by the gateway)"
+        print(f"  {title:<52} -> {r.status_code} prompt_tokens={tokens}")
 
         print("\nRefused by the gateway (none of these reaches an engine):")
         _show(
@@ -195,7 +195,7 @@ def main() -> int:
         )
 
         print("\nThe gateway's request log (one line per request, no keys, no prompts):")
-    for line in (tmp / "gateway.log").read_text(errors="replace").splitlines()[-12:]:
+    for line in (tmp / "gateway.log").read_text(errors="replace").splitlines()[-24:]:
         try:
             entry = json.loads(line)
         except ValueError:
