@@ -287,6 +287,8 @@ def run_one(
             urls, headers = engines, {}
         else:
             urls, headers = front.start(fleet, engines, stack)
+        for url in urls:
+            _wait_for_model(url, headers)
         before = [scrape(e) for e in engines]
         t0 = time.monotonic()
         outcome = asyncio.run(replay(workload, urls, headers, opts.concurrency, engines))
@@ -316,6 +318,22 @@ def run_one(
         f"p50 {fmt(result.ttft_p50_ms)} ms, load {per_engine}, {seconds:.1f}s"
     )
     return result
+
+
+def _wait_for_model(url: str, headers: dict[str, str], timeout: float = 30.0) -> None:
+    """Wait until the front end lists the model: a gateway learns the engines' models
+    from their /v1/models, and refuses the model (403) until it has."""
+    req = urllib.request.Request(url + "/v1/models", headers=headers)  # noqa: S310 (loopback)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(req, timeout=5) as resp:  # noqa: S310 (loopback)
+                if MODEL in resp.read().decode():
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} does not list {MODEL} after {timeout}s")
 
 
 def _max_over_mean(values: Sequence[float]) -> float | None:
@@ -437,6 +455,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespace]
         help="extra gateway setting, e.g. GATEWAY_ROUTING__HOT_DIVISOR=4 (repeatable)",
     )
     p.add_argument("--out", type=Path, help="results folder (default bench/results/<timestamp>)")
+    p.add_argument("--logs", type=Path, help="keep the servers' logs here (default: a temp dir)")
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
     args, _unknown = p.parse_known_args(argv)
     opts = Options(
@@ -469,9 +488,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         report.note("vllm-router is not installed: `.venv/bin/pip install vllm-router` to compare")
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
+        logs = Path(tmp)
+        if args.logs is not None:
+            logs = args.logs
+            logs.mkdir(parents=True, exist_ok=True)
         for front in fronts(opts):
             progress(f"front end: {front.name}")
-            results += run_front(front, workloads, opts, Path(tmp), cpus)
+            results += run_front(front, workloads, opts, logs, cpus)
     write_report(report, results, workloads)
     report.write()
     print(report.summary())
