@@ -479,6 +479,12 @@ def _shapes(u: str) -> list[tuple[str, str, dict[str, Any]]]:
         ("pooling", "/pooling", {"model": MODEL, "messages": msgs}),
         ("classify", "/classify", {"model": MODEL, "messages": msgs}),
         ("cohere chat", "/cohere/v2/chat", {"model": MODEL, "messages": msgs}),
+        # vLLM's batch chat takes a list of conversations (messages: list[list[...]]).
+        ("chat batch", "/v1/chat/completions/batch",
+         {"model": MODEL, "messages": [[{"role": "user", "content": "hi"}], msgs]}),
+        ("count tokens", "/v1/messages/count_tokens",
+         {"model": MODEL, "messages": [{"role": "user", "content": [
+             {"type": "image", "source": {"type": "url", "url": u}}]}]}),
     ]  # fmt: skip
     return out
 
@@ -493,6 +499,21 @@ def test_media_is_found_in_every_endpoint_and_shape(stack: Stack) -> None:
             refused(stack, stack.inline, path, body, 400, "media_url_not_allowed", "ip_literal")
         except AssertionError as exc:
             raise AssertionError(f"{label}: {exc}") from None
+
+
+def test_duplicate_json_keys_are_read_as_the_engine_reads_them(stack: Stack) -> None:
+    """A body with `messages` twice: Python's json (vLLM) keeps the last; so does the
+    gateway's parser, so the second, forbidden list is the one checked."""
+    safe = json.dumps([{"role": "user", "content": "hi"}])
+    evil = json.dumps([{"role": "user", "content": [image(f"http://{stack.c}/dup.png")]}])
+    raw = f'{{"model": "{MODEL}", "messages": {safe}, "max_tokens": 2, "messages": {evil}}}'
+    assert json.loads(raw)["messages"] == json.loads(evil)
+    before = counts(stack)
+    r = stack.http.post(stack.inline.url + "/v1/chat/completions", content=raw,
+                        headers={**auth(), "Content-Type": "application/json"})  # fmt: skip
+    assert (r.status_code, r.json()["error"]["code"]) == (400, "media_url_not_allowed")
+    assert counts(stack) == before
+    stack.untouched()
 
 
 # --- what is served: validation of data: URLs and of fetched bytes -----------------------
@@ -586,6 +607,16 @@ def test_allowed_host_resolving_outside_allowed_networks_is_refused_at_connect(
     url = f"http://[::1]:{stack.canary6.port}/img.png"
     refused(stack, stack.inline, "/v1/chat/completions", chat(image(url)), 422,
             "media_fetch_failed", "address refused")  # fmt: skip
+
+
+def test_every_url_is_checked_before_anything_is_fetched(stack: Stack) -> None:
+    """An allowed URL next to a forbidden one: the request is refused and the allowed
+    origin is not contacted either (the walk checks every URL before any fetch)."""
+    body = chat(image(stack.o + "/img.png?first"), image(f"http://{stack.c}/second.png"))
+    before = len(stack.origin.hits)
+    refused(stack, stack.inline, "/v1/chat/completions", body, 400, "media_url_not_allowed",
+            "ip_literal")  # fmt: skip
+    assert len(stack.origin.hits) == before
 
 
 def test_size_and_count_caps(stack: Stack) -> None:
