@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +35,10 @@ from gateway.routing.pool import Engine, EnginePool
 # config file (uvicorn starts workers from an import string, not an object).
 CONFIG_ENV = "VLLM_GATEWAY_CONFIG"
 KEY_FILE_POLL = 1.0
+# Young-generation threshold of the cyclic collector. Python's default (700) ran a gen-0
+# collection every few requests at 64 connections: 1,552 of them in one 12 s run, 8-9%
+# of the gateway's CPU (py-spy, gc.callbacks). At 20,000 the same run made 5.
+GC_THRESHOLDS = (20_000, 10, 10)
 
 log = structlog.get_logger("gateway.app")
 
@@ -243,9 +248,22 @@ def create_app(settings: Settings) -> Gateway:
     return Gateway(settings)
 
 
+def tune_collector() -> None:
+    """Collector settings for a serving process; called once the app is built.
+
+    The objects that exist by then (modules, settings, tables) live as long as the
+    process: frozen, later collections do not walk them again.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
 def app_from_env() -> Gateway:
     """uvicorn factory for `--workers N`: settings from the env and the config file."""
     config = os.environ.get(CONFIG_ENV)
     settings = load_settings(Path(config) if config else None)
     configure_logging(settings.log_format, settings.log_level)
-    return create_app(settings)
+    app = create_app(settings)
+    tune_collector()
+    return app

@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
-from gateway.app import CONFIG_ENV, create_app
+from gateway.app import CONFIG_ENV, create_app, tune_collector
 from gateway.auth import KeyConfigError, build_keys, hash_key, load_key_file
 from gateway.config import ApiKeyConfig, Settings, load_settings
 from gateway.logging import configure_logging
@@ -97,7 +97,9 @@ def _serve(args: argparse.Namespace) -> int:
             os.environ[f"GATEWAY_{name.upper()}"] = str(value)
         uvicorn.run("gateway.app:app_from_env", factory=True, workers=args.workers, **options)
     else:
-        uvicorn.run(create_app(settings), **options)
+        app = create_app(settings)
+        tune_collector()
+        uvicorn.run(app, **options)
     return 0
 
 
