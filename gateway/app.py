@@ -201,7 +201,7 @@ class Gateway:
             skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
             cookie_jar=aiohttp.DummyCookieJar(),
         )
-        self.proxy.session = self._session
+        self.proxy.bind(self._session)
         for engine in self.pool.engines:
             self.metrics.set_engine_health(engine.url, False)
         await self.pool.start(self._session)
