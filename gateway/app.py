@@ -23,7 +23,7 @@ from gateway.config import Settings, load_settings
 from gateway.endpoints import Action
 from gateway.errors import UnknownEndpoint
 from gateway.exchange import SCOPE_KEY, ASGIApp, Exchange, Receive, Scope, Send
-from gateway.logging import configure_logging
+from gateway.logging import RequestLog, configure_logging
 from gateway.metrics import CONTENT_TYPE, Metrics
 from gateway.middleware import Authentication, EndpointGuard, InFlightLimit, RequestContext
 from gateway.payload import PayloadInspector
@@ -157,9 +157,17 @@ class Gateway:
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
+        logger = structlog.get_logger("gateway")
         # The middleware stack, outermost first.
         middleware: list[tuple[Callable[..., ASGIApp], dict[str, Any]]] = [
-            (RequestContext, {"metrics": self.metrics, "logger": structlog.get_logger("gateway")}),
+            (
+                RequestContext,
+                {
+                    "metrics": self.metrics,
+                    "logger": logger,
+                    "request_log": RequestLog(logger, settings.log_format, settings.log_level),
+                },
+            ),
             (EndpointGuard, {"keyring": self.keyring}),
             (Authentication, {"keyring": self.keyring, "public_metrics": settings.public_metrics}),
             (InFlightLimit, {"limit": settings.limits.max_in_flight, "metrics": self.metrics}),

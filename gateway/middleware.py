@@ -25,6 +25,7 @@ from gateway.errors import (
     send_error,
 )
 from gateway.exchange import SCOPE_KEY, ASGIApp, Exchange, Message, Receive, Scope, Send
+from gateway.logging import RequestLog
 from gateway.metrics import Metrics
 
 # A client's X-Request-Id becomes the engine's request id (VLLM-FACTS.md, "Wire
@@ -43,10 +44,13 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 class RequestContext:
     """Request id, clock, the error renderer, the request's log line and metrics."""
 
-    def __init__(self, app: ASGIApp, *, metrics: Metrics, logger: Any) -> None:
+    def __init__(
+        self, app: ASGIApp, *, metrics: Metrics, logger: Any, request_log: RequestLog
+    ) -> None:
         self.app = app
         self.metrics = metrics
         self.log = logger
+        self.request_log = request_log
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -95,21 +99,22 @@ class RequestContext:
         group = ex.route.label
         rejected = ex.engine is None and ex.code != ""
         self.metrics.observe_request(group, ex.status, ex.code, duration, rejected)
-        self.log.info(
-            "request",
-            request_id=ex.request_id,
-            key_name=ex.key_name,
-            method=scope["method"],
-            path=ex.path,
-            group=group,
-            model=ex.model,
-            engine=ex.engine,
-            status=ex.status,
-            code=ex.code or None,
-            bytes_in=ex.bytes_in,
-            bytes_out=ex.bytes_out,
-            ttfb_ms=None if ex.ttfb is None else round(ex.ttfb * 1000, 3),
-            duration_ms=round(duration * 1000, 3),
+        self.request_log.write(
+            {
+                "request_id": ex.request_id,
+                "key_name": ex.key_name,
+                "method": scope["method"],
+                "path": ex.path,
+                "group": group,
+                "model": ex.model,
+                "engine": ex.engine,
+                "status": ex.status,
+                "code": ex.code or None,
+                "bytes_in": ex.bytes_in,
+                "bytes_out": ex.bytes_out,
+                "ttfb_ms": None if ex.ttfb is None else round(ex.ttfb * 1000, 3),
+                "duration_ms": round(duration * 1000, 3),
+            }
         )
 
 

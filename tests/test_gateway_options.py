@@ -7,11 +7,13 @@ import asyncio
 from typing import Any
 
 import httpx
+import orjson
 import pytest
+import structlog
 
 from gateway.app import create_app
 from gateway.config import Settings
-from gateway.logging import redact
+from gateway.logging import RequestLog, configure_logging, redact
 
 KEY = "sk-options-0123456789abcdef"
 
@@ -102,3 +104,57 @@ def test_no_engine_configured_is_503() -> None:
 )
 def test_log_redaction(event: dict[str, Any], expected: dict[str, Any]) -> None:
     assert redact(None, "info", dict(event)) == expected
+
+
+REQUEST_FIELDS: dict[str, Any] = {
+    "request_id": "r-1",
+    "key_name": "tenant-a",
+    "method": "POST",
+    "path": "/v1/x/data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAAB/y",
+    "group": "inference",
+    "model": None,
+    "engine": "http://127.0.0.1:9",
+    "status": 200,
+    "code": None,
+    "bytes_in": 116,
+    "bytes_out": 612,
+    "ttfb_ms": 0.5,
+    "duration_ms": 0.75,
+}
+
+
+@pytest.mark.parametrize("level", ["debug", "info"])
+def test_request_line_is_the_structlog_line(
+    capsysbinary: pytest.CaptureFixture[bytes], level: Any
+) -> None:
+    """The request line rendered without structlog has the pipeline's fields, order,
+    level, timestamp format and redaction."""
+    configure_logging("json", level)
+    try:
+        logger = structlog.get_logger("gateway")
+        logger.info("request", **REQUEST_FIELDS)
+        RequestLog(logger, "json", level).write(dict(REQUEST_FIELDS))
+    finally:
+        structlog.reset_defaults()
+    lines = capsysbinary.readouterr().out.splitlines()
+    assert len(lines) == 2
+    via_structlog, direct = (orjson.loads(line) for line in lines)
+    assert list(direct) == list(via_structlog)
+    assert "data:<redacted>" in direct["path"] and "iVBOR" not in direct["path"]
+    for line in (via_structlog, direct):
+        stamp = line.pop("timestamp")
+        assert stamp.endswith("Z") and stamp[10] == "T"
+    assert direct == via_structlog
+
+
+def test_request_line_follows_level_and_format(capsysbinary: pytest.CaptureFixture[bytes]) -> None:
+    configure_logging("console", "info")
+    try:
+        logger = structlog.get_logger("gateway")
+        RequestLog(logger, "json", "warning").write(dict(REQUEST_FIELDS))
+        assert capsysbinary.readouterr().out == b""
+        RequestLog(logger, "console", "info").write(dict(REQUEST_FIELDS))
+    finally:
+        structlog.reset_defaults()
+    out = capsysbinary.readouterr().out
+    assert b"request" in out and b"tenant-a" in out and not out.startswith(b"{")
