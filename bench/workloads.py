@@ -172,9 +172,10 @@ def png_data_url(index: int, side: int = 672) -> str:
     rng = random.Random(index)
     image = Image.new("RGB", (side, side), (rng.randrange(256), rng.randrange(256), 90))
     draw = ImageDraw.Draw(image)
+    box = min(64, side // 2)
     for _ in range(6):
-        x, y = rng.randrange(side - 64), rng.randrange(side - 64)
-        draw.rectangle((x, y, x + 64, y + 64), fill=(rng.randrange(256), 40, rng.randrange(256)))
+        x, y = rng.randrange(side - box), rng.randrange(side - box)
+        draw.rectangle((x, y, x + box, y + box), fill=(rng.randrange(256), 40, rng.randrange(256)))
     buf = io.BytesIO()
     image.save(buf, "PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()

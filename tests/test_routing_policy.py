@@ -177,6 +177,22 @@ def test_two_fresh_instances_agree() -> None:
     assert len(set(picks_a)) == 4
 
 
+def test_requests_without_a_prompt_do_not_sway_replicas() -> None:
+    # One replica also serves model listings and scores: its placements must not differ.
+    pool = engines()
+    a, b = affinity(), affinity()
+    picks_a, picks_b = [], []
+    for i, req in enumerate(mixed_workload()):
+        picks_a.append(route(a, req, pool))
+        if i % 2:
+            for _ in range(3):
+                route(b, RoutingRequest("/v1/models"), pool)
+        picks_b.append(
+            route(b, RoutingRequest(req.path, body=req.body, media_hashes=req.media_hashes), pool)
+        )
+    assert picks_a == picks_b
+
+
 def test_few_shot_prompts_sharing_a_long_prefix_spread() -> None:
     policy, pool = affinity(), engines()
     shared = "Translate: cat -> chat. dog -> chien. " * 300  # ~11 kB, 22 blocks

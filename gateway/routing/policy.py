@@ -157,8 +157,10 @@ class Affinity:
             if index:
                 ordered.insert(0, ordered.pop(index))
             request.spilled = ordered[0].url != request.first_choice
-        if self._placements is not None:
-            self._placements.count(ordered[0].url)
+            if self._placements is not None:
+                # Only requests with an anchor count: /v1/models polls and the like
+                # differ between replicas and would make their placements disagree.
+                self._placements.count(ordered[0].url)
         return ordered
 
 

@@ -1,0 +1,183 @@
+"""Affinity routing through the real gateway in front of four simulated engines.
+
+Which engine served a request is read from the engines, never from the gateway: their
+counters (`sim:received_requests_total`) and their request recorders, which show the
+`X-Request-Id` each request arrived with. Engines run with zero latency: these tests
+check where requests go, not how fast.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from bench.workloads import png_data_url
+from tests.procs import Proc, gateway_proc, sim_proc, sim_received, wait_for
+
+MODEL = "Qwen/Qwen3-VL-2B-Instruct"
+KEY = "sk-routing-e2e-0123456789abcdef"
+HEADERS = {"Authorization": f"Bearer {KEY}"}
+
+
+def _gateway(tmp: Path, engines: Sequence[str]) -> Proc:
+    env = {
+        "GATEWAY_ENGINES": json.dumps(list(engines)),
+        "GATEWAY_API_KEYS": json.dumps([KEY]),
+        "GATEWAY_ROUTING__POLICY": "affinity",
+        "GATEWAY_ROUTING__HEALTH_INTERVAL": "30",
+    }
+    proc = gateway_proc(tmp, env).start("/healthz")
+
+    def lists_model() -> bool:
+        r = httpx.get(proc.url + "/v1/models", headers=HEADERS, timeout=5)
+        return r.status_code == 200 and MODEL in r.text
+
+    assert wait_for(lists_model, timeout=20), proc.log()
+    return proc
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Proc]]:
+    tmp = tmp_path_factory.mktemp("routing-e2e")
+    sims = [sim_proc(tmp, "--latency", "zero", "--record-requests", "1000") for _ in range(4)]
+    try:
+        for sim in sims:
+            sim.start()
+        yield sims
+    finally:
+        for sim in sims:
+            sim.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(engines: list[Proc], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    proc = _gateway(tmp_path_factory.mktemp("routing-gw"), [e.url for e in engines])
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def counts(engines: Sequence[Proc]) -> list[float]:
+    return [sim_received(e.url) for e in engines]
+
+
+def post(client: httpx.Client, gateway: Proc, body: dict[str, Any]) -> None:
+    r = client.post(gateway.url + "/v1/chat/completions", json=body, headers=HEADERS)
+    assert r.status_code == 200, r.text
+
+
+def send(client: httpx.Client, gateway: Proc, body: dict[str, Any], request_id: str) -> None:
+    r = client.post(
+        gateway.url + "/v1/chat/completions",
+        json=body,
+        headers={**HEADERS, "X-Request-Id": request_id},
+    )
+    assert r.status_code == 200, r.text
+
+
+def served(engines: Sequence[Proc]) -> dict[str, int]:
+    """Request id -> index of the engine that received it, from the engines' recorders."""
+    out: dict[str, int] = {}
+    for index, engine in enumerate(engines):
+        for entry in httpx.get(engine.url + "/sim/requests", timeout=5).json():
+            request_id = entry["headers"].get("x-request-id")
+            if entry["path"] == "/v1/chat/completions" and request_id:
+                assert request_id not in out, "one request reached two engines"
+                out[request_id] = index
+    return out
+
+
+def chat(system: str, *turns: str, media: str | None = None) -> dict[str, Any]:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
+    for i, text in enumerate(turns):
+        if i:
+            messages.append({"role": "assistant", "content": f"Answer {i}."})
+        if media is not None and i == 0:
+            content: Any = [
+                {"type": "image_url", "image_url": {"url": media}},
+                {"type": "text", "text": text},
+            ]
+        else:
+            content = text
+        messages.append({"role": "user", "content": content})
+    return {"model": MODEL, "messages": messages, "max_tokens": 2}
+
+
+def test_thirty_turns_of_a_conversation_reach_one_engine(
+    gateway: Proc, engines: list[Proc]
+) -> None:
+    system = "You are the trip planner. " * 40
+    with httpx.Client(timeout=10) as client:
+        before = counts(engines)
+        for turns in range(1, 31):
+            post(client, gateway, chat(system, *(f"Step {t} of my trip." for t in range(turns))))
+        delta = [a - b for a, b in zip(counts(engines), before, strict=True)]
+    assert sorted(delta) == [0, 0, 0, 30]
+
+
+def test_hundred_conversations_spread_over_the_engines(gateway: Proc, engines: list[Proc]) -> None:
+    system = "You are the support desk of Acme. " * 40  # shared by all: becomes hot
+    with httpx.Client(timeout=10) as client:
+        before = counts(engines)
+        for i in range(100):
+            post(client, gateway, chat(system, f"Customer {i}: my order is late."))
+        delta = [a - b for a, b in zip(counts(engines), before, strict=True)]
+    assert sum(delta) == 100
+    assert max(delta) <= 40, delta
+
+
+def test_questions_about_one_image_reach_one_engine(gateway: Proc, engines: list[Proc]) -> None:
+    system = "You describe pictures. " * 30
+    images = [png_data_url(1000 + i, side=64) for i in range(6)]
+    with httpx.Client(timeout=10) as client:
+        for i in range(40):  # the shared system prompt turns hot before the images come
+            post(client, gateway, chat(system, f"Warm-up question {i}?"))
+        for q in range(4):
+            for i, url in enumerate(images):
+                send(
+                    client,
+                    gateway,
+                    chat(system, f"Question {q} about it?", media=url),
+                    f"img-{i}-q{q}",
+                )
+    where = served(engines)
+    homes = [{where[f"img-{i}-q{q}"] for q in range(4)} for i in range(len(images))]
+    assert all(len(h) == 1 for h in homes), homes
+    assert len({next(iter(h)) for h in homes}) >= 2
+
+
+def test_two_gateways_started_separately_choose_the_same_engines(
+    engines: list[Proc], tmp_path: Path
+) -> None:
+    urls = [e.url for e in engines]
+    # The second lists the engines in another order: only the URLs may matter.
+    first = _gateway(tmp_path, urls)
+    second = _gateway(tmp_path, list(reversed(urls)))
+    system = "You are the billing assistant. " * 40
+    bodies = [
+        chat(system, *(f"Account {c}, question {t}." for t in range(turns)))
+        for turns in (1, 2, 3)
+        for c in range(8)
+    ]
+    bodies += [
+        chat(system, "What is in it?", media=png_data_url(2000 + i, side=64)) for i in range(4)
+    ]
+    try:
+        with httpx.Client(timeout=10) as client:
+            for k, body in enumerate(bodies):
+                send(client, first, body, f"pair-{k}-first")
+                send(client, second, body, f"pair-{k}-second")
+    finally:
+        first.stop()
+        second.stop()
+    where = served(engines)
+    picks_first = [where[f"pair-{k}-first"] for k in range(len(bodies))]
+    picks_second = [where[f"pair-{k}-second"] for k in range(len(bodies))]
+    assert picks_first == picks_second
+    assert len(set(picks_first)) >= 3
