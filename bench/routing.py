@@ -408,10 +408,7 @@ def offline(
 
 
 def run_offline(opts: Options, workloads: list[Workload], draws: int) -> None:
-    settings = {
-        k.removeprefix("GATEWAY_ROUTING__").lower(): (v or None)
-        for k, v in opts.gateway_env.items()
-    }
+    settings = {k.removeprefix("GATEWAY_ROUTING__").lower(): v for k, v in opts.gateway_env.items()}
     print(f"offline replay, affinity with {settings or 'defaults'}, {draws} sets of URLs")
     for w in workloads:
         hit, mean_spread, worst = offline(w, settings, draws, opts)

@@ -302,7 +302,7 @@ def test_removing_an_engine_moves_only_its_own_anchors() -> None:
     # Pure rendezvous (no placement memory): two instances that never met agree on every
     # anchor whose first choice is still there.
     pool = engines(5)
-    policy_a, policy_b = affinity(placement_epsilon=None), affinity(placement_epsilon=None)
+    policy_a, policy_b = affinity(placement=False), affinity(placement=False)
     before = [route(policy_a, chat_request(conversation(i, 1)), pool) for i in range(100)]
     gone = pool[2].url
     smaller = [e for e in pool if e.url != gone]
@@ -347,7 +347,7 @@ def test_placement_evens_out_anchors_of_uneven_weight() -> None:
     worst_plain, worst_placed = 0.0, 0.0
     for pool_id in range(6):
         pool = [FakeEngine(f"http://10.{pool_id}.0.{i}:8000") for i in range(4)]
-        plain, placed = affinity(placement_epsilon=None), affinity(placement_epsilon=0.2)
+        plain, placed = affinity(placement=False), affinity(placement_epsilon=0.2)
         plain_load = Counter(route(plain, r, pool) for r in uneven_conversations())
         placed_load = Counter(route(placed, r, pool) for r in uneven_conversations())
         worst_plain = max(worst_plain, max_over_mean(plain_load, 4))

@@ -109,7 +109,7 @@ class Affinity:
             min_count=settings.hot_min_count,
         )
         self._placements: Placements | None = None
-        if settings.placement_epsilon is not None:
+        if settings.placement:
             self._placements = Placements(
                 epsilon=settings.placement_epsilon,
                 window=settings.hot_window,

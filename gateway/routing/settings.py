@@ -28,9 +28,10 @@ class RoutingSettings(BaseModel):
     hot_min_count: int = Field(default=8, ge=1)
     # Placement (placement.py): a new anchor goes to the first engine in its order whose
     # share of recent requests is within (1 + placement_epsilon) x mean + 1, and stays
-    # there for as long as one of the last `placement_capacity` anchors. None: always
-    # the first choice (pure rendezvous).
-    placement_epsilon: float | None = Field(default=0.2, ge=0.0)
+    # there for as long as it is one of the last `placement_capacity` anchors seen.
+    # Off: always the anchor's first choice (pure rendezvous).
+    placement: bool = True
+    placement_epsilon: float = Field(default=0.2, ge=0.0)
     placement_capacity: int = Field(default=8192, gt=0)
     # Plain prompts get a candidate anchor every this many bytes of text (about 128
     # tokens, 8 of vLLM's 16-token blocks), and at most `max_candidates` per request (the shortest).
