@@ -276,12 +276,17 @@ class Proxy:
         engines: Sequence[Engine] = self.pool.healthy() or self.pool.engines
         if not engines:
             raise NoEngineAvailable("No engine is configured.")
-        order = self.policy.order(
-            RoutingRequest(
-                path=route.path, body=parsed, media_hashes=media_hashes, key_name=ex.key_name
-            ),
-            engines,
-        )
+        if len(engines) == 1:
+            # One candidate (the sidecar deployment): there is nothing to choose, so no
+            # anchor is computed. The policy cost 9% of the CPU per request (py-spy).
+            order: Sequence[Engine] = engines
+        else:
+            order = self.policy.order(
+                RoutingRequest(
+                    path=route.path, body=parsed, media_hashes=media_hashes, key_name=ex.key_name
+                ),
+                engines,
+            )
         target = scope["gateway.path"]
         query: bytes = scope.get("query_string", b"")
         if query:
