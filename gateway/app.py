@@ -30,6 +30,7 @@ from gateway.payload import PayloadInspector
 from gateway.proxy import Proxy
 from gateway.routing.policy import make_policy
 from gateway.routing.pool import Engine, EnginePool
+from gateway.upstream import Upstream
 
 # The env var through which `vllm-gateway serve --workers N` hands each worker its
 # config file (uvicorn starts workers from an import string, not an object).
@@ -155,6 +156,7 @@ class Gateway:
             else None
         )
         self._session: aiohttp.ClientSession | None = None
+        self._upstream: Upstream | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
         logger = structlog.get_logger("gateway")
@@ -195,6 +197,8 @@ class Gateway:
             await send({"type": "websocket.close", "code": 1008})
 
     async def startup(self) -> None:
+        # aiohttp serves the health checks and model lists; requests are forwarded by
+        # the proxy's own upstream client.
         connector = aiohttp.TCPConnector(
             limit=self.settings.limits.max_in_flight + 16,
             limit_per_host=0,
@@ -209,7 +213,7 @@ class Gateway:
             skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
             cookie_jar=aiohttp.DummyCookieJar(),
         )
-        self.proxy.bind(self._session)
+        self._upstream = self.proxy.start()
         for engine in self.pool.engines:
             self.metrics.set_engine_health(engine.url, False)
         await self.pool.start(self._session)
@@ -230,6 +234,9 @@ class Gateway:
         self._tasks.clear()
         await self.pool.stop()
         await self.inspector.aclose()
+        if self._upstream is not None:
+            await self._upstream.aclose()
+            self._upstream = None
         if self._session is not None:
             await self._session.close()
             self._session = None

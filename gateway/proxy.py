@@ -1,9 +1,8 @@
-"""The streaming forwarder: body checks, engine choice, and the aiohttp upstream client.
+"""The streaming forwarder: body checks, engine choice, relaying the engine's answer.
 
-aiohttp rather than httpx: on this machine a raw-ASGI proxy served 6,200-7,300 req/s at
-64 connections with aiohttp against 590-650 with httpx (DESIGN.md; encode/httpx#3215).
-Bodies are forwarded as received and responses streamed chunk by chunk as they arrive:
-no SSE frame is parsed on this path (LiteLLM's per-chunk re-serialisation costs ~1.5 ms).
+Requests go out through `gateway.upstream` (why not aiohttp or httpx: see there). Bodies
+are forwarded as received and responses streamed chunk by chunk as they arrive: no SSE
+frame is parsed on this path (LiteLLM's per-chunk re-serialisation costs ~1.5 ms).
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import aiohttp
 import orjson
 import structlog
 
@@ -36,6 +34,14 @@ from gateway.multipart import validate_upload
 from gateway.payload import PayloadInspector
 from gateway.routing.policy import Policy, RoutingRequest
 from gateway.routing.pool import Engine, EnginePool
+from gateway.upstream import (
+    ConnectFailed,
+    FirstByteTimeout,
+    Origin,
+    Upstream,
+    UpstreamError,
+    UpstreamResponse,
+)
 
 log = structlog.get_logger("gateway.proxy")
 
@@ -161,41 +167,52 @@ class Proxy:
         self.pool = pool
         self.policy = policy
         self.metrics = metrics
-        # Set by the app's lifespan (`bind`); the session is owned and closed there.
-        self.session: aiohttp.ClientSession | None = None
+        # Set by the app's lifespan (`start`), which also closes the upstream client.
+        self.upstream: Upstream | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         upstream_key = settings.upstream_api_key
-        self._auth_header: list[tuple[str, str]] = (
-            [("Authorization", f"Bearer {upstream_key.get_secret_value()}")]
+        self._auth_header: list[tuple[bytes, bytes]] = (
+            [(b"authorization", f"Bearer {upstream_key.get_secret_value()}".encode())]
             if upstream_key is not None
             else []
         )
-        t = settings.timeouts
-        # sock_read bounds the wait for the response headers (first byte); the silence
-        # between body chunks is bounded separately by `timeouts.idle`.
-        self._timeout = aiohttp.ClientTimeout(
-            total=None, connect=t.connect, sock_connect=t.connect, sock_read=t.first_byte
-        )
-        self._idle = t.idle
+        self._idle = settings.timeouts.idle
+        self._origins: dict[str, Origin] = {}
 
-    def bind(self, session: aiohttp.ClientSession) -> None:
-        """Use `session` for upstream requests, on the running loop (kept: asyncio's
-        loop lookup costs a getpid() system call per call on Python 3.11)."""
-        self.session = session
+    def start(self) -> Upstream:
+        """Create the upstream client on the running loop; the caller closes it. The
+        loop is kept: asyncio's loop lookup costs a getpid() call on Python 3.11."""
+        t = self.settings.timeouts
         self.loop = asyncio.get_running_loop()
+        self.upstream = Upstream(
+            self.loop,
+            connect_timeout=t.connect,
+            # Bounds the wait for the response headers; the silence between body chunks
+            # is bounded separately by `timeouts.idle`.
+            first_byte_timeout=t.first_byte,
+            keepalive=t.upstream_keepalive,
+        )
+        return self.upstream
 
-    def _upstream_headers(self, scope: Scope, request_id: str) -> list[tuple[str, str]]:
-        headers: list[tuple[str, str]] = []
-        extra_drop: set[bytes] = set()
+    def _origin(self, engine: Engine) -> Origin:
+        origin = self._origins.get(engine.url)
+        if origin is None:
+            origin = self._origins[engine.url] = Origin(engine.url)
+        return origin
+
+    def _upstream_headers(self, scope: Scope, request_id: str) -> list[tuple[bytes, bytes]]:
+        headers: list[tuple[bytes, bytes]] = []
+        extra_drop: set[bytes] | None = None
         for name, value in scope["headers"]:
             if name == b"connection":
                 # Headers named in Connection are hop-by-hop too (RFC 9110 7.6.1).
+                extra_drop = extra_drop or set()
                 extra_drop.update(v.strip().lower() for v in value.split(b","))
         for name, value in scope["headers"]:
-            if name in _REQUEST_DROP or name in extra_drop:
+            if name in _REQUEST_DROP or (extra_drop is not None and name in extra_drop):
                 continue
-            headers.append((name.decode("latin-1"), value.decode("latin-1")))
-        headers.append(("X-Request-Id", request_id))
+            headers.append((name, value))
+        headers.append((b"x-request-id", request_id.encode("ascii")))
         headers.extend(self._auth_header)
         return headers
 
@@ -318,36 +335,29 @@ class Proxy:
         ex: Exchange,
         order: Sequence[Engine],
         target: str,
-        headers: list[tuple[str, str]],
+        headers: list[tuple[bytes, bytes]],
         data: bytes | None,
         watch: DisconnectWatch,
     ) -> None:
-        session = self.session
-        assert session is not None, "the app's lifespan did not run"
+        upstream = self.upstream
+        assert upstream is not None, "the app's lifespan did not run"
         group = ex.route.label
-        resp: aiohttp.ClientResponse | None = None
+        method: str = scope["method"]
         for engine in order:
             sent_at = time.perf_counter()
             engine.in_flight += 1
             try:
-                resp = await session.request(
-                    scope["method"],
-                    engine.url + target,
-                    data=data,
-                    headers=headers,
-                    timeout=self._timeout,
-                    allow_redirects=False,
-                )
-            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
+                resp = await upstream.request(self._origin(engine), method, target, headers, data)
+            except ConnectFailed:
                 # Nothing reached this engine: eject it and try the next one.
                 engine.in_flight -= 1
                 self.pool.eject(engine)
                 continue
-            except TimeoutError:
+            except FirstByteTimeout:
                 engine.in_flight -= 1
                 ex.engine = engine.url
                 raise UpstreamTimeout("The engine did not start answering in time.") from None
-            except aiohttp.ClientError:
+            except UpstreamError:
                 engine.in_flight -= 1
                 ex.engine = engine.url
                 raise UpstreamUnavailable("The connection to the engine failed.") from None
@@ -361,16 +371,15 @@ class Proxy:
                 await self._relay(resp, send, ex, watch)
             finally:
                 engine.in_flight -= 1
-                # close(), not release(): after a disconnect or a broken stream the
-                # connection must not go back to the pool half read. On a completed
-                # response aiohttp has already released it, so this is a no-op.
+                # A response read to its end goes back to the pool; after a disconnect
+                # or a broken stream the connection is closed, never reused half read.
                 resp.close()
             return
         raise UpstreamUnavailable("No engine accepted the connection.")
 
     async def _relay(
         self,
-        resp: aiohttp.ClientResponse,
+        resp: UpstreamResponse,
         send: Send,
         ex: Exchange,
         watch: DisconnectWatch,
@@ -381,9 +390,9 @@ class Proxy:
         length = resp.content_length
         if length is not None and length <= _SMALL_RESPONSE:
             try:
-                # Bounded by the client's sock_read timeout; no extra timer on this path.
-                body = await resp.read()
-            except (aiohttp.ClientError, TimeoutError):
+                # One timer, no asyncio.timeout context: this is the common path.
+                body = await resp.read(self._idle)
+            except UpstreamError:
                 raise UpstreamBroken() from None
             watch.stop()
             ex.bytes_out = len(body)
@@ -394,18 +403,18 @@ class Proxy:
             return
 
         await send({"type": "http.response.start", "status": resp.status, "headers": out_headers})
-        content = resp.content
-        loop = asyncio.get_running_loop()
+        loop = self.loop
+        assert loop is not None
         try:
             async with asyncio.timeout(self._idle) as deadline:
                 while True:
-                    chunk = await content.readany()
+                    chunk = await resp.readany()
                     if not chunk:
                         break
                     ex.bytes_out += len(chunk)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     deadline.reschedule(loop.time() + self._idle)
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (UpstreamError, TimeoutError) as exc:
             ex.code = "upstream_timeout" if isinstance(exc, TimeoutError) else UpstreamBroken.code
             log.warning("upstream_broken", request_id=ex.request_id, engine=ex.engine)
             if resp.content_type == "text/event-stream":

@@ -1,0 +1,401 @@
+"""The HTTP/1.1 client the proxy forwards with: keep-alive connections to the engines.
+
+aiohttp's request machinery (ClientSession._request, ClientRequest, a writer task per
+request with a body) was a third of the gateway's CPU per small request at 64
+connections (py-spy), more than a naive aiohttp proxy spends in total. This client does
+only what forwarding needs: one request line and header block written at once, the
+response parsed by httptools (llhttp, the parser uvicorn uses), the body handed over as
+it arrives. The engine is addressed by configured URL only; nothing here follows
+redirects, decompresses, or adds headers besides Host and Content-Length.
+
+Health checks and media fetching keep their own clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections import deque
+from collections.abc import Sequence
+from typing import cast
+from urllib.parse import urlsplit
+
+import httptools
+
+# A response body buffered beyond this pauses reading from the engine until the
+# client side catches up (back-pressure instead of unbounded memory).
+_HIGH_WATER = 256 * 1024
+
+
+class UpstreamError(Exception):
+    """Forwarding to an engine failed. The message is fixed text, never a library's."""
+
+
+class ConnectFailed(UpstreamError):
+    """No connection could be opened: nothing reached the engine."""
+
+
+class FirstByteTimeout(UpstreamError):
+    """The engine did not start answering within the first-byte timeout."""
+
+
+class ReadTimeout(UpstreamError):
+    """A response body did not arrive in time."""
+
+
+class ConnectionBroken(UpstreamError):
+    """The connection failed or carried something that is not an HTTP response."""
+
+
+class Origin:
+    """An engine's scheme, host and port, parsed once from its configured URL."""
+
+    __slots__ = ("host", "host_header", "port", "ssl")
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("an engine URL must be http:// or https:// with a host")
+        self.ssl = parts.scheme == "https"
+        self.host = parts.hostname
+        self.port = parts.port or (443 if self.ssl else 80)
+        self.host_header = parts.netloc.rsplit("@", 1)[-1].encode("ascii")
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection; carries one exchange at a time."""
+
+    def __init__(self, pool: Upstream, origin: Origin) -> None:
+        self.pool = pool
+        self.origin = origin
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.response: UpstreamResponse | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self._paused = False
+        self._extra = False
+
+    # -- asyncio.Protocol -------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        response = self.response
+        if response is None or response.complete:
+            # Bytes nobody asked for: the connection is not reusable.
+            self.abort()
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            response._fail(ConnectionBroken("The engine sent an invalid HTTP response."))
+            self.abort()
+            return
+        if self._extra:
+            # A second response in the same read: never handed to anyone.
+            self.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.pool._forget(self)
+        response = self.response
+        if response is not None and not response.complete:
+            if response.headers_done and response.until_eof:
+                response._finish()
+            else:
+                response._fail(ConnectionBroken("The engine closed the connection."))
+
+    # -- httptools callbacks (the response's events; none after it is complete) --------
+
+    def on_message_begin(self) -> None:
+        assert self.response is not None
+        if self.response.complete:
+            self._extra = True
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        assert self.response is not None
+        if not self._extra:
+            self.response.raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        assert self.response is not None
+        if not self._extra:
+            self.response._headers_complete(self.parser.get_status_code())
+
+    def on_body(self, body: bytes) -> None:
+        assert self.response is not None
+        if not self._extra:
+            self.response._feed(body)
+
+    def on_message_complete(self) -> None:
+        response = self.response
+        assert response is not None
+        if not self._extra:
+            response.keep_alive = self.parser.should_keep_alive()
+            response._finish()
+
+    # -- flow control -----------------------------------------------------------------
+
+    def pause(self) -> None:
+        if not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+
+    def abort(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class UpstreamResponse:
+    """An engine's answer. The caller must `close()` it: a response read to its end
+    returns its connection to the pool, anything else closes the connection (vLLM
+    then aborts the request and frees its KV blocks)."""
+
+    __slots__ = (
+        "_chunks",
+        "_conn",
+        "_error",
+        "_loop",
+        "_size",
+        "_waiter",
+        "complete",
+        "content_length",
+        "content_type",
+        "headers_done",
+        "keep_alive",
+        "raw_headers",
+        "status",
+        "until_eof",
+    )
+
+    def __init__(self, conn: _Connection, loop: asyncio.AbstractEventLoop) -> None:
+        self._conn = conn
+        self._loop = loop
+        self.status = 0
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.content_length: int | None = None
+        self.content_type = ""
+        self.headers_done = False
+        self.complete = False
+        self.keep_alive = False
+        self.until_eof = False
+        self._chunks: deque[bytes] = deque()
+        self._size = 0
+        self._error: UpstreamError | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    # -- fed by the connection --------------------------------------------------------
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _headers_complete(self, status: int) -> None:
+        self.status = status
+        chunked = False
+        for name, value in self.raw_headers:
+            lower = name.lower()
+            if lower == b"content-length":
+                self.content_length = int(value) if value.isdigit() else None
+            elif lower == b"content-type":
+                self.content_type = value.split(b";", 1)[0].strip().lower().decode("latin-1")
+            elif lower == b"transfer-encoding":
+                chunked = b"chunked" in value.lower()
+        self.until_eof = self.content_length is None and not chunked
+        self.headers_done = True
+        self._wake()
+
+    def _feed(self, body: bytes) -> None:
+        self._chunks.append(body)
+        self._size += len(body)
+        if self._size > _HIGH_WATER:
+            self._conn.pause()
+        self._wake()
+
+    def _finish(self) -> None:
+        self.complete = True
+        self._wake()
+
+    def _fail(self, error: UpstreamError) -> None:
+        if self._error is None and not self.complete:
+            self._error = error
+            self._wake()
+
+    async def _wait(self) -> None:
+        self._waiter = self._loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    # -- for the caller ---------------------------------------------------------------
+
+    async def _start(self, limit: float) -> None:
+        """Wait for the status line and headers (at most `limit` seconds). A plain timer,
+        not `asyncio.timeout`: no context object and cancellation on the common path."""
+        handle = self._loop.call_later(limit, self._fail, FirstByteTimeout("first byte"))
+        try:
+            while not self.headers_done:
+                if self._error is not None:
+                    raise self._error
+                await self._wait()
+        finally:
+            handle.cancel()
+
+    async def readany(self) -> bytes:
+        """The body bytes that arrived since the last call, waiting for some; b"" at
+        the end. Raises ConnectionBroken when the connection fails mid-body."""
+        while not self._chunks:
+            if self.complete:
+                return b""
+            if self._error is not None:
+                raise self._error
+            await self._wait()
+        chunk = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
+        self._chunks.clear()
+        self._size = 0
+        self._conn.resume()
+        return chunk
+
+    async def read(self, limit: float) -> bytes:
+        """The whole body (for bodies known to be small), within `limit` seconds."""
+        self._conn.resume()
+        handle = self._loop.call_later(limit, self._fail, ReadTimeout("read"))
+        try:
+            while not self.complete:
+                if self._error is not None:
+                    raise self._error
+                await self._wait()
+        finally:
+            handle.cancel()
+        body = b"".join(self._chunks)
+        self._chunks.clear()
+        return body
+
+    def close(self) -> None:
+        conn = self._conn
+        if conn.response is not self:
+            return
+        conn.response = None
+        if self.complete and self.keep_alive and not conn.closed:
+            conn.pool._release(conn)
+        else:
+            conn.abort()
+
+
+class Upstream:
+    """Keep-alive connections to the engines, reused while idle for less than
+    `keepalive` seconds (below vLLM's own 5 s, so a request is never written onto a
+    connection the engine is closing). `aclose()` closes them all."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        connect_timeout: float,
+        first_byte_timeout: float,
+        keepalive: float,
+        max_idle: int = 1024,
+    ) -> None:
+        self._loop = loop
+        self._connect_timeout = connect_timeout
+        self._first_byte = first_byte_timeout
+        self._keepalive = keepalive
+        self._max_idle = max_idle
+        self._idle: dict[tuple[str, int, bool], list[_Connection]] = {}
+        self._all: set[_Connection] = set()
+        self._ssl: ssl.SSLContext | None = None
+
+    def _forget(self, conn: _Connection) -> None:
+        self._all.discard(conn)
+        idle = self._idle.get((conn.origin.host, conn.origin.port, conn.origin.ssl))
+        if idle is not None and conn in idle:
+            idle.remove(conn)
+
+    def _release(self, conn: _Connection) -> None:
+        key = (conn.origin.host, conn.origin.port, conn.origin.ssl)
+        idle = self._idle.setdefault(key, [])
+        if len(idle) >= self._max_idle:
+            conn.abort()
+            return
+        conn.idle_since = self._loop.time()
+        conn.resume()
+        idle.append(conn)
+
+    async def _connect(self, origin: Origin) -> _Connection:
+        idle = self._idle.get((origin.host, origin.port, origin.ssl))
+        if idle:
+            fresh = self._loop.time() - self._keepalive
+            while idle:
+                conn = idle.pop()  # most recently used first
+                if conn.closed or conn.idle_since < fresh:
+                    conn.abort()
+                    continue
+                return conn
+        context: ssl.SSLContext | None = None
+        if origin.ssl:
+            context = self._ssl = self._ssl or ssl.create_default_context()
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                _, protocol = await self._loop.create_connection(
+                    lambda: _Connection(self, origin), origin.host, origin.port, ssl=context
+                )
+        except (OSError, TimeoutError, ssl.SSLError):
+            raise ConnectFailed("connect") from None
+        self._all.add(protocol)
+        return protocol
+
+    async def request(
+        self,
+        origin: Origin,
+        method: str,
+        target: str,
+        headers: Sequence[tuple[bytes, bytes]],
+        body: bytes | None,
+    ) -> UpstreamResponse:
+        """Send one request and wait for the response headers.
+
+        `target` and `headers` must already be free of CR and LF (they come from
+        uvicorn's parser and the endpoint table). Raises ConnectFailed when nothing
+        reached the engine, FirstByteTimeout, or ConnectionBroken.
+        """
+        conn = await self._connect(origin)
+        response = UpstreamResponse(conn, self._loop)
+        conn.response = response
+        head = [
+            f"{method} {target} HTTP/1.1\r\n".encode("latin-1"),
+            b"Host: ",
+            origin.host_header,
+            b"\r\n",
+        ]
+        for name, value in headers:
+            head += (name, b": ", value, b"\r\n")
+        if body is not None or method == "POST":
+            head += (b"Content-Length: ", str(len(body or b"")).encode("ascii"), b"\r\n")
+        head.append(b"\r\n")
+        if body:
+            head.append(body)
+        assert conn.transport is not None
+        conn.transport.write(b"".join(head))
+        try:
+            await response._start(self._first_byte)
+        except BaseException:
+            response.close()
+            raise
+        return response
+
+    async def aclose(self) -> None:
+        for conn in list(self._all):
+            conn.abort()
+        self._all.clear()
+        self._idle.clear()
