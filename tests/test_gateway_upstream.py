@@ -1,0 +1,227 @@
+"""The gateway's upstream client (gateway/upstream.py) against a scripted engine.
+
+A raw TCP server on loopback plays the engine and answers each request the way its
+`x-scenario` header asks: chunked, read-until-close, `Connection: close`, garbage, a
+stall, a short body, an idle connection closed under the gateway, a large streamed body.
+The gateway runs as a real process in front of it (one for the whole module).
+"""
+
+from __future__ import annotations
+
+import socket
+import socketserver
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.procs import Proc, gateway_proc
+
+KEY = "sk-upstream-0123456789abcdef"
+MODEL = "scripted/model"
+BIG = 2 * 1024 * 1024
+
+
+@dataclass
+class Seen:
+    conn: int
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass
+class Engine:
+    port: int
+    seen: list[Seen] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def requests(self, scenario: str) -> list[Seen]:
+        with self.lock:
+            return [s for s in self.seen if s.headers.get("x-scenario") == scenario]
+
+
+def _response(body: bytes, *extra: str, status: str = "200 OK") -> bytes:
+    head = [f"HTTP/1.1 {status}", "content-type: application/json", *extra]
+    head.append(f"content-length: {len(body)}")
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def _serve(engine: Engine, conn_id: int, sock: socket.socket) -> None:
+    rfile = sock.makefile("rb")
+    try:
+        while True:
+            line = rfile.readline()
+            if not line:
+                return
+            method, path, _ = line.decode("latin-1").split(" ", 2)
+            headers: dict[str, str] = {}
+            while (h := rfile.readline()) not in (b"\r\n", b""):
+                name, _, value = h.decode("latin-1").partition(":")
+                headers[name.strip().lower()] = value.strip()
+            body = rfile.read(int(headers.get("content-length", "0")))
+            with engine.lock:
+                engine.seen.append(Seen(conn_id, method, path, headers, body))
+            scenario = headers.get("x-scenario", "")
+            if path == "/health":
+                sock.sendall(_response(b"{}"))
+            elif path == "/v1/models" and not scenario:
+                sock.sendall(_response(b'{"object":"list","data":[{"id":"%s"}]}' % MODEL.encode()))
+            elif scenario == "chunked":
+                chunks = [b"abc", b"defg", b"hi"]
+                payload = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks) + b"0\r\n\r\n"
+                sock.sendall(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + payload)
+            elif scenario == "eof":
+                sock.sendall(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nuntil-the-end")
+                return
+            elif scenario == "close":
+                sock.sendall(_response(b'{"closing":true}', "connection: close"))
+                return
+            elif scenario == "garbage":
+                sock.sendall(b"SPAM SPAM SPAM\r\n\r\n")
+                return
+            elif scenario == "stall":
+                time.sleep(3)
+                return
+            elif scenario == "short":
+                sock.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n0123456789")
+                return
+            elif scenario == "idle-close":
+                sock.sendall(_response(b'{"ok":1}'))
+                time.sleep(0.1)
+                return  # closes the keep-alive connection while the gateway holds it
+            elif scenario == "big":
+                sock.sendall(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+                piece = b"x" * 65536
+                for _ in range(BIG // len(piece)):
+                    sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+                sock.sendall(b"0\r\n\r\n")
+            else:
+                sock.sendall(_response(b'{"ok":true}'))
+    except OSError:
+        return
+    finally:
+        rfile.close()
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Engine]:
+    counter = iter(range(1, 1_000_000))
+    holder: list[Engine] = []
+
+    class Handler(socketserver.BaseRequestHandler):
+        def handle(self) -> None:
+            _serve(holder[0], next(counter), self.request)
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    holder.append(Engine(server.server_address[1]))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield holder[0]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def gateway(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    tmp: Path = tmp_path_factory.mktemp("upstream")
+    env = {
+        "GATEWAY_ENGINES": f'["{engine.url}"]',
+        "GATEWAY_API_KEYS": f'["{KEY}"]',
+        "GATEWAY_TIMEOUTS__FIRST_BYTE": "1",
+        "GATEWAY_TIMEOUTS__IDLE": "1",
+        "GATEWAY_ROUTING__HEALTH_INTERVAL": "30",
+    }
+    proc = gateway_proc(tmp, env)
+    proc.start("/healthz")
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def _get(gateway: Proc, scenario: str) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {KEY}", "X-Scenario": scenario}
+    return httpx.get(gateway.url + "/v1/models", headers=headers, timeout=10)
+
+
+def test_request_as_the_engine_sees_it(engine: Engine, gateway: Proc) -> None:
+    body = b'{"model": "scripted/model",   "prompt": "exact bytes \\u00e9"}'
+    r = httpx.post(
+        gateway.url + "/v1/completions",
+        content=body,
+        headers={
+            "Authorization": f"Bearer {KEY}",
+            "Content-Type": "application/json",
+            "X-Scenario": "shape",
+        },
+    )
+    assert r.status_code == 200 and r.json() == {"ok": True}
+    seen = engine.requests("shape")[-1]
+    assert (seen.method, seen.path, seen.body) == ("POST", "/v1/completions", body)
+    assert seen.headers["host"] == f"127.0.0.1:{engine.port}"
+    assert seen.headers["content-length"] == str(len(body))
+    assert "authorization" not in seen.headers and "transfer-encoding" not in seen.headers
+    assert seen.headers["x-request-id"] == r.headers["x-request-id"]
+
+
+def test_keep_alive_reuses_one_connection(engine: Engine, gateway: Proc) -> None:
+    for _ in range(10):
+        assert _get(gateway, "reuse").status_code == 200
+    assert len({s.conn for s in engine.requests("reuse")}) == 1
+
+
+@pytest.mark.parametrize(
+    ("scenario", "body"),
+    [("chunked", b"abcdefghi"), ("eof", b"until-the-end"), ("close", b'{"closing":true}')],
+)
+def test_response_framings(engine: Engine, gateway: Proc, scenario: str, body: bytes) -> None:
+    r = _get(gateway, scenario)
+    assert (r.status_code, r.content) == (200, body)
+    # The connection the engine closed (or that ended the body) is not reused.
+    assert _get(gateway, "after-" + scenario).status_code == 200
+
+
+def test_large_streamed_body_arrives_whole(gateway: Proc) -> None:
+    r = _get(gateway, "big")
+    assert r.status_code == 200 and len(r.content) == BIG and set(r.content) == {ord("x")}
+
+
+def test_idle_connection_closed_by_the_engine_is_not_reused(engine: Engine, gateway: Proc) -> None:
+    assert _get(gateway, "idle-close").status_code == 200
+    time.sleep(0.4)
+    assert _get(gateway, "after-idle").status_code == 200
+    first, second = engine.requests("idle-close")[-1], engine.requests("after-idle")[-1]
+    assert first.conn != second.conn
+
+
+@pytest.mark.parametrize(
+    ("scenario", "status", "code"),
+    [
+        ("garbage", 502, "upstream_unavailable"),
+        ("stall", 504, "upstream_timeout"),
+        ("short", 502, "upstream_broken"),
+    ],
+)
+def test_upstream_failures_are_clear_errors(
+    gateway: Proc, scenario: str, status: int, code: str
+) -> None:
+    r = _get(gateway, scenario)
+    assert (r.status_code, r.json()["error"]["code"]) == (status, code)
+    # No library text reaches the client.
+    assert "httptools" not in r.text and "Error" not in r.json()["error"]["message"]
+    assert _get(gateway, "after-" + scenario).status_code == 200
