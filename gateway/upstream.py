@@ -231,6 +231,9 @@ class UpstreamResponse:
             self._error = error
             self._wake()
 
+    def _time_out(self, error: type[UpstreamError]) -> None:
+        self._fail(error("timeout"))
+
     async def _wait(self) -> None:
         self._waiter = self._loop.create_future()
         try:
@@ -243,7 +246,7 @@ class UpstreamResponse:
     async def _start(self, limit: float) -> None:
         """Wait for the status line and headers (at most `limit` seconds). A plain timer,
         not `asyncio.timeout`: no context object and cancellation on the common path."""
-        handle = self._loop.call_later(limit, self._fail, FirstByteTimeout("first byte"))
+        handle = self._loop.call_later(limit, self._time_out, FirstByteTimeout)
         try:
             while not self.headers_done:
                 if self._error is not None:
@@ -269,15 +272,17 @@ class UpstreamResponse:
 
     async def read(self, limit: float) -> bytes:
         """The whole body (for bodies known to be small), within `limit` seconds."""
-        self._conn.resume()
-        handle = self._loop.call_later(limit, self._fail, ReadTimeout("read"))
-        try:
-            while not self.complete:
-                if self._error is not None:
-                    raise self._error
-                await self._wait()
-        finally:
-            handle.cancel()
+        if not self.complete:
+            # Small answers usually arrive with their headers: no timer for those.
+            self._conn.resume()
+            handle = self._loop.call_later(limit, self._time_out, ReadTimeout)
+            try:
+                while not self.complete:
+                    if self._error is not None:
+                        raise self._error
+                    await self._wait()
+            finally:
+                handle.cancel()
         body = b"".join(self._chunks)
         self._chunks.clear()
         return body
