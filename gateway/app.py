@@ -160,6 +160,7 @@ class Gateway:
         self._tasks: list[asyncio.Task[None]] = []
 
         logger = structlog.get_logger("gateway")
+        self.request_log = RequestLog(logger, settings.log_format, settings.log_level)
         # The middleware stack, outermost first.
         middleware: list[tuple[Callable[..., ASGIApp], dict[str, Any]]] = [
             (
@@ -167,7 +168,7 @@ class Gateway:
                 {
                     "metrics": self.metrics,
                     "logger": logger,
-                    "request_log": RequestLog(logger, settings.log_format, settings.log_level),
+                    "request_log": self.request_log,
                 },
             ),
             (EndpointGuard, {"keyring": self.keyring}),
@@ -214,6 +215,7 @@ class Gateway:
             cookie_jar=aiohttp.DummyCookieJar(),
         )
         self._upstream = self.proxy.start()
+        self.request_log.bind(asyncio.get_running_loop())
         for engine in self.pool.engines:
             self.metrics.set_engine_health(engine.url, False)
         await self.pool.start(self._session)
@@ -240,6 +242,7 @@ class Gateway:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        self.request_log.flush()
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

@@ -8,6 +8,7 @@ later cannot leak a key or a whole image into the logs.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
 import re
@@ -58,6 +59,11 @@ class RequestLog:
     at 64 connections (py-spy). The fields are fixed by the caller; the one that carries
     client text, the path, still goes through the data: URL redaction. In the console
     format, and for every other event, structlog is used as configured.
+
+    Once `bind` gave it the loop, lines are flushed once per loop iteration instead of
+    once per line: the write system call per line was another 8% of the CPU at 64
+    connections (py-spy), and the requests finished in one iteration share one write.
+    `flush()` at shutdown.
     """
 
     def __init__(
@@ -69,6 +75,16 @@ class RequestLog:
         self._logger = logger
         self._enabled = _LEVELS.get(level, logging.ERROR) <= logging.INFO
         self._direct = fmt == "json"
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending: Any = None
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def flush(self) -> None:
+        out, self._pending = self._pending, None
+        if out is not None:
+            out.flush()
 
     def write(self, fields: dict[str, Any]) -> None:
         """Log `fields` as the `request` event. Only `path` may carry client text."""
@@ -86,7 +102,15 @@ class RequestLog:
         # Looked up per line, like print(): tests and daemons may swap sys.stdout.
         out = sys.stdout.buffer
         out.write(orjson.dumps(fields, default=str, option=_JSON_LINE))
-        out.flush()
+        if self._loop is None:
+            out.flush()
+            return
+        pending = self._pending
+        if pending is None:
+            self._loop.call_soon(self.flush)
+        elif pending is not out:
+            pending.flush()
+        self._pending = out
 
 
 def configure_logging(
