@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -78,6 +80,11 @@ class Metrics:
         if hist is None:
             hist = self._ttfbs[group] = self.upstream_ttfb.labels(group)
         hist.observe(seconds)
+
+    def count_in_flight(self, current: Callable[[], float]) -> None:
+        """Read the in-flight gauge from `current` at scrape time: no locked update
+        twice per request."""
+        self.in_flight.set_function(current)
 
     def set_engine_health(self, engine: str, healthy: bool) -> None:
         self.engine_healthy.labels(engine).set(1 if healthy else 0)

@@ -28,6 +28,7 @@ import yaml
 from PIL import Image
 from pydantic import BaseModel
 
+from gateway.auth import load_key_file
 from gateway.config import Settings
 from tests.procs import (
     ROOT,
@@ -423,7 +424,6 @@ def test_vllm_runs_with_safe_flags(where: str) -> None:
         "--enable-prompt-embeds",
         "--enable-lora",
         "--enable-tokenizer-info-endpoint",
-        "--api-server-count",
     ):
         assert flag_values(args, flag) is None, flag
     domains = flag_values(args, "--allowed-media-domains")
@@ -502,6 +502,18 @@ def test_k8s_probes_resources_and_secrets() -> None:
     assert path.name in secrets[volume["secret"]["secretName"]]
     example_keys = yaml.safe_load(secrets["vllm-gateway-keys"]["keys.yaml"])
     assert example_keys == {"api_keys": []}  # the placeholder lets nobody in
+
+
+def test_example_key_files_load_and_let_nobody_in(tmp_path: Path) -> None:
+    assert load_key_file(DEPLOY / "keys.example.yaml") == ()
+    (secret,) = [
+        d
+        for d in load_all(K8S / "secrets.example.yaml")
+        if d["metadata"]["name"] == "vllm-gateway-keys"
+    ]
+    path = tmp_path / "keys.yaml"
+    path.write_text(secret["stringData"]["keys.yaml"])
+    assert load_key_file(path) == ()
 
 
 def test_k8s_network_policy_allows_dns_and_public_https_only() -> None:
