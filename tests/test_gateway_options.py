@@ -14,6 +14,8 @@ import structlog
 from gateway.app import create_app
 from gateway.config import Settings
 from gateway.logging import RequestLog, configure_logging, redact
+from gateway.metrics import Metrics
+from gateway.middleware import InFlightLimit, RequestIds
 
 KEY = "sk-options-0123456789abcdef"
 
@@ -158,3 +160,21 @@ def test_request_line_follows_level_and_format(capsysbinary: pytest.CaptureFixtu
         structlog.reset_defaults()
     out = capsysbinary.readouterr().out
     assert b"request" in out and b"tenant-a" in out and not out.startswith(b"{")
+
+
+def test_request_ids_are_distinct_128_bit_hex() -> None:
+    ids = RequestIds()
+    minted = [ids.new() for _ in range(1000)]  # crosses several 4 KiB refills
+    assert len(set(minted)) == 1000
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in minted)
+
+
+def test_in_flight_gauge_reads_the_limiter() -> None:
+    metrics = Metrics()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        return None
+
+    limiter = InFlightLimit(app, limit=4, metrics=metrics)
+    limiter.current = 3
+    assert b"gateway_requests_in_flight 3.0" in metrics.render()
