@@ -197,7 +197,11 @@ class Proxy:
     def _origin(self, engine: Engine) -> Origin:
         origin = self._origins.get(engine.url)
         if origin is None:
-            origin = self._origins[engine.url] = Origin(engine.url)
+            try:
+                origin = self._origins[engine.url] = Origin(engine.url)
+            except ValueError:
+                # Not a usable engine URL: nothing can reach it, like a refused connect.
+                raise ConnectFailed("engine URL") from None
         return origin
 
     def _upstream_headers(self, scope: Scope, request_id: str) -> list[tuple[bytes, bytes]]:

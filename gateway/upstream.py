@@ -48,9 +48,10 @@ class ConnectionBroken(UpstreamError):
 
 
 class Origin:
-    """An engine's scheme, host and port, parsed once from its configured URL."""
+    """An engine's scheme, host, port and base path, parsed once from its configured URL
+    (an engine served under a path prefix gets every request under that prefix)."""
 
-    __slots__ = ("host", "host_header", "port", "ssl")
+    __slots__ = ("base_path", "host", "host_header", "port", "ssl")
 
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
@@ -60,6 +61,7 @@ class Origin:
         self.host = parts.hostname
         self.port = parts.port or (443 if self.ssl else 80)
         self.host_header = parts.netloc.rsplit("@", 1)[-1].encode("ascii")
+        self.base_path = parts.path.rstrip("/")
 
 
 class _Connection(asyncio.Protocol):
@@ -378,7 +380,7 @@ class Upstream:
         response = UpstreamResponse(conn, self._loop)
         conn.response = response
         head = [
-            f"{method} {target} HTTP/1.1\r\n".encode("latin-1"),
+            f"{method} {origin.base_path}{target} HTTP/1.1\r\n".encode("latin-1"),
             b"Host: ",
             origin.host_header,
             b"\r\n",

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gateway.upstream import Origin
 from tests.procs import Proc, gateway_proc
 
 KEY = "sk-upstream-0123456789abcdef"
@@ -225,3 +226,36 @@ def test_upstream_failures_are_clear_errors(
     # No library text reaches the client.
     assert "httptools" not in r.text and "Error" not in r.json()["error"]["message"]
     assert _get(gateway, "after-" + scenario).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("http://127.0.0.1:8000", ("127.0.0.1", 8000, False, b"127.0.0.1:8000", "")),
+        ("http://engine/", ("engine", 80, False, b"engine", "")),
+        ("https://engine.svc:8443/vllm/", ("engine.svc", 8443, True, b"engine.svc:8443", "/vllm")),
+        ("http://[::1]:9000", ("::1", 9000, False, b"[::1]:9000", "")),
+    ],
+)
+def test_origin_of_an_engine_url(url: str, expected: tuple[object, ...]) -> None:
+    o = Origin(url)
+    assert (o.host, o.port, o.ssl, o.host_header, o.base_path) == expected
+
+
+@pytest.mark.parametrize("url", ["ftp://engine", "engine:8000", "http://", "unix:///tmp/x"])
+def test_unusable_engine_urls(url: str) -> None:
+    with pytest.raises(ValueError):
+        Origin(url)
+
+
+def test_engine_under_a_path_prefix(engine: Engine, tmp_path: Path) -> None:
+    env = {"GATEWAY_ENGINES": f'["{engine.url}/prefix/"]', "GATEWAY_API_KEYS": f'["{KEY}"]'}
+    proc = gateway_proc(tmp_path, env)
+    proc.start("/healthz")
+    try:
+        headers = {"Authorization": f"Bearer {KEY}", "X-Scenario": "prefixed"}
+        r = httpx.get(proc.url + "/v1/models?x=1", headers=headers, timeout=10)
+    finally:
+        proc.stop()
+    assert r.status_code == 200
+    assert engine.requests("prefixed")[-1].path == "/prefix/v1/models?x=1"
