@@ -1,8 +1,10 @@
 """The HTTP/1.1 client the proxy forwards with: keep-alive connections to the engines.
 
-aiohttp's request machinery (ClientSession._request, ClientRequest, a writer task per
+httpx lost 3-7x of aiohttp's throughput as concurrency rose (DESIGN.md, encode/httpx#3215),
+and aiohttp's request machinery (ClientSession._request, ClientRequest, a writer task per
 request with a body) was a third of the gateway's CPU per small request at 64
-connections (py-spy), more than a naive aiohttp proxy spends in total. This client does
+connections (py-spy); replacing it took the gateway from 268 to 140 us of CPU per request
+(docs/gateway.md, Overhead). This client does
 only what forwarding needs: one request line and header block written at once, the
 response parsed by httptools (llhttp, the parser uvicorn uses), the body handed over as
 it arrives. The engine is addressed by configured URL only; nothing here follows
@@ -345,7 +347,13 @@ class Upstream:
             fresh = self._loop.time() - self._keepalive
             while idle:
                 conn = idle.pop()  # most recently used first
-                if conn.closed or conn.idle_since < fresh:
+                transport = conn.transport
+                if (
+                    conn.closed
+                    or conn.idle_since < fresh
+                    or transport is None
+                    or transport.is_closing()
+                ):
                     conn.abort()
                     continue
                 return conn
