@@ -27,6 +27,9 @@ import httptools
 # A response body buffered beyond this pauses reading from the engine until the
 # client side catches up (back-pressure instead of unbounded memory).
 _HIGH_WATER = 256 * 1024
+# Request bodies up to this size go out in the same write as the head (one system call);
+# larger ones in a second write, so an upload is never copied whole.
+_COPY_LIMIT = 64 * 1024
 
 
 class UpstreamError(Exception):
@@ -398,10 +401,16 @@ class Upstream:
         if body is not None or method == "POST":
             head += (b"Content-Length: ", str(len(body or b"")).encode("ascii"), b"\r\n")
         head.append(b"\r\n")
-        if body:
-            head.append(body)
-        assert conn.transport is not None
-        conn.transport.write(b"".join(head))
+        transport = conn.transport
+        assert transport is not None
+        if body and len(body) > _COPY_LIMIT:
+            # A large body is not copied into one buffer with the head.
+            transport.write(b"".join(head))
+            transport.write(body)
+        else:
+            if body:
+                head.append(body)
+            transport.write(b"".join(head))
         try:
             await response._start(self._first_byte)
         except BaseException:

@@ -180,6 +180,24 @@ def test_request_as_the_engine_sees_it(engine: Engine, gateway: Proc) -> None:
     assert seen.headers["x-request-id"] == r.headers["x-request-id"]
 
 
+def test_large_body_is_forwarded_intact(engine: Engine, gateway: Proc) -> None:
+    prompt = "".join(chr(0x41 + i % 26) for i in range(1_500_000))
+    body = b'{"model": "scripted/model", "prompt": "%s"}' % prompt.encode()
+    r = httpx.post(
+        gateway.url + "/v1/completions",
+        content=body,
+        headers={
+            "Authorization": f"Bearer {KEY}",
+            "Content-Type": "application/json",
+            "X-Scenario": "large-body",
+        },
+        timeout=10,
+    )
+    assert r.status_code == 200
+    seen = engine.requests("large-body")[-1]
+    assert seen.body == body and seen.headers["content-length"] == str(len(body))
+
+
 def test_keep_alive_reuses_one_connection(engine: Engine, gateway: Proc) -> None:
     for _ in range(10):
         assert _get(gateway, "reuse").status_code == 200
