@@ -237,6 +237,42 @@ class RecordingServer:
         self._server.server_close()
 
 
+class SocketCanary:
+    """A bare TCP listener that counts the connections it accepts: a canary at the socket
+    level, so even a connection that sends nothing is seen (and it listens on ::1, where
+    RecordingServer cannot)."""
+
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> None:
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.sock.listen(16)
+        self.sock.settimeout(0.05)
+        self.port = int(self.sock.getsockname()[1])
+        self.accepted = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.accepted += 1
+            conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self.sock.close()
+
+
 def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import base64
 import json
 import socket
-import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from tests.procs import (
     Proc,
     RecordingServer,
     Route,
+    SocketCanary,
     gateway_proc,
     sim_proc,
     wait_for,
@@ -65,38 +65,6 @@ UPLOAD_MAX_PARTS = 6
 PNG = png(64, 64)
 PNG_TWICE = png(96, 96, (10, 200, 10))
 PNG_PASS = png(32, 32, (0, 0, 250))
-
-
-class SocketCanary:
-    """A bare listener that counts accepted connections (sees even a silent connect).
-    Used on ::1, where the HTTP RecordingServer cannot listen."""
-
-    def __init__(self, family: socket.AddressFamily, host: str) -> None:
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
-        self.sock.bind((host, 0))
-        self.sock.listen(16)
-        self.sock.settimeout(0.05)
-        self.port = int(self.sock.getsockname()[1])
-        self.accepted = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            self.accepted += 1
-            conn.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        self.sock.close()
 
 
 @dataclass
@@ -159,7 +127,7 @@ def _gateway_env(engine: str, st: dict[str, int], **extra: str) -> dict[str, str
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("gateway-media")
     with RecordingServer() as canary:
-        canary6 = SocketCanary(socket.AF_INET6, "::1")
+        canary6 = SocketCanary("::1", family=socket.AF_INET6)
         routes = {
             "/img.png": Route(body=PNG, headers={"Content-Type": "image/png"}),
             "/twice.png": Route(body=PNG_TWICE, headers={"Content-Type": "image/png"}),

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-import threading
 from collections.abc import Iterator, Sequence
 
 import httpx
@@ -25,41 +24,10 @@ from gateway.media.addresses import Address
 from gateway.media.fetch import MediaFetcher
 from gateway.media.settings import MediaSettings
 from gateway.media.urls import RemoteUrl, UrlPolicy
-from tests.procs import RecordingServer, Route
+from tests.procs import RecordingServer, Route, SocketCanary
 from tests.test_media_samples import png
 
 PNG = png(16, 16)
-
-
-class Canary:
-    """A bare listener counting the connections it accepts."""
-
-    def __init__(self, family: socket.AddressFamily, host: str, port: int) -> None:
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
-        self.sock.listen(8)
-        self.sock.settimeout(0.05)
-        self.accepted = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            self.accepted += 1
-            conn.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        self.sock.close()
 
 
 def _system_answers(port: int) -> set[str]:
@@ -68,17 +36,17 @@ def _system_answers(port: int) -> set[str]:
 
 
 @pytest.fixture
-def origin_and_canaries() -> Iterator[tuple[RecordingServer, list[Canary]]]:
+def origin_and_canaries() -> Iterator[tuple[RecordingServer, list[SocketCanary]]]:
     """The origin on 127.0.0.2:P, canaries on every address the system gives for
     localhost, on the same port P."""
     routes = {"/img.png": Route(body=PNG, headers={"Content-Type": "image/png"})}
     for _ in range(20):
         origin = RecordingServer(routes, host="127.0.0.2")
-        canaries: list[Canary] = []
+        canaries: list[SocketCanary] = []
         try:
             for answer in sorted(_system_answers(origin.port)):
                 family = socket.AF_INET6 if ":" in answer else socket.AF_INET
-                canaries.append(Canary(family, answer, origin.port))
+                canaries.append(SocketCanary(answer, origin.port, family))
         except OSError:
             for c in canaries:
                 c.close()
@@ -107,7 +75,7 @@ class Resolver:
 
 
 async def test_the_connection_goes_to_the_checked_address_not_a_fresh_lookup(
-    origin_and_canaries: tuple[RecordingServer, list[Canary]],
+    origin_and_canaries: tuple[RecordingServer, list[SocketCanary]],
 ) -> None:
     origin, canaries = origin_and_canaries
     port = origin.port

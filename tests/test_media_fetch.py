@@ -16,43 +16,10 @@ from gateway.media.addresses import Address
 from gateway.media.fetch import MediaFetcher
 from gateway.media.settings import MediaSettings
 from gateway.media.urls import RemoteUrl, UrlPolicy
-from tests.procs import RecordingServer, Route
+from tests.procs import RecordingServer, Route, SocketCanary
 from tests.test_media_samples import png
 
 PNG = png()
-
-
-class Listener:
-    """A bare TCP listener that counts the connections it accepts (a canary at the socket
-    level, so even a connection that sends nothing is seen)."""
-
-    def __init__(self, host: str, port: int = 0) -> None:
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
-        self.sock.listen(8)
-        self.port = int(self.sock.getsockname()[1])
-        self.sock.settimeout(0.05)
-        self.accepted = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            self.accepted += 1
-            conn.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        self.sock.close()
 
 
 class ChunkedForever:
@@ -190,7 +157,7 @@ async def test_redirects_are_refused_and_never_followed(
 async def test_non_public_answers_are_refused_before_connecting(
     answers: list[str], networks: list[str]
 ) -> None:
-    target = Listener("127.0.0.1")
+    target = SocketCanary()
     try:
         s = settings(target.port, allowed_networks=networks)
         with pytest.raises(MediaFetchFailed, match="reason: address refused"):
@@ -201,7 +168,7 @@ async def test_non_public_answers_are_refused_before_connecting(
 
 
 async def test_ip_literal_hosts_still_pass_the_address_check() -> None:
-    target = Listener("127.0.0.1")
+    target = SocketCanary()
     try:
         s = settings(target.port, allowed_networks=[])
         with pytest.raises(MediaFetchFailed, match="reason: address refused"):
@@ -211,12 +178,12 @@ async def test_ip_literal_hosts_still_pass_the_address_check() -> None:
         target.close()
 
 
-def _pair_on_same_port() -> tuple[RecordingServer, Listener]:
+def _pair_on_same_port() -> tuple[RecordingServer, SocketCanary]:
     for _ in range(20):
         good = RecordingServer({"/img.png": Route(body=PNG, headers={"Content-Type": "image/png"})},
                                host="127.0.0.2")  # fmt: skip
         try:
-            return good, Listener("127.0.0.1", good.port)
+            return good, SocketCanary("127.0.0.1", good.port)
         except OSError:
             good._server.server_close()
     raise RuntimeError("no free port pair")
