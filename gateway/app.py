@@ -29,7 +29,7 @@ from gateway.middleware import Authentication, EndpointGuard, InFlightLimit, Req
 from gateway.payload import PayloadInspector
 from gateway.proxy import Proxy
 from gateway.routing.policy import make_policy
-from gateway.routing.pool import Engine, EnginePool
+from gateway.routing.pool import EnginePool
 from gateway.upstream import Upstream
 
 # The env var through which `vllm-gateway serve --workers N` hands each worker its
@@ -61,10 +61,17 @@ class LocalRoutes:
         if path == "/healthz":
             status, body = _json_response(200, {"status": "ok"})
         elif path == "/readyz":
-            healthy = len(self.pool.healthy())
+            # Ready: some engine is healthy, which the pool grants only once that
+            # engine's served models are known (a gateway that answered before knowing
+            # them refused served models with 403 model_not_allowed).
+            ready = self.pool.ready()
             status, body = _json_response(
-                200 if healthy else 503,
-                {"status": "ready" if healthy else "no_healthy_engine", "healthy_engines": healthy},
+                200 if ready else 503,
+                {
+                    "status": "ready" if ready else "no_healthy_engine",
+                    "healthy_engines": len(self.pool.healthy()),
+                    "engines": len(self.pool.engines),
+                },
             )
         elif path == "/metrics":
             status, body, content_type = 200, self.metrics.render(), CONTENT_TYPE
@@ -142,14 +149,13 @@ class Gateway:
             settings.engines,
             settings.routing,
             headers=self._upstream_auth(),
-            on_health=self._on_health,
         )
         self.pool.extra_models = frozenset(settings.served_models)
         self.pool.models = self.pool.extra_models
         self.inspector = PayloadInspector(settings.media)
-        self.proxy = Proxy(
-            settings, self.pool, make_policy(settings.routing), self.metrics, self.inspector
-        )
+        policy = make_policy(settings.routing)
+        self.metrics.watch_pool(lambda: self.pool.engines, policy.name)
+        self.proxy = Proxy(settings, self.pool, policy, self.metrics, self.inspector)
         self.watcher = (
             KeyFileWatcher(settings.api_keys_file, self.keyring, settings)
             if settings.api_keys_file is not None
@@ -184,9 +190,6 @@ class Gateway:
         key = self.settings.upstream_api_key
         return {"Authorization": f"Bearer {key.get_secret_value()}"} if key else {}
 
-    def _on_health(self, engine: Engine) -> None:
-        self.metrics.set_engine_health(engine.url, engine.healthy)
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
@@ -216,8 +219,6 @@ class Gateway:
         )
         self._upstream = self.proxy.start()
         self.request_log.bind(asyncio.get_running_loop())
-        for engine in self.pool.engines:
-            self.metrics.set_engine_health(engine.url, False)
         await self.pool.start(self._session)
         if self.watcher is not None:
             self._tasks.append(asyncio.create_task(self.watcher.run(), name="key-file"))

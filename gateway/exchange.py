@@ -26,17 +26,21 @@ class Exchange:
     """Mutable per-request state. `code` is the error code, or "" on success."""
 
     __slots__ = (
+        "anchor_kind",
         "bytes_in",
         "bytes_out",
         "code",
         "disconnected",
         "engine",
+        "failovers",
         "key",
         "key_name",
         "model",
         "path",
+        "policy",
         "request_id",
         "route",
+        "spilled",
         "started",
         "status",
         "ttfb",
@@ -58,6 +62,13 @@ class Exchange:
         self.bytes_out = 0
         self.ttfb: float | None = None
         self.disconnected = False
+        # The routing decision, when a policy chose among several engines: its name,
+        # the anchor's kind, whether the request left its first choice, and how many
+        # refused connections moved it on.
+        self.policy: str | None = None
+        self.anchor_kind: str | None = None
+        self.spilled: bool | None = None
+        self.failovers = 0
 
 
 def exchange_of(scope: Scope) -> Exchange:

@@ -2,16 +2,107 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST.encode("latin-1")
 
 # Latency buckets from 1 ms: the gateway's own answers take well under a millisecond,
 # generation takes seconds.
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+
+class EngineStats(Protocol):
+    """What the metrics read of an engine at scrape time (the pool's engines)."""
+
+    url: str
+    healthy: bool
+    in_flight: int
+    waiting: int
+    kv_cache_usage: float
+    scraped: bool
+    ejections: int
+
+
+class RoutingCounts:
+    """Routing decisions, counted with plain integer adds on the request path and read
+    at scrape time: a labelled prometheus counter takes a lock per increment."""
+
+    __slots__ = ("failovers", "first", "spilled")
+
+    def __init__(self) -> None:
+        # Requests the policy sent to their anchor's first choice, or elsewhere (the
+        # load bound or placement moved them).
+        self.first = 0
+        self.spilled = 0
+        # Times a refused connection moved a request on to the next engine.
+        self.failovers = 0
+
+
+class PoolCollector(Collector):
+    """Per-engine gauges and the routing counts, built from live state at scrape time:
+    nothing per request, and engines that leave the pool (DNS) leave the metrics."""
+
+    def __init__(
+        self, engines: Callable[[], Sequence[EngineStats]], policy: str, counts: RoutingCounts
+    ) -> None:
+        self._engines = engines
+        self._policy = policy
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        engines = self._engines()
+        healthy = GaugeMetricFamily(
+            "gateway_engine_healthy",
+            "1 when the engine is in rotation (passed its last health check, not ejected).",
+            labels=["engine"],
+        )
+        in_flight = GaugeMetricFamily(
+            "gateway_engine_in_flight",
+            "Requests this gateway is forwarding to the engine.",
+            labels=["engine"],
+        )
+        waiting = GaugeMetricFamily(
+            "gateway_engine_waiting",
+            "Requests queued in the engine, from its own metrics as last scraped.",
+            labels=["engine"],
+        )
+        kv = GaugeMetricFamily(
+            "gateway_engine_kv_cache_usage",
+            "The engine's KV cache usage (0-1), from its own metrics as last scraped.",
+            labels=["engine"],
+        )
+        ejections = CounterMetricFamily(
+            "gateway_engine_ejections",
+            "Times the engine was taken out of rotation by a refused connection or 5xx run.",
+            labels=["engine"],
+        )
+        for e in engines:
+            healthy.add_metric([e.url], 1.0 if e.healthy else 0.0)
+            in_flight.add_metric([e.url], float(e.in_flight))
+            ejections.add_metric([e.url], float(e.ejections))
+            if e.scraped:
+                waiting.add_metric([e.url], float(e.waiting))
+                kv.add_metric([e.url], e.kv_cache_usage)
+        decisions = CounterMetricFamily(
+            "gateway_routing_decisions",
+            "Requests placed by the routing policy, by whether they went to the first "
+            "choice of their anchor or spilled to another engine.",
+            labels=["policy", "choice"],
+        )
+        decisions.add_metric([self._policy, "first"], float(self._counts.first))
+        decisions.add_metric([self._policy, "spilled"], float(self._counts.spilled))
+        failovers = CounterMetricFamily(
+            "gateway_routing_failovers",
+            "Times a refused connection moved a request on to the next engine in its order.",
+        )
+        failovers.add_metric([], float(self._counts.failovers))
+        yield from (healthy, in_flight, waiting, kv, ejections, decisions, failovers)
 
 
 class Metrics:
@@ -50,12 +141,7 @@ class Metrics:
             "Requests being forwarded to engines.",
             registry=self.registry,
         )
-        self.engine_healthy = Gauge(
-            "gateway_engine_healthy",
-            "1 when the engine passed its last health check.",
-            ["engine"],
-            registry=self.registry,
-        )
+        self.routing = RoutingCounts()
         self._requests: dict[tuple[str, int, str], Counter] = {}
         self._durations: dict[str, Histogram] = {}
         self._ttfbs: dict[str, Histogram] = {}
@@ -86,8 +172,9 @@ class Metrics:
         twice per request."""
         self.in_flight.set_function(current)
 
-    def set_engine_health(self, engine: str, healthy: bool) -> None:
-        self.engine_healthy.labels(engine).set(1 if healthy else 0)
+    def watch_pool(self, engines: Callable[[], Sequence[EngineStats]], policy: str) -> None:
+        """Report the engines returned by `engines` and the routing counts at scrape time."""
+        self.registry.register(PoolCollector(engines, policy, self.routing))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -178,6 +178,10 @@ class Proxy:
         )
         self._idle = settings.timeouts.idle
         self._origins: dict[str, Origin] = {}
+        header = settings.routing.session_header
+        # ASGI header names are lowercase bytes.
+        self._session_header = header.strip().lower().encode("latin-1") if header else None
+        self._counts = metrics.routing
 
     def start(self) -> Upstream:
         """Create the upstream client on the running loop; the caller closes it. The
@@ -197,6 +201,9 @@ class Proxy:
     def _origin(self, engine: Engine) -> Origin:
         origin = self._origins.get(engine.url)
         if origin is None:
+            if len(self._origins) > 2 * len(self.pool.engines) + 16:
+                # Engines named by DNS come and go: forget the origins of departed ones.
+                self._origins.clear()
             try:
                 origin = self._origins[engine.url] = Origin(engine.url)
             except ValueError:
@@ -302,12 +309,7 @@ class Proxy:
             # anchor is computed. The policy cost 9% of the CPU per request (py-spy).
             order: Sequence[Engine] = engines
         else:
-            order = self.policy.order(
-                RoutingRequest(
-                    path=route.path, body=parsed, media_hashes=media_hashes, key_name=ex.key_name
-                ),
-                engines,
-            )
+            order = self._choose(scope, ex, parsed, media_hashes, engines)
         target = scope["gateway.path"]
         query: bytes = scope.get("query_string", b"")
         if query:
@@ -332,6 +334,37 @@ class Proxy:
         finally:
             watch.stop()
 
+    def _choose(
+        self,
+        scope: Scope,
+        ex: Exchange,
+        body: dict[str, Any] | None,
+        media_hashes: list[str],
+        engines: Sequence[Engine],
+    ) -> list[Engine]:
+        """The policy's order for this request; its decision goes on `ex` and the counts."""
+        session: str | None = None
+        if self._session_header is not None:
+            value = _header(scope, self._session_header)
+            if value:
+                session = value.decode("latin-1")
+        request = RoutingRequest(
+            path=ex.route.path,
+            body=body,
+            media_hashes=media_hashes,
+            key_name=ex.key_name,
+            session=session,
+        )
+        order = self.policy.order(request, engines)
+        ex.policy = self.policy.name
+        ex.anchor_kind = request.anchor_kind
+        ex.spilled = request.spilled
+        if request.spilled:
+            self._counts.spilled += 1
+        else:
+            self._counts.first += 1
+        return order
+
     async def _forward(
         self,
         scope: Scope,
@@ -347,7 +380,13 @@ class Proxy:
         assert upstream is not None, "the app's lifespan did not run"
         group = ex.route.label
         method: str = scope["method"]
-        for engine in order:
+        pool = self.pool
+        for attempt, engine in enumerate(order):
+            if attempt:
+                # The previous engine refused the connection: it received nothing, so
+                # the request moves on (once per engine: `order` lists each once).
+                ex.failovers = attempt
+                self._counts.failovers += 1
             sent_at = time.perf_counter()
             engine.in_flight += 1
             try:
@@ -355,15 +394,18 @@ class Proxy:
             except ConnectFailed:
                 # Nothing reached this engine: eject it and try the next one.
                 engine.in_flight -= 1
-                self.pool.eject(engine)
+                pool.eject(engine)
                 continue
             except FirstByteTimeout:
                 engine.in_flight -= 1
                 ex.engine = engine.url
+                pool.failed(engine)
                 raise UpstreamTimeout("The engine did not start answering in time.") from None
             except UpstreamError:
+                # The request was written, so it may have started: never retried.
                 engine.in_flight -= 1
                 ex.engine = engine.url
+                pool.failed(engine)
                 raise UpstreamUnavailable("The connection to the engine failed.") from None
             except BaseException:
                 engine.in_flight -= 1
@@ -371,6 +413,10 @@ class Proxy:
             ex.engine = engine.url
             ex.ttfb = time.perf_counter() - sent_at
             self.metrics.observe_ttfb(group, ex.ttfb)
+            if resp.status >= 500:
+                pool.failed(engine)
+            elif engine.failures or engine.backoff:
+                pool.succeeded(engine)
             try:
                 await self._relay(resp, send, ex, watch)
             finally:

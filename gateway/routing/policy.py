@@ -17,7 +17,7 @@ from typing import Any, Protocol, TypeVar
 from gateway.routing.hotspots import HotCandidates
 from gateway.routing.keys import Anchor, candidate_anchors, session_anchor
 from gateway.routing.placement import Placements
-from gateway.routing.rendezvous import first_within_bound, rendezvous_order
+from gateway.routing.rendezvous import first_within_bound, load_of, rendezvous_order
 from gateway.routing.settings import RoutingPolicy, RoutingSettings
 
 
@@ -75,7 +75,8 @@ class RoundRobin:
 
 
 class LeastLoaded:
-    """Fewest requests in flight first; ties go round robin, so an idle pool still spreads."""
+    """Least load first (requests in flight, plus the engine's queue when scraped); ties
+    go round robin, so an idle pool still spreads."""
 
     name = "least_loaded"
 
@@ -87,7 +88,7 @@ class LeastLoaded:
             return []
         start = next(self._counter) % len(engines)
         rotated = [*engines[start:], *engines[:start]]
-        ordered = sorted(rotated, key=lambda e: e.in_flight)  # sorted() is stable
+        ordered = sorted(rotated, key=load_of)  # sorted() is stable
         request.first_choice = ordered[0].url
         return ordered
 

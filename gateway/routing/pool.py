@@ -1,9 +1,16 @@
 """The engine pool: the configured engines, their health, load and served models.
 
-Health is checked actively (GET /health every `routing.health_interval`) and passively:
-a connection the engine refuses ejects it at once, until its next good health check.
-Served models are learned from each engine's /v1/models when it turns healthy and
-then every `MODELS_REFRESH` seconds.
+- Engines come from `GATEWAY_ENGINES`: URLs, and `dns+http://name:port` entries resolved
+  every `routing.dns_interval` seconds to one engine per address (dns.py).
+- Health is checked actively (GET /health every `routing.health_interval`) and
+  passively: an engine that refuses a connection, or answers `routing.eject_after_5xx`
+  5xx in a row, is ejected for a back-off that doubles while it keeps failing, and comes
+  back when a health check passes after the back-off.
+- An engine is healthy only once its served models are known (GET /v1/models), so a
+  ready gateway never refuses a served model as unknown. Models are read again every
+  `MODELS_REFRESH` seconds.
+- Load: `in_flight` counts what this gateway forwards; with `routing.load_interval` set,
+  `waiting` is the engine's own queue, scraped from its /metrics (engine_load.py).
 """
 
 from __future__ import annotations
@@ -11,53 +18,103 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 import aiohttp
 import orjson
 import structlog
 
+from gateway.routing.dns import DnsEntry, NameNotFound, Resolver, is_dns_entry, resolve
+from gateway.routing.engine_load import parse_load
 from gateway.routing.settings import RoutingSettings
 
 MODELS_REFRESH = 15.0
+# While no engine is ready, health checks run at least this often, so a gateway that
+# started before its engines (or whose first model listing failed) turns ready soon.
+NOT_READY_INTERVAL = 0.25
 
 log = structlog.get_logger("gateway.pool")
 
 
 class Engine:
-    """One engine. `in_flight` counts requests the gateway is forwarding to it."""
+    """One engine. `in_flight` counts requests the gateway is forwarding to it;
+    `waiting` is the engine's own queue as last scraped (0 when not scraped)."""
 
-    __slots__ = ("healthy", "in_flight", "models", "models_at", "url")
+    __slots__ = (
+        "backoff",
+        "ejected_until",
+        "ejections",
+        "failures",
+        "healthy",
+        "in_flight",
+        "kv_cache_usage",
+        "models",
+        "models_at",
+        "scraped",
+        "url",
+        "waiting",
+    )
 
     def __init__(self, url: str) -> None:
         self.url = url.rstrip("/")
         self.healthy = False
         self.in_flight = 0
+        self.waiting = 0
+        self.kv_cache_usage = 0.0
+        # True once `waiting` and `kv_cache_usage` come from a scrape.
+        self.scraped = False
         self.models: frozenset[str] = frozenset()
+        # When the models were last read; 0: never (the engine cannot be healthy yet).
         self.models_at = 0.0
+        # Passive ejection: 5xx answers in a row, the current back-off, until when.
+        self.failures = 0
+        self.backoff = 0.0
+        self.ejected_until = 0.0
+        self.ejections = 0
+
+    @property
+    def load(self) -> int:
+        """What the load bound and `least_loaded` compare: this gateway's requests in
+        flight plus the engine's queue (which includes other replicas' requests)."""
+        return self.in_flight + self.waiting
 
     def __repr__(self) -> str:
         return f"Engine({self.url!r}, healthy={self.healthy}, in_flight={self.in_flight})"
 
 
 class EnginePool:
-    """Engines from settings. `start` runs the health checks; `stop` ends them."""
+    """Engines from settings. `start` resolves names and runs the checks; `stop` ends them.
+
+    `resolver` looks up a DNS entry's addresses (default: the system resolver, A and
+    AAAA); it raises NameNotFound for a name without addresses.
+    """
 
     def __init__(
         self,
-        urls: Sequence[str],
+        entries: Sequence[str],
         settings: RoutingSettings,
         *,
         headers: Mapping[str, str] | None = None,
         on_health: Callable[[Engine], None] | None = None,
+        resolver: Resolver = resolve,
     ) -> None:
-        self.engines: list[Engine] = [Engine(u) for u in urls]
         self._settings = settings
         self._headers = dict(headers or {})
         self._on_health = on_health
+        self._resolver = resolver
+        self._static: list[Engine] = []
+        self._dns: list[DnsEntry] = []
+        for spec in entries:
+            if is_dns_entry(spec):
+                self._dns.append(DnsEntry(spec))
+            else:
+                self._static.append(Engine(spec))
+        # Engines of each DNS entry, by URL, from its last good resolution.
+        self._resolved: dict[str, dict[str, Engine]] = {e.spec: {} for e in self._dns}
+        self.engines: list[Engine] = list(self._static)
         self._session: aiohttp.ClientSession | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
         self._healthy: list[Engine] = []
         self.extra_models: frozenset[str] = frozenset()
         self.models: frozenset[str] = frozenset()
@@ -66,38 +123,130 @@ class EnginePool:
         """Engines that passed their last health check, in configuration order."""
         return self._healthy
 
-    def _changed(self, engine: Engine) -> None:
+    def ready(self) -> bool:
+        """At least one engine is healthy, so its served models are known."""
+        return bool(self._healthy)
+
+    def _changed(self, engine: Engine | None = None) -> None:
         self._healthy = [e for e in self.engines if e.healthy]
         # Models of engines that are down stay known: a request for them should get
         # 502 from the dead engine's failover, not a misleading 403.
         self.models = self.extra_models.union(*(e.models for e in self.engines))
-        if self._on_health is not None:
+        if engine is not None and self._on_health is not None:
             self._on_health(engine)
 
-    def eject(self, engine: Engine) -> None:
-        """Passive check: the engine refused a connection. Back after a good check."""
-        if engine.healthy:
-            engine.healthy = False
-            log.warning("engine_ejected", engine=engine.url, reason="connect_failed")
-            self._changed(engine)
+    # -- passive checks (called by the proxy) ------------------------------------------
+
+    def eject(self, engine: Engine, reason: str = "connect_failed") -> None:
+        """Take `engine` out of the rotation for its back-off (doubling each time it is
+        ejected again before it answers well)."""
+        if not engine.healthy:
+            return
+        s = self._settings
+        engine.backoff = min(max(engine.backoff * 2, s.eject_backoff), s.eject_backoff_max)
+        engine.ejected_until = time.monotonic() + engine.backoff
+        engine.ejections += 1
+        engine.failures = 0
+        engine.healthy = False
+        log.warning("engine_ejected", engine=engine.url, reason=reason, backoff=engine.backoff)
+        self._changed(engine)
+
+    def failed(self, engine: Engine) -> None:
+        """The engine answered 5xx (or broke a response off): a run of them ejects it."""
+        engine.failures += 1
+        if engine.failures >= self._settings.eject_after_5xx:
+            self.eject(engine, reason="5xx")
+
+    @staticmethod
+    def succeeded(engine: Engine) -> None:
+        """The engine answered below 500: its run of failures and its back-off end."""
+        engine.failures = 0
+        engine.backoff = 0.0
+
+    # -- lifecycle -----------------------------------------------------------------------
 
     async def start(self, session: aiohttp.ClientSession) -> None:
-        """Check every engine once (so a ready gateway knows its models), then poll."""
+        """Resolve names and check every engine once (so a ready gateway knows its
+        models), then keep doing so in the background."""
         self._session = session
+        await self.resolve_all()
         await self.check_all()
-        self._task = asyncio.create_task(self._run(), name="engine-health")
+        if self._settings.load_interval > 0:
+            await self.scrape_all()
+        self._spawn(self._health_loop(), "engine-health")
+        if self._dns:
+            self._spawn(self._every(self._settings.dns_interval, self._refresh_dns), "engine-dns")
+        if self._settings.load_interval > 0:
+            self._spawn(self._every(self._settings.load_interval, self.scrape_all), "engine-load")
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        self._tasks.append(asyncio.create_task(coro, name=name))
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+                await task
+        self._tasks.clear()
 
-    async def _run(self) -> None:
+    async def _health_loop(self) -> None:
         while True:
-            await asyncio.sleep(self._settings.health_interval)
+            interval = self._settings.health_interval
+            if not self._healthy:
+                interval = min(interval, NOT_READY_INTERVAL)
+            await asyncio.sleep(interval)
             await self.check_all()
+
+    @staticmethod
+    async def _every(interval: float, job: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            await job()
+
+    # -- DNS entries -----------------------------------------------------------------------
+
+    async def resolve_all(self) -> bool:
+        """Resolve every DNS entry; True when the engines changed."""
+        if not self._dns:
+            return False
+        results = await asyncio.gather(*(self._resolve(e) for e in self._dns))
+        if not any(results):
+            return False
+        engines = list(self._static)
+        for entry in self._dns:
+            engines.extend(self._resolved[entry.spec].values())
+        self.engines = engines
+        self._changed()
+        return True
+
+    async def _refresh_dns(self) -> None:
+        if await self.resolve_all():
+            # A new engine joins the rotation at its first good check: check now rather
+            # than after the next health interval.
+            await asyncio.gather(*(self._check(e) for e in self.engines if e.models_at == 0))
+
+    async def _resolve(self, entry: DnsEntry) -> bool:
+        """Update the engines of `entry`; True when the set of addresses changed."""
+        try:
+            addresses = await self._resolver(entry.host, entry.port)
+        except NameNotFound:
+            addresses = []
+        except OSError:
+            log.warning("engine_dns_failed", entry=entry.spec, kept=len(self._resolved[entry.spec]))
+            return False
+        old = self._resolved[entry.spec]
+        urls = [entry.url(a) for a in addresses]
+        if set(urls) == set(old):
+            return False
+        new = {url: old.get(url) or Engine(url) for url in urls}
+        gone = [url for url in old if url not in new]
+        added = [url for url in new if url not in old]
+        log.info("engine_dns_changed", entry=entry.spec, added=added, removed=gone)
+        self._resolved[entry.spec] = new
+        return True
+
+    # -- active checks -----------------------------------------------------------------------
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self._check(e) for e in self.engines))
@@ -111,6 +260,8 @@ class EnginePool:
             return resp.status, await resp.read()
 
     async def _check(self, engine: Engine) -> None:
+        if not engine.healthy and time.monotonic() < engine.ejected_until:
+            return  # ejected: not tried again before its back-off ends
         try:
             status, _ = await self._get(engine, "/health")
             ok = status == 200
@@ -123,6 +274,9 @@ class EnginePool:
                 models_changed = models != engine.models
                 engine.models = models
                 engine.models_at = time.monotonic()
+        # Healthy needs known models: a gateway that routed to an engine before knowing
+        # what it serves would refuse its models as not served (403 model_not_allowed).
+        ok = ok and engine.models_at > 0
         if ok != engine.healthy or models_changed:
             if ok != engine.healthy:
                 log.info("engine_health", engine=engine.url, healthy=ok)
@@ -141,3 +295,20 @@ class EnginePool:
         except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, AttributeError):
             log.warning("engine_models_unreadable", engine=engine.url)
             return None
+
+    # -- engine-reported load -------------------------------------------------------------
+
+    async def scrape_all(self) -> None:
+        await asyncio.gather(*(self._scrape(e) for e in self._healthy))
+
+    async def _scrape(self, engine: Engine) -> None:
+        try:
+            status, body = await self._get(engine, "/metrics")
+        except (aiohttp.ClientError, TimeoutError):
+            status, body = 0, b""
+        load = parse_load(body) if status == 200 else None
+        if load is None:
+            # Unknown is not busy: fall back to this gateway's own count.
+            engine.waiting, engine.kv_cache_usage, engine.scraped = 0, 0.0, False
+            return
+        engine.waiting, engine.kv_cache_usage, engine.scraped = (*load, True)

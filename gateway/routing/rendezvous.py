@@ -7,8 +7,8 @@ adding or removing an engine moves only the anchors whose first choice it was
 (Thaler and Ravishankar, 1998).
 
 The load bound is the one of consistent hashing with bounded loads (Mirrokni, Thorup and
-Zadimoghaddam, 2018): take the first engine in the order whose requests in flight are at
-most (1 + epsilon) x mean + 1, so a hot anchor spills onto its second choice (which then
+Zadimoghaddam, 2018): take the first engine in the order whose load is at most
+(1 + epsilon) x mean + 1, so a hot anchor spills onto its second choice (which then
 warms up for it) instead of queueing on the first without bound.
 """
 
@@ -33,6 +33,13 @@ U = TypeVar("U", bound=_HasUrl)
 L = TypeVar("L", bound=_HasLoad)
 
 
+def load_of(engine: _HasLoad) -> int:
+    """An engine's load: its `load` when it has one (the pool's engines: requests in
+    flight plus the engine's scraped queue), else its requests in flight."""
+    load: int = getattr(engine, "load", engine.in_flight)
+    return load
+
+
 def score(anchor: bytes, url: str) -> int:
     """The engine's weight for `anchor`: stable across processes (blake2b, not hash())."""
     digest = hashlib.blake2b(anchor, digest_size=8, person=b"rendezvous")
@@ -47,10 +54,10 @@ def rendezvous_order(anchor: bytes, engines: Sequence[U]) -> list[U]:
 
 
 def load_bound(engines: Sequence[_HasLoad], epsilon: float) -> float:
-    """The most requests in flight an engine may carry and still take a new one."""
+    """The most load an engine may carry and still take a new request."""
     if not engines:
         return 0.0
-    mean = sum(e.in_flight for e in engines) / len(engines)
+    mean = sum(load_of(e) for e in engines) / len(engines)
     return (1.0 + epsilon) * mean + 1.0
 
 
@@ -62,6 +69,6 @@ def first_within_bound(order: Sequence[L], epsilon: float) -> int:
     """
     bound = load_bound(order, epsilon)
     for i, engine in enumerate(order):
-        if engine.in_flight <= bound:
+        if load_of(engine) <= bound:
             return i
     return 0

@@ -15,8 +15,22 @@ class RoutingPolicy(StrEnum):
 
 class RoutingSettings(BaseModel):
     policy: RoutingPolicy = RoutingPolicy.affinity
-    health_interval: float = 2.0
-    health_timeout: float = 1.0
+    health_interval: float = Field(default=2.0, gt=0.0)
+    health_timeout: float = Field(default=1.0, gt=0.0)
+    # `dns+http://name:port` engine entries are resolved again this often (pool.py).
+    dns_interval: float = Field(default=5.0, gt=0.0)
+    # Passive ejection (pool.py): an engine that refuses a connection, or answers this
+    # many 5xx in a row, leaves the rotation for a back-off that starts at
+    # `eject_backoff` seconds and doubles with each ejection that follows without a
+    # good answer in between (at most `eject_backoff_max`); it comes back when a health
+    # check passes after the back-off.
+    eject_after_5xx: int = Field(default=5, ge=1)
+    eject_backoff: float = Field(default=1.0, gt=0.0)
+    eject_backoff_max: float = Field(default=30.0, gt=0.0)
+    # Scrape each healthy engine's /metrics this often for `vllm:num_requests_waiting`
+    # and `vllm:kv_cache_usage_perc` (0: off). The load bound and `least_loaded` then
+    # count in-flight + waiting, which also sees load sent by other gateway replicas.
+    load_interval: float = Field(default=0.0, ge=0.0)
     # Load bound for affinity: an engine is skipped while it carries more than
     # (1 + load_epsilon) * mean + 1 requests (DESIGN.md, "Routing key").
     load_epsilon: float = Field(default=0.75, ge=0.0)

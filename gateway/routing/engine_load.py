@@ -1,0 +1,55 @@
+"""Reading an engine's own load from its Prometheus text (`GET /metrics`).
+
+Only two gauges are read, by a byte scan instead of a full exposition parser: vLLM's
+/metrics carries every histogram bucket of every model (tens of kilobytes), and this
+runs on the event loop that forwards requests.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+WAITING = b"vllm:num_requests_waiting"
+KV_USAGE = b"vllm:kv_cache_usage_perc"
+
+
+class EngineLoad(NamedTuple):
+    # Requests queued in the engine, from every gateway replica (summed over the
+    # engine's label sets: data-parallel ranks and models).
+    waiting: int
+    # Fraction of KV cache blocks in use, 0 to 1 (the highest over label sets).
+    kv_cache_usage: float
+
+
+def _samples(text: bytes, name: bytes) -> list[float]:
+    """Values of every sample of `name` (any labels). Comment lines never match: a
+    sample starts a line, and the character after its name is `{` or a space."""
+    values: list[float] = []
+    needle = b"\n" + name
+    pos = text.find(needle)
+    while pos != -1:
+        after = pos + len(needle)
+        end = text.find(b"\n", after)
+        line = text[after : len(text) if end == -1 else end]
+        if line[:1] in (b"{", b" "):
+            # The value follows the label set; an optional timestamp follows the value.
+            fields = line[line.rfind(b"}") + 1 :].split()
+            try:
+                value = float(fields[0]) if fields else math.nan
+            except ValueError:
+                value = math.nan
+            if math.isfinite(value) and value >= 0:
+                values.append(value)
+        pos = text.find(needle, after)
+    return values
+
+
+def parse_load(text: bytes) -> EngineLoad | None:
+    """The engine's load, or None when the text carries neither gauge (not a vLLM)."""
+    text = b"\n" + text  # so the first line matches like every other
+    waiting = _samples(text, WAITING)
+    usage = _samples(text, KV_USAGE)
+    if not waiting and not usage:
+        return None
+    return EngineLoad(int(sum(waiting)), min(max(usage, default=0.0), 1.0))
