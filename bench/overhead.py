@@ -20,8 +20,9 @@ import orjson
 
 from bench import loadgen
 from bench.loadgen import KeepAliveClient, LoadResult, Target, raw_request
+from bench.origin import RecordingServer, Route
 from bench.report import Report, fmt, paired_ratios, progress, spread
-from bench.stack import Fleet, MediaOrigin, RunConfig, Server, cpu_seconds, discover_model
+from bench.stack import Fleet, RunConfig, Server, cpu_seconds, discover_model
 
 CHAT = "/v1/chat/completions"
 EMBED = "/v1/embeddings"
@@ -409,7 +410,9 @@ def image_cases(
             )
         finally:
             gw.stop()
-    with MediaOrigin({"/image.png": (png, "image/png")}) as origin:
+    with RecordingServer(
+        {"/image.png": Route(body=png, headers={"Content-Type": "image/png"})}
+    ) as origin:
         url = f"{origin.url}/image.png"
         env = {
             "GATEWAY_MEDIA__MODE": "inline",
@@ -441,7 +444,7 @@ def image_cases(
         ["target", "p50 us", "p99 us", "statuses"],
         rows,
         f"Fetch cost per image (inline fetch p50 minus the same image as a data: URL): "
-        f"{fmt(cost)} us; origin requests served: {origin.hits}.",
+        f"{fmt(cost)} us; origin requests served: {len(origin.hits)}.",
     )
     report.raw["inline_fetch"] = {
         k: {"latency_us": spread(v["samples"]), "statuses": v["statuses"]} for k, v in res.items()

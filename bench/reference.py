@@ -18,9 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench import loadgen
 from bench.loadgen import KeepAliveClient, Target, raw_request
+from bench.origin import RecordingServer
 from bench.overhead import CHAT, EMBED, data_url, embeddings_body, sentences
 from bench.report import Report, fmt, progress, spread
-from bench.stack import Fleet, MediaOrigin, RunConfig, discover_model
+from bench.stack import Fleet, RunConfig, discover_model
 
 # The seed study on a laptop GPU (VLLM-FACTS.md), for the side-by-side column.
 SEED_TTFT_MS = {
@@ -234,7 +235,7 @@ def ssrf_case(
     report: Report,
     rows_spec: Mapping[str, tuple[Target, Target]],
     model: str,
-    canary: MediaOrigin,
+    canary: RecordingServer,
 ) -> list[dict[str, Any]]:
     """Probe each target with internal URLs as images: status, message, latency, canary."""
     table: list[dict[str, Any]] = []
@@ -325,7 +326,7 @@ def run(cfg: RunConfig, report: Report) -> None:
     rounds = 1 if cfg.quick else 10
     post_rounds = 2 if cfg.quick else 20
     report.meta["pinning"] = cfg.cpus.describe()
-    with Fleet(cfg.workdir, cfg.cpus) as fleet, MediaOrigin() as canary:
+    with Fleet(cfg.workdir, cfg.cpus) as fleet, RecordingServer() as canary:
         if cfg.external:
             direct = cfg.direct_target(cfg.engine_urls[0])
             gateway = cfg.gateway_target(cfg.gateway_url or "")

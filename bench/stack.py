@@ -13,14 +13,12 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -389,62 +387,3 @@ def discover_model(target: Target) -> str:
     req = urllib.request.Request(target.url + "/v1/models", headers=target.headers)  # noqa: S310
     with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310 (configured URL)
         return str(json.loads(resp.read())["data"][0]["id"])
-
-
-class MediaOrigin:
-    """A threaded HTTP server on loopback serving fixed bodies by path, counting every
-    connection and request. With no routes it is a canary: it answers 418 and `contacted`
-    proves whether anything reached it. Use as a context manager."""
-
-    def __init__(self, routes: Mapping[str, tuple[bytes, str]] | None = None) -> None:
-        self.routes = dict(routes or {})
-        self.hits = 0
-        self.connections = 0
-        self.paths: list[str] = []
-        self._lock = threading.Lock()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def setup(self) -> None:
-                with outer._lock:
-                    outer.connections += 1
-                super().setup()
-
-            def do_GET(self) -> None:
-                with outer._lock:
-                    outer.hits += 1
-                    outer.paths.append(self.path)
-                body, ctype = outer.routes.get(self.path.split("?")[0], (b"canary", "text/plain"))
-                self.send_response(200 if self.path.split("?")[0] in outer.routes else 418)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            do_POST = do_HEAD = do_GET
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.port = int(self._server.server_address[1])
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def contacted(self) -> bool:
-        return self.connections > 0 or self.hits > 0
-
-    def __enter__(self) -> MediaOrigin:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()

@@ -12,12 +12,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from bench.origin import Hit, RecordingServer, Route
+
+__all__ = ["Hit", "RecordingServer", "Route"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -149,92 +152,6 @@ def sim_received(
         if name == "sim:received_requests_total" and dict(labels).get("path") not in exclude_paths:
             total += value
     return total
-
-
-# --- in-process servers ----------------------------------------------------------------
-
-
-@dataclass
-class Hit:
-    method: str
-    path: str
-    headers: dict[str, str]
-
-
-@dataclass
-class Route:
-    status: int = 200
-    body: bytes = b""
-    headers: dict[str, str] = field(default_factory=dict)
-    delay: float = 0.0
-
-
-class RecordingServer:
-    """A threaded HTTP server on loopback that records every request it gets.
-
-    As a canary (no routes) it answers 418 and `hits` proves whether anything reached it.
-    As a media origin it serves the `routes` given, by path.
-    """
-
-    def __init__(self, routes: Mapping[str, Route] | None = None, host: str = "127.0.0.1") -> None:
-        self.routes: dict[str, Route] = dict(routes or {})
-        self.hits: list[Hit] = []
-        self.connections = 0
-        self._lock = threading.Lock()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def setup(self) -> None:
-                with outer._lock:
-                    outer.connections += 1
-                super().setup()
-
-            def _serve(self) -> None:
-                with outer._lock:
-                    outer.hits.append(Hit(self.command, self.path, dict(self.headers.items())))
-                length = int(self.headers.get("content-length") or 0)
-                if length:
-                    self.rfile.read(length)
-                route = outer.routes.get(self.path.split("?")[0])
-                if route is None:
-                    route = Route(status=418, body=b"canary")
-                if route.delay:
-                    time.sleep(route.delay)
-                self.send_response(route.status)
-                for k, v in route.headers.items():
-                    self.send_header(k, v)
-                self.send_header("Content-Length", str(len(route.body)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(route.body)
-
-            do_GET = do_POST = do_HEAD = do_PUT = _serve
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer((host, 0), Handler)
-        self._server.daemon_threads = True
-        self.port = int(self._server.server_address[1])
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def contacted(self) -> bool:
-        return self.connections > 0 or bool(self.hits)
-
-    def __enter__(self) -> RecordingServer:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
 
 
 class SocketCanary:

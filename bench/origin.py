@@ -1,0 +1,96 @@
+"""An HTTP server on loopback for media origins and canaries, in the bench's own process.
+
+Used by the benchmarks (an image origin, the SSRF canary) and by the tests. With no
+routes it is a canary: it answers 418 and `contacted` proves whether anything reached it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+@dataclass
+class Hit:
+    method: str
+    path: str
+    headers: dict[str, str]
+
+
+@dataclass
+class Route:
+    status: int = 200
+    body: bytes = b""
+    headers: dict[str, str] = field(default_factory=dict)
+    delay: float = 0.0
+
+
+class RecordingServer:
+    """A threaded HTTP server on loopback that records every request it gets.
+
+    As a canary (no routes) it answers 418 and `hits` proves whether anything reached it.
+    As a media origin it serves the `routes` given, by path.
+    """
+
+    def __init__(self, routes: Mapping[str, Route] | None = None, host: str = "127.0.0.1") -> None:
+        self.routes: dict[str, Route] = dict(routes or {})
+        self.hits: list[Hit] = []
+        self.connections = 0
+        self._lock = threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def setup(self) -> None:
+                with outer._lock:
+                    outer.connections += 1
+                super().setup()
+
+            def _serve(self) -> None:
+                with outer._lock:
+                    outer.hits.append(Hit(self.command, self.path, dict(self.headers.items())))
+                length = int(self.headers.get("content-length") or 0)
+                if length:
+                    self.rfile.read(length)
+                route = outer.routes.get(self.path.split("?")[0])
+                if route is None:
+                    route = Route(status=418, body=b"canary")
+                if route.delay:
+                    time.sleep(route.delay)
+                self.send_response(route.status)
+                for k, v in route.headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(route.body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(route.body)
+
+            do_GET = do_POST = do_HEAD = do_PUT = _serve
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer((host, 0), Handler)
+        self._server.daemon_threads = True
+        self.port = int(self._server.server_address[1])
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def contacted(self) -> bool:
+        return self.connections > 0 or bool(self.hits)
+
+    def __enter__(self) -> RecordingServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
