@@ -237,6 +237,10 @@ class Proxy:
                     "This API key may use only some models: name one in 'model'.", param="model"
                 )
             return
+        if isinstance(model, str) and model not in self.pool.models and not self.pool.models_known:
+            # No engine has listed its models yet (they are all down or starting): the
+            # model may well be served, so "retry shortly", not "not served".
+            raise NoEngineAvailable()
         if (
             not isinstance(model, str)
             or model not in self.pool.models

@@ -118,6 +118,8 @@ class EnginePool:
         self._healthy: list[Engine] = []
         self.extra_models: frozenset[str] = frozenset()
         self.models: frozenset[str] = frozenset()
+        # Whether any engine's served models were ever read.
+        self.models_known = False
 
     def healthy(self) -> list[Engine]:
         """Engines that passed their last health check, in configuration order."""
@@ -132,6 +134,7 @@ class EnginePool:
         # Models of engines that are down stay known: a request for them should get
         # 502 from the dead engine's failover, not a misleading 403.
         self.models = self.extra_models.union(*(e.models for e in self.engines))
+        self.models_known = any(e.models_at > 0 for e in self.engines)
         if engine is not None and self._on_health is not None:
             self._on_health(engine)
 

@@ -1,0 +1,325 @@
+"""Failover through the real gateway in front of three real simulated engines.
+
+The engines run with calibrated latency and `--max-num-seqs 1`, so requests take tens
+of milliseconds and queue in an engine: a killed engine has requests in flight, and a
+hot anchor builds a queue the load bound must spill. Where a request went is read from
+the engines' request recorders (by `X-Request-Id`), never from the gateway.
+
+Two gateways front the same engines: `fast` checks health every 0.2 s with a 0.2 s
+ejection back-off (an engine comes back soon after it recovers); `slow` checks every
+300 s, so only refused connections (passive checks) take an engine out of its rotation.
+The tests run in file order: the later ones kill engines for good.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.procs import Proc, gateway_proc, scrape, sim_proc, sim_received, wait_for
+
+MODEL = "Qwen/Qwen3-VL-2B-Instruct"
+KEY = "sk-routing-failover-0123456789abcdef"
+HEADERS = {"Authorization": f"Bearer {KEY}"}
+SIM_OPTS = ("--max-num-seqs", "1", "--record-requests", "2000")
+
+
+@dataclass
+class Stack:
+    tmp: Path
+    sims: list[Proc]
+    fast: Proc
+    slow: Proc
+
+
+def _gateway(tmp: Path, engines: Sequence[str], **env: str) -> Proc:
+    settings = {
+        "GATEWAY_ENGINES": json.dumps(list(engines)),
+        "GATEWAY_API_KEYS": json.dumps([KEY]),
+        "GATEWAY_PUBLIC_METRICS": "true",
+        "GATEWAY_TIMEOUTS__FIRST_BYTE": "10",
+        **env,
+    }
+    return gateway_proc(tmp, settings)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("failover")
+    sims = [sim_proc(tmp, *SIM_OPTS) for _ in range(3)]
+    urls = [s.url for s in sims]
+    fast = _gateway(
+        tmp,
+        urls,
+        GATEWAY_ROUTING__HEALTH_INTERVAL="0.2",
+        GATEWAY_ROUTING__HEALTH_TIMEOUT="0.5",
+        GATEWAY_ROUTING__EJECT_BACKOFF="0.2",
+    )
+    slow = _gateway(tmp, urls, GATEWAY_ROUTING__HEALTH_INTERVAL="300")
+    started: list[Proc] = []
+    try:
+        for proc in [*sims, fast, slow]:
+            proc.start("/health" if proc in sims else "/healthz")
+            started.append(proc)
+        for gw in (fast, slow):
+            ready = lambda gw=gw: httpx.get(gw.url + "/readyz").json()["healthy_engines"] == 3  # noqa: E731
+            assert wait_for(ready, timeout=15), gw.log()
+        yield Stack(tmp, sims, fast, slow)
+    finally:
+        for proc in reversed(started):
+            proc.stop()
+        for sim in sims:  # restarted ones are new processes on the same Proc
+            sim.stop()
+
+
+def chat(text: str, max_tokens: int = 4, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        **extra,
+    }
+
+
+def recorded(sim: Proc) -> list[str]:
+    """Ids of the chat requests `sim` received, from its recorder."""
+    entries = httpx.get(sim.url + "/sim/requests", timeout=5).json()
+    return [
+        e["headers"]["x-request-id"]
+        for e in entries
+        if e["path"] == "/v1/chat/completions" and "x-request-id" in e["headers"]
+    ]
+
+
+def served(sims: Sequence[Proc], snapshots: dict[int, list[str]] | None = None) -> dict[str, int]:
+    """Request id -> index of the engine that received it (asserting it was one). A dead
+    engine's recorder is gone: `snapshots` gives what it had received before."""
+    out: dict[str, int] = {}
+    for index, sim in enumerate(sims):
+        ids = recorded(sim) if sim.alive() else (snapshots or {}).get(index, [])
+        for request_id in ids:
+            assert request_id not in out, f"{request_id} reached two engines"
+            out[request_id] = index
+    return out
+
+
+def request_lines(gateway: Proc) -> dict[str, dict[str, Any]]:
+    lines = [json.loads(x) for x in gateway.log().splitlines() if x.startswith("{")]
+    return {x["request_id"]: x for x in lines if x.get("event") == "request"}
+
+
+def metric(gateway: Proc, name: str, **labels: str) -> float:
+    return scrape(gateway.url + "/metrics").get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+# --- a hot anchor spills (before any engine is killed) -----------------------------------
+
+
+def test_hot_anchor_spills_to_the_next_engine(stack: Stack) -> None:
+    # Twelve requests with one anchor at once; each takes ~150 ms on an engine that runs
+    # one at a time. Without the bound they would all queue on the anchor's engine.
+    body = chat("Summarise the quarterly report, please.", max_tokens=16)
+    ids = [f"hot-{i}" for i in range(12)]
+    in_flight_seen: list[float] = []
+
+    def send(request_id: str) -> int:
+        r = httpx.post(
+            stack.fast.url + "/v1/chat/completions",
+            json=body,
+            headers={**HEADERS, "X-Request-Id": request_id},
+            timeout=20,
+        )
+        return r.status_code
+
+    def watch() -> None:
+        samples = scrape(stack.fast.url + "/metrics")
+        in_flight_seen.append(
+            sum(v for (n, _), v in samples.items() if n == "gateway_engine_in_flight")
+        )
+
+    spilled_before = metric(stack.fast, "gateway_routing_decisions_total", policy="affinity",
+                            choice="spilled")  # fmt: skip
+    with ThreadPoolExecutor(len(ids)) as pool:
+        futures = [pool.submit(send, i) for i in ids]
+        time.sleep(0.3)
+        watch()
+        statuses = [f.result() for f in futures]
+    assert statuses == [200] * len(ids)
+    where = served(stack.sims)
+    engines = [where[i] for i in ids]
+    assert len(set(engines)) >= 2, engines
+    # Never all on one engine, and the bound keeps the anchor's engine near its share.
+    assert max(engines.count(e) for e in set(engines)) <= 8, engines
+    assert in_flight_seen[0] >= 1  # the per-engine gauge saw the requests in flight
+    spilled = metric(stack.fast, "gateway_routing_decisions_total", policy="affinity",
+                     choice="spilled")  # fmt: skip
+    assert spilled - spilled_before >= 1
+    lines = request_lines(stack.fast)
+    assert all(lines[i]["policy"] == "affinity" for i in ids)
+    assert {lines[i]["anchor_kind"] for i in ids} == {"first_user"}
+    first_engine = {lines[i]["engine"] for i in ids if lines[i]["spilled"] is False}
+    spilled_engines = {lines[i]["engine"] for i in ids if lines[i]["spilled"] is True}
+    assert len(first_engine) == 1 and spilled_engines and not first_engine & spilled_engines
+
+
+# --- an engine killed mid-run, then restarted ------------------------------------------
+
+
+@dataclass
+class Outcome:
+    request_id: str
+    started: float
+    ended: float
+    status: int
+    # "ok": a complete answer; "error": a clear gateway error (502/504 JSON, or an SSE
+    # error frame after a 200); anything else fails the test.
+    kind: str
+    code: str | None = None
+
+
+def _one(client: httpx.Client, gateway: Proc, request_id: str, stream: bool) -> Outcome:
+    started = time.monotonic()
+    headers = {**HEADERS, "X-Request-Id": request_id}
+    body = chat(f"Request {request_id}: plan my week.", stream=stream)
+    url = gateway.url + "/v1/chat/completions"
+    if not stream:
+        r = client.post(url, json=body, headers=headers)
+        ended = time.monotonic()
+        if r.status_code == 200:
+            kind = "ok" if r.json()["choices"][0]["message"]["content"] else "bad"
+            return Outcome(request_id, started, ended, 200, kind)
+        code = r.json()["error"]["code"]
+        kind = "error" if r.status_code in (502, 504) and code.startswith("upstream_") else "bad"
+        return Outcome(request_id, started, ended, r.status_code, kind, code)
+    with client.stream("POST", url, json=body, headers=headers) as r:
+        if r.status_code != 200:
+            r.read()
+            code = r.json()["error"]["code"]
+            ok = r.status_code in (502, 504) and code.startswith("upstream_")
+            return Outcome(request_id, started, time.monotonic(), r.status_code,
+                           "error" if ok else "bad", code)  # fmt: skip
+        frames = [line for line in r.iter_lines() if line]
+    ended = time.monotonic()
+    if frames and frames[-1] == "data: [DONE]":
+        return Outcome(request_id, started, ended, 200, "ok")
+    last = json.loads(frames[-1][len("data: ") :]) if frames else {}
+    code = last.get("error", {}).get("code")
+    return Outcome(request_id, started, ended, 200, "error" if code else "bad", code)
+
+
+def test_killed_engine_loses_no_request_that_had_not_started(stack: Stack) -> None:
+    victim = stack.sims[1]
+    outcomes: list[Outcome] = []
+    stop = threading.Event()
+    lock = threading.Lock()
+
+    def worker(w: int) -> None:
+        with httpx.Client(timeout=10) as client:
+            n = 0
+            while not stop.is_set():
+                outcome = _one(client, stack.fast, f"kill-{w}-{n}", stream=(w + n) % 2 == 0)
+                with lock:
+                    outcomes.append(outcome)
+                n += 1
+
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(worker, w) for w in range(4)]
+        time.sleep(0.6)
+        busy = lambda: httpx.get(victim.url + "/load").json()["server_load"] > 0  # noqa: E731
+        assert wait_for(busy, timeout=5, interval=0.005)
+        snapshot = recorded(victim)
+        kill_started = time.monotonic()
+        victim.kill()
+        kill_done = time.monotonic()
+        time.sleep(0.8)
+        stop.set()
+        for f in futures:
+            f.result()  # a hang would raise httpx's timeout here
+
+    before = [o for o in outcomes if o.ended < kill_started]
+    during = [o for o in outcomes if o.started <= kill_done and o.ended >= kill_started]
+    after = [o for o in outcomes if o.started > kill_done]
+    assert len(before) >= 8 and len(after) >= 8, (len(before), len(after))
+    assert all(o.kind == "ok" for o in before + after), [
+        o for o in before + after if o.kind != "ok"
+    ]
+    assert all(o.kind in ("ok", "error") for o in during), during
+    # The victim was killed with a request in flight: that one got a clear error.
+    assert any(o.kind == "error" for o in during), during
+    # Also asserts that no request reached two engines (none was retried after the
+    # victim received it, as far as its recorder saw before the kill).
+    where = served(stack.sims, {1: snapshot})
+    assert {where[o.request_id] for o in before if o.request_id in where} == {0, 1, 2}
+    assert all(where[o.request_id] in (0, 2) for o in after)
+    healthy = metric(stack.fast, "gateway_engine_healthy", engine=victim.url)
+    assert healthy == 0
+
+
+def test_restarted_engine_comes_back_into_rotation(stack: Stack) -> None:
+    victim = stack.sims[1]
+    assert not victim.alive()
+    restarted = sim_proc(stack.tmp, *SIM_OPTS, port=victim.port).start()
+    victim.popen = restarted.popen  # the module's teardown stops it
+    assert wait_for(
+        lambda: metric(stack.fast, "gateway_engine_healthy", engine=victim.url) == 1, timeout=10
+    ), stack.fast.log()
+    with httpx.Client(timeout=10) as client:
+        for i in range(30):
+            r = client.post(stack.fast.url + "/v1/chat/completions", headers=HEADERS,
+                            json=chat(f"Back again {i}: what is new?"))  # fmt: skip
+            assert r.status_code == 200, r.text
+    assert sim_received(victim.url) >= 3
+
+
+# --- refused connections: failover once per engine (kills engines for good) -------------
+
+
+def test_refused_connections_fail_over_once_per_engine(stack: Stack) -> None:
+    # `slow` saw every engine healthy at its one check so far (at start) and forwarded
+    # nothing yet: only refused connections can take engines out of its rotation.
+    assert httpx.get(stack.slow.url + "/readyz").json()["healthy_engines"] == 3
+    stack.sims[1].kill()
+    stack.sims[2].kill()
+    ids = [f"refused-{i}" for i in range(12)]
+    with httpx.Client(timeout=10) as client:
+        for request_id in ids:
+            r = client.post(
+                stack.slow.url + "/v1/chat/completions",
+                headers={**HEADERS, "X-Request-Id": request_id},
+                json=chat(f"{request_id}: where is my parcel?"),
+            )
+            assert r.status_code == 200, r.text
+    where = served(stack.sims)
+    assert all(where[i] == 0 for i in ids)
+    lines = request_lines(stack.slow)
+    failovers = [lines[i]["failovers"] for i in ids]
+    # Each dead engine refuses one request, is ejected, and is not tried again.
+    assert sum(failovers) == 2 and max(failovers) <= 2, failovers
+    assert metric(stack.slow, "gateway_routing_failovers_total") == 2
+    assert httpx.get(stack.slow.url + "/readyz").json()["healthy_engines"] == 1
+    for dead in stack.sims[1:]:
+        assert metric(stack.slow, "gateway_engine_ejections_total", engine=dead.url) == 1
+
+    # The last one dies: it refuses its request (a clear 502) and is ejected. With no
+    # engine in rotation every engine is tried, each once (two failovers), then 502.
+    stack.sims[0].kill()
+    for request_id, failovers_seen in (("last-dead", 0), ("all-dead", 2)):
+        r = httpx.post(
+            stack.slow.url + "/v1/chat/completions",
+            headers={**HEADERS, "X-Request-Id": request_id},
+            json=chat("Anyone there?"),
+            timeout=10,
+        )
+        assert (r.status_code, r.json()["error"]["code"]) == (502, "upstream_unavailable")
+        assert request_lines(stack.slow)[request_id]["failovers"] == failovers_seen
+    assert httpx.get(stack.slow.url + "/readyz").status_code == 503
