@@ -30,6 +30,7 @@ def _gateway(tmp: Path, engines: Sequence[str]) -> Proc:
         "GATEWAY_API_KEYS": json.dumps([KEY]),
         "GATEWAY_ROUTING__POLICY": "affinity",
         "GATEWAY_ROUTING__HEALTH_INTERVAL": "30",
+        "GATEWAY_ROUTING__SESSION_HEADER": "X-Session-Id",
     }
     proc = gateway_proc(tmp, env).start("/healthz")
 
@@ -72,11 +73,17 @@ def post(client: httpx.Client, gateway: Proc, body: dict[str, Any]) -> None:
     assert r.status_code == 200, r.text
 
 
-def send(client: httpx.Client, gateway: Proc, body: dict[str, Any], request_id: str) -> None:
+def send(
+    client: httpx.Client,
+    gateway: Proc,
+    body: dict[str, Any],
+    request_id: str,
+    headers: dict[str, str] | None = None,
+) -> None:
     r = client.post(
         gateway.url + "/v1/chat/completions",
         json=body,
-        headers={**HEADERS, "X-Request-Id": request_id},
+        headers={**HEADERS, "X-Request-Id": request_id, **(headers or {})},
     )
     assert r.status_code == 200, r.text
 
@@ -181,3 +188,35 @@ def test_two_gateways_started_separately_choose_the_same_engines(
     picks_second = [where[f"pair-{k}-second"] for k in range(len(bodies))]
     assert picks_first == picks_second
     assert len(set(picks_first)) >= 3
+
+
+def test_a_session_header_keeps_different_prompts_on_one_engine(
+    gateway: Proc, engines: list[Proc]
+) -> None:
+    # Different prompts (different anchors) that name the same session share an engine.
+    with httpx.Client(timeout=10) as client:
+        for s in range(8):
+            for q in range(4):
+                body = chat(f"Topic {q * 7919 + s} for you.", f"Unrelated question {q}-{s}?")
+                send(client, gateway, body, f"session-{s}-{q}", {"X-Session-Id": f"s-{s}"})
+        # Without the header the same prompts spread by their own anchors.
+        for q in range(8):
+            send(client, gateway, chat(f"Topic {q * 7919} for you.", f"Unrelated question {q}-0?"),
+                 f"nosession-{q}")  # fmt: skip
+    where = served(engines)
+    homes = [{where[f"session-{s}-{q}"] for q in range(4)} for s in range(8)]
+    assert all(len(h) == 1 for h in homes), homes
+    assert len({next(iter(h)) for h in homes}) >= 2
+    assert len({where[f"nosession-{q}"] for q in range(8)}) >= 2
+    by_id: dict[str, dict[str, Any]] = {}
+
+    def logged() -> bool:  # a request's line is written just after its response
+        lines = [json.loads(x) for x in gateway.log().splitlines() if x.startswith("{")]
+        by_id.update((x["request_id"], x) for x in lines if x.get("event") == "request")
+        return "session-0-0" in by_id and "nosession-0" in by_id
+
+    assert wait_for(logged, timeout=5)
+    assert by_id["session-0-0"]["anchor_kind"] == "session"
+    assert by_id["session-0-0"]["policy"] == "affinity"
+    assert by_id["nosession-0"]["anchor_kind"] != "session"
+    assert "s-0" not in json.dumps(by_id["session-0-0"])  # the session key is not logged

@@ -113,9 +113,17 @@ def served(sims: Sequence[Proc], snapshots: dict[int, list[str]] | None = None) 
     return out
 
 
-def request_lines(gateway: Proc) -> dict[str, dict[str, Any]]:
-    lines = [json.loads(x) for x in gateway.log().splitlines() if x.startswith("{")]
-    return {x["request_id"]: x for x in lines if x.get("event") == "request"}
+def request_lines(gateway: Proc, ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """The request log lines of `ids` (a line is written just after its response)."""
+    out: dict[str, dict[str, Any]] = {}
+
+    def read() -> bool:
+        lines = [json.loads(x) for x in gateway.log().splitlines() if x.startswith("{")]
+        out.update((x["request_id"], x) for x in lines if x.get("event") == "request")
+        return all(i in out for i in ids)
+
+    assert wait_for(read, timeout=5), [i for i in ids if i not in out]
+    return out
 
 
 def metric(gateway: Proc, name: str, **labels: str) -> float:
@@ -164,7 +172,7 @@ def test_hot_anchor_spills_to_the_next_engine(stack: Stack) -> None:
     spilled = metric(stack.fast, "gateway_routing_decisions_total", policy="affinity",
                      choice="spilled")  # fmt: skip
     assert spilled - spilled_before >= 1
-    lines = request_lines(stack.fast)
+    lines = request_lines(stack.fast, ids)
     assert all(lines[i]["policy"] == "affinity" for i in ids)
     assert {lines[i]["anchor_kind"] for i in ids} == {"first_user"}
     first_engine = {lines[i]["engine"] for i in ids if lines[i]["spilled"] is False}
@@ -301,7 +309,7 @@ def test_refused_connections_fail_over_once_per_engine(stack: Stack) -> None:
             assert r.status_code == 200, r.text
     where = served(stack.sims)
     assert all(where[i] == 0 for i in ids)
-    lines = request_lines(stack.slow)
+    lines = request_lines(stack.slow, ids)
     failovers = [lines[i]["failovers"] for i in ids]
     # Each dead engine refuses one request, is ejected, and is not tried again.
     assert sum(failovers) == 2 and max(failovers) <= 2, failovers
@@ -321,5 +329,5 @@ def test_refused_connections_fail_over_once_per_engine(stack: Stack) -> None:
             timeout=10,
         )
         assert (r.status_code, r.json()["error"]["code"]) == (502, "upstream_unavailable")
-        assert request_lines(stack.slow)[request_id]["failovers"] == failovers_seen
+        assert request_lines(stack.slow, [request_id])[request_id]["failovers"] == failovers_seen
     assert httpx.get(stack.slow.url + "/readyz").status_code == 503

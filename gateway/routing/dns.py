@@ -59,7 +59,8 @@ class DnsEntry:
 
 
 def is_dns_entry(spec: str) -> bool:
-    return spec.startswith(("dns+http://", "dns+https://"))
+    # Any `dns+` prefix is a DNS entry, so `dns+ftp://` is refused, not taken for a URL.
+    return spec.lower().startswith("dns+")
 
 
 async def resolve(host: str, port: int) -> list[str]:
