@@ -277,7 +277,9 @@ class Fleet:
         log = self.workdir / f"{name}-{port}.log"
         cpus = self.cpus.proxy if pin else None
         server = Server(name, args, port, log, env=_clean_env(settings), cpus=cpus)
-        server.ready_path = "/healthz"
+        # /readyz, not /healthz: ready means an engine is healthy and its models are
+        # known (a request sent before that got 403 model_not_allowed in a bench run).
+        server.ready_path = "/readyz"
         return self._start(server, timeout=60.0)
 
     def nginx(self, engine: str, name: str = "nginx") -> Server | None:

@@ -18,11 +18,12 @@ import aiohttp
 import httpx
 import pytest
 
+from bench.origin import RecordingServer, Route
 from gateway.routing.dns import DnsEntry, NameNotFound
 from gateway.routing.engine_load import EngineLoad, parse_load
 from gateway.routing.pool import EnginePool
 from gateway.routing.settings import RoutingSettings
-from tests.procs import Proc, RecordingServer, Route, gateway_proc, scrape, sim_proc, wait_for
+from tests.procs import Proc, gateway_proc, scrape, sim_proc, wait_for
 
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 KEY = "sk-routing-pool-0123456789abcdef"
