@@ -274,8 +274,9 @@ def ssrf_case(
             time.sleep(0.05)  # let a late fetch land before reading the canary
             engine_after = received(engine)
             reached = None
-            if engine_before is not None and engine_after is not None:
-                reached = engine_after > engine_before
+            if engine_after is not None:
+                # The simulator's counter has no sample for a path before its first request.
+                reached = engine_after > (engine_before or 0.0)
             table.append(
                 {
                     "target": name,
@@ -289,7 +290,7 @@ def ssrf_case(
             )
     report.table(
         "SSRF probes: internal URLs as image_url",
-        ["target", "probe", "status", "message", "latency ms", "canary contacted"],
+        ["target", "probe", "status", "message", "latency ms", "reached engine", "canary"],
         [
             [
                 r["target"],
@@ -297,7 +298,8 @@ def ssrf_case(
                 r["status"],
                 r["message"],
                 r["latency_ms"],
-                "yes" if r["canary_contacted"] else "no",
+                {True: "yes", False: "no", None: "n/a"}[r["reached_engine"]],
+                "contacted" if r["canary_contacted"] else "no",
             ]
             for r in table
         ],
@@ -347,6 +349,19 @@ def run(cfg: RunConfig, report: Report) -> None:
             )
             pool = fleet.sim("--latency", "calibrated", "--runner", "pooling", name="sim-pooling")
             gw = fleet.gateway([sim.url])
+            # The default gateway refuses every probe on its scheme rule (https only). This
+            # one admits http and lists every probed host:port, as an operator might by
+            # mistake: what is left to refuse them is the check on the resolved address.
+            listed = fleet.gateway(
+                [sim.url],
+                {
+                    "GATEWAY_MEDIA__ALLOWED_SCHEMES": '["http", "https"]',
+                    "GATEWAY_MEDIA__ALLOWED_DOMAINS": orjson.dumps(
+                        [f"127.0.0.1:{sim.port}", f"127.0.0.1:{canary.port}"]
+                    ).decode(),
+                },
+                name="gateway-listed",
+            )
             pgw = fleet.gateway([pool.url], name="gateway-pooling")
             direct = cfg.direct_target(sim.url, sim.pid)
             gateway = cfg.gateway_target(gw.url, gw.pid)
@@ -359,6 +374,10 @@ def run(cfg: RunConfig, report: Report) -> None:
                     cfg.direct_target(strict.url, strict.pid),
                 ),
                 "gateway (default settings)": (gateway, direct),
+                "gateway (http and the probed hosts allowed)": (
+                    cfg.gateway_target(listed.url, listed.pid, "gateway-listed"),
+                    direct,
+                ),
             }
         model = cfg.model or discover_model(direct)
         pool_model = cfg.model or discover_model(pool_direct)

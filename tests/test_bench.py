@@ -125,7 +125,15 @@ def test_overhead_measures_every_case(overhead: dict[str, Any]) -> None:
     for depth in ("header", "decode", "reencode"):
         statuses = raw[f"1 MB data: image, validation={depth}"][f"gateway ({depth})"]["statuses"]
         assert sum(statuses.values()) == 10  # recorded whatever the gateway answered
-    assert "inline_fetch" in raw
+    for depth in ("header", "decode", "reencode"):
+        assert raw[f"1 MB data: image, validation={depth}"][f"gateway ({depth})"]["statuses"] == {
+            "200": 10
+        }
+    # Inline fetching really fetched: the uncached gateway went to the origin every time.
+    inline = raw["inline_fetch"]
+    assert inline["gateway (inline fetch, no cache)"]["statuses"] == {"200": 10}
+    assert inline["origin_requests"] >= 10 and inline["cached_origin_requests"] == 1
+    assert inline["cost_per_image_us"] > 0
     goals = {g["name"] for g in overhead["goals"]}
     assert "added latency p50 at 1 connection" in goals
     assert "small requests/s at 64 connections" in goals
@@ -149,7 +157,12 @@ def test_reference_reproduces_the_seed_measurements(reference: dict[str, Any]) -
     rerank = raw["rerank: 1 query, 32 documents"]
     assert rerank["direct"]["check"].startswith("matching document first")
     ssrf = {(r["target"], r["probe"]): r for r in raw["ssrf"]}
-    assert len(ssrf) == 12
+    assert len(ssrf) == 16
+    # Both gateways refuse every probe with a 4xx before the engine; the canary is untouched.
+    for (target, _), row in ssrf.items():
+        if target.startswith("gateway"):
+            assert 400 <= row["status"] < 500, row
+            assert row["reached_engine"] is False and row["canary_contacted"] is False, row
     # The unprotected engine fetches the canary: the probe table can see an SSRF.
     assert ssrf[("engine, default", "canary (metadata path)")]["canary_contacted"] is True
     allow = ssrf[("engine, --allowed-media-domains example.com", "canary (metadata path)")]
