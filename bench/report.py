@@ -108,7 +108,8 @@ class Report:
         meta = {
             "suite": suite,
             "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-            "cpus": len(os.sched_getaffinity(0)),
+            # The machine's CPUs; the bench process itself is pinned (see "pinning").
+            "cpus": os.cpu_count(),
             "load_average_at_start": [round(x, 2) for x in load],
             "python": sys.version.split()[0],
             "platform": platform.platform(),

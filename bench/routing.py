@@ -533,6 +533,41 @@ def write_report(report: Report, results: list[Result], workloads: list[Workload
                 f"requests in flight, time-averaged: {fmt(aff.busy_max_over_mean, 2)}",
             )
     report.raw["results"] = [r.__dict__ for r in results]
+    if results:
+        plot_routing(report, results, workloads)
+
+
+def plot_routing(report: Report, results: list[Result], workloads: list[Workload]) -> None:
+    """Hit rate and TTFT p50 per front end, grouped by workload."""
+    fronts = list(dict.fromkeys(r.front for r in results))
+    names = [w.name for w in workloads]
+
+    def bars(ax: Any, value: Callable[[Result], float | None], label: str, title: str) -> None:
+        values = {
+            front: [value(r) if (r := _by(results, front, w)) is not None else None for w in names]
+            for front in fronts
+        }
+        # Fronts with nothing to show (the ideal engine's TTFT) get no bar.
+        shown = [f for f in fronts if any(v is not None for v in values[f])]
+        width = 0.8 / max(1, len(shown))
+        for i, front in enumerate(shown):
+            ys = [v if v is not None else 0.0 for v in values[front]]
+            # One colour per front end in both plots.
+            colour = f"C{fronts.index(front)}"
+            ax.bar([x + i * width for x in range(len(names))], ys, width, label=front, color=colour)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))], names)
+        ax.set_ylabel(label)
+        ax.set_title(title)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+    def hit_rate(ax: Any) -> None:
+        bars(ax, lambda r: 100 * r.hit_rate, "prefix cache hit rate, %", "Hit rate by front end")
+
+    def ttft(ax: Any) -> None:
+        bars(ax, lambda r: r.ttft_p50_ms, "TTFT p50, ms", "Time to first token by front end")
+
+    report.plot("routing_hit_rate", hit_rate, (11, 4.5))
+    report.plot("routing_ttft", ttft, (11, 4.5))
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespace]:
