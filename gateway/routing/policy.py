@@ -81,13 +81,12 @@ class LeastLoaded:
     name = "least_loaded"
 
     def __init__(self) -> None:
-        self._counter = itertools.count()
+        self._rotation = RoundRobin()
 
     def order(self, request: RoutingRequest, engines: Sequence[E]) -> list[E]:
         if not engines:
             return []
-        start = next(self._counter) % len(engines)
-        rotated = [*engines[start:], *engines[:start]]
+        rotated = self._rotation.order(request, engines)
         ordered = sorted(rotated, key=load_of)  # sorted() is stable
         request.first_choice = ordered[0].url
         return ordered
