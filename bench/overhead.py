@@ -395,13 +395,24 @@ def image_cases(
         )
         return
     engines = [direct.url]
-    for depth in ("header", "decode", "reencode"):
-        gw = fleet.gateway(engines, {"GATEWAY_MEDIA__VALIDATION": depth}, name=f"gateway-{depth}")
+    # The same body is sent every time: with the media cache off each request pays the
+    # full validation at its depth (a new image); the last case, cache on, is the cost of
+    # an image the gateway has already validated (a conversation re-sending it).
+    cases = [
+        (f"validation={depth}", depth, {"GATEWAY_MEDIA__CACHE_BYTES": "0"})
+        for depth in ("header", "decode", "reencode")
+    ]
+    cases.append(("validation=decode, already validated (cache on)", "decode-cached", {}))
+    for title, label, extra in cases:
+        depth = label.split("-")[0]
+        gw = fleet.gateway(
+            engines, {"GATEWAY_MEDIA__VALIDATION": depth, **extra}, name=f"gateway-{label}"
+        )
         try:
             latency_case(
                 report,
-                f"1 MB data: image, validation={depth}",
-                [direct, cfg.gateway_target(gw.url, gw.pid, f"gateway ({depth})")],
+                f"1 MB data: image, {title}",
+                [direct, cfg.gateway_target(gw.url, gw.pid, f"gateway ({label})")],
                 CHAT,
                 body,
                 samples,

@@ -437,3 +437,29 @@ async def test_text_that_mentions_urls_is_not_media(
     copy = orjson.loads(orjson.dumps(body))
     assert await inspect(make_settings(origin), body) == []
     assert body == copy
+
+
+async def test_a_data_image_sent_again_is_not_validated_again_but_keeps_its_checks(
+    origin: RecordingServer,
+) -> None:
+    """Repeated inline images are served from the validation cache; the cache key holds
+    the declared type, so a cached verdict never lets a mislabelled copy through."""
+    inspector = PayloadInspector(make_settings(origin))
+    cache = inspector._inliner._cache
+    good = data_url("image/png", PNG)
+    try:
+        first = chat(img_part(good))
+        assert await inspector.inspect("/v1/chat/completions", first, key_name="k") == [PNG_HASH]
+        assert len(cache) == 1
+        again = chat(img_part(good))
+        assert await inspector.inspect("/v1/chat/completions", again, key_name="k") == [PNG_HASH]
+        assert len(cache) == 1  # served from the cache, not validated into a new entry
+        assert again == first
+        # The same bytes declared as JPEG are still refused, and nothing is cached for them.
+        with pytest.raises(MediaInvalid):
+            await inspector.inspect(
+                "/v1/chat/completions", chat(img_part(data_url("image/jpeg", PNG))), key_name="k"
+            )
+        assert len(cache) == 1
+    finally:
+        await inspector.aclose()

@@ -57,7 +57,19 @@ class MediaInliner:
 
     async def resolve(self, ref: RemoteUrl | DataUrl, kind: MediaKind) -> Resolved:
         if isinstance(ref, DataUrl):
-            return await self.validate(kind, ref.data, ref.mime, ref.frames)
+            if ref.frames:
+                return await self.validate(kind, ref.data, ref.mime, ref.frames)
+            # The same inline item sent again (a conversation re-sends its images every
+            # turn) is not decoded again: the verdict depends only on these bytes, the
+            # declared type and the settings. Hashing costs a fraction of a decode
+            # (bench reference: +3.6 ms per 448 image and +9.6 ms per 896 image before).
+            data_key = f"data\0{kind}\0{ref.mime}\0{_digest(ref.data)}"
+            hit = self._cache.get(data_key)
+            if hit is not None:
+                return hit
+            resolved = await self.validate(kind, ref.data, ref.mime)
+            self._cache.put(data_key, resolved, len(resolved.url))
+            return resolved
         canonical = ref.canonical
         if self._settings.mode is MediaMode.passthrough:
             return Resolved(canonical, None, None, _digest(b"url\0" + canonical.encode()))
