@@ -144,6 +144,20 @@ def main() -> int:
         title = "a chat with a data: image (validated by the gateway)"
         print(f"  {title:<52} -> {r.status_code} prompt_tokens={tokens}")
 
+        # Four conversations of three turns each; which engine served each turn is read
+        # from the gateway's log below.
+        for conv in range(4):
+            messages: list[dict[str, str]] = []
+            for turn in range(3):
+                messages.append({"role": "user", "content": f"Conversation {conv}, turn {turn}."})
+                r = client.post(
+                    "/v1/chat/completions",
+                    headers={**auth, "X-Request-Id": f"demo-conv{conv}-turn{turn}"},
+                    json={"model": model, "max_tokens": 8, "messages": messages},
+                )
+                reply = r.json()["choices"][0]["message"]["content"]
+                messages.append({"role": "assistant", "content": reply})
+
         print("\nRefused by the gateway (none of these reaches an engine):")
         _show(
             "POST /v1/chat/completions without a key",
@@ -194,8 +208,26 @@ def main() -> int:
             ),
         )
 
-        print("\nThe gateway's request log (one line per request, no keys, no prompts):")
-    for line in (tmp / "gateway.log").read_text(errors="replace").splitlines()[-24:]:
+    entries = []
+    for line in (tmp / "gateway.log").read_text(errors="replace").splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if entry.get("event") == "request":
+            entries.append(entry)
+    engines_of: dict[str, list[str]] = {}
+    for entry in entries:
+        rid = str(entry.get("request_id", ""))
+        if rid.startswith("demo-conv"):
+            conv = rid.split("-")[1]
+            engines_of.setdefault(conv, []).append(str(entry.get("engine")))
+    print("\nRouting: four conversations of three turns each, from the gateway's log")
+    print("(every turn of a conversation goes to the engine that has its prefix cached):")
+    for conv, used in sorted(engines_of.items()):
+        print(f"  {conv}: turns served by {', '.join(used)}")
+    print("\nThe gateway's request log (one line per request, no keys, no prompts):")
+    for line in (tmp / "gateway.log").read_text(errors="replace").splitlines()[-16:]:
         try:
             entry = json.loads(line)
         except ValueError:
