@@ -63,7 +63,8 @@ class CpuPlan:
             os.sched_setaffinity(0, self.rest)
 
 
-def _clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This environment without GATEWAY_ settings or proxy variables, for a server child."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -93,7 +94,7 @@ class Server:
     args: list[str]
     port: int
     log_path: Path
-    env: dict[str, str] = field(default_factory=_clean_env)
+    env: dict[str, str] = field(default_factory=clean_env)
     cpus: frozenset[int] | None = None
     ready_path: str = "/health"
     popen: subprocess.Popen[bytes] | None = None
@@ -276,7 +277,7 @@ class Fleet:
         }
         log = self.workdir / f"{name}-{port}.log"
         cpus = self.cpus.proxy if pin else None
-        server = Server(name, args, port, log, env=_clean_env(settings), cpus=cpus)
+        server = Server(name, args, port, log, env=clean_env(settings), cpus=cpus)
         # /readyz, not /healthz: ready means an engine is healthy and its models are
         # known (a request sent before that got 403 model_not_allowed in a bench run).
         server.ready_path = "/readyz"

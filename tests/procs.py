@@ -4,7 +4,6 @@ threaded servers (canaries and media origins) that record every connection they 
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.origin import Hit, RecordingServer, Route
+from bench.stack import clean_env
 
 __all__ = ["Hit", "RecordingServer", "Route"]
 
@@ -91,22 +91,11 @@ class Proc:
                 self.popen.wait(10)
 
 
-def _env(extra: Mapping[str, str] | None) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("GATEWAY_") and k.lower() not in ("http_proxy", "https_proxy")
-    }
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra or {})
-    return env
-
-
 def sim_proc(tmp: Path, *opts: str, port: int | None = None) -> Proc:
     """A simulated engine (`python -m bench.sim`), not yet started."""
     port = port or free_port()
     args = [sys.executable, "-m", "bench.sim", "--host", "127.0.0.1", "--port", str(port), *opts]
-    return Proc(args, port, _env(None), tmp / f"sim-{port}.log")
+    return Proc(args, port, clean_env(), tmp / f"sim-{port}.log")
 
 
 def gateway_proc(tmp: Path, env: Mapping[str, str], *opts: str, port: int | None = None) -> Proc:
@@ -116,7 +105,7 @@ def gateway_proc(tmp: Path, env: Mapping[str, str], *opts: str, port: int | None
         sys.executable, "-m", "gateway.cli", "serve",
         "--host", "127.0.0.1", "--port", str(port), *opts,
     ]  # fmt: skip
-    return Proc(args, port, _env(env), tmp / f"gateway-{port}.log")
+    return Proc(args, port, clean_env(env), tmp / f"gateway-{port}.log")
 
 
 @contextmanager
