@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import Proc, sim_proc
+from tests.procs import Proc, RecordingServer, sim_proc
 
 
 @pytest.fixture
@@ -23,3 +23,10 @@ def start_sim(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
     yield start
     for proc in started:
         proc.stop()
+
+
+@pytest.fixture(scope="module")
+def canary() -> Iterator[RecordingServer]:
+    """A loopback HTTP server that must never be contacted (one per test module)."""
+    with RecordingServer() as server:
+        yield server

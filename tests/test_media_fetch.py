@@ -59,12 +59,6 @@ class ChunkedForever:
 
 
 @pytest.fixture(scope="module")
-def canary() -> Iterator[RecordingServer]:
-    with RecordingServer() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
 def origin(canary: RecordingServer) -> Iterator[RecordingServer]:
     routes = {
         "/img.png": Route(body=PNG, headers={"Content-Type": "image/png"}),

@@ -33,12 +33,6 @@ PNG_HASH = hashlib.sha256(PNG).hexdigest()
 
 
 @pytest.fixture(scope="module")
-def canary() -> Iterator[RecordingServer]:
-    with RecordingServer() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
 def origin(canary: RecordingServer) -> Iterator[RecordingServer]:
     routes = {
         "/img.png": Route(body=PNG, headers={"Content-Type": "image/png"}),

@@ -27,12 +27,6 @@ LARGE = png(896)
 
 
 @pytest.fixture(scope="module")
-def canary() -> Iterator[RecordingServer]:
-    with RecordingServer() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
 def origin(canary: RecordingServer) -> Iterator[RecordingServer]:
     png_headers = {"Content-Type": "image/png"}
     routes = {
