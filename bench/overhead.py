@@ -501,12 +501,13 @@ def goals(
 ) -> None:
     gw = small.get("gateway", {}).get("added_us", {}).get("p50")
     router = small.get("vllm-router", {}).get("added_us", {}).get("p50")
-    report.goal(
+    report.bound(
         "added latency p50 at 1 connection",
         f"<= {GOAL_ADDED_P50_US:.0f} us",
         f"{fmt(gw)} us",
-        None if gw is None else gw <= GOAL_ADDED_P50_US,
-        "" if gw is None or gw <= GOAL_ADDED_P50_US else f"by {gw - GOAL_ADDED_P50_US:.0f} us",
+        gw,
+        GOAL_ADDED_P50_US,
+        lambda d: f"{d:.0f} us",
     )
     report.goal(
         "added latency p50 no more than vllm-router's",
@@ -518,21 +519,24 @@ def goals(
         else ("" if gw is None or gw <= router else f"by {gw - router:.0f} us"),
     )
     rps = tput.get(64, {}).get("gateway", {}).get("rps_median")
-    report.goal(
+    report.bound(
         "small requests/s at 64 connections",
         f">= {GOAL_RPS_64:,.0f}",
         f"{fmt(rps)}",
-        None if rps is None else rps >= GOAL_RPS_64,
-        "" if rps is None or rps >= GOAL_RPS_64 else f"by {GOAL_RPS_64 - rps:,.0f} req/s",
+        rps,
+        GOAL_RPS_64,
+        lambda d: f"{d:,.0f} req/s",
+        at_most=False,
     )
     added = stream.get("gateway", {}).get("added_first_chunk_us")
     limit = GOAL_STREAM_FIRST_CHUNK_MS * 1000
-    report.goal(
+    report.bound(
         "streaming first chunk added",
         f"<= {limit:.0f} us",
         f"{fmt(added)} us",
-        None if added is None else added <= limit,
-        "" if added is None or added <= limit else f"by {added - limit:.0f} us",
+        added,
+        limit,
+        lambda d: f"{d:.0f} us",
     )
 
 

@@ -124,6 +124,25 @@ class Report:
     ) -> None:
         self.goals.append(Goal(name, target, measured, met, detail))
 
+    def bound(
+        self,
+        name: str,
+        target: str,
+        measured: str,
+        value: float | None,
+        limit: float,
+        gap: Callable[[float], str],
+        *,
+        at_most: bool = True,
+    ) -> None:
+        """A goal that `value` stays at most (or at least) `limit`; a miss says by how
+        much, as `gap(distance)`. No value: not measured."""
+        if value is None:
+            self.goal(name, target, measured, None)
+            return
+        met = value <= limit if at_most else value >= limit
+        self.goal(name, target, measured, met, "" if met else f"by {gap(abs(value - limit))}")
+
     def note(self, text: str) -> None:
         self.notes.append(text)
 

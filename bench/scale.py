@@ -153,35 +153,39 @@ def summarise(
     for t in targets[1:]:
         top = levels[-1]
         errs = sum(x.errors for x in results[t.name][top])
-        report.goal(
+        report.bound(
             f"{t.name}: no errors at {top} connections",
             "0 errors",
             f"{errs} errors",
-            errs == 0,
-            "" if errs == 0 else f"by {errs} errors",
+            errs,
+            0,
+            lambda d: f"{d:.0f} errors",
         )
         worst, best_before, where = 1.0, 0.0, None
         for level in levels:
             if best_before and med[t.name][level] / best_before < worst:
                 worst, where = med[t.name][level] / best_before, level
             best_before = max(best_before, med[t.name][level])
-        report.goal(
+        report.bound(
             f"{t.name}: throughput does not collapse as connections rise",
             f">= {COLLAPSE_SHARE:.0%} of the best at lower concurrency",
             # One decimal: a run at 79.8% read "lowest 80%, missed by 0%".
             f"lowest {worst:.1%}" + (f" (at {where})" if where else ""),
-            worst >= COLLAPSE_SHARE,
-            "" if worst >= COLLAPSE_SHARE else f"by {COLLAPSE_SHARE - worst:.1%}",
+            worst,
+            COLLAPSE_SHARE,
+            lambda d: f"{d:.1%}",
+            at_most=False,
         )
         mem = rss.get(t.name, {})
         if 0 in mem and -1 in mem and mem[0]:
             growth = mem[-1] / mem[0] - 1
-            report.goal(
+            report.bound(
                 f"{t.name}: memory stays flat",
                 f"growth <= {RSS_GROWTH_LIMIT:.0%}",
                 f"{mem[0] / 2**20:.0f} -> {mem[-1] / 2**20:.0f} MiB ({growth:+.0%})",
-                growth <= RSS_GROWTH_LIMIT,
-                "" if growth <= RSS_GROWTH_LIMIT else f"by {growth - RSS_GROWTH_LIMIT:.1%}",
+                growth,
+                RSS_GROWTH_LIMIT,
+                lambda d: f"{d:.1%}",
             )
 
     def draw_rps(ax: Any) -> None:
