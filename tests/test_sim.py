@@ -177,6 +177,40 @@ def test_cache_salt_separates_prefixes(client: httpx.Client) -> None:
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_next_turn_hits_on_the_reply_it_sends_back(client: httpx.Client, stream: bool) -> None:
+    """vLLM caches generated blocks too: a follow-up that carries the engine's reply is
+    cached through the reply; one that carries other text misses from that point."""
+    first = chat_body(f"tell me a long story, stream={stream}", max_tokens=64, ignore_eos=True)
+    if stream:
+        options = {"stream": True, "stream_options": {"include_usage": True}}
+        events = client.post("/v1/chat/completions", json={**first, **options}).text
+        frames = [orjson.loads(line[6:]) for line in events.splitlines() if line[6:7] == "{"]
+        reply = "".join(f["choices"][0]["delta"].get("content", "") for f in frames[:-1])
+        prompt_tokens = frames[-1]["usage"]["prompt_tokens"]
+    else:
+        answer = client.post("/v1/chat/completions", json=first).json()
+        reply = answer["choices"][0]["message"]["content"]
+        prompt_tokens = answer["usage"]["prompt_tokens"]
+    assert len(reply) == 64 * 4
+
+    def follow_up(assistant: str) -> dict[str, Any]:
+        messages = [*first["messages"], {"role": "assistant", "content": assistant}]
+        messages.append({"role": "user", "content": "and then?"})
+        body = {"model": MODEL, "messages": messages, "max_tokens": 1}
+        return client.post("/v1/chat/completions", json=body).json()["usage"]
+
+    other = follow_up("x" * len(reply))
+    same = follow_up(reply)
+    # Another reply: only what came before it (the first prompt, less the partial block
+    # the generation prompt ends in) is cached.
+    assert other["prompt_tokens_details"]["cached_tokens"] <= prompt_tokens
+    # The engine's own reply: cached through the reply's 64 tokens, less a partial block.
+    assert same["prompt_tokens_details"]["cached_tokens"] >= prompt_tokens + 64 - 16
+    # Left to compute: the new question in its template (18 tokens), a partial block.
+    assert same["prompt_tokens"] - same["prompt_tokens_details"]["cached_tokens"] < 18 + 16
+
+
 # --- other generate routes --------------------------------------------------------------
 
 

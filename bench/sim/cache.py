@@ -4,7 +4,9 @@ Prefix cache: a full block's hash is H(parent hash, token ids, extra keys); extr
 carry the hash and offset of each media item the block overlaps, the LoRA name, and the
 `cache_salt` (first block only), as in vllm/v1/core/kv_cache_utils.py. Only full blocks
 are cached, and at least one prompt token is always recomputed, so a prompt of exactly
-k blocks hits at most k-1 of them. Eviction is least recently used over
+k blocks hits at most k-1 of them. Like vLLM, which caches each block of generated tokens
+as it fills, a chat reply's blocks are cached too (generate.py), so the next turn of the
+conversation, which sends the reply back, hits on it. Eviction is least recently used over
 `capacity // block_size` blocks.
 """
 
@@ -75,6 +77,12 @@ class PrefixCache:
         blocks = self._blocks
         while hits < limit and hashes[hits] in blocks:
             hits += 1
+        self.insert(hashes)
+        return hits * self.block_size
+
+    def insert(self, hashes: Sequence[bytes]) -> None:
+        """Cache these blocks (or refresh them) as the most recent; evict the oldest."""
+        blocks = self._blocks
         for h in hashes:
             if h in blocks:
                 blocks.move_to_end(h)
@@ -82,7 +90,6 @@ class PrefixCache:
                 blocks[h] = None
         while len(blocks) > self.capacity:
             blocks.popitem(last=False)
-        return hits * self.block_size
 
 
 class ProcessorCache:

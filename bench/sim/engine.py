@@ -115,6 +115,13 @@ class Engine:
         self.metrics.prompt_tokens += len(tokens)
         return cached
 
+    def cache_sequence(
+        self, tokens: Sequence[int], spans: Sequence[MediaSpan], lora: str, salt: str
+    ) -> None:
+        """Cache the full blocks of a finished sequence (prompt and output), as vLLM's
+        KV cache manager does while decoding; no prefix-cache query is counted."""
+        self.prefix.insert(block_hashes(tokens, spans, self.config.block_size, lora, salt))
+
     def decode_step(self) -> float:
         return DECODE_STEP + DECODE_STEP_PER_RUNNING * self.running
 

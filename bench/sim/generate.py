@@ -113,16 +113,25 @@ async def chat(engine: Engine, req: Request) -> None:
     max_tokens = _max_tokens(engine, body, len(tokens))
     include_usage = _include_usage(body)
     ignore_eos = _bool_field(body, "ignore_eos")
-    cached = engine.lookup_prefix(tokens, spans, lora, _salt(body))
+    salt = _salt(body)
+    cached = engine.lookup_prefix(tokens, spans, lora, salt)
     pieces, reason = output(tokens, max_tokens, ignore_eos)
+    messages = body["messages"]
     usage = _usage(len(tokens), len(pieces), cached)
     rid = engine.request_id(req.header(b"x-request-id"))
     head = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time())}
+
+    def cache_reply() -> None:
+        if add_generation_prompt:
+            full, full_spans = prompt.assemble(prompt.with_reply(messages, "".join(pieces)), items)
+            engine.cache_sequence(full, full_spans, lora, salt)
+
     async with EngineRequest(engine, len(tokens) - cached, items) as seq:
         seq.finish_reason = reason
         engine.metrics.generation_tokens += len(pieces)
         if not stream:
             await seq.decode(len(pieces))
+            cache_reply()
             message: dict[str, Any] = {
                 "role": "assistant",
                 "content": "".join(pieces),
@@ -175,6 +184,7 @@ async def chat(engine: Engine, req: Request) -> None:
             if i == last:
                 choice["stop_reason"] = None
             await send_event(req.send, {**head, "choices": [choice]})
+        cache_reply()
         if include_usage:
             await send_event(req.send, {**head, "choices": [], "usage": usage})
         await end_stream(req.send)

@@ -86,6 +86,15 @@ def chat_segments(messages: Any, add_generation_prompt: bool = True) -> list[Seg
     return out
 
 
+def with_reply(messages: list[Any], reply: str) -> list[Segment]:
+    """The conversation as the engine holds it after answering: `messages`, then the
+    reply as an assistant message, the way the next turn renders it. The pseudo-tokenizer
+    cuts text every 4 bytes, so the generation prompt's last token differs from the one
+    the next turn gets; vLLM's real tokenizers give back the generated ids, so the sim
+    caches what the next turn will send."""
+    return chat_segments([*messages, {"role": "assistant", "content": reply}], False)
+
+
 def media_refs(segments: Sequence[Segment]) -> list[MediaRef]:
     return [s for s in segments if isinstance(s, MediaRef)]
 
