@@ -65,6 +65,12 @@ def suites(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Suite
         try:
             runs["overhead"] = SuiteRun(tmp / "overhead", "overhead", "--no-peers")
             runs["reference"] = SuiteRun(tmp / "reference", "reference")
+            runs["routing"] = SuiteRun(
+                tmp / "routing",
+                "routing",
+                *("--workload", "chat", "--no-pin"),
+                *("--front", "ideal", "--front", "affinity", "--front", "round_robin"),
+            )
             runs["scale"] = SuiteRun(
                 tmp / "scale",
                 "scale",
@@ -90,6 +96,11 @@ def overhead(suites: dict[str, SuiteRun]) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def reference(suites: dict[str, SuiteRun]) -> dict[str, Any]:
     return suites["reference"].result()
+
+
+@pytest.fixture(scope="module")
+def routing(suites: dict[str, SuiteRun]) -> dict[str, Any]:
+    return suites["routing"].result()
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +180,31 @@ def test_reference_reproduces_the_seed_measurements(reference: dict[str, Any]) -
     assert allow["canary_contacted"] is False and allow["status"] == 400
     assert ssrf[("engine, default", "engine /health")]["reached_engine"] is True
     assert any(g["name"].startswith("gateway refuses every SSRF probe") for g in reference["goals"])
+
+
+@pytest.mark.slow
+def test_routing_measures_the_engines_caches(routing: dict[str, Any]) -> None:
+    """Chat through the gateway, each turn sending back the engine's reply: affinity
+    keeps conversations where their turns (and replies) are cached."""
+    rows = {r["front"]: r for r in routing["raw"]["results"]}
+    assert set(rows) == {"ideal (1 engine, all the cache)", "affinity", "round_robin"}
+    for row in rows.values():
+        assert row["errors"] == 0
+        assert 0 < row["hit_rate"] < 1 and row["uncached"] > 0
+        # The warm-up ran and is reported apart from the measured part.
+        assert 0 < row["warm_hit_rate"] < 1
+    ideal, affinity, rr = (
+        rows[n] for n in ("ideal (1 engine, all the cache)", "affinity", "round_robin")
+    )
+    assert sum(rr["per_engine"]) == sum(affinity["per_engine"]) == sum(ideal["per_engine"])
+    assert max(rr["per_engine"]) - min(rr["per_engine"]) <= 1
+    assert affinity["ttft_p50_ms"] > 0 and ideal["ttft_p50_ms"] is None
+    # Replies sent back hit only where the conversation was: round robin recomputes them.
+    assert ideal["uncached"] <= affinity["uncached"] < 0.6 * rr["uncached"]
+    goals = {g["name"]: g for g in routing["goals"]}
+    assert goals["chat: uncached tokens vs round robin"]["measured"] == (
+        f"{affinity['uncached'] / rr['uncached']:.2f}"
+    )
 
 
 @pytest.mark.slow

@@ -1,0 +1,79 @@
+"""The routing bench's workload machinery and its in-process replay (bench/routing.py,
+bench/workloads.py). The live run through real engines is in test_bench.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.routing import Options, offline
+from bench.workloads import CHAT, Call, Workload, build, follow, interleave
+
+
+def _call(tag: str, follow_up: bool = False) -> Call:
+    return Call(CHAT, {"messages": [{"role": "user", "content": tag}]}, follow_up)
+
+
+def test_interleave_keeps_live_sessions_open_and_turns_in_order() -> None:
+    sessions = [[_call(f"{s}{t}") for t in range(n)] for s, n in enumerate([3, 1, 2])]
+    order = [(i, c.body["messages"][0]["content"]) for i, c in interleave(sessions, 2)]
+    # Two sessions open; an answered one waits at the back; a finished one makes room
+    # for the next, which joins at the back.
+    assert order == [(0, "00"), (1, "10"), (0, "01"), (0, "02"), (2, "20"), (2, "21")]
+    assert len(interleave(sessions, 1)) == 6
+    assert [i for i, _ in interleave(sessions, 1)] == [0, 0, 0, 1, 2, 2]
+
+
+def test_follow_up_sends_the_conversation_and_the_engines_reply_back() -> None:
+    first = Call(CHAT, {"model": "m", "messages": [{"role": "system", "content": "s"}]})
+    second = _call("next?", follow_up=True)
+    assert follow(first, None, "") is first.body
+    body = follow(second, first.body, "the reply")
+    assert body["messages"] == [
+        {"role": "system", "content": "s"},
+        {"role": "assistant", "content": "the reply"},
+        {"role": "user", "content": "next?"},
+    ]
+    assert second.body["messages"] == [{"role": "user", "content": "next?"}]  # not mutated
+    assert follow(_call("alone"), first.body, "x") == _call("alone").body
+
+
+def test_chat_workload_turns_follow_up_and_ask_for_exact_reply_lengths() -> None:
+    (chat,) = build(["chat"], "m", scale=0.1)
+    assert chat.warmup > 0 and len(chat.measured) == len(chat.sessions) - chat.warmup
+    for session in chat.sessions:
+        assert not session[0].follow_up and all(c.follow_up for c in session[1:])
+        assert session[0].body["messages"][0]["role"] == "system"
+        for call in session:
+            assert call.body["ignore_eos"] is True and 100 <= call.body["max_tokens"] <= 200
+
+
+@pytest.mark.parametrize("name", ["chat", "images", "templates"])
+def test_offline_affinity_halves_round_robins_uncached_tokens(name: str) -> None:
+    """In-process, with the engines' caches modelled by the simulator's own code: where
+    prefixes belong to conversations, images or templates, affinity computes at most
+    half of what round robin computes, and never less than the ideal engine."""
+    (workload,) = build([name], "Qwen/Qwen3-VL-2B-Instruct")
+    results = {r.policy: r for r in offline(workload, {}, 2, Options())}
+    ideal, rr, affinity = (results[p] for p in ("ideal", "round_robin", "affinity"))
+    assert ideal.uncached <= affinity.uncached <= 0.5 * rr.uncached
+    assert affinity.hit_rate >= 0.9 * ideal.hit_rate
+
+
+def test_offline_one_shared_prefix_is_the_case_no_router_can_halve() -> None:
+    """Few-shot: everyone shares one prefix. Round robin computes it once per engine and
+    then always hits; affinity spreads it the same way (the hot rule), so the ideal
+    engine's floor is above half of round robin, and affinity is near round robin."""
+    (workload,) = build(["few_shot"], "m", scale=0.5)
+    results = {r.policy: r for r in offline(workload, {}, 2, Options())}
+    assert results["ideal"].uncached > 0.5 * results["round_robin"].uncached
+    assert results["affinity"].uncached > 0.9 * results["round_robin"].uncached
+    assert results["affinity"].worst_spread <= 1.5
+
+
+def test_offline_counts_nothing_of_the_warm_up() -> None:
+    (chat,) = build(["chat"], "m", scale=0.25)
+    cold = Workload(chat.name, chat.description, chat.measured, 0)
+    warm = {r.policy: r for r in offline(chat, {}, 1, Options())}
+    alone = {r.policy: r for r in offline(cold, {}, 1, Options())}
+    # Same measured requests; after a warm-up the shared system prompt is already cached.
+    assert warm["ideal"].uncached < alone["ideal"].uncached
