@@ -48,6 +48,9 @@ class SuiteRun:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.communicate()
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                pipe.close()  # a run that ended unread (a test not selected)
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +190,13 @@ def test_routing_measures_the_engines_caches(routing: dict[str, Any]) -> None:
     """Chat through the gateway, each turn sending back the engine's reply: affinity
     keeps conversations where their turns (and replies) are cached."""
     rows = {r["front"]: r for r in routing["raw"]["results"]}
-    assert set(rows) == {"ideal (1 engine, all the cache)", "affinity", "round_robin"}
+    # `--front affinity` selects by prefix: the two-replica row comes along.
+    assert set(rows) == {
+        "ideal (1 engine, all the cache)",
+        "affinity",
+        "round_robin",
+        "affinity, 2 replicas",
+    }
     for row in rows.values():
         assert row["errors"] == 0
         assert 0 < row["hit_rate"] < 1 and row["uncached"] > 0
@@ -200,7 +209,10 @@ def test_routing_measures_the_engines_caches(routing: dict[str, Any]) -> None:
     assert max(rr["per_engine"]) - min(rr["per_engine"]) <= 1
     assert affinity["ttft_p50_ms"] > 0 and ideal["ttft_p50_ms"] is None
     # Replies sent back hit only where the conversation was: round robin recomputes them.
-    assert ideal["uncached"] <= affinity["uncached"] < 0.6 * rr["uncached"]
+    assert affinity["uncached"] < 0.6 * rr["uncached"]
+    assert affinity["uncached"] < 1.5 * ideal["uncached"]
+    # Two replicas with no shared state still keep conversations together.
+    assert rows["affinity, 2 replicas"]["uncached"] < 0.6 * rr["uncached"]
     goals = {g["name"]: g for g in routing["goals"]}
     assert goals["chat: uncached tokens vs round robin"]["measured"] == (
         f"{affinity['uncached'] / rr['uncached']:.2f}"
