@@ -369,6 +369,26 @@ def test_placement_keeps_each_conversation_on_one_engine() -> None:
     assert all(len(urls) == 1 for urls in homes.values())
 
 
+def test_conversations_begun_before_their_system_prompt_turns_hot_stay_put() -> None:
+    """The first requests after a start anchor on the shared system prompt (not hot
+    yet). When it turns hot, their conversations' next turns anchor on the first user
+    message, which starts where those first turns went: no conversation moves."""
+    policy, pool = affinity(), engines()
+    first = {i: route(policy, chat_request(conversation(i, 1)), pool) for i in range(8)}
+    assert len(set(first.values())) == 1  # all on the system prompt's engine
+    for req in background(40):  # the system prompt is hot now
+        route(policy, req, pool)
+    for t in range(2, 6):
+        for i in range(8):
+            req = chat_request(conversation(i, t))
+            assert route(policy, req, pool) == first[i]
+            assert req.anchor_kind == "first_user"
+    # New conversations still spread (and, placed by share, away from the engine that
+    # kept the early ones).
+    new = Counter(route(policy, chat_request(conversation(i, 1)), pool) for i in range(100, 160))
+    assert len(new) >= 3 and max(new.values()) <= 0.4 * 60
+
+
 def test_no_engines_gives_an_empty_order() -> None:
     for policy in (affinity(), RoundRobin(), LeastLoaded()):
         assert policy.order(chat_request(conversation(1, 1)), []) == []

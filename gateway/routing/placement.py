@@ -56,6 +56,14 @@ class Placements:
             self._homes.popitem(last=False)
         return index
 
+    def adopt(self, anchor: bytes, url: str) -> None:
+        """Give `anchor` the home `url` unless it has one: where a request carrying it
+        went while a shorter anchor decided (Affinity.order)."""
+        if anchor not in self._homes:
+            self._homes[anchor] = url
+            if len(self._homes) > self._capacity:
+                self._homes.popitem(last=False)
+
     def _share(self, url: str) -> int:
         return self._current[url] + self._previous[url]
 

@@ -119,13 +119,19 @@ class Affinity:
 
     def anchor(self, request: RoutingRequest, engines: int) -> Anchor | None:
         """The anchor of `request` given `engines` healthy engines; counts it as seen."""
+        return self._anchors(request, engines)[0]
+
+    def _anchors(
+        self, request: RoutingRequest, engines: int
+    ) -> tuple[Anchor | None, Anchor | None]:
+        """The anchor and the candidate right after it (None if it is the last)."""
         session = request.session
         body = request.body
         if session is None and self._settings.session_from_user and body is not None:
             user = body.get("user")
             session = user if isinstance(user, str) and user else None
         if session is not None:
-            return session_anchor(body, session)
+            return session_anchor(body, session), None
         candidates = candidate_anchors(
             body,
             request.media_hashes,
@@ -133,15 +139,16 @@ class Affinity:
             max_candidates=self._settings.max_candidates,
         )
         if not candidates:
-            return None
+            return None, None
         chosen = self._hot.pick(candidates, engines)
         self._hot.observe(candidates)
-        return chosen
+        index = candidates.index(chosen) + 1
+        return chosen, candidates[index] if index < len(candidates) else None
 
     def order(self, request: RoutingRequest, engines: Sequence[E]) -> list[E]:
         if not engines:
             return []
-        anchor = self.anchor(request, len(engines))
+        anchor, successor = self._anchors(request, len(engines))
         if anchor is None:
             ordered = self._fallback.order(request, engines)
         else:
@@ -153,6 +160,11 @@ class Affinity:
                 home = self._placements.home(anchor.digest, [e.url for e in ordered])
                 if home:
                     ordered.insert(0, ordered.pop(home))
+                if successor is not None:
+                    # Should this anchor turn hot (a system prompt everyone comes to
+                    # share), the next candidate takes over; it starts where this
+                    # request went, so a conversation begun before that stays put.
+                    self._placements.adopt(successor.digest, ordered[0].url)
             index = first_within_bound(ordered, self._settings.load_epsilon)
             if index:
                 ordered.insert(0, ordered.pop(index))
