@@ -474,20 +474,21 @@ def _prompt(body: dict[str, Any]) -> _Prompt:
     return _Prompt(body, tokens, spans, items)
 
 
-def _reply(prompt: _Prompt) -> tuple[str, list[bytes]]:
-    """The simulated engine's reply to a chat call, and the blocks it caches for the
-    conversation with that reply (bench/sim/generate.py), block size 16."""
+def _reply(prompt: _Prompt, blocks: list[bytes]) -> tuple[str, list[bytes]]:
+    """The simulated engine's reply to a chat call (whose prompt has these `blocks`),
+    and the blocks it caches after the prompt's (bench/sim/engine.py), block size 16."""
     from bench.sim.cache import block_hashes
     from bench.sim.generate import output
-    from bench.sim.prompt import assemble, with_reply
+    from bench.sim.prompt import reply_sequence
 
     if "messages" not in prompt.body:
         return "", []
     body = prompt.body
     pieces, _ = output(prompt.tokens, body["max_tokens"], bool(body.get("ignore_eos")))
     reply = "".join(pieces)
-    tokens, spans = assemble(with_reply(body["messages"], reply), prompt.items)
-    return reply, block_hashes(tokens, spans, 16)
+    sequence, start = reply_sequence(prompt.tokens, reply, 16)
+    parent = blocks[start - 1] if start else b""
+    return reply, block_hashes(sequence, prompt.spans, 16, start=start, parent=parent)
 
 
 @dataclass
@@ -523,9 +524,10 @@ def offline(
     for session, call in order:
         body = follow(call, *previous.get(session, (None, "")))
         prompt = _prompt(body)
-        reply, reply_blocks = _reply(prompt)
+        blocks = block_hashes(prompt.tokens, prompt.spans, 16)
+        reply, reply_blocks = _reply(prompt, blocks)
         previous[session] = (body, reply)
-        calls.append((call, prompt, block_hashes(prompt.tokens, prompt.spans, 16), reply_blocks))
+        calls.append((call, prompt, blocks, reply_blocks))
     out = []
     for policy in ("ideal", "round_robin", "affinity"):
         hit_rates, uncached, spreads = [], [], []

@@ -422,3 +422,24 @@ def test_sim_starts_quickly(tmp_path: Path) -> None:
     with running(proc):
         # Generous bound for a loaded 2-core CI box; the interface promises < 2 s.
         assert time.monotonic() - started < 5.0
+
+
+@pytest.mark.parametrize("question", ["hi", "a question of some length, " * 7])
+def test_reply_sequence_is_the_next_turns_rendering(question: str) -> None:
+    """The reply blocks the sim caches are those of the next turn's prompt: the whole
+    conversation rendered with the reply as an assistant message."""
+    from bench.sim import prompt as sim_prompt
+    from bench.sim.cache import block_hashes
+
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    tokens, _ = sim_prompt.assemble(sim_prompt.chat_segments(messages), [])
+    reply = " The simulated engine answers." * 5
+    sequence, start = sim_prompt.reply_sequence(tokens, reply, 16)
+    rendered = [*messages, {"role": "assistant", "content": reply}]
+    expected, _ = sim_prompt.assemble(sim_prompt.chat_segments(rendered, False), [])
+    assert sequence == expected
+    # Continuing the prompt's chain gives the blocks hashed from scratch.
+    prompt_blocks = block_hashes(tokens, [], 16, cache_salt="s")
+    parent = prompt_blocks[start - 1] if start else b""
+    tail = block_hashes(sequence, [], 16, cache_salt="s", start=start, parent=parent)
+    assert prompt_blocks[:start] + tail == block_hashes(expected, [], 16, cache_salt="s")

@@ -34,11 +34,15 @@ def block_hashes(
     block_size: int,
     lora: str = "",
     cache_salt: str = "",
+    *,
+    start: int = 0,
+    parent: bytes = b"",
 ) -> list[bytes]:
+    """Hashes of the full blocks from block `start` on; `parent` is the hash of block
+    `start - 1` when the chain is continued (a reply after its prompt)."""
     hashes: list[bytes] = []
-    parent = b""
     lora_key = lora.encode()
-    for index in range(len(tokens) // block_size):
+    for index in range(start, len(tokens) // block_size):
         start = index * block_size
         end = start + block_size
         h = hashlib.blake2b(parent, digest_size=16)

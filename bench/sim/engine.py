@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from types import TracebackType
 
+from bench.sim import prompt
 from bench.sim.cache import MediaSpan, PrefixCache, ProcessorCache, block_hashes
 from bench.sim.config import SimConfig
 from bench.sim.errors import invalid_body, model_not_found
@@ -106,21 +107,35 @@ class Engine:
 
     def lookup_prefix(
         self, tokens: Sequence[int], spans: Sequence[MediaSpan], lora: str, salt: str
-    ) -> int:
-        """Cached tokens of a prompt; counts the prefix cache query and its hits."""
+    ) -> tuple[int, list[bytes]]:
+        """Cached tokens of a prompt, and its block hashes; counts the prefix cache query
+        and its hits."""
         hashes = block_hashes(tokens, spans, self.config.block_size, lora, salt)
         cached = self.prefix.lookup(hashes, len(tokens))
         self.metrics.prefix_cache_queries += len(tokens)
         self.metrics.prefix_cache_hits += cached
         self.metrics.prompt_tokens += len(tokens)
-        return cached
+        return cached, hashes
 
-    def cache_sequence(
-        self, tokens: Sequence[int], spans: Sequence[MediaSpan], lora: str, salt: str
+    def cache_reply(
+        self,
+        tokens: Sequence[int],
+        spans: Sequence[MediaSpan],
+        hashes: Sequence[bytes],
+        reply: str,
+        lora: str,
+        salt: str,
     ) -> None:
-        """Cache the full blocks of a finished sequence (prompt and output), as vLLM's
-        KV cache manager does while decoding; no prefix-cache query is counted."""
-        self.prefix.insert(block_hashes(tokens, spans, self.config.block_size, lora, salt))
+        """Cache a finished chat reply's blocks after its prompt's (`tokens`, whose
+        block `hashes` lookup_prefix gave), as vLLM's KV cache manager does while
+        decoding; no prefix-cache query is counted. Only the blocks from the generation
+        prompt on are hashed: the ones before are the prompt's."""
+        sequence, start = prompt.reply_sequence(tokens, reply, self.config.block_size)
+        parent = hashes[start - 1] if start else b""
+        size = self.config.block_size
+        self.prefix.insert(
+            block_hashes(sequence, spans, size, lora, salt, start=start, parent=parent)
+        )
 
     def decode_step(self) -> float:
         return DECODE_STEP + DECODE_STEP_PER_RUNNING * self.running

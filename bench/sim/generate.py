@@ -114,17 +114,15 @@ async def chat(engine: Engine, req: Request) -> None:
     include_usage = _include_usage(body)
     ignore_eos = _bool_field(body, "ignore_eos")
     salt = _salt(body)
-    cached = engine.lookup_prefix(tokens, spans, lora, salt)
+    cached, hashes = engine.lookup_prefix(tokens, spans, lora, salt)
     pieces, reason = output(tokens, max_tokens, ignore_eos)
-    messages = body["messages"]
     usage = _usage(len(tokens), len(pieces), cached)
     rid = engine.request_id(req.header(b"x-request-id"))
     head = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time())}
 
     def cache_reply() -> None:
         if add_generation_prompt:
-            full, full_spans = prompt.assemble(prompt.with_reply(messages, "".join(pieces)), items)
-            engine.cache_sequence(full, full_spans, lora, salt)
+            engine.cache_reply(tokens, spans, hashes, "".join(pieces), lora, salt)
 
     async with EngineRequest(engine, len(tokens) - cached, items) as seq:
         seq.finish_reason = reason
@@ -204,7 +202,7 @@ async def completions(engine: Engine, req: Request) -> None:
     total_prompt = total_cached = 0
     for tokens in prompts:
         max_tokens = _max_tokens(engine, body, len(tokens))
-        cached = engine.lookup_prefix(tokens, (), lora, salt)
+        cached, _ = engine.lookup_prefix(tokens, (), lora, salt)
         results.append(output(tokens, max_tokens, ignore_eos))
         total_prompt += len(tokens)
         total_cached += cached

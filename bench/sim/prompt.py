@@ -18,6 +18,8 @@ from bench.sim.media import MediaItem, MediaRef
 
 Segment = str | MediaRef
 
+GENERATION_PROMPT = "<|im_start|>assistant\n"
+
 _MEDIA_KEYS = (("image_url", "image"), ("video_url", "video"), ("audio_url", "audio"))
 # Parts that carry serialized tensors; a default vLLM torch.load()s them
 # (CVE-2025-62164). The simulator refuses them rather than pretend.
@@ -82,17 +84,20 @@ def chat_segments(messages: Any, add_generation_prompt: bool = True) -> list[Seg
         out += content_segments(message.get("content"), f"messages.{index}.content")
         out.append("<|im_end|>\n")
     if add_generation_prompt:
-        out.append("<|im_start|>assistant\n")
+        out.append(GENERATION_PROMPT)
     return out
 
 
-def with_reply(messages: list[Any], reply: str) -> list[Segment]:
-    """The conversation as the engine holds it after answering: `messages`, then the
-    reply as an assistant message, the way the next turn renders it. The pseudo-tokenizer
-    cuts text every 4 bytes, so the generation prompt's last token differs from the one
-    the next turn gets; vLLM's real tokenizers give back the generated ids, so the sim
-    caches what the next turn will send."""
-    return chat_segments([*messages, {"role": "assistant", "content": reply}], False)
+def reply_sequence(tokens: Sequence[int], reply: str, block_size: int) -> tuple[list[int], int]:
+    """The tokens the engine holds after answering a chat prompt (`tokens`, which end in
+    the generation prompt): the prompt, then the reply, as the next turn renders them
+    with the reply as an assistant message; and the first block that differs from the
+    prompt's. The pseudo-tokenizer cuts text every 4 bytes, so the generation prompt's
+    last token differs from the one the next turn gets; vLLM's real tokenizers give
+    back the generated ids, so the sim caches what the next turn will send."""
+    head = len(tokens) - len(tokenizer.encode(GENERATION_PROMPT))
+    tail = tokenizer.encode(f"{GENERATION_PROMPT}{reply}<|im_end|>\n")
+    return [*tokens[:head], *tail], head // block_size
 
 
 def media_refs(segments: Sequence[Segment]) -> list[MediaRef]:
