@@ -347,7 +347,7 @@ def test_placement_evens_out_anchors_of_uneven_weight() -> None:
     worst_plain, worst_placed = 0.0, 0.0
     for pool_id in range(6):
         pool = [FakeEngine(f"http://10.{pool_id}.0.{i}:8000") for i in range(4)]
-        plain, placed = affinity(placement=False), affinity(placement_epsilon=0.2)
+        plain, placed = affinity(placement=False), affinity()
         plain_load = Counter(route(plain, r, pool) for r in uneven_conversations())
         placed_load = Counter(route(placed, r, pool) for r in uneven_conversations())
         worst_plain = max(worst_plain, max_over_mean(plain_load, 4))

@@ -114,6 +114,7 @@ class Affinity:
                 epsilon=settings.placement_epsilon,
                 window=settings.hot_window,
                 capacity=settings.placement_capacity,
+                memory=settings.placement_memory,
             )
         self._fallback = RoundRobin()
 
@@ -172,7 +173,7 @@ class Affinity:
             if self._placements is not None:
                 # Only requests with an anchor count: /v1/models polls and the like
                 # differ between replicas and would make their placements disagree.
-                self._placements.count(ordered[0].url)
+                self._placements.count(ordered[0].url, anchor.digest)
         return ordered
 
 

@@ -41,12 +41,14 @@ class RoutingSettings(BaseModel):
     hot_divisor: float = Field(default=2.0, gt=0.0)
     hot_min_count: int = Field(default=8, ge=1)
     # Placement (placement.py): a new anchor goes to the first engine in its order whose
-    # share of recent requests is within (1 + placement_epsilon) x mean + 1, and stays
-    # there for as long as it is one of the last `placement_capacity` anchors seen.
-    # Off: always the anchor's first choice (pure rendezvous).
+    # expected load (recent requests, decaying by 1/placement_memory per request, plus
+    # the requests new anchors are yet to bring) is within (1 + placement_epsilon) x
+    # mean + 1, and stays there for as long as it is one of the last
+    # `placement_capacity` anchors seen. Off: always the anchor's first choice.
     placement: bool = True
-    placement_epsilon: float = Field(default=0.2, ge=0.0)
+    placement_epsilon: float = Field(default=0.0, ge=0.0)
     placement_capacity: int = Field(default=8192, gt=0)
+    placement_memory: int = Field(default=160, gt=1)
     # Plain prompts get a candidate anchor every this many bytes of text (about 128
     # tokens, 8 of vLLM's 16-token blocks), and at most `max_candidates` per request (the shortest).
     prompt_block_bytes: int = Field(default=512, gt=0)
