@@ -221,6 +221,22 @@ def test_a_hot_anchor_spills_to_its_second_choice() -> None:
     assert again.anchor == req.anchor
 
 
+def test_a_placement_off_the_rendezvous_choice_is_not_a_spill() -> None:
+    """`spilled` (log line and metrics) means the load bound moved the request; an
+    anchor that placement put off its rendezvous choice is at home where it went."""
+    policy, pool = affinity(), engines()
+    idle = pool[3].url
+    for req in background(60):  # recent traffic on the other three engines only
+        policy.order(req, pool[:3])
+    for i in range(20):
+        req = chat_request(conversation(100 + i, 1))
+        chosen = route(policy, req, pool)
+        if rendezvous_order(bytes.fromhex(req.anchor or ""), pool)[0].url != idle:
+            break
+    assert chosen == idle  # placed on the idle engine, not its rendezvous choice
+    assert req.first_choice == idle and not req.spilled
+
+
 def test_load_bound_walks_the_order() -> None:
     policy, pool = affinity(load_epsilon=0.5), engines()
     probe = chat_request(conversation(4, 1))

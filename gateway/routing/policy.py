@@ -45,8 +45,9 @@ class RoutingRequest:
     # A client-named session (from the `session_header` setting); overrides the anchor.
     session: str | None = None
     # Set by the policy. `anchor` is a hex digest (safe to log: it carries no prompt
-    # text), `anchor_kind` the boundary it sits at, `first_choice` the URL the anchor
-    # hashes to, `spilled` whether the load bound moved the request off it.
+    # text), `anchor_kind` the boundary it sits at, `first_choice` the URL of the
+    # anchor's engine (where it hashes to, or where placement put it), `spilled`
+    # whether the load bound moved the request off it.
     anchor: str | None = None
     anchor_kind: str | None = None
     first_choice: str | None = None
@@ -156,7 +157,6 @@ class Affinity:
             ordered = rendezvous_order(anchor.digest, engines)
             request.anchor = anchor.digest.hex()
             request.anchor_kind = anchor.kind.value
-            request.first_choice = ordered[0].url
             if self._placements is not None:
                 home = self._placements.home(anchor.digest, [e.url for e in ordered])
                 if home:
@@ -166,6 +166,7 @@ class Affinity:
                     # share), the next candidate takes over; it starts where this
                     # request went, so a conversation begun before that stays put.
                     self._placements.adopt(successor.digest, ordered[0].url)
+            request.first_choice = ordered[0].url
             index = first_within_bound(ordered, self._settings.load_epsilon)
             if index:
                 ordered.insert(0, ordered.pop(index))
