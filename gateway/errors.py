@@ -165,6 +165,11 @@ class UpstreamBroken(UpstreamUnavailable):
     default_message = "The engine's response broke off before it was complete."
 
 
+class UpstreamInvalid(UpstreamUnavailable):
+    code = "upstream_invalid"
+    default_message = "The engine's answer could not be read."
+
+
 class UpstreamTimeout(GatewayError):
     status = 504
     code = "upstream_timeout"

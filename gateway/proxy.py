@@ -17,13 +17,14 @@ import structlog
 
 from gateway.body import ClientDisconnected, check_declared, read_body
 from gateway.config import Settings
-from gateway.endpoints import BodyKind
+from gateway.endpoints import BodyKind, Group
 from gateway.errors import (
     InvalidJson,
     ModelNotAllowed,
     NoEngineAvailable,
     UnsupportedMediaType,
     UpstreamBroken,
+    UpstreamInvalid,
     UpstreamTimeout,
     UpstreamUnavailable,
     sse_error_frame,
@@ -84,6 +85,8 @@ _RESPONSE_DROP = frozenset(
 # Responses up to this size with a Content-Length are read whole and sent in one
 # message: one write instead of two for the common small JSON answer.
 _SMALL_RESPONSE = 64 * 1024
+# A model list read whole to be filtered for a key limited to some models.
+_MODEL_LIST_LIMIT = 1024 * 1024
 # How long a request is forwarded before a task starts watching for its client leaving.
 # A task per request (created, stepped, cancelled) cost ~70 us of event-loop work at 64
 # connections (py-spy); the timer that replaces it for quick answers costs ~1 us. A client
@@ -422,7 +425,11 @@ class Proxy:
             elif engine.failures or engine.backoff:
                 pool.succeeded(engine)
             try:
-                await self._relay(resp, send, ex, watch)
+                key = ex.key
+                if ex.route.group is Group.models and key is not None and key.models is not None:
+                    await self._relay_model_list(resp, send, ex, watch, key.models)
+                else:
+                    await self._relay(resp, send, ex, watch)
             finally:
                 engine.in_flight -= 1
                 # A response read to its end goes back to the pool; after a disconnect
@@ -430,6 +437,52 @@ class Proxy:
                 resp.close()
             return
         raise UpstreamUnavailable("No engine accepted the connection.")
+
+    async def _relay_model_list(
+        self,
+        resp: UpstreamResponse,
+        send: Send,
+        ex: Exchange,
+        watch: DisconnectWatch,
+        allowed: frozenset[str],
+    ) -> None:
+        """`GET /v1/models` for a key limited to some models: the engine's list with
+        only those, so a key learns nothing of the models it may not use. An answer
+        that cannot be read as a model list is refused, never passed on unfiltered."""
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(self._idle):
+                while chunk := await resp.readany():
+                    size += len(chunk)
+                    if size > _MODEL_LIST_LIMIT:
+                        raise UpstreamInvalid()
+                    chunks.append(chunk)
+        except UpstreamError:
+            raise UpstreamBroken() from None
+        except TimeoutError:
+            raise UpstreamTimeout() from None
+        watch.stop()
+        body = b"".join(chunks)
+        if resp.status == 200:
+            try:
+                listing = orjson.loads(body)
+            except orjson.JSONDecodeError:
+                raise UpstreamInvalid() from None
+            models = listing.get("data") if isinstance(listing, dict) else None
+            if not isinstance(models, list):
+                raise UpstreamInvalid()
+            listing["data"] = [m for m in models if isinstance(m, dict) and m.get("id") in allowed]
+            body = orjson.dumps(listing)
+        headers = [
+            (name, value)
+            for name, value in resp.raw_headers
+            if name.lower() not in _RESPONSE_DROP and name.lower() != b"content-length"
+        ]
+        headers.append((b"content-length", str(len(body)).encode("ascii")))
+        ex.bytes_out = len(body)
+        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
     async def _relay(
         self,

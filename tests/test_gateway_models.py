@@ -1,0 +1,94 @@
+"""`GET /v1/models` through the gateway: a key limited to some models sees only those.
+
+Real processes on loopback: a simulated engine serving two model names, and an engine
+stand-in whose model list cannot be read.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bench.origin import RecordingServer, Route
+from tests.procs import Proc, gateway_proc, running, sim_proc
+
+ALL = "sk-models-all-0123456789abcdef"
+ONLY_A = "sk-models-only-a-0123456789abcdef"
+NOT_SERVED = "sk-models-none-0123456789abcdef"
+KEYS = json.dumps(
+    [
+        ALL,
+        {"key": ONLY_A, "name": "only-a", "models": ["model-a"]},
+        {"key": NOT_SERVED, "name": "not-served", "models": ["some/other-model"]},
+    ]
+)
+
+
+@dataclass
+class Stack:
+    sim: Proc
+    gateway: Proc
+    broken: RecordingServer
+    broken_gateway: Proc
+
+
+def _env(engine: str) -> dict[str, str]:
+    return {"GATEWAY_ENGINES": json.dumps([engine]), "GATEWAY_API_KEYS": KEYS}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp: Path = tmp_path_factory.mktemp("models")
+    sim = sim_proc(tmp, "--latency", "zero", "--served-model-name", "model-a", "model-b")
+    gateway = gateway_proc(tmp, _env(sim.url))
+    # Answers its model list with something that is not one.
+    garbage = Route(
+        body=b'{"object": "list", "data": "nope"}', headers={"Content-Type": "application/json"}
+    )
+    with RecordingServer({"/v1/models": garbage, "/health": Route()}) as broken:
+        broken_gateway = gateway_proc(tmp, _env(broken.url))
+        with running(sim), running(gateway, broken_gateway, ready_path="/healthz"):
+            yield Stack(sim, gateway, broken, broken_gateway)
+
+
+def _models(url: str, key: str) -> httpx.Response:
+    return httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+
+
+def _ids(resp: httpx.Response) -> list[str]:
+    assert resp.status_code == 200, resp.text
+    return [m["id"] for m in resp.json()["data"]]
+
+
+def test_a_key_without_a_model_list_sees_every_model(stack: Stack) -> None:
+    direct = httpx.get(stack.sim.url + "/v1/models", timeout=10).json()
+    assert _ids(_models(stack.gateway.url, ALL)) == [m["id"] for m in direct["data"]]
+    assert _ids(_models(stack.gateway.url, ALL)) == ["model-a", "model-b"]
+
+
+def test_a_key_limited_to_some_models_sees_only_those(stack: Stack) -> None:
+    resp = _models(stack.gateway.url, ONLY_A)
+    assert _ids(resp) == ["model-a"]
+    # The rest of the engine's answer is kept; the length is the filtered body's.
+    assert resp.json()["object"] == "list"
+    assert resp.json()["data"][0]["owned_by"] == "vllm"
+    assert int(resp.headers["content-length"]) == len(resp.content)
+    assert _ids(_models(stack.gateway.url, NOT_SERVED)) == []
+
+
+def test_an_unreadable_model_list_is_refused_for_a_limited_key(stack: Stack) -> None:
+    before = len(stack.broken.hits)
+    resp = _models(stack.broken_gateway.url, ONLY_A)
+    assert resp.status_code == 502
+    assert resp.json()["error"]["code"] == "upstream_invalid"
+    assert "nope" not in resp.text
+    # It did ask the engine (and only that): the refusal is about the answer.
+    assert [h.path for h in stack.broken.hits[before:]] == ["/v1/models"]
+    # A key without a model list gets the engine's answer as it is, as before.
+    passed = _models(stack.broken_gateway.url, ALL)
+    assert passed.status_code == 200 and passed.json()["data"] == "nope"
