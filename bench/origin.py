@@ -6,6 +6,7 @@ routes it is a canary: it answers 418 and `contacted` proves whether anything re
 
 from __future__ import annotations
 
+import ssl
 import threading
 import time
 from collections.abc import Mapping
@@ -35,7 +36,12 @@ class RecordingServer:
     As a media origin it serves the `routes` given, by path.
     """
 
-    def __init__(self, routes: Mapping[str, Route] | None = None, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        routes: Mapping[str, Route] | None = None,
+        host: str = "127.0.0.1",
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.routes: dict[str, Route] = dict(routes or {})
         self.hits: list[Hit] = []
         self.connections = 0
@@ -76,12 +82,17 @@ class RecordingServer:
 
         self._server = ThreadingHTTPServer((host, 0), Handler)
         self._server.daemon_threads = True
+        self.tls = tls
+        if tls is not None:
+            # The handshake runs as a connection is accepted: one that fails never
+            # reaches the handler, so it shows in neither `connections` nor `hits`.
+            self._server.socket = tls.wrap_socket(self._server.socket, server_side=True)
         self.port = int(self._server.server_address[1])
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     @property
     def contacted(self) -> bool:

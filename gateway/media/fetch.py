@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
+import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -103,11 +104,16 @@ class Fetched:
     content_type: str | None
 
 
-def default_inner_transport() -> httpx.AsyncHTTPTransport:
-    # No keep-alive: the pool is keyed by IP, and a TLS connection verified for one host
-    # name must not be reused for another name that resolves to the same address.
+def default_inner_transport(verify: ssl.SSLContext | bool = True) -> httpx.AsyncHTTPTransport:
+    """`verify`: the certificate check (httpx's default trust store; a context trusting
+    another CA in tests). No keep-alive: the pool is keyed by IP, and a TLS connection
+    verified for one host name must not be reused for another name that resolves to
+    the same address."""
     return httpx.AsyncHTTPTransport(
-        retries=0, trust_env=False, limits=httpx.Limits(max_keepalive_connections=0)
+        verify=verify,
+        retries=0,
+        trust_env=False,
+        limits=httpx.Limits(max_keepalive_connections=0),
     )
 
 
