@@ -512,8 +512,8 @@ def offline(
 ) -> list[OfflineResult]:
     """Route the workload in-process, in `interleave`'s order, with the engines' LRU
     prefix caches modelled by bench.sim's own cache code, over `draws` sets of engine
-    URLs: the ideal engine (all the cache), round robin (a random engine per request) and
-    `affinity` with `settings`.
+    URLs: the ideal engine (all the cache), round robin (a random engine per request),
+    `affinity` with `settings`, and two such gateways taking alternate requests.
     No load, no timing: it isolates the key, the hot rule and placement,
     deterministically, in about a second. The warm-up is routed but not counted, as in
     the live run."""
@@ -535,21 +535,23 @@ def offline(
         previous[session] = (body, reply)
         calls.append((call, prompt, blocks, reply_blocks))
     out = []
-    for policy in ("ideal", "round_robin", "affinity"):
+    for policy in ("ideal", "round_robin", "affinity", "affinity, 2 replicas"):
         hit_rates, uncached, spreads = [], [], []
-        for draw in range(draws if policy == "affinity" else 1):
+        replicas = 2 if policy.endswith("replicas") else 1
+        for draw in range(draws if policy.startswith("affinity") else 1):
             engines = 1 if policy == "ideal" else opts.engines
             pool = [_Engine(f"http://10.{draw}.0.{i}:8000") for i in range(engines)]
             capacity = opts.kv_cache_tokens * opts.engines // engines
             caches = {e.url: PrefixCache(capacity, 16) for e in pool}
-            affinity = Affinity(RoutingSettings(**settings))
+            # Replicas take alternate requests, as behind a plain load balancer.
+            gateways = [Affinity(RoutingSettings(**settings)) for _ in range(replicas)]
             load = dict.fromkeys(caches, 0)
             shuffle = random.Random(draw)
             queries = hits = 0
             for index, (call, prompt, blocks, reply_blocks) in enumerate(calls):
-                if policy == "affinity":
+                if policy.startswith("affinity"):
                     request = RoutingRequest(call.path, body=prompt.body)
-                    url = affinity.order(request, pool)[0].url
+                    url = gateways[index % replicas].order(request, pool)[0].url
                 else:
                     # Round robin: live, timing decides which turn of a conversation
                     # meets which engine; a strict rotation here would send every
@@ -585,7 +587,7 @@ def run_offline(opts: Options, workloads: list[Workload], draws: int) -> None:
         rr = results["round_robin"].uncached
         for r in results.values():
             print(
-                f"  {w.name:10} {r.policy:12} hit {r.hit_rate:6.1%}  uncached {r.uncached:9,.0f}"
+                f"  {w.name:10} {r.policy:20} hit {r.hit_rate:6.1%}  uncached {r.uncached:9,.0f}"
                 f" ({r.uncached / rr:.2f} of round robin)  max/mean requests {r.spread:.2f}"
                 f" (worst {r.worst_spread:.2f})"
             )

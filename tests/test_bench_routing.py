@@ -57,6 +57,8 @@ def test_offline_affinity_halves_round_robins_uncached_tokens(name: str) -> None
     ideal, rr, affinity = (results[p] for p in ("ideal", "round_robin", "affinity"))
     assert ideal.uncached <= affinity.uncached <= 0.5 * rr.uncached
     assert affinity.hit_rate >= 0.9 * ideal.hit_rate
+    # Two gateways taking alternate requests, no shared state: still far from round robin.
+    assert results["affinity, 2 replicas"].uncached <= 0.75 * rr.uncached
 
 
 def test_offline_one_shared_prefix_is_the_case_no_router_can_halve() -> None:
