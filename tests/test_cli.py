@@ -69,6 +69,10 @@ def test_check_config_masks_every_secret(
             {"GATEWAY_API_KEYS": f'["{SECRET}"]', "GATEWAY_TIMEOUTS__UPSTREAM_KEEPALIVE": "6"},
             "upstream_keepalive",
         ),
+        (
+            {"GATEWAY_API_KEYS": f'["{SECRET}"]', "GATEWAY_MEDIA__CA_FILE": "/nonexistent.pem"},
+            "ca_file",
+        ),
     ],
 )
 def test_check_config_refuses_invalid_settings(

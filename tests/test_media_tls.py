@@ -3,24 +3,30 @@ and the certificate is checked against that name, while the socket goes to the a
 that was checked (SafeTransport pins the IP).
 
 Certificates in tests/data/tls (test only, valid to 2126): `ca.pem` (its key was
-discarded), `media.pem` for `media.test` signed by it, and `selfsigned.pem` for
-`media.test` signed by nobody trusted. The gateway process cannot take an injected
-resolver or trust store, so this runs at the transport level, as the DNS rebinding test.
+discarded), `media.pem` for `media.test` and `loopback.pem` for the address 127.0.0.1,
+both signed by it, and `selfsigned.pem` for `media.test`, signed by nobody trusted.
+
+The name checks run at the transport level with an injected resolver (the gateway
+process resolves with the system). Through the gateway under uvicorn the origin is
+named by its address, with and without `media.ca_file`.
 """
 
 from __future__ import annotations
 
+import json
 import ssl
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
 from gateway.errors import MediaFetchFailed
 from gateway.media.fetch import MediaFetcher, default_inner_transport
 from gateway.media.settings import MediaSettings
 from gateway.media.urls import RemoteUrl, UrlPolicy
-from tests.procs import RecordingServer, Route
+from tests.procs import Proc, RecordingServer, Route, gateway_proc, running, sim_proc, sim_received
 from tests.test_media_fetch import StaticResolver
 from tests.test_media_samples import png
 
@@ -112,3 +118,75 @@ async def test_a_certificate_from_an_untrusted_issuer_is_refused(self_signed: Or
     assert info.value.code == "media_fetch_failed"
     assert self_signed.sni == ["media.test"]
     assert self_signed.server.hits == []
+
+
+# --- through the gateway ----------------------------------------------------------------
+
+KEY = "sk-media-tls-0123456789abcdef"
+
+
+@dataclass
+class Stack:
+    origin: Origin
+    sim: Proc
+    trusting: Proc  # media.ca_file: the test CA
+    default: Proc  # the default trust store
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("tls")
+    origin = Origin("loopback")
+    sim = sim_proc(tmp, "--latency", "zero")
+    env = {
+        "GATEWAY_ENGINES": json.dumps([sim.url]),
+        "GATEWAY_API_KEYS": json.dumps([KEY]),
+        "GATEWAY_MEDIA__ALLOWED_DOMAINS": json.dumps([f"127.0.0.1:{origin.server.port}"]),
+        "GATEWAY_MEDIA__ALLOWED_SCHEMES": json.dumps(["https"]),
+        "GATEWAY_MEDIA__ALLOWED_NETWORKS": json.dumps(["127.0.0.0/8"]),
+    }
+    trusting = gateway_proc(tmp, {**env, "GATEWAY_MEDIA__CA_FILE": str(TLS / "ca.pem")})
+    default = gateway_proc(tmp, env)
+    with origin.server, running(sim), running(trusting, default, ready_path="/readyz"):
+        yield Stack(origin, sim, trusting, default)
+
+
+def _ask(gateway: Proc, port: int) -> httpx.Response:
+    body = {
+        "model": "Qwen/Qwen3-VL-2B-Instruct",
+        "max_tokens": 1,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "image_url",
+                        "image_url": {"url": f"https://127.0.0.1:{port}/img.png"},
+                    },
+                    {"type": "text", "text": "What is this?"},
+                ],
+            }
+        ],
+    }
+    headers = {"Authorization": f"Bearer {KEY}"}
+    return httpx.post(gateway.url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+
+
+def test_gateway_fetches_over_tls_from_an_origin_its_ca_file_trusts(stack: Stack) -> None:
+    before, hits = sim_received(stack.sim.url), len(stack.origin.server.hits)
+    resp = _ask(stack.trusting, stack.origin.server.port)
+    assert resp.status_code == 200, resp.text
+    assert len(stack.origin.server.hits) == hits + 1
+    assert sim_received(stack.sim.url) == before + 1
+
+
+def test_gateway_refuses_an_origin_outside_its_trust_store(stack: Stack) -> None:
+    before, hits = sim_received(stack.sim.url), len(stack.origin.server.hits)
+    resp = _ask(stack.default, stack.origin.server.port)
+    assert resp.status_code == 422
+    error = resp.json()["error"]
+    assert error["code"] == "media_fetch_failed" and "reason: connection" in error["message"]
+    assert "CERTIFICATE" not in resp.text and "ssl" not in resp.text.lower()
+    # The handshake failed: no request reached the origin, nothing reached the engine.
+    assert len(stack.origin.server.hits) == hits
+    assert sim_received(stack.sim.url) == before

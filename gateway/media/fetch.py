@@ -130,8 +130,13 @@ class MediaFetcher:
         self._max_bytes = settings.max_bytes
         self._timeout = settings.fetch_timeout
         self._semaphore = asyncio.Semaphore(settings.max_concurrent_fetches)
+        if transport is None:
+            verify: ssl.SSLContext | bool = True
+            if settings.ca_file is not None:
+                verify = ssl.create_default_context(cafile=settings.ca_file)
+            transport = default_inner_transport(verify)
         safe = SafeTransport(
-            transport or default_inner_transport(),
+            transport,
             AddressPolicy(settings.allowed_networks),
             resolver or system_resolver,
         )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, FilePath
 
 
 class MediaMode(StrEnum):
@@ -39,6 +39,9 @@ class MediaSettings(BaseModel):
     max_bytes: int = Field(default=20 * 1024 * 1024, gt=0)
     fetch_timeout: float = Field(default=10.0, gt=0)
     max_concurrent_fetches: int = Field(default=16, gt=0)
+    # PEM file of the CAs trusted for https media origins, instead of the default trust
+    # store (an internal CA). Must exist when the settings are read.
+    ca_file: FilePath | None = None
     # Media items one request may carry (each may cost a fetch and a decode).
     max_items: int = Field(default=32, gt=0)
     validation: ValidationDepth = ValidationDepth.decode
