@@ -4,6 +4,7 @@ threaded servers (canaries and media origins) that record every connection they 
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -186,3 +187,33 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, interval: flo
             return True
         time.sleep(interval)
     return predicate()
+
+
+def media_gateway_env(
+    engine: str, key: str, origin: str, scheme: str, **extra: str
+) -> dict[str, str]:
+    """A gateway before `engine` that takes `key` and fetches media only from `origin`
+    (`host:port` on loopback) over `scheme`."""
+    return {
+        "GATEWAY_ENGINES": json.dumps([engine]),
+        "GATEWAY_API_KEYS": json.dumps([key]),
+        "GATEWAY_MEDIA__ALLOWED_DOMAINS": json.dumps([origin]),
+        "GATEWAY_MEDIA__ALLOWED_SCHEMES": json.dumps([scheme]),
+        "GATEWAY_MEDIA__ALLOWED_NETWORKS": json.dumps(["127.0.0.0/8"]),
+        **extra,
+    }
+
+
+def ask_about_image(gateway: str, key: str, image_url: str) -> httpx.Response:
+    """A chat request about one image given by URL, as a client sends it."""
+    content = [
+        {"type": "image_url", "image_url": {"url": image_url}},
+        {"type": "text", "text": "What is this?"},
+    ]
+    body = {
+        "model": "Qwen/Qwen3-VL-2B-Instruct",
+        "max_tokens": 1,
+        "messages": [{"role": "user", "content": content}],
+    }
+    headers = {"Authorization": f"Bearer {key}"}
+    return httpx.post(gateway + "/v1/chat/completions", json=body, headers=headers, timeout=30)

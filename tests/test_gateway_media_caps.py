@@ -3,7 +3,6 @@ origin on loopback, and one that counts how many fetches it serves at once."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Iterator
@@ -15,11 +14,18 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.procs import Proc, gateway_proc, running, sim_proc, sim_received
+from tests.procs import (
+    Proc,
+    ask_about_image,
+    gateway_proc,
+    media_gateway_env,
+    running,
+    sim_proc,
+    sim_received,
+)
 from tests.test_media_samples import png
 
 KEY = "sk-media-caps-0123456789abcdef"
-MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 PNG = png(16, 16)
 FETCH_TIMEOUT = 0.5
 MAX_CONCURRENT = 2
@@ -88,15 +94,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     # for a fetch slot (docs/media.md).
     origin = CountingOrigin(delay=0.1)
     sim = sim_proc(tmp, "--latency", "zero")
-    env = {
-        "GATEWAY_ENGINES": json.dumps([sim.url]),
-        "GATEWAY_API_KEYS": json.dumps([KEY]),
-        "GATEWAY_MEDIA__ALLOWED_DOMAINS": json.dumps([f"127.0.0.1:{origin.port}"]),
-        "GATEWAY_MEDIA__ALLOWED_SCHEMES": json.dumps(["http"]),
-        "GATEWAY_MEDIA__ALLOWED_NETWORKS": json.dumps(["127.0.0.0/8"]),
-        "GATEWAY_MEDIA__FETCH_TIMEOUT": str(FETCH_TIMEOUT),
-        "GATEWAY_MEDIA__MAX_CONCURRENT_FETCHES": str(MAX_CONCURRENT),
-    }
+    env = media_gateway_env(
+        sim.url,
+        KEY,
+        f"127.0.0.1:{origin.port}",
+        "http",
+        GATEWAY_MEDIA__FETCH_TIMEOUT=str(FETCH_TIMEOUT),
+        GATEWAY_MEDIA__MAX_CONCURRENT_FETCHES=str(MAX_CONCURRENT),
+    )
     gateway = gateway_proc(tmp, env)
     try:
         with running(sim), running(gateway, ready_path="/readyz"):
@@ -107,22 +112,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 def _chat(stack: Stack, path: str) -> httpx.Response:
     image = f"http://127.0.0.1:{stack.origin.port}{path}"
-    body = {
-        "model": MODEL,
-        "max_tokens": 1,
-        "messages": [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "image_url", "image_url": {"url": image}},
-                    {"type": "text", "text": "What is this?"},
-                ],
-            }
-        ],
-    }
-    headers = {"Authorization": f"Bearer {KEY}"}
-    url = stack.gateway.url + "/v1/chat/completions"
-    return httpx.post(url, json=body, headers=headers, timeout=30)
+    return ask_about_image(stack.gateway.url, KEY, image)
 
 
 def test_a_fetch_over_its_time_is_cut_and_refused(stack: Stack) -> None:

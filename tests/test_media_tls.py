@@ -13,7 +13,6 @@ named by its address, with and without `media.ca_file`.
 
 from __future__ import annotations
 
-import json
 import ssl
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,7 +25,17 @@ from gateway.errors import MediaFetchFailed
 from gateway.media.fetch import MediaFetcher, default_inner_transport
 from gateway.media.settings import MediaSettings
 from gateway.media.urls import RemoteUrl, UrlPolicy
-from tests.procs import Proc, RecordingServer, Route, gateway_proc, running, sim_proc, sim_received
+from tests.procs import (
+    Proc,
+    RecordingServer,
+    Route,
+    ask_about_image,
+    gateway_proc,
+    media_gateway_env,
+    running,
+    sim_proc,
+    sim_received,
+)
 from tests.test_media_fetch import StaticResolver
 from tests.test_media_samples import png
 
@@ -138,13 +147,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("tls")
     origin = Origin("loopback")
     sim = sim_proc(tmp, "--latency", "zero")
-    env = {
-        "GATEWAY_ENGINES": json.dumps([sim.url]),
-        "GATEWAY_API_KEYS": json.dumps([KEY]),
-        "GATEWAY_MEDIA__ALLOWED_DOMAINS": json.dumps([f"127.0.0.1:{origin.server.port}"]),
-        "GATEWAY_MEDIA__ALLOWED_SCHEMES": json.dumps(["https"]),
-        "GATEWAY_MEDIA__ALLOWED_NETWORKS": json.dumps(["127.0.0.0/8"]),
-    }
+    env = media_gateway_env(sim.url, KEY, f"127.0.0.1:{origin.server.port}", "https")
     trusting = gateway_proc(tmp, {**env, "GATEWAY_MEDIA__CA_FILE": str(TLS / "ca.pem")})
     default = gateway_proc(tmp, env)
     with origin.server, running(sim), running(trusting, default, ready_path="/readyz"):
@@ -152,24 +155,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def _ask(gateway: Proc, port: int) -> httpx.Response:
-    body = {
-        "model": "Qwen/Qwen3-VL-2B-Instruct",
-        "max_tokens": 1,
-        "messages": [
-            {
-                "role": "user",
-                "content": [
-                    {
-                        "type": "image_url",
-                        "image_url": {"url": f"https://127.0.0.1:{port}/img.png"},
-                    },
-                    {"type": "text", "text": "What is this?"},
-                ],
-            }
-        ],
-    }
-    headers = {"Authorization": f"Bearer {KEY}"}
-    return httpx.post(gateway.url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+    return ask_about_image(gateway.url, KEY, f"https://127.0.0.1:{port}/img.png")
 
 
 def test_gateway_fetches_over_tls_from_an_origin_its_ca_file_trusts(stack: Stack) -> None:
