@@ -141,14 +141,19 @@ class Server:
             return ""
 
     def stop(self) -> None:
-        if self.popen is None or self.popen.poll() is not None:
-            return
-        self.popen.terminate()
-        try:
-            self.popen.wait(10)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait(10)
+        terminate(self.popen)
+
+
+def terminate(popen: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM a child that is still running, SIGKILL if it has not left in 10 s."""
+    if popen is None or popen.poll() is not None:
+        return
+    popen.terminate()
+    try:
+        popen.wait(10)
+    except subprocess.TimeoutExpired:
+        popen.kill()
+        popen.wait(10)
 
 
 # --- process accounting (/proc) ---------------------------------------------------------

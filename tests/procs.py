@@ -19,7 +19,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.origin import Hit, RecordingServer, Route
-from bench.stack import clean_env
+from bench.stack import clean_env, terminate
 
 __all__ = ["Hit", "RecordingServer", "Route"]
 
@@ -83,13 +83,7 @@ class Proc:
             self.popen.wait(10)
 
     def stop(self) -> None:
-        if self.popen is not None and self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(10)
+        terminate(self.popen)
 
 
 def sim_proc(tmp: Path, *opts: str, port: int | None = None) -> Proc:
