@@ -26,6 +26,8 @@ from pathlib import Path
 import httpx
 from PIL import Image
 
+from bench.stack import terminate
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -59,12 +61,7 @@ def _started(
         _wait(ready, proc, log)
         yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        terminate(proc)
 
 
 def _show(title: str, resp: httpx.Response) -> None:

@@ -483,18 +483,15 @@ def _prompt(body: dict[str, Any]) -> _Prompt:
 def _reply(prompt: _Prompt, blocks: list[bytes]) -> tuple[str, list[bytes]]:
     """The simulated engine's reply to a chat call (whose prompt has these `blocks`),
     and the blocks it caches after the prompt's (bench/sim/engine.py), block size 16."""
-    from bench.sim.cache import block_hashes
     from bench.sim.generate import output
-    from bench.sim.prompt import reply_sequence
+    from bench.sim.prompt import reply_blocks
 
     if "messages" not in prompt.body:
         return "", []
     body = prompt.body
     pieces, _ = output(prompt.tokens, body["max_tokens"], bool(body.get("ignore_eos")))
     reply = "".join(pieces)
-    sequence, start = reply_sequence(prompt.tokens, reply, 16)
-    parent = blocks[start - 1] if start else b""
-    return reply, block_hashes(sequence, prompt.spans, 16, start=start, parent=parent)
+    return reply, reply_blocks(prompt.tokens, prompt.spans, blocks, reply, 16)
 
 
 @dataclass
@@ -521,8 +518,8 @@ def offline(
     from gateway.routing.policy import Affinity, RoutingRequest
     from gateway.routing.settings import RoutingSettings
 
-    warm = len(interleave(workload.sessions[: workload.warmup], opts.live))
     order = interleave(workload.sessions[: workload.warmup], opts.live)
+    warm = len(order)
     order += [(workload.warmup + i, c) for i, c in interleave(workload.measured, opts.live)]
     # Replies are deterministic, so every policy sends the same bodies: resolve them once.
     previous: dict[int, tuple[dict[str, Any], str]] = {}

@@ -128,14 +128,9 @@ class Engine:
     ) -> None:
         """Cache a finished chat reply's blocks after its prompt's (`tokens`, whose
         block `hashes` lookup_prefix gave), as vLLM's KV cache manager does while
-        decoding; no prefix-cache query is counted. Only the blocks from the generation
-        prompt on are hashed: the ones before are the prompt's."""
-        sequence, start = prompt.reply_sequence(tokens, reply, self.config.block_size)
-        parent = hashes[start - 1] if start else b""
+        decoding; no prefix-cache query is counted."""
         size = self.config.block_size
-        self.prefix.insert(
-            block_hashes(sequence, spans, size, lora, salt, start=start, parent=parent)
-        )
+        self.prefix.insert(prompt.reply_blocks(tokens, spans, hashes, reply, size, lora, salt))
 
     def decode_step(self) -> float:
         return DECODE_STEP + DECODE_STEP_PER_RUNNING * self.running

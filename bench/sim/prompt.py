@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.sim import tokenizer
-from bench.sim.cache import MediaSpan
+from bench.sim.cache import MediaSpan, block_hashes
 from bench.sim.errors import invalid_body
 from bench.sim.media import MediaItem, MediaRef
 
@@ -98,6 +98,23 @@ def reply_sequence(tokens: Sequence[int], reply: str, block_size: int) -> tuple[
     head = len(tokens) - len(tokenizer.encode(GENERATION_PROMPT))
     tail = tokenizer.encode(f"{GENERATION_PROMPT}{reply}<|im_end|>\n")
     return [*tokens[:head], *tail], head // block_size
+
+
+def reply_blocks(
+    tokens: Sequence[int],
+    spans: Sequence[MediaSpan],
+    hashes: Sequence[bytes],
+    reply: str,
+    block_size: int,
+    lora: str = "",
+    salt: str = "",
+) -> list[bytes]:
+    """The hashes of the blocks a chat reply adds after its prompt (`tokens`, whose block
+    `hashes` are known): only the blocks from the generation prompt on are hashed, the
+    chain continuing from the prompt's last block before it."""
+    sequence, start = reply_sequence(tokens, reply, block_size)
+    parent = hashes[start - 1] if start else b""
+    return block_hashes(sequence, spans, block_size, lora, salt, start=start, parent=parent)
 
 
 def media_refs(segments: Sequence[Segment]) -> list[MediaRef]:
