@@ -107,6 +107,11 @@ def _is_json(content_type: bytes | None) -> bool:
     return content_type.split(b";", 1)[0].strip().lower() == b"application/json"
 
 
+def _response_headers(resp: UpstreamResponse) -> list[tuple[bytes, bytes]]:
+    """The engine's response headers a client gets (hop-by-hop ones and ours dropped)."""
+    return [(name, value) for name, value in resp.raw_headers if name.lower() not in _RESPONSE_DROP]
+
+
 class DisconnectWatch:
     """Cancels `task` when its client disconnects, so the upstream connection closes and
     vLLM aborts the request and frees its KV blocks.
@@ -474,11 +479,7 @@ class Proxy:
                 raise UpstreamInvalid()
             listing["data"] = [m for m in models if isinstance(m, dict) and m.get("id") in allowed]
             body = orjson.dumps(listing)
-        headers = [
-            (name, value)
-            for name, value in resp.raw_headers
-            if name.lower() not in _RESPONSE_DROP and name.lower() != b"content-length"
-        ]
+        headers = [h for h in _response_headers(resp) if h[0].lower() != b"content-length"]
         headers.append((b"content-length", str(len(body)).encode("ascii")))
         ex.bytes_out = len(body)
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
@@ -491,9 +492,7 @@ class Proxy:
         ex: Exchange,
         watch: DisconnectWatch,
     ) -> None:
-        out_headers = [
-            (name, value) for name, value in resp.raw_headers if name.lower() not in _RESPONSE_DROP
-        ]
+        out_headers = _response_headers(resp)
         length = resp.content_length
         if length is not None and length <= _SMALL_RESPONSE:
             try:

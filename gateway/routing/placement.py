@@ -9,9 +9,10 @@ in-flight bound (rendezvous.py) only acts once an engine is already queueing.
 So an anchor is *placed* the first time this process sees it: on the first engine in
 its rendezvous order whose load is within (1 + epsilon) x mean + 1, and it stays there
 while the placement is remembered. Sticking matters: re-deciding per request would split
-an anchor's requests between two engines and make both hold its prefix. Most anchors are
-placed on their first choice, which every replica computes alike; only anchors whose
-first choice was over its share can differ between replicas whose traffic differs.
+an anchor's requests between two engines and make both hold its prefix. Anchors placed
+on their first choice are placed alike by every replica; the ones moved off a loaded
+engine can land differently on replicas whose traffic differs (a larger epsilon moves
+fewer, at the cost of balance: docs/routing.md).
 
 The load compared is what the engine is about to carry, not what it carried:
 - recent requests, with a weight that decays by 1/memory per request, so traffic of

@@ -119,14 +119,11 @@ class Affinity:
             )
         self._fallback = RoundRobin()
 
-    def anchor(self, request: RoutingRequest, engines: int) -> Anchor | None:
-        """The anchor of `request` given `engines` healthy engines; counts it as seen."""
-        return self._anchors(request, engines)[0]
-
     def _anchors(
         self, request: RoutingRequest, engines: int
     ) -> tuple[Anchor | None, Anchor | None]:
-        """The anchor and the candidate right after it (None if it is the last)."""
+        """The anchor of `request` given `engines` healthy engines (counted as seen),
+        and the candidate right after it (None if it is the last)."""
         session = request.session
         body = request.body
         if session is None and self._settings.session_from_user and body is not None:
