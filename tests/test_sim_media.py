@@ -9,10 +9,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpcore
 import httpx
 import pytest
 from PIL import Image
 
+from bench.sim import guard
+from bench.sim.app import SimApp
+from bench.sim.config import SimConfig, parse_args
+from bench.sim.guard import LoopbackOnly
 from tests.procs import Proc, RecordingServer, Route, running, scrape, sim_proc
 
 
@@ -197,3 +202,87 @@ def test_local_media_path(strict: tuple[Proc, Path]) -> None:
     outside = ask(proc.url, image_part((media_dir / ".." / "sim-x.log").as_uri()))
     assert outside.status_code == 400
     assert "subpath" in outside.json()["error"]["message"]
+
+
+# --- the loopback guard (bench/sim/guard.py) -----------------------------------------------
+
+
+class RecordingBackend(httpcore.AsyncNetworkBackend):
+    """Records where a connection would go and opens none."""
+
+    def __init__(self) -> None:
+        self.hosts: list[str] = []
+
+    async def connect_tcp(self, host: str, port: int, *args: Any, **kwargs: Any) -> Any:
+        self.hosts.append(host)
+        raise httpcore.ConnectError("recorded, not connected")
+
+    async def sleep(self, seconds: float) -> None:
+        pass
+
+
+# Numeric hosts only: the verdicts are taken on the resolved addresses and no connection
+# is opened (the backend above records instead), so nothing here leaves this machine.
+GUARD_TABLE = [
+    ("127.0.0.1", "127.0.0.1"),
+    ("127.8.9.10", "127.8.9.10"),
+    ("::1", "::1"),
+    ("::ffff:127.0.0.1", "::ffff:127.0.0.1"),
+    ("10.0.0.1", None),
+    ("192.0.2.7", None),
+    ("169.254.169.254", None),
+    ("0.0.0.0", None),
+    ("::ffff:10.0.0.1", None),
+    ("fe80::1", None),
+]
+
+
+@pytest.mark.parametrize(("host", "connects_to"), GUARD_TABLE)
+async def test_guard_connects_to_loopback_only(host: str, connects_to: str | None) -> None:
+    inner = RecordingBackend()
+    with pytest.raises(httpcore.ConnectError) as err:
+        await LoopbackOnly(inner).connect_tcp(host, 80)
+    if connects_to is None:
+        assert "not a loopback address" in str(err.value)
+        assert inner.hosts == []
+    else:
+        assert inner.hosts == [connects_to]
+
+
+async def test_guard_checks_every_address_a_name_resolves_to() -> None:
+    inner = RecordingBackend()
+    with pytest.raises(httpcore.ConnectError):
+        await LoopbackOnly(inner).connect_tcp("localhost", 80)
+    assert inner.hosts and all(h in ("127.0.0.1", "::1") for h in inner.hosts)
+
+
+def _chat_about(url: str) -> dict[str, Any]:
+    content = [image_part(url), {"type": "text", "text": "What?"}]
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": 1}
+
+
+@pytest.mark.parametrize("allow_remote", [False, True])
+async def test_sim_media_goes_through_the_guard(
+    monkeypatch: pytest.MonkeyPatch, canary: RecordingServer, allow_remote: bool
+) -> None:
+    # Loopback counts as remote here, so the canary shows whether the guard sits on the
+    # sim's media path and whether --allow-remote-media is the only way around it.
+    monkeypatch.setattr(guard, "is_loopback", lambda address: False)
+    app = SimApp(SimConfig(latency="zero", allow_remote_media=allow_remote))
+    before = canary.connections
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://sim"
+    ) as client:
+        r = await client.post("/v1/chat/completions", json=_chat_about(canary.url + "/x.png"))
+    await app.client.aclose()
+    assert r.status_code == 422
+    if allow_remote:
+        assert canary.connections == before + 1
+    else:
+        assert canary.connections == before
+        assert "not a loopback address" in r.json()["error"]["message"]
+
+
+def test_allow_remote_media_is_off_unless_asked() -> None:
+    assert parse_args([])[2].allow_remote_media is False
+    assert parse_args(["--allow-remote-media"])[2].allow_remote_media is True

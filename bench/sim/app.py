@@ -14,12 +14,11 @@ import secrets
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-import httpx
-
 from bench.sim import admin, generate, pooling
 from bench.sim.config import SimConfig
 from bench.sim.engine import Engine
 from bench.sim.errors import UNAUTHORIZED_BODY, SimError, invalid_body
+from bench.sim.guard import media_client
 from bench.sim.http import (
     JSON,
     ClientGone,
@@ -96,8 +95,8 @@ class SimApp:
         self.config = config
         self.routes = routes(config)
         self.recorder = admin.Recorder(config.record_requests) if config.record_requests else None
-        # Like vLLM's MediaConnector: redirects followed, any host, no proxy from the env.
-        self.client = httpx.AsyncClient(follow_redirects=True, trust_env=False)
+        # Like vLLM's MediaConnector, but on loopback only unless --allow-remote-media.
+        self.client = media_client(config.allow_remote_media)
         media = MediaConnector(
             self.client,
             config.model,

@@ -22,6 +22,8 @@ class SimConfig:
     allowed_media_domains: tuple[str, ...] = ()
     allowed_local_media_path: str | None = None
     enable_runtime_lora: bool = False
+    # Media fetches are confined to loopback addresses (guard.py) unless this is set.
+    allow_remote_media: bool = False
     latency: str = "calibrated"
     record_requests: int = 0
     max_body_bytes: int = 256 * 1024 * 1024
@@ -51,6 +53,11 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[str, int, SimConfig]:
     p.add_argument("--allowed-media-domains", nargs="*", default=[])
     p.add_argument("--allowed-local-media-path", default=None)
     p.add_argument("--enable-runtime-lora", action="store_true")
+    p.add_argument(
+        "--allow-remote-media",
+        action="store_true",
+        help="let media URLs reach addresses outside loopback (no test or benchmark does)",
+    )
     p.add_argument("--latency", choices=("calibrated", "zero"), default="calibrated")
     p.add_argument(
         "--record-requests",
@@ -73,6 +80,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[str, int, SimConfig]:
         allowed_media_domains=tuple(a.allowed_media_domains),
         allowed_local_media_path=a.allowed_local_media_path,
         enable_runtime_lora=a.enable_runtime_lora,
+        allow_remote_media=a.allow_remote_media,
         latency=a.latency,
         record_requests=max(0, a.record_requests),
         served_model_names=tuple(a.served_model_name),
