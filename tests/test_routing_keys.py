@@ -105,6 +105,76 @@ def test_odd_bodies_never_raise(body: Any) -> None:
     assert all(len(a.digest) == 16 for a in anchors)
 
 
+def _deep(depth: int, leaf: Any) -> Any:
+    for _ in range(depth):
+        leaf = [leaf]
+    return leaf
+
+
+def _part(**fields: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": [fields]}]}
+
+
+# Any JSON shape yields anchors or none, never an exception (issue 11: a part whose
+# `type` was a list made routing raise, a 500 with two or more engines).
+WEIRD = [
+    _part(type=["image_url"], image_url={"url": "https://a.example/x.png"}),
+    _part(type={"image_url": 1}, text="hi"),
+    _part(type=[], text="hi"),
+    _part(type={}),
+    _part(type=3, text="hi"),
+    _part(type=2.5),
+    _part(type=None, text="hi"),
+    _part(type=True),
+    _part(type="image_url", image_url=["a", "b"]),
+    _part(type="image_url", image_url={"url": {"nested": [1]}}),
+    _part(type="text", text=["a", {"b": 1}]),
+    _part(image_url={"url": None, "data": 5}),
+    _part(source={"type": "url", "url": ["x"]}),
+    _part(input_audio=[1, 2, 3]),
+    {"model": "m", "messages": [{"role": "user", "content": {"type": "text", "text": "hi"}}]},
+    {"model": "m", "messages": [{"role": "user", "content": 42}]},
+    {"model": "m", "messages": [{"role": "user", "content": None}]},
+    {"model": "m", "messages": [{"role": ["user"], "content": "hi"}]},
+    {"model": "m", "messages": [{"role": {"r": 1}, "content": [{"type": ["x"]}]}]},
+    {"model": "m", "messages": {"role": "user", "content": "hi"}},
+    {"model": "m", "messages": [[{"role": "user", "content": "hi"}]]},
+    {"model": "m", "messages": [{"role": "system", "content": [{"type": {}}]}]},
+    {"model": ["m"], "cache_salt": {"s": 1}, "messages": [{"role": "user", "content": "x"}]},
+    {"model": {"a": 1}, "prompt": "x"},
+    {"model": "m", "instructions": ["x"], "input": [{"role": "user", "content": [{"type": []}]}]},
+    {"model": "m", "input": [{"type": ["message"], "content": [{"type": {"k": "v"}}]}]},
+    {"model": "m", "prompt": [None, "x"]},
+    {"model": "m", "prompt": [[[1, 2]]]},
+    {"model": "m", "prompt": [{"a": 1}, {"b": 2}]},
+    {"model": "m", "prompt": [1.5, 2]},
+    {"model": "m", "prompt": [-(2**63) - 1]},
+    {"model": "m", "prompt": 12},
+    {"model": "m", "prompt": None, "input": None},
+    # Nesting as deep as orjson parses (1,024): nothing recurses on it.
+    {"model": "m", "prompt": _deep(1000, "x")},
+    {"model": "m", "input": _deep(1000, 1)},
+    {"model": "m", "messages": [{"role": "user", "content": [_deep(1000, {"type": "text"})]}]},
+]
+
+
+@pytest.mark.parametrize("body", WEIRD)
+def test_weird_shapes_never_raise(body: Any) -> None:
+    for hashes in ([], ["h1"], ["h1", "h2"]):
+        anchors = candidate_anchors(body, hashes)
+        assert all(len(a.digest) == 16 for a in anchors)
+    assert len(session_anchor(body, "s").digest) == 16
+
+
+def test_a_part_with_a_list_type_is_keyed_by_its_media_keys() -> None:
+    # An unhashable `type` is no reason to skip the part's media: vLLM picks a part's
+    # kind by key presence when `type` is not one it knows.
+    weird = _part(type=["x"], image_url={"url": "https://a.example/1.png"})
+    other = _part(type=["x"], image_url={"url": "https://a.example/2.png"})
+    assert kinds(weird) == ["media", "first_user"]
+    assert candidate_anchors(weird)[0].digest != candidate_anchors(other)[0].digest
+
+
 def test_turns_of_a_conversation_share_their_prefix_anchors() -> None:
     turn1 = chat(SYSTEM, user("plan a trip"))
     turn2 = chat(

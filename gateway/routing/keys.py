@@ -19,9 +19,10 @@ Candidate boundaries (DESIGN.md, "Routing key"):
 - for plain prompts (`prompt`, `input`): every `block_bytes` bytes, and the end.
 
 Each text is encoded and hashed once; the cost is linear in the body's text and the
-number of boundaries. Nothing here raises on odd shapes: a part of an unexpected type
-simply adds nothing to the stream (the payload checks reject malformed bodies before
-routing; routing must not be the place a request crashes).
+number of boundaries. Nothing here raises on any JSON value, whatever its shape: a part
+of an unexpected type simply adds nothing to the stream, and nothing recurses on client
+nesting. The payload checks reject malformed bodies before routing, but routing must not
+depend on them: it is never the place a request crashes (tests/test_routing_keys.py).
 """
 
 from __future__ import annotations
@@ -107,7 +108,9 @@ def _header(body: Mapping[str, Any]) -> bytes:
 
 
 def _is_media(part: Mapping[str, Any]) -> bool:
-    if part.get("type") in _MEDIA_TYPES:
+    kind = part.get("type")
+    # `type` is client JSON: a list or an object is unhashable, so test for str first.
+    if isinstance(kind, str) and kind in _MEDIA_TYPES:
         return True
     return any(key in part for key in _MEDIA_KEYS)
 
@@ -204,17 +207,22 @@ def _prompt_bytes(prompt: Any) -> tuple[bytes, int] | None:
 
     Token-id prompts are packed as 8-byte integers; a token is about four characters of
     text, so their blocks are twice as many bytes (close to the text blocks' tokens).
+    A batch (a list of prompts) is keyed on its first prompt: the batch is one request to
+    one engine. vLLM's prompts nest at most that deep (a list of token-id lists), so
+    one step down is all that is taken: deeper nesting has no key, and no recursion.
     """
-    if isinstance(prompt, list) and prompt:
-        # A batch: key on its first prompt; the batch is one request to one engine.
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return _prompt_bytes(prompt[0])
-        try:
-            return array("q", prompt).tobytes(), 2
-        except OverflowError:
+    for depth in range(2):
+        if isinstance(prompt, str):
+            return _encode(prompt), 1
+        if not isinstance(prompt, list) or not prompt:
             return None
-    if isinstance(prompt, str):
-        return _encode(prompt), 1
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            try:
+                return array("q", prompt).tobytes(), 2
+            except OverflowError:
+                return None
+        if depth == 0:
+            prompt = prompt[0]
     return None
 
 
