@@ -21,7 +21,11 @@ VENV="$HOME_DIR/venv"
 PY="$VENV/bin/python"
 started=$(date +%s)
 
-pip_() { "$PY" -m pip --disable-pip-version-check "$@"; }
+# (pip warns once per package about index folders some machines list but do not have.)
+pip_() {
+    "$PY" -m pip --disable-pip-version-check "$@" \
+        2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
 installed() { pip_ show "$1" 2>/dev/null | awk '/^Version:/ {print $2}'; }
 
 mkdir -p "$HOME_DIR"
