@@ -175,6 +175,7 @@ class Gateway:
                     "metrics": self.metrics,
                     "logger": logger,
                     "request_log": self.request_log,
+                    "max_headers": settings.limits.max_headers,
                 },
             ),
             (EndpointGuard, {"keyring": self.keyring}),

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -17,6 +17,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from gateway.headers import forwardable
 from gateway.media.settings import MediaSettings
 from gateway.routing.settings import RoutingSettings
 
@@ -39,6 +40,9 @@ class LimitsSettings(BaseModel):
     max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
     max_in_flight: int = Field(default=1024, gt=0)
     max_upload_bytes: int = Field(default=25 * 1024 * 1024, gt=0)
+    # Header fields per request (431 beyond). uvicorn caps neither their number (httptools)
+    # nor, with httptools, their total size; every header loop on the way is linear in it.
+    max_headers: int = Field(default=100, gt=0)
 
 
 class TimeoutSettings(BaseModel):
@@ -72,12 +76,20 @@ class Settings(BaseSettings):
     allow_unauthenticated: bool = False
     # Serve the gateway's own /metrics without a key (for scrapers inside the pod).
     public_metrics: bool = False
+    # Request headers forwarded to engines besides the fixed allowlist, e.g. tracing's
+    # [traceparent, tracestate]; names vLLM acts on are refused (gateway/headers.py).
+    forward_headers: list[str] = Field(default_factory=list)
     log_format: Literal["json", "console"] = "json"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     limits: LimitsSettings = Field(default_factory=LimitsSettings)
     timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)
     media: MediaSettings = Field(default_factory=MediaSettings)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
+
+    @field_validator("forward_headers")
+    @classmethod
+    def _check_forward_headers(cls, names: list[str]) -> list[str]:
+        return forwardable(names)
 
     @model_validator(mode="after")
     def _require_keys(self) -> Settings:

@@ -121,6 +121,13 @@ class MediaTooLarge(RequestTooLarge):
     default_message = "The media item is larger than this gateway accepts."
 
 
+class TooManyHeaders(GatewayError):
+    status = 431
+    code = "too_many_headers"
+    type = "invalid_request_error"
+    default_message = "The request has more header fields than this gateway accepts."
+
+
 class UnsupportedMediaType(GatewayError):
     status = 415
     code = "unsupported_media_type"
@@ -168,6 +175,25 @@ class UpstreamBroken(UpstreamUnavailable):
 class UpstreamInvalid(UpstreamUnavailable):
     code = "upstream_invalid"
     default_message = "The engine's answer could not be read."
+
+
+class EngineError(GatewayError):
+    """An engine's error answer that is not relayed as sent: every 5xx, and a 4xx that
+    is not JSON (engine_errors.py). Keeps the engine's status; the engine's text went
+    to the gateway's log under the request id the message names."""
+
+    code = "engine_error"
+    type = "server_error"
+    default_message = "The engine could not handle the request."
+
+    def __init__(self, status: int, request_id: str) -> None:
+        super().__init__(
+            f"The engine could not handle the request; its answer is logged under request "
+            f"id {request_id}."
+        )
+        self.status = status
+        if status < 500:
+            self.type = "invalid_request_error"
 
 
 class UpstreamTimeout(GatewayError):

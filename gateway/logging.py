@@ -121,13 +121,17 @@ def configure_logging(
     processors: list[Processor] = [
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
-        redact,
     ]
     if fmt == "json":
-        processors.append(_orjson)
+        # `log.exception(...)` sets exc_info: without this the JSON line carried only
+        # `"exc_info": true` and no traceback. Formatted before `redact`, so data: URLs
+        # in exception text are cut short like any other field. Plain text, not
+        # `dict_tracebacks`, which can render frame locals (request bodies, keys).
+        processors += [structlog.processors.format_exc_info, redact, _orjson]
         factory: Any = structlog.BytesLoggerFactory(sys.stdout.buffer)
     else:
-        processors.append(structlog.dev.ConsoleRenderer(colors=False))
+        # The console renderer prints the traceback of exc_info itself.
+        processors += [redact, structlog.dev.ConsoleRenderer(colors=False)]
         factory = structlog.PrintLoggerFactory(sys.stdout)
     structlog.configure(
         processors=processors,

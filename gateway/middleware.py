@@ -13,6 +13,7 @@ from typing import Any
 
 from gateway.auth import KeyRing
 from gateway.body import ClientDisconnected
+from gateway.config import LimitsSettings
 from gateway.endpoints import Action, Group, match
 from gateway.errors import (
     EndpointBlocked,
@@ -20,6 +21,7 @@ from gateway.errors import (
     MethodNotAllowed,
     Overloaded,
     PermissionDenied,
+    TooManyHeaders,
     UnknownEndpoint,
     error_body,
     send_error,
@@ -32,6 +34,7 @@ from gateway.metrics import Metrics
 # details"), so only a short, plain token is taken; anything else is replaced.
 _REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
 _MAX_LOGGED_PATH = 200
+DEFAULT_MAX_HEADERS: int = LimitsSettings.model_fields["max_headers"].default
 
 
 class RequestIds:
@@ -62,15 +65,26 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 
 class RequestContext:
-    """Request id, clock, the error renderer, the request's log line and metrics."""
+    """Request id, clock, the error renderer, the request's log line and metrics.
+
+    A request with more than `max_headers` header fields is refused (431) before
+    anything else looks at them, its own X-Request-Id included.
+    """
 
     def __init__(
-        self, app: ASGIApp, *, metrics: Metrics, logger: Any, request_log: RequestLog
+        self,
+        app: ASGIApp,
+        *,
+        metrics: Metrics,
+        logger: Any,
+        request_log: RequestLog,
+        max_headers: int = DEFAULT_MAX_HEADERS,
     ) -> None:
         self.app = app
         self.metrics = metrics
         self.log = logger
         self.request_log = request_log
+        self.max_headers = max_headers
         self.ids = RequestIds()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -78,7 +92,8 @@ class RequestContext:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        given = _header(scope, b"x-request-id")
+        too_many = len(scope["headers"]) > self.max_headers
+        given = None if too_many else _header(scope, b"x-request-id")
         if given is not None and _REQUEST_ID.fullmatch(given):
             request_id = given.decode("ascii")
         else:
@@ -95,6 +110,8 @@ class RequestContext:
             await send(message)
 
         try:
+            if too_many:
+                raise TooManyHeaders()
             await self.app(scope, receive, send_with_id)
         except GatewayError as exc:
             ex.code = exc.code

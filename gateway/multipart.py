@@ -33,7 +33,7 @@ from gateway.media.settings import MediaSettings
 # Form fields with the same meaning as the JSON fields payload.py refuses.
 _FORBIDDEN_FORM_FIELDS = frozenset(
     {"prompt_embeds", "kv_transfer_params", "ec_transfer_params", "media_io_kwargs",
-     "mm_processor_kwargs", "chat_template"}
+     "mm_processor_kwargs", "chat_template", "vllm_xargs"}
 )  # fmt: skip
 _MAX_HEADER_BYTES = 4096
 
@@ -53,6 +53,14 @@ class Upload:
     audio_format: str
     size: int
     digest: str  # sha256 hex of the file bytes
+
+    @property
+    def model(self) -> str | None:
+        """The `model` form field, None when absent. vLLM resolves it like a JSON
+        body's `model` (unknown names go on to the LoRA resolvers), so the proxy checks
+        it the same way; `_check` has refused a second `model` field."""
+        values = self.fields.get("model")
+        return values[0] if values else None
 
 
 def _boundary(content_type: str | None) -> bytes:

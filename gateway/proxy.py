@@ -1,8 +1,10 @@
 """The streaming forwarder: body checks, engine choice, relaying the engine's answer.
 
 Requests go out through `gateway.upstream` (why not aiohttp or httpx: see there). Bodies
-are forwarded as received and responses streamed chunk by chunk as they arrive: no SSE
-frame is parsed on this path (LiteLLM's per-chunk re-serialisation costs ~1.5 ms).
+are forwarded as received and successful responses streamed chunk by chunk as they
+arrive: no SSE frame is parsed on this path (LiteLLM's per-chunk re-serialisation costs
+~1.5 ms). Headers cross in both directions by allowlist (headers.py); engine error
+answers are read whole under a cap and scrubbed or replaced (engine_errors.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ import structlog
 from gateway.body import ClientDisconnected, check_declared, read_body
 from gateway.config import Settings
 from gateway.endpoints import BodyKind, Group
+from gateway.engine_errors import excerpt, scrub_json
 from gateway.errors import (
+    EngineError,
+    FieldNotAllowed,
     InvalidJson,
     ModelNotAllowed,
     NoEngineAvailable,
@@ -27,9 +32,11 @@ from gateway.errors import (
     UpstreamInvalid,
     UpstreamTimeout,
     UpstreamUnavailable,
+    send_error,
     sse_error_frame,
 )
 from gateway.exchange import SCOPE_KEY, Exchange, Receive, Scope, Send
+from gateway.headers import RESPONSE_HEADERS, request_allowlist
 from gateway.metrics import Metrics
 from gateway.multipart import validate_upload
 from gateway.payload import PayloadInspector
@@ -46,42 +53,15 @@ from gateway.upstream import (
 
 log = structlog.get_logger("gateway.proxy")
 
-# RFC 9110 section 7.6.1 hop-by-hop headers, plus what the gateway sets itself. The
-# client's Authorization is never forwarded: the engine gets the gateway's own key.
-_REQUEST_DROP = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"proxy-connection",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-        b"host",
-        b"authorization",
-        b"content-length",
-        b"expect",
-        b"x-request-id",
-    }
-)
-_RESPONSE_DROP = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-authenticate",
-        b"proxy-connection",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-        # uvicorn writes its own Date; the engine's id header is replaced by ours.
-        b"date",
-        b"server",
-        b"x-request-id",
-    }
-)
+# The Content-Type a JSON request is forwarded with: the media type that was checked,
+# never the client's header (a `Connection: content-type` once stripped that header
+# after it was validated).
+_JSON_CONTENT_TYPE = (b"content-type", b"application/json")
+# vLLM's SageMaker wrapper: its body `model` is replaced before vLLM reads it.
+_INVOCATIONS = "/invocations"
+# Error answers are read whole up to this size, to be scrubbed or replaced; a larger
+# one is replaced unread (vLLM's error bodies are a few hundred bytes).
+_ERROR_LIMIT = 64 * 1024
 # Responses up to this size with a Content-Length are read whole and sent in one
 # message: one write instead of two for the common small JSON answer.
 _SMALL_RESPONSE = 64 * 1024
@@ -108,8 +88,8 @@ def _is_json(content_type: bytes | None) -> bool:
 
 
 def _response_headers(resp: UpstreamResponse) -> list[tuple[bytes, bytes]]:
-    """The engine's response headers a client gets (hop-by-hop ones and ours dropped)."""
-    return [(name, value) for name, value in resp.raw_headers if name.lower() not in _RESPONSE_DROP]
+    """The engine's response headers a client gets: only those in RESPONSE_HEADERS."""
+    return [(name, value) for name, value in resp.raw_headers if name.lower() in RESPONSE_HEADERS]
 
 
 class DisconnectWatch:
@@ -184,6 +164,7 @@ class Proxy:
             if upstream_key is not None
             else []
         )
+        self._forwarded = request_allowlist(settings.forward_headers)
         self._idle = settings.timeouts.idle
         self._origins: dict[str, Origin] = {}
         header = settings.routing.session_header
@@ -219,25 +200,46 @@ class Proxy:
                 raise ConnectFailed("engine URL") from None
         return origin
 
-    def _upstream_headers(self, scope: Scope, request_id: str) -> list[tuple[bytes, bytes]]:
-        headers: list[tuple[bytes, bytes]] = []
-        extra_drop: set[bytes] | None = None
+    def _upstream_headers(
+        self, scope: Scope, request_id: str, content_type: tuple[bytes, bytes] | None
+    ) -> list[tuple[bytes, bytes]]:
+        """The headers an engine gets: the checked Content-Type, the client's headers on
+        the allowlist (headers.py), our request id and the engine key. The client's
+        Authorization, Connection and every header vLLM acts on stay behind."""
+        headers: list[tuple[bytes, bytes]] = [] if content_type is None else [content_type]
+        forward = self._forwarded
         for name, value in scope["headers"]:
-            if name == b"connection":
-                # Headers named in Connection are hop-by-hop too (RFC 9110 7.6.1).
-                extra_drop = extra_drop or set()
-                extra_drop.update(v.strip().lower() for v in value.split(b","))
-        for name, value in scope["headers"]:
-            if name in _REQUEST_DROP or (extra_drop is not None and name in extra_drop):
-                continue
-            headers.append((name, value))
+            if name in forward:
+                headers.append((name, value))
         headers.append((b"x-request-id", request_id.encode("ascii")))
         headers.extend(self._auth_header)
         return headers
 
-    def _check_model(self, ex: Exchange, body: dict[str, Any]) -> None:
+    def _check_invocation(self, ex: Exchange, body: dict[str, Any]) -> None:
+        """`/invocations`: vLLM 0.32 serves it under `model_hosting_container_standards`
+        (0.1.16), whose `inject_adapter_id(adapter_path="model")` sets the body's `model`
+        to the `X-Amzn-SageMaker-Adapter-Identifier` header, or to null when the header
+        is absent, before vLLM reads the body. The gateway never forwards that header
+        (headers.py), so vLLM always runs its default model there, whatever the body
+        names: a key limited to some models cannot be held to them and is refused.
+        Stateful-session requests (`requestType`) are the wrapper's, not inference."""
+        if "requestType" in body:
+            raise FieldNotAllowed(
+                "SageMaker session requests are not served through this gateway.",
+                param="requestType",
+            )
         key = ex.key
-        model = body.get("model")
+        if key is not None and key.models is not None:
+            raise ModelNotAllowed(
+                "This API key may use only some models, and /invocations always runs the "
+                "engine's default model: use the OpenAI-compatible routes."
+            )
+        self._check_model(ex, body.get("model"))
+
+    def _check_model(self, ex: Exchange, model: Any) -> None:
+        """`model` (from a JSON body or a multipart form field, None when absent) must
+        be served and allowed for the key; a key limited to some models must name one."""
+        key = ex.key
         if model is None:
             # vLLM then serves its default model; a key limited to some models must name one.
             if key is not None and key.models is not None:
@@ -296,22 +298,32 @@ class Proxy:
             if not isinstance(loaded, dict):
                 raise InvalidJson("The request body must be a JSON object.")
             parsed = loaded
-            self._check_model(ex, parsed)
+            if route.path == _INVOCATIONS:
+                self._check_invocation(ex, parsed)
+            else:
+                self._check_model(ex, parsed.get("model"))
             data, media_hashes = await self.prepare_body(raw, parsed, ex)
+            content_type: tuple[bytes, bytes] | None = _JSON_CONTENT_TYPE
         elif route.body is BodyKind.multipart:
             # Read whole (capped) and validated before anything reaches an engine: the
-            # upload is forwarded only when it is one well-formed audio file.
+            # upload is forwarded only when it is one well-formed audio file, its
+            # `model` field checked like a JSON body's (vLLM resolves it the same way).
             check_declared(scope["headers"], limits.max_upload_bytes)
             raw = await read_body(receive, limits.max_upload_bytes)
             ex.bytes_in = len(raw)
-            content_type = _header(scope, b"content-type")
-            validate_upload(
-                None if content_type is None else content_type.decode("latin-1"),
+            declared = _header(scope, b"content-type")
+            upload = validate_upload(
+                None if declared is None else declared.decode("latin-1"),
                 raw,
                 self.settings.media,
                 max_file_bytes=limits.max_upload_bytes,
             )
+            self._check_model(ex, upload.model)
             data = raw
+            # The boundary the body was parsed with; validate_upload refused any other.
+            content_type = (b"content-type", declared) if declared is not None else None
+        else:
+            content_type = None
 
         engines: Sequence[Engine] = self.pool.healthy() or self.pool.engines
         if not engines:
@@ -326,7 +338,7 @@ class Proxy:
         query: bytes = scope.get("query_string", b"")
         if query:
             target += "?" + query.decode("latin-1")
-        headers = self._upstream_headers(scope, ex.request_id)
+        headers = self._upstream_headers(scope, ex.request_id, content_type)
 
         loop = self.loop
         assert loop is not None, "the app's lifespan did not run"
@@ -431,7 +443,9 @@ class Proxy:
                 pool.succeeded(engine)
             try:
                 key = ex.key
-                if ex.route.group is Group.models and key is not None and key.models is not None:
+                if resp.status >= 400:
+                    await self._relay_error(resp, send, ex, watch)
+                elif ex.route.group is Group.models and key is not None and key.models is not None:
                     await self._relay_model_list(resp, send, ex, watch, key.models)
                 else:
                     await self._relay(resp, send, ex, watch)
@@ -442,6 +456,59 @@ class Proxy:
                 resp.close()
             return
         raise UpstreamUnavailable("No engine accepted the connection.")
+
+    async def _read_error(self, resp: UpstreamResponse) -> bytes | None:
+        """An error answer's body, or None when it is larger than `_ERROR_LIMIT` (the
+        rest is left unread: the connection is then closed, never reused)."""
+        length = resp.content_length
+        if length is not None and length > _ERROR_LIMIT:
+            return None
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(self._idle):
+                while chunk := await resp.readany():
+                    size += len(chunk)
+                    if size > _ERROR_LIMIT:
+                        return None
+                    chunks.append(chunk)
+        except UpstreamError:
+            raise UpstreamBroken() from None
+        except TimeoutError:
+            raise UpstreamTimeout() from None
+        return b"".join(chunks)
+
+    async def _relay_error(
+        self, resp: UpstreamResponse, send: Send, ex: Exchange, watch: DisconnectWatch
+    ) -> None:
+        """An engine's 4xx or 5xx, small or streamed: a 4xx JSON body keeps its shape
+        with every string scrubbed of URLs and addresses; anything else (every 5xx, a
+        4xx that is not JSON or is over the cap) is replaced by `EngineError`, and the
+        engine's text goes to the log. No engine header is relayed with either."""
+        body = await self._read_error(resp)
+        watch.stop()
+        status = resp.status
+        if status < 500 and body is not None:
+            cleaned = scrub_json(body)
+            if cleaned is not None:
+                ex.bytes_out = len(cleaned)
+                headers = [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(cleaned)).encode("ascii")),
+                ]
+                await send({"type": "http.response.start", "status": status, "headers": headers})
+                await send({"type": "http.response.body", "body": cleaned})
+                return
+        log.warning(
+            "engine_error",
+            request_id=ex.request_id,
+            engine=ex.engine,
+            status=status,
+            body=excerpt(body),
+        )
+        error = EngineError(status, ex.request_id)
+        ex.code = error.code
+        await send_error(send, error)
 
     async def _relay_model_list(
         self,
