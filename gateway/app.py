@@ -152,7 +152,7 @@ class Gateway:
         )
         self.pool.extra_models = frozenset(settings.served_models)
         self.pool.models = self.pool.extra_models
-        self.inspector = PayloadInspector(settings.media)
+        self.inspector = PayloadInspector(settings.media, settings.payload)
         policy = make_policy(settings.routing)
         self.metrics.watch_pool(lambda: self.pool.engines, policy.name)
         self.proxy = Proxy(settings, self.pool, policy, self.metrics, self.inspector)

@@ -42,6 +42,8 @@ class ApiKey:
     scopes: frozenset[Group]
     # None: every served model.
     models: frozenset[str] | None
+    # Shares a prefix-cache salt with the keys of the same tenant; None: its own.
+    tenant: str | None = None
 
     def allows_model(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -97,7 +99,7 @@ def build_keys(entries: Iterable[str | ApiKeyConfig]) -> tuple[ApiKey, ...]:
             raise KeyConfigError(f"{label}: the same key is configured twice")
         seen.add(digest)
         models = frozenset(cfg.models) if cfg.models is not None else None
-        keys.append(ApiKey(label, digest, _scopes(cfg.scopes, label), models))
+        keys.append(ApiKey(label, digest, _scopes(cfg.scopes, label), models, cfg.tenant))
     return tuple(keys)
 
 

@@ -19,6 +19,7 @@ from pydantic_settings import (
 
 from gateway.headers import forwardable
 from gateway.media.settings import MediaSettings
+from gateway.payload.settings import PayloadSettings
 from gateway.routing.settings import RoutingSettings
 
 
@@ -34,6 +35,8 @@ class ApiKeyConfig(BaseModel):
     scopes: list[str] | None = None
     # None: every served model. A list: only these.
     models: list[str] | None = None
+    # Keys with the same tenant share a prefix-cache salt (payload.cache_isolation: tenant).
+    tenant: str | None = None
 
 
 class LimitsSettings(BaseModel):
@@ -84,6 +87,7 @@ class Settings(BaseSettings):
     limits: LimitsSettings = Field(default_factory=LimitsSettings)
     timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)
     media: MediaSettings = Field(default_factory=MediaSettings)
+    payload: PayloadSettings = Field(default_factory=PayloadSettings)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
 
     @field_validator("forward_headers")

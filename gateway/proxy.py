@@ -269,14 +269,13 @@ class Proxy:
         `raw`, and the content hashes of its media items (for routing).
 
         The single place where request bodies are inspected or rewritten before they
-        reach an engine. Every body mutation the inspector makes (media rewritten to a
-        data: or canonical URL, a uuid namespaced) belongs to a media item, so a body
-        with no media items is forwarded as the client sent it, without re-encoding.
+        reach an engine. A body the inspector did not rewrite (no media, no client
+        identifier to namespace) is forwarded as the client sent it, without re-encoding.
         """
-        hashes = await self.inspector.inspect(ex.route.path, body, key_name=ex.key_name or "")
-        if hashes:
+        inspection = await self.inspector.inspect(body, ex.key)
+        if inspection.changed:
             raw = orjson.dumps(body)
-        return raw, hashes
+        return raw, inspection.digests
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ex: Exchange = scope[SCOPE_KEY]

@@ -12,7 +12,10 @@ from typing import Any
 
 import orjson
 import pytest
+from pydantic import SecretStr
 
+from gateway.auth import ApiKey
+from gateway.endpoints import FORWARDED_GROUPS
 from gateway.errors import (
     FieldNotAllowed,
     GatewayError,
@@ -23,7 +26,7 @@ from gateway.errors import (
     MediaUrlNotAllowed,
 )
 from gateway.media.settings import MediaMode, MediaSettings, UuidPolicy
-from gateway.payload import PayloadInspector
+from gateway.payload import PayloadInspector, PayloadSettings
 from tests.procs import RecordingServer, Route
 from tests.test_media_samples import HTML, SVG, data_url, jpeg, png, wav
 
@@ -55,13 +58,21 @@ def make_settings(origin: RecordingServer, **overrides: Any) -> MediaSettings:
     return MediaSettings.model_validate(base)
 
 
+PAYLOAD = PayloadSettings(namespace_secret=SecretStr("test-namespace-secret"))
+
+
+def key(name: str, tenant: str | None = None) -> ApiKey:
+    return ApiKey(name, b"", FORWARDED_GROUPS, None, tenant)
+
+
 async def inspect(
     settings: MediaSettings, body: dict[str, Any], path: str = "/v1/chat/completions",
-    key_name: str = "tenant-a",
+    key_name: str = "tenant-a", payload: PayloadSettings | None = None,
 ) -> list[str]:  # fmt: skip
-    inspector = PayloadInspector(settings)
+    """The walk is the same on every route; `path` only labels the table rows."""
+    inspector = PayloadInspector(settings, payload or PAYLOAD)
     try:
-        return await inspector.inspect(path, body, key_name=key_name)
+        return (await inspector.inspect(body, key(key_name))).digests
     finally:
         await inspector.aclose()
 
@@ -120,6 +131,44 @@ IMAGE_SHAPES: list[tuple[str, Callable[[str], dict[str, Any]]]] = [
                                                       img_part(u)]}]}),
     ("/v1/systemone", lambda u: {"images": [u]}),
     ("/v1/systemone", lambda u: {"images": u}),
+    # An extra key on a part or item switches nothing off (a real vLLM fetched these
+    # through the first release: it drops unknown keys from content parts).
+    ("/v1/chat/completions", lambda u: chat({**img_part(u), "role": "user"})),
+    ("/v1/chat/completions", lambda u: chat({**img_part(u), "role": None})),
+    ("/v1/chat/completions", lambda u: chat({**img_part(u), "role": "user"}, role="system")),
+    ("/v1/chat/completions", lambda u: chat({"image_url": u, "role": "tool", "name": "n"})),
+    ("/v1/chat/completions/batch", lambda u: {"messages": [[{"role": "user", "content": [
+        {**img_part(u), "role": "user"}]}]]}),
+    ("/tokenize", lambda u: chat({**img_part(u), "role": "user"})),
+    ("/invocations", lambda u: chat({**img_part(u), "role": "user"})),
+    ("/pooling", lambda u: chat({**img_part(u), "role": "user"})),
+    ("/v1/embeddings", lambda u: {"input": [{"role": "user", "content": [
+        {**img_part(u), "role": "user"}]}]}),
+    ("/cohere/v2/chat", lambda u: chat({**img_part(u), "role": "user"})),
+    ("/score", lambda u: {"text_1": "q", "text_2": {"content": [
+        {**img_part(u), "role": "user"}]}}),
+    ("/v2/rerank", lambda u: {"query": "q", "documents": [{"role": "user", "content": [
+        {**img_part(u), "role": "user"}]}]}),
+    ("/v2/embed", lambda u: {"inputs": [{"content": [{**img_part(u), "role": "user"}]}]}),
+    ("/v1/responses", lambda u: {"input": [{"role": "user", "type": "input_image",
+                                            "image_url": u}]}),
+    ("/v1/responses", lambda u: {"input": [{"type": "custom_tool_call_output", "call_id": "c",
+        "output": [{"type": "input_image", "image_url": u}]}]}),
+    ("/v1/responses", lambda u: {"input": [{"type": "function_call_output", "call_id": "c",
+        "output": [{"type": "input_image", "image_url": u, "role": "user"}]}]}),
+    ("/v1/messages", lambda u: {"messages": [{"role": "user", "content": [
+        {"type": "image", "role": "user", "source": {"type": "url", "url": u}}]}]}),
+    ("/v1/messages", lambda u: {"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "role": "user", "tool_use_id": "t", "content": [
+            {"type": "image", "role": None, "source": {"type": "url", "url": u}}]}]}]}),
+    ("/v1/messages", lambda u: {"messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "weird", "url": u}}]}]}),
+    # Wherever a media key sits, at any depth, under any key.
+    ("/v1/chat/completions", lambda u: {"messages": [{"role": "user", "content": "hi",
+                                                      "image_url": u}]}),
+    ("/v1/chat/completions", lambda u: chat({"type": "text", "text": "x",
+                                             "extra": {"deeper": [{"image_url": u}]}})),
+    ("/v1/chat/completions", lambda u: {"anything": {"image_url": {"url": u}}}),
 ]  # fmt: skip
 
 # Shapes with other kinds or unknown shapes: refused when the URL is disallowed.
@@ -128,9 +177,7 @@ OTHER_SHAPES: list[tuple[str, Callable[[str], dict[str, Any]]]] = [
     ("/v1/chat/completions", lambda u: chat({"video_url": u})),
     ("/v1/chat/completions", lambda u: chat({"type": "audio_url", "audio_url": {"url": u}})),
     ("/v1/chat/completions", lambda u: chat({"audio_url": u})),
-    ("/v1/chat/completions", lambda u: chat({"type": "weird", "url": u})),
     ("/v1/chat/completions", lambda u: chat({"type": "file", "file": {"url": u}})),
-    ("/v1/chat/completions", lambda u: chat({"src": u})),
     ("/v1/chat/completions", lambda u: chat({"image": u})),
     ("/v1/chat/completions", lambda u: chat({"type": "input_file", "file_url": u})),
     ("/v1/messages", lambda u: {"messages": [{"role": "user", "content": [
@@ -139,7 +186,6 @@ OTHER_SHAPES: list[tuple[str, Callable[[str], dict[str, Any]]]] = [
                                                                         "url": u}}]}),
     ("/v1/systemone", lambda u: {"audio": [u]}),
     ("/v1/systemone", lambda u: {"videos": [u]}),
-    ("/v1/completions", lambda u: {"prompt": {"prompt": "x", "multi_modal_data": {"image": u}}}),
 ]  # fmt: skip
 
 DISALLOWED = [
@@ -172,7 +218,7 @@ async def test_a_disallowed_url_anywhere_is_refused(
     before = len(origin.hits)
     u = raw.format(canary=canary.port, origin=origin.port)
     with pytest.raises(MediaUrlNotAllowed) as info:
-        await shared.inspect(path, build(u), key_name="k")
+        await shared.inspect(build(u), key("k"))
     assert info.value.status == 400 and info.value.code == "media_url_not_allowed"
     assert info.value.param  # names where in the body
     assert not canary.contacted
@@ -201,8 +247,8 @@ async def test_same_image_twice_has_the_same_hash_and_is_fetched_once(
     inspector = PayloadInspector(make_settings(origin))
     try:
         before = sum(h.path == "/other.png" for h in origin.hits)
-        hashes = await inspector.inspect("/v1/chat/completions", body, key_name="k")
-        again = await inspector.inspect("/v1/chat/completions", chat(img_part(u)), key_name="k")
+        hashes = (await inspector.inspect(body, key("k"))).digests
+        again = (await inspector.inspect(chat(img_part(u)), key("k"))).digests
     finally:
         await inspector.aclose()
     assert hashes == [PNG_HASH] * 3 and again == [PNG_HASH]
@@ -290,13 +336,24 @@ async def test_inline_audio_video_and_base64_sources_are_validated_and_kept(
     ("body", "field"),
     [
         ({"prompt": "x", "prompt_embeds": "AAAA"}, "prompt_embeds"),
-        ({"prompt": {"prompt_embeds": "AAAA"}}, "prompt"),
-        ({"prompt": [{"prompt_embeds": "AAAA"}]}, "prompt[0]"),
+        ({"prompt": {"prompt_embeds": "AAAA"}}, "prompt.prompt_embeds"),
+        ({"prompt": [{"prompt_embeds": "AAAA"}]}, "prompt[0].prompt_embeds"),
         (chat({"type": "prompt_embeds", "data": "AAAA"}), "messages[0].content[0]"),
-        (chat({"type": "image_embeds", "image_embeds": "AAAA"}), "messages[0].content[0]"),
-        (chat({"image_embeds": {"image_embeds": "AAAA"}}), "messages[0].content[0]"),
-        (chat({"type": "audio_embeds", "audio_embeds": "AAAA"}), "messages[0].content[0]"),
-        (chat({"type": "video_embeds", "video_embeds": "AAAA"}), "messages[0].content[0]"),
+        (chat({"type": "image_embeds", "image_embeds": "AAAA"}),
+         "messages[0].content[0].image_embeds"),
+        (chat({"image_embeds": {"image_embeds": "AAAA"}}), "messages[0].content[0].image_embeds"),
+        (chat({"type": "audio_embeds", "audio_embeds": "AAAA"}),
+         "messages[0].content[0].audio_embeds"),
+        (chat({"type": "video_embeds", "video_embeds": "AAAA"}),
+         "messages[0].content[0].video_embeds"),
+        (chat({"type": "image_embeds", "data": "AAAA"}), "messages[0].content[0]"),
+        ({"prompt": {"prompt": "x", "multi_modal_data": {"image": "u"}}},
+         "prompt.multi_modal_data"),
+        ({"prompt": "x", "vllm_xargs": {"kv_transfer_params": {}}},
+         "vllm_xargs.kv_transfer_params"),
+        ({"prompt": "x", "vllm_xargs": {"custom": 1}}, "vllm_xargs.custom"),
+        ({"prompt": "x", "data": {"x": 1}}, "data"),
+        ({"prompt": "x", "priority": -10}, "priority"),
         (chat({"type": "text", "text": "x"}) | {"kv_transfer_params": {"do_remote_prefill": True}},
          "kv_transfer_params"),
         ({"prompt": "x", "ec_transfer_params": {}}, "ec_transfer_params"),
@@ -306,7 +363,8 @@ async def test_inline_audio_video_and_base64_sources_are_validated_and_kept(
         ({"messages": [], "chat_template_kwargs": {"chat_template": "{{ x }}"}},
          "chat_template_kwargs.chat_template"),
         ({"input": [{"role": "user", "content": [{"type": "image_embeds",
-                                                  "image_embeds": "A"}]}]}, "input[0].content[0]"),
+                                                  "image_embeds": "A"}]}]},
+         "input[0].content[0].image_embeds"),
     ],
 )  # fmt: skip
 async def test_dangerous_fields_are_refused_by_default(
@@ -423,6 +481,15 @@ async def test_item_and_nesting_caps(origin: RecordingServer) -> None:
                                                          "arguments": '{"url": "x"}'}}]}]},
         {"audio": {"voice": "alloy", "format": "wav"}},
         {"response_format": {"type": "json_schema", "json_schema": {"schema": {"image_url": 1}}}},
+        # vLLM reads no URL from these keys, so they are not media wherever they sit.
+        chat({"type": "weird", "url": "https://evil.example/a.png"}),
+        chat({"src": "http://169.254.169.254/"}),
+        {"messages": [{"role": "assistant", "content": [{"type": "output_text", "text": "t",
+            "annotations": [{"type": "url_citation", "url": "https://evil.example/"}]}]}]},
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"image_url": {"type": ["string", "null"]},
+                                             "source": {"type": "string"},
+                                             "priority": {"type": "integer"}}}}}]},
     ],
 )  # fmt: skip
 async def test_text_that_mentions_urls_is_not_media(
@@ -443,17 +510,142 @@ async def test_a_data_image_sent_again_is_not_validated_again_but_keeps_its_chec
     good = data_url("image/png", PNG)
     try:
         first = chat(img_part(good))
-        assert await inspector.inspect("/v1/chat/completions", first, key_name="k") == [PNG_HASH]
+        assert (await inspector.inspect(first, key("k"))).digests == [PNG_HASH]
         assert len(cache) == 1
         again = chat(img_part(good))
-        assert await inspector.inspect("/v1/chat/completions", again, key_name="k") == [PNG_HASH]
+        assert (await inspector.inspect(again, key("k"))).digests == [PNG_HASH]
         assert len(cache) == 1  # served from the cache, not validated into a new entry
         assert again == first
         # The same bytes declared as JPEG are still refused, and nothing is cached for them.
         with pytest.raises(MediaInvalid):
-            await inspector.inspect(
-                "/v1/chat/completions", chat(img_part(data_url("image/jpeg", PNG))), key_name="k"
-            )
+            await inspector.inspect(chat(img_part(data_url("image/jpeg", PNG))), key("k"))
         assert len(cache) == 1
     finally:
         await inspector.aclose()
+
+
+async def test_uuids_depend_on_the_deployment_secret(origin: RecordingServer) -> None:
+    part = {**img_part(data_url("image/png", PNG)), "uuid": "shared-id"}
+    other = PayloadSettings(namespace_secret=SecretStr("another-namespace-secret"))
+    a, b = chat(dict(part)), chat(dict(part))
+    await inspect(make_settings(origin), a)
+    await inspect(make_settings(origin), b, payload=other)
+    assert a["messages"][0]["content"][0]["uuid"] != b["messages"][0]["content"][0]["uuid"]
+
+
+@pytest.mark.parametrize(
+    ("part", "param"),
+    [
+        ({"type": ["image_url"], "image_url": "data:,"}, "messages[0].content[0].type"),
+        ({"type": {"x": 1}, "image_url": {"url": "data:,"}}, "messages[0].content[0].type"),
+        ({"type": 7, "input_image": "data:,"}, "messages[0].content[0].type"),
+    ],
+)
+async def test_a_media_part_with_a_type_that_is_not_a_string_is_400(
+    origin: RecordingServer, part: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        await inspect(make_settings(origin), chat(part))
+    assert (info.value.status, info.value.code, info.value.param) == (400, "invalid_request", param)
+
+
+async def test_request_ids_are_namespaced_per_key() -> None:
+    settings = MediaSettings()
+    bodies = [{"input": "x", "request_id": "resp_mine"} for _ in range(3)]
+    inspector = PayloadInspector(settings, PAYLOAD)
+    try:
+        changed = [await inspector.inspect(b, key(k)) for b, k in zip(bodies, "aab", strict=True)]
+        for bad in (5, "", "x" * 129, ["a"]):
+            with pytest.raises(InvalidRequest) as info:
+                await inspector.inspect({"input": "x", "request_id": bad}, key("a"))
+            assert info.value.param == "request_id"
+    finally:
+        await inspector.aclose()
+    ids = [b["request_id"] for b in bodies]
+    assert ids[0] == ids[1] != ids[2] and "resp_mine" not in ids
+    assert all(c.changed and c.digests == [] for c in changed)
+
+
+@pytest.mark.parametrize(
+    ("mode", "same_tenant_shares"), [("key", False), ("tenant", True)]
+)
+async def test_cache_isolation_salts_every_request_per_key_or_tenant(
+    mode: str, same_tenant_shares: bool
+) -> None:
+    payload = PayloadSettings(namespace_secret=SecretStr("test-namespace-secret"),
+                              cache_isolation=mode)  # fmt: skip
+    inspector = PayloadInspector(MediaSettings(), payload)
+    keys = [key("a1", "team-a"), key("a2", "team-a"), key("b1", "team-b")]
+    try:
+        salts = []
+        for k in keys:
+            body: dict[str, Any] = {"prompt": "x"}
+            assert (await inspector.inspect(body, k)).changed
+            salts.append(body["cache_salt"])
+        own: dict[str, Any] = {"prompt": "x", "cache_salt": "mine"}
+        await inspector.inspect(own, keys[0])
+    finally:
+        await inspector.aclose()
+    assert salts[2] not in salts[:2]
+    assert (salts[0] == salts[1]) is same_tenant_shares
+    # A client's own salt still partitions the cache, within its tenant only.
+    assert own["cache_salt"] not in (*salts, "mine")
+
+
+async def test_without_cache_isolation_a_body_is_forwarded_as_sent() -> None:
+    inspector = PayloadInspector(MediaSettings(), PAYLOAD)
+    body: dict[str, Any] = {"prompt": "x", "cache_salt": "s", "tools": [{"uuid": "u"}]}
+    try:
+        inspection = await inspector.inspect(body, key("a"))
+    finally:
+        await inspector.aclose()
+    assert not inspection.changed
+    assert body == {"prompt": "x", "cache_salt": "s", "tools": [{"uuid": "u"}]}
+
+
+@pytest.mark.parametrize(
+    ("body", "payload"),
+    [
+        ({"prompt": "x", "vllm_xargs": {"my_processor_arg": 1}},
+         {"vllm_xargs_keys": ["my_processor_arg"]}),
+        ({"data": {"plugin": "input"}}, {"allow_pooling_data": True}),
+        ({"prompt": "x", "priority": 5}, {"allow_priority": True}),
+    ],
+)  # fmt: skip
+async def test_engine_controls_pass_only_as_the_operator_allows(
+    body: dict[str, Any], payload: dict[str, Any]
+) -> None:
+    copy = orjson.loads(orjson.dumps(body))
+    allowed = PayloadSettings(namespace_secret=SecretStr("test-namespace-secret"), **payload)
+    inspector = PayloadInspector(MediaSettings(), allowed)
+    try:
+        assert not (await inspector.inspect(body, key("a"))).changed
+    finally:
+        await inspector.aclose()
+    assert body == copy
+    with pytest.raises(FieldNotAllowed):
+        await inspect(MediaSettings(), copy)
+
+
+def test_engine_controls_cannot_be_listed_as_vllm_xargs_keys() -> None:
+    for control in ("kv_transfer_params", "ec_transfer_params", "kv_cache_report_mode"):
+        with pytest.raises(ValueError, match="engine controls"):
+            PayloadSettings(vllm_xargs_keys=["ok", control])
+    with pytest.raises(ValueError, match="16 characters"):
+        PayloadSettings(namespace_secret=SecretStr("short"))
+
+
+async def test_media_digests_are_reported_by_path(origin: RecordingServer) -> None:
+    other = png(9, 9)
+    body = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x"}, img_part(data_url("image/png", PNG)),
+        {"image_url": data_url("image/png", other), "role": "user"}]}]}  # fmt: skip
+    inspector = PayloadInspector(make_settings(origin), PAYLOAD)
+    try:
+        inspection = await inspector.inspect(body, key("a"))
+    finally:
+        await inspector.aclose()
+    assert inspection.media == (
+        ("messages[0].content[1].image_url.url", PNG_HASH),
+        ("messages[0].content[2].image_url", hashlib.sha256(other).hexdigest()),
+    )

@@ -1,0 +1,126 @@
+"""Inspecting JSON request bodies: the walk, then the media it found resolved.
+
+The proxy calls this once per JSON request, after auth and the model check:
+
+    inspector = PayloadInspector(settings.media, settings.payload)   # once (lifespan)
+    inspection = await inspector.inspect(body, key)
+    ...
+    await inspector.aclose()                                          # at shutdown
+
+`inspect` mutates `body` in place: media rewritten to validated `data:` URLs (or their
+canonical form in passthrough), client identifiers namespaced. It raises `GatewayError`
+subclasses (`FieldNotAllowed`, `InvalidRequest`, `MediaUrlNotAllowed`,
+`MediaFetchFailed`, `MediaInvalid`, `MediaTooLarge`). Every check that needs no I/O runs
+before the first fetch, so a refused request makes no outbound connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import structlog
+
+from gateway.errors import MediaInvalid, MediaTooLarge
+from gateway.media.fetch import MediaFetcher, Resolver
+from gateway.media.images import check_formats
+from gateway.media.inline import MediaInliner
+from gateway.media.settings import MediaSettings
+from gateway.media.urls import UrlPolicy
+from gateway.payload.settings import PayloadSettings
+from gateway.payload.walk import Identity, MediaItem, Walk
+
+if TYPE_CHECKING:
+    from gateway.auth import ApiKey
+
+log = structlog.get_logger("gateway.payload")
+
+
+@dataclass(frozen=True, slots=True)
+class Inspection:
+    """What inspecting a body found: the content hash of each media item, by the path
+    it sits at (in body order), and whether the body was rewritten."""
+
+    media: tuple[tuple[str, str], ...]
+    changed: bool
+
+    @property
+    def digests(self) -> list[str]:
+        return [digest for _, digest in self.media]
+
+
+_NOTHING = Inspection((), False)
+
+
+class PayloadInspector:
+    """Built once per app from settings; owns the media fetcher (an `httpx.AsyncClient`
+    over `SafeTransport`). `transport` replaces the inner transport the safe one wraps
+    (tests), `resolver` the DNS resolver (tests simulate rebinding with it)."""
+
+    def __init__(
+        self,
+        media: MediaSettings,
+        payload: PayloadSettings | None = None,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        resolver: Resolver | None = None,
+    ) -> None:
+        check_formats(media.image_formats)
+        self._media = media
+        self._payload = payload or PayloadSettings()
+        secret = self._payload.namespace_secret
+        if secret is None:
+            log.info(
+                "namespace_secret_generated",
+                detail="set payload.namespace_secret so that restarts and replicas agree",
+            )
+            self._secret = os.urandom(32)
+        else:
+            self._secret = secret.get_secret_value().encode()
+        self._policy = UrlPolicy(media)
+        self._fetcher = MediaFetcher(media, transport=transport, resolver=resolver)
+        self._inliner = MediaInliner(media, self._fetcher)
+
+    def identity(self, key: ApiKey | None) -> Identity:
+        name = key.name if key is not None else ""
+        tenant = (key.tenant if key is not None else None) or name
+        return Identity(name, tenant, self._secret)
+
+    async def inspect(self, body: dict[str, Any], key: ApiKey | None) -> Inspection:
+        walk = Walk(self._media, self._payload, self._policy, self.identity(key))
+        walk.run(body)  # every check that needs no I/O, before any fetch
+        if not walk.items:
+            # Most requests carry no media: no tasks, no gather (~1% of the hot path).
+            return Inspection((), True) if walk.changed else _NOTHING
+        tasks = [asyncio.create_task(self._resolve(item)) for item in walk.items]
+        try:
+            digests = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        media = tuple((item.path, digest) for item, digest in zip(walk.items, digests, strict=True))
+        return Inspection(media, True)
+
+    async def _resolve(self, item: MediaItem) -> str:
+        if item.fixed is not None:
+            return item.fixed
+        try:
+            if item.ref is not None:
+                resolved = await self._inliner.resolve(item.ref, item.kind)
+            else:
+                assert item.raw is not None
+                resolved = await self._inliner.validate(item.kind, *item.raw)
+        except (MediaInvalid, MediaTooLarge) as exc:
+            exc.param = exc.param or item.path
+            raise
+        if item.apply is not None:
+            item.apply(resolved)
+        return resolved.digest
+
+    async def aclose(self) -> None:
+        await self._fetcher.aclose()

@@ -1,0 +1,86 @@
+"""The tables the body walk applies. Every rule about request fields lives here, so the
+JSON walk, the multipart check and the docs read the same lists.
+
+Checked against vLLM 0.32's source (docs/media.md, "Where vLLM reads media"): content
+parts are TypedDicts and pydantic models that drop unknown keys, and a part's type is
+taken from its keys when `type` is missing or a `uuid` is set. So these tables name
+keys, never positions: a key is recognised in every object of the body, at any depth,
+whatever the object's other keys are.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from gateway.media.inline import MediaKind
+
+# Keys whose value vLLM reads as media (a URL string, `{"url": ...}`, or a list of
+# them), with the kind they carry. None: a file-like input the gateway never serves.
+MEDIA_KEYS: Final[dict[str, MediaKind | None]] = {
+    "image_url": MediaKind.image,
+    "input_image": MediaKind.image,
+    "image": MediaKind.image,
+    "image_pil": MediaKind.image,
+    "images": MediaKind.image,  # /v2/embed, /v1/systemone
+    "video_url": MediaKind.video,
+    "video": MediaKind.video,
+    "videos": MediaKind.video,
+    "audio_url": MediaKind.audio,
+    "audio": MediaKind.audio,
+    "audios": MediaKind.audio,
+    "input_audio": MediaKind.audio,  # {"data": base64, "format": ...}
+    "file": None,
+    "file_url": None,
+    "file_data": None,
+    "file_id": None,
+    "input_file": None,
+}
+# Anthropic-style `{"type": ..., "source": {"type": "url"|"base64", ...}}` (/v1/messages).
+SOURCE_KEY: Final = "source"
+# Part types that make an object a media part even when no media key is set (a uuid-only
+# reference to a cached item, or an embeds part).
+MEDIA_TYPES: Final = frozenset(
+    {"image_url", "input_image", "image", "image_pil", "video_url", "video", "audio_url",
+     "audio", "input_audio", "file", "input_file", "document", "image_embeds",
+     "audio_embeds", "video_embeds", "prompt_embeds"}
+)  # fmt: skip
+# A media part's own keys that are never a URL vLLM fetches; any other string on a
+# media part that looks like a URL is refused (default deny for shapes vLLM may add).
+URLISH_KEYS: Final = frozenset({"url", "uri", "src", "href"})
+
+# Fields refused wherever they sit unless the named media setting opts in (None: never).
+# Torch deserialization, engine connection steering, processor and template control.
+FORBIDDEN_ANYWHERE: Final[dict[str, str | None]] = {
+    "prompt_embeds": "allow_prompt_embeds",
+    "image_embeds": "allow_embeds_parts",
+    "audio_embeds": "allow_embeds_parts",
+    "video_embeds": "allow_embeds_parts",
+    "kv_transfer_params": "allow_kv_transfer_params",
+    "ec_transfer_params": "allow_ec_transfer_params",
+    "kv_cache_report_mode": None,
+    "media_io_kwargs": "allow_media_io_kwargs",
+    "mm_processor_kwargs": "allow_mm_processor_kwargs",
+    "chat_template": "allow_chat_template",
+    "multi_modal_data": None,
+    "multi_modal_uuids": None,
+}
+# Part types with the same meaning as a forbidden field.
+FORBIDDEN_TYPES: Final[dict[str, str]] = {
+    "prompt_embeds": "allow_prompt_embeds",
+    "image_embeds": "allow_embeds_parts",
+    "audio_embeds": "allow_embeds_parts",
+    "video_embeds": "allow_embeds_parts",
+}
+# Top-level fields refused unless the named payload setting opts in. Top level only:
+# these are common property names in tool schemas, where vLLM never reads them.
+FORBIDDEN_TOP_LEVEL: Final[dict[str, str]] = {
+    "data": "allow_pooling_data",
+    "priority": "allow_priority",
+}
+# Form fields of the audio routes with the same meaning as the JSON fields above.
+FORBIDDEN_FORM_FIELDS: Final = frozenset(
+    {*FORBIDDEN_ANYWHERE, *FORBIDDEN_TOP_LEVEL, "vllm_xargs", "request_id", "cache_salt"}
+)
+
+# Lists and objects below the body; tool schemas nest deeper than messages do.
+MAX_DEPTH: Final = 64

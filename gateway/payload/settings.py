@@ -1,0 +1,56 @@
+"""Settings of request-body policy beyond media (`GATEWAY_PAYLOAD__...`).
+
+The older field opt-ins (`allow_prompt_embeds` and kin) stay under `media` where they
+were first documented; everything here is about identifiers and engine controls that a
+client must not choose on behalf of other tenants.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, Field, SecretStr, field_validator
+
+
+class CacheIsolation(StrEnum):
+    # Tenants share the engines' prefix caches (vLLM's default; best hit rate).
+    off = "off"
+    # Each key gets its own `cache_salt`: no key can time another's cached prompts.
+    key = "key"
+    # Keys with the same `tenant` share a salt; a key without one is its own tenant.
+    tenant = "tenant"
+
+
+# vllm_xargs keys that feed engine-level controls, never passable (vLLM 0.32:
+# `EngineCoreRequest` takes these from the sampling params' extra_args).
+ENGINE_XARGS = frozenset({"kv_transfer_params", "ec_transfer_params", "kv_cache_report_mode"})
+
+
+class PayloadSettings(BaseModel):
+    # Key of the HMAC that namespaces client-chosen identifiers (media uuids, response
+    # ids, cache salts). Generated at start when unset: then identifiers differ across
+    # restarts and replicas, so set it when several replicas serve the same engines.
+    namespace_secret: SecretStr | None = None
+    # `vllm_xargs` keys a request may set (they reach custom logits processors); the
+    # field is refused while this is empty.
+    vllm_xargs_keys: list[str] = Field(default_factory=list)
+    # `/pooling` `data`: input for operator-installed IO-processor plugins.
+    allow_pooling_data: bool = False
+    # `priority` reorders the engine's queue under `--scheduling-policy priority`.
+    allow_priority: bool = False
+    cache_isolation: CacheIsolation = CacheIsolation.off
+
+    @field_validator("vllm_xargs_keys")
+    @classmethod
+    def _no_engine_controls(cls, keys: list[str]) -> list[str]:
+        bad = sorted(ENGINE_XARGS.intersection(keys))
+        if bad:
+            raise ValueError(f"vllm_xargs_keys may not list engine controls: {bad}")
+        return keys
+
+    @field_validator("namespace_secret")
+    @classmethod
+    def _long_enough(cls, secret: SecretStr | None) -> SecretStr | None:
+        if secret is not None and len(secret.get_secret_value()) < 16:
+            raise ValueError("namespace_secret must be at least 16 characters long")
+        return secret

@@ -1,0 +1,381 @@
+"""One walk over a whole parsed JSON body: every object at every depth is looked at as
+a possible media part, and every list and object value is descended into.
+
+No key's presence switches inspection off, and the route decides nothing about where
+media may sit: vLLM drops unknown keys from content parts and infers a part's type from
+its keys (docs/media.md), so a checker that skips objects by shape loses the day vLLM
+accepts a new one. The walk does no I/O: it raises on anything refused and returns the
+media items to resolve, each with the path it was found at and a setter that writes
+the resolved form back into the body.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.errors import FieldNotAllowed, InvalidRequest, MediaInvalid, MediaTooLarge
+from gateway.media.av import audio_type
+from gateway.media.inline import MediaKind, Resolved
+from gateway.media.settings import MediaSettings, UuidPolicy
+from gateway.media.urls import DataUrl, RemoteUrl, UrlPolicy
+from gateway.payload.rules import (
+    FORBIDDEN_ANYWHERE,
+    FORBIDDEN_TOP_LEVEL,
+    FORBIDDEN_TYPES,
+    MAX_DEPTH,
+    MEDIA_KEYS,
+    MEDIA_TYPES,
+    SOURCE_KEY,
+    URLISH_KEYS,
+)
+from gateway.payload.settings import CacheIsolation, PayloadSettings
+
+Setter = Callable[[Resolved], None]
+_URL = frozenset({"url"})
+_URL_DATA = frozenset({"url", "data"})
+_PART_KEYS = frozenset({*MEDIA_KEYS, SOURCE_KEY, "uuid"})
+
+
+@dataclass(frozen=True, slots=True)
+class MediaItem:
+    """One media reference found in a body. Exactly one of `ref`, `raw`, `fixed` is set:
+    a URL to resolve, inline bytes to validate (with their declared type), or the
+    identity of a uuid-only reference to an item the engine has cached."""
+
+    path: str
+    kind: MediaKind
+    ref: RemoteUrl | DataUrl | None = None
+    raw: tuple[bytes, str | None] | None = None
+    fixed: str | None = None
+    apply: Setter | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who is asking, for namespacing what a client names: the key's name, the tenant
+    its cache salt is shared with, and the deployment's HMAC secret."""
+
+    key_name: str
+    tenant: str
+    secret: bytes
+
+    def namespaced(self, purpose: str, value: str, *, tenant: bool = False) -> str:
+        owner = self.tenant if tenant else self.key_name
+        # Length-prefixed so no (owner, value) pair collides with another's concatenation.
+        material = f"{purpose}:{len(owner)}:{owner}:{value}".encode()
+        return "gw-" + hmac.new(self.secret, material, hashlib.sha256).hexdigest()
+
+
+def _b64(value: object, path: str) -> bytes:
+    if not isinstance(value, str) or not value:
+        raise MediaInvalid("The inline media data is missing.", param=path)
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise MediaInvalid("The inline media data is not valid base64.", param=path) from None
+
+
+def _kind_of_type(ptype: object) -> MediaKind | None:
+    if isinstance(ptype, str):
+        for kind in MediaKind:
+            if kind.value in ptype:
+                return kind
+    return None
+
+
+def _set(container: Any, key: Any) -> Setter:
+    def apply(r: Resolved) -> None:
+        container[key] = r.url
+
+    return apply
+
+
+class Walk:
+    """The checks of one body. `run` raises on anything refused; afterwards `items`
+    holds the media to resolve and `changed` says whether the body was rewritten."""
+
+    def __init__(
+        self,
+        media: MediaSettings,
+        payload: PayloadSettings,
+        policy: UrlPolicy,
+        identity: Identity,
+    ) -> None:
+        self.media = media
+        self.payload = payload
+        self.policy = policy
+        self.identity = identity
+        self.items: list[MediaItem] = []
+        self.changed = False
+
+    # --- top level -------------------------------------------------------------------
+
+    def run(self, body: dict[str, Any]) -> None:
+        for field, setting in FORBIDDEN_TOP_LEVEL.items():
+            if body.get(field) is not None and not getattr(self.payload, setting):
+                raise FieldNotAllowed(f"The field '{field}' is not allowed.", param=field)
+        self._xargs(body.get("vllm_xargs"))
+        self._request_id(body)
+        self._cache_salt(body)
+        self.visit(body, "", 0)
+
+    def _xargs(self, xargs: object) -> None:
+        if xargs is None:
+            return
+        if not isinstance(xargs, dict):
+            raise InvalidRequest("vllm_xargs must be an object.", param="vllm_xargs")
+        allowed = self.payload.vllm_xargs_keys
+        for key in xargs:
+            if key not in allowed:
+                raise FieldNotAllowed(
+                    "This vllm_xargs key is not allowed.", param=f"vllm_xargs.{key}"[:200]
+                )
+
+    def _request_id(self, body: dict[str, Any]) -> None:
+        """A body `request_id` names the engine request and, on /v1/responses, the stored
+        response: never shared across keys as sent."""
+        value = body.get("request_id")
+        if value is None:
+            return
+        if not isinstance(value, str) or not 0 < len(value) <= 128:
+            raise InvalidRequest("request_id must be a short string.", param="request_id")
+        body["request_id"] = self.identity.namespaced("request_id", value)
+        self.changed = True
+
+    def _cache_salt(self, body: dict[str, Any]) -> None:
+        salt = body.get("cache_salt")
+        if salt is not None and (
+            not isinstance(salt, str) or not 0 < len(salt) <= self.media.max_cache_salt_length
+        ):
+            raise InvalidRequest("cache_salt is not a string or is too long.", param="cache_salt")
+        mode = self.payload.cache_isolation
+        if mode is CacheIsolation.off:
+            return
+        # The client's own salt still partitions the cache, but only within its tenant.
+        body["cache_salt"] = self.identity.namespaced(
+            "cache_salt", salt or "", tenant=mode is CacheIsolation.tenant
+        )
+        self.changed = True
+
+    # --- the walk ----------------------------------------------------------------------
+
+    def node(self, value: object, path: str, depth: int) -> None:
+        if isinstance(value, dict):
+            self.visit(value, path, depth)
+        elif isinstance(value, list):
+            if depth >= MAX_DEPTH:
+                raise InvalidRequest("The request body is nested too deeply.", param=path)
+            for i, item in enumerate(value):
+                if isinstance(item, dict | list):
+                    self.node(item, f"{path}[{i}]", depth + 1)
+
+    def visit(
+        self, obj: dict[str, Any], path: str, depth: int, skip: frozenset[str] = frozenset()
+    ) -> None:
+        """Checks `obj` and everything below it; `skip` names keys its caller handled."""
+        if depth >= MAX_DEPTH:
+            raise InvalidRequest("The request body is nested too deeply.", param=path)
+        prefix = f"{path}." if path else ""
+        ptype = obj.get("type")
+        if not isinstance(ptype, str | None) and not _PART_KEYS.isdisjoint(obj):
+            # Checked before the part's values, so it is what a client hears about.
+            raise InvalidRequest("A content part's type must be a string.", param=f"{prefix}type")
+        is_part = isinstance(ptype, str) and ptype in MEDIA_TYPES
+        before = len(self.items)
+        for key, value in obj.items():
+            if key in skip:
+                continue
+            if key in FORBIDDEN_ANYWHERE:
+                self._forbidden(key, value, prefix + key)
+            if key in MEDIA_KEYS:
+                is_part = True
+                self.media_value(obj, key, value, ptype, prefix + key, depth)
+            elif key == SOURCE_KEY and isinstance(value, dict):
+                self.source(obj, value, ptype, prefix + key, depth)
+            elif isinstance(value, dict | list):
+                self.node(value, prefix + key, depth + 1)
+        if is_part:
+            self.part(obj, ptype, path, skip, has_media=len(self.items) > before)
+
+    def _forbidden(self, key: str, value: object, path: str) -> None:
+        setting = FORBIDDEN_ANYWHERE[key]
+        if value is not None and (setting is None or not getattr(self.media, setting)):
+            raise FieldNotAllowed(f"The field '{key}' is not allowed.", param=path)
+
+    def part(
+        self,
+        part: dict[str, Any],
+        ptype: object,
+        path: str,
+        skip: frozenset[str],
+        *,
+        has_media: bool,
+    ) -> None:
+        """Checks on an object that vLLM may read as a media part."""
+        if isinstance(ptype, str) and ptype in FORBIDDEN_TYPES:
+            setting = FORBIDDEN_TYPES[ptype]
+            if not getattr(self.media, setting):
+                raise FieldNotAllowed(f"The content part '{ptype}' is not allowed.", param=path)
+        for key in URLISH_KEYS.intersection(part).difference(skip):
+            value = part[key]
+            if isinstance(value, str):
+                # Not a place vLLM reads media from today: refused, not ignored (after
+                # the URL check, so a forbidden URL reports as such).
+                self.policy_check(value, f"{path}.{key}")
+                raise MediaInvalid("The media part's shape is not recognised.", param=path)
+        if "uuid" in part:
+            self.uuid(part, path, has_media=has_media)
+
+    # --- media values --------------------------------------------------------------------
+
+    def media_value(
+        self,
+        obj: dict[str, Any],
+        key: str,
+        value: object,
+        ptype: object,
+        path: str,
+        depth: int,
+    ) -> None:
+        if value is None:
+            return  # vLLM skips empty media; a uuid alone is handled by `part`
+        kind = MEDIA_KEYS[key]
+        # Typed as media, the object must carry media in a shape vLLM reads; untyped, a
+        # value that names nothing fetchable is left alone (JSON schemas use these keys).
+        typed = isinstance(ptype, str) and ptype in MEDIA_TYPES
+        if key == "input_audio":
+            self.input_audio(value, path)
+        elif isinstance(value, str):
+            self.url(value, kind, path, _set(obj, key))
+        elif isinstance(value, dict):
+            if not self.url_object(value, kind, path, depth + 1) and typed:
+                raise MediaInvalid("The media part's shape is not recognised.", param=path)
+        elif isinstance(value, list):
+            if depth + 1 >= MAX_DEPTH:
+                raise InvalidRequest("The request body is nested too deeply.", param=path)
+            for i, item in enumerate(value):
+                item_path = f"{path}[{i}]"
+                if isinstance(item, str):
+                    self.url(item, kind, item_path, _set(value, i))
+                elif isinstance(item, dict):
+                    if not self.url_object(item, kind, item_path, depth + 2):
+                        raise MediaInvalid(
+                            "The media item's shape is not recognised.", param=item_path
+                        )
+                elif item is not None:
+                    raise MediaInvalid("The media item's shape is not recognised.", param=item_path)
+        elif typed or not isinstance(value, bool | int | float):
+            raise MediaInvalid("The media part's shape is not recognised.", param=path)
+
+    def url_object(
+        self, value: dict[str, Any], kind: MediaKind | None, path: str, depth: int
+    ) -> bool:
+        """`{"url": ...}` under a media key; whether it held a URL. Its other keys are
+        walked like any object's and may carry no media, nor a URL under another name."""
+        url = value.get("url")
+        if isinstance(url, str):
+            self.url(url, kind, f"{path}.url", _set(value, "url"))
+        elif url is not None:
+            raise MediaInvalid("The media URL must be a string.", param=f"{path}.url")
+        for name in URLISH_KEYS.intersection(value).difference(_URL):
+            if isinstance(value[name], str):
+                self.policy_check(value[name], f"{path}.{name}")
+                raise MediaInvalid("The media item's shape is not recognised.", param=path)
+        before = len(self.items)
+        self.visit(value, path, depth, _URL)
+        if len(self.items) > before:
+            raise MediaInvalid("The media item's shape is not recognised.", param=path)
+        return url is not None
+
+    def input_audio(self, value: object, path: str) -> None:
+        if not isinstance(value, dict):
+            raise MediaInvalid("input_audio must be an object.", param=path)
+        declared = audio_type(value.get("format"))
+        if declared is None:
+            raise MediaInvalid("The input_audio format is not allowed.", param=path)
+        data = _b64(value.get("data"), f"{path}.data")
+
+        def set_audio(r: Resolved) -> None:
+            value["data"] = r.base64
+
+        self.add(MediaItem(path, MediaKind.audio, raw=(data, declared), apply=set_audio))
+
+    def source(
+        self, part: dict[str, Any], source: dict[str, Any], ptype: object, path: str, depth: int
+    ) -> None:
+        """An Anthropic-style `source`. vLLM (0.32) fetches `source.url` whatever the
+        source's type, and decodes `data` when the type is base64."""
+        kind = _kind_of_type(ptype)
+        url = source.get("url")
+        stype = source.get("type")
+        if url is not None:
+            if not isinstance(url, str):
+                raise MediaInvalid("The media URL must be a string.", param=f"{path}.url")
+
+            def set_url(r: Resolved) -> None:
+                if r.data is None:  # passthrough: the canonical URL
+                    source["url"] = r.url
+                else:
+                    part[SOURCE_KEY] = {"type": "base64", "media_type": r.mime, "data": r.base64}
+
+            self.url(url, kind, f"{path}.url", set_url)
+        elif stype == "base64":
+            if kind is None:
+                raise MediaInvalid("This media part type is not supported.", param=path)
+            data = _b64(source.get("data"), f"{path}.data")
+            declared = source.get("media_type")
+
+            def set_data(r: Resolved) -> None:
+                source["data"] = r.base64
+                source["media_type"] = r.mime
+
+            raw = (data, declared if isinstance(declared, str) else None)
+            self.add(MediaItem(path, kind, raw=raw, apply=set_data))
+        elif kind is not None:
+            # An image, video or audio block with a source vLLM may read some other way.
+            raise MediaInvalid("The media source type is not supported.", param=path)
+        self.visit(source, path, depth + 1, _URL_DATA)
+
+    def add(self, item: MediaItem) -> None:
+        if len(self.items) >= self.media.max_items:
+            raise MediaTooLarge("The request carries more media items than this gateway accepts.")
+        self.items.append(item)
+
+    def policy_check(self, raw: str, path: str) -> RemoteUrl | DataUrl:
+        try:
+            return self.policy.check(raw)
+        except (MediaInvalid, MediaTooLarge, InvalidRequest) as exc:
+            exc.param = path
+            raise
+
+    def url(self, raw: str, kind: MediaKind | None, path: str, apply: Setter) -> None:
+        ref = self.policy_check(raw, path)
+        if kind is None:
+            # Checked first, so a forbidden URL reports as such; then default deny.
+            raise MediaInvalid("This media part type is not supported.", param=path)
+        self.add(MediaItem(path, kind, ref=ref, apply=apply))
+
+    def uuid(self, part: dict[str, Any], path: str, *, has_media: bool) -> None:
+        """A client's uuid is vLLM's cache identity: never forwarded as sent."""
+        value = part["uuid"]
+        if value is None:
+            return
+        self.changed = True
+        if self.media.uuids is UuidPolicy.drop:
+            del part["uuid"]
+            if not has_media:
+                raise FieldNotAllowed("A media uuid without media is not allowed.", param=path)
+            return
+        if not isinstance(value, str | int) or isinstance(value, bool):
+            raise MediaInvalid("The media uuid must be a string.", param=f"{path}.uuid")
+        namespaced = self.identity.namespaced("uuid", str(value))
+        part["uuid"] = namespaced
+        if not has_media:
+            kind = _kind_of_type(part.get("type")) or MediaKind.image
+            self.add(MediaItem(path, kind, fixed=namespaced))
