@@ -30,13 +30,14 @@ _URL = re.compile(r"\b(?:[a-z][a-z0-9+.-]{0,30}://|(?:file|data):)[^\s'\"<>`]+",
 # What a URL may end with but a sentence usually does: kept outside the replacement.
 _TRAILING = ".,;:!?)]}"
 # host:port, the host an IPv6 literal in brackets, an IPv4 address or a DNS name (a name
-# must contain a letter, so `12:30` and `1:2` are left alone). Bounded repetitions only:
-# bodies are scrubbed whole, and nested quantifiers backtrack quadratically.
-_HOST_PORT = re.compile(
-    r"(?:\[[0-9a-f:.]{2,45}\]|(?<![\w.-])[a-z0-9][a-z0-9.-]{0,252}):\d{1,5}(?![\w])", re.I
-)
+# must contain a letter, so `12:30` and `1:2` are left alone). IPv6 literals are replaced
+# before names are looked at, or `8a2e:370` inside one would read as a name and a port.
+# Bounded repetitions only: bodies are scrubbed whole, and nested quantifiers backtrack
+# quadratically.
+_BRACKETED = re.compile(r"\[[0-9a-f:.]{2,45}\](?::\d{1,5})?(?![\w])", re.I)
+_HOST_PORT = re.compile(r"(?<![\w.-])[a-z0-9][a-z0-9.-]{0,252}:\d{1,5}(?![\w])", re.I)
 _IPV6 = re.compile(
-    r"(?<![\w:.])(?:[0-9a-f]{0,4}:){2,7}(?:[0-9a-f]{1,4}|\d{1,3}(?:\.\d{1,3}){3})?(?![\w:])",
+    r"(?<![\w:.])(?:[0-9a-f]{0,4}:){2,7}(?:\d{1,3}(?:\.\d{1,3}){3}|[0-9a-f]{1,4})?(?![\w:])",
     re.I,
 )
 _IPV4 = re.compile(r"(?<![\w.])\d{1,3}(?:\.\d{1,3}){3}(?![\w.]*\w)")
@@ -56,7 +57,7 @@ def _url(m: re.Match[str]) -> str:
 def _host_port(m: re.Match[str]) -> str:
     text = m.group(0)
     host = text.rsplit(":", 1)[0]
-    if host.startswith("[") or any(c.isalpha() for c in host) or _IPV4.fullmatch(host):
+    if any(c.isalpha() for c in host) or _IPV4.fullmatch(host):
         return ADDRESS
     return text
 
@@ -76,8 +77,9 @@ def scrub(text: str) -> str:
         return text
     text = _URL.sub(_url, text)
     if ":" in text:
-        text = _HOST_PORT.sub(_host_port, text)
+        text = _BRACKETED.sub(ADDRESS, text)
         text = _IPV6.sub(_ipv6, text)
+        text = _HOST_PORT.sub(_host_port, text)
     if "." in text:
         text = _IPV4.sub(ADDRESS, text)
     if "'" in text:

@@ -2,17 +2,22 @@
 
 A raw TCP server on loopback plays the engine and answers each request the way its
 `x-scenario` header asks: chunked, read-until-close, `Connection: close`, garbage, a
-stall, a short body, an idle connection closed under the gateway, a large streamed body.
-The gateway runs as a real process in front of it (one for the whole module).
+stall, a short body, an idle connection closed under the gateway, a large streamed body,
+error answers and extra response headers (`SCENARIOS`). The gateway runs as a real
+process in front of it (one for the whole module), with `x-scenario` added to the
+headers it forwards (`forward_headers`). tests/test_gateway_headers.py and
+tests/test_engine_errors.py run their own gateways in front of the same kind of engine.
 """
 
 from __future__ import annotations
 
+import json
 import socket
 import socketserver
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,10 +56,85 @@ class Engine:
             return [s for s in self.seen if s.headers.get("x-scenario") == scenario]
 
 
-def _response(body: bytes, *extra: str, status: str = "200 OK") -> bytes:
-    head = [f"HTTP/1.1 {status}", "content-type: application/json", *extra]
+def _response(
+    body: bytes, *extra: str, status: str = "200 OK", ctype: str = "application/json"
+) -> bytes:
+    head = [f"HTTP/1.1 {status}", f"content-type: {ctype}", *extra]
     head.append(f"content-length: {len(body)}")
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def _chunked(body: bytes, *extra: str, status: str = "200 OK", ctype: str = "") -> bytes:
+    head = [f"HTTP/1.1 {status}", f"content-type: {ctype or 'application/json'}", *extra]
+    head.append("transfer-encoding: chunked")
+    pieces = [body[i : i + 7] for i in range(0, len(body), 7)]
+    payload = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + payload
+
+
+def _vllm_error(status: int, kind: str, message: str, param: str | None = None) -> bytes:
+    """An error body as vLLM 0.32 writes it (ErrorResponse)."""
+    error = {"message": message, "type": kind, "param": param, "code": status}
+    return json.dumps({"error": error}).encode()
+
+
+# What engines say when something behind them fails: the URL fetched, the address and
+# port connected to, an object's memory address (what a bypass turns into a scanner).
+LEAKY = (
+    "Failed to fetch http://10.1.2.3:8080/x.png (url='http://10.1.2.3:8080/x.png'): "
+    "Cannot connect to host internal-db.svc.cluster.local:5432 ssl:default "
+    "[Connect call failed ('192.168.7.9', 6379)] and fd00::7; "
+    "cannot identify image file <_io.BytesIO object at 0x7f3c2c1d4a40>"
+)
+LEAKS = ("10.1.2.3", "8080", "internal-db", "5432", "192.168.7.9", "6379", "fd00::7",
+         "0x7f3c2c1d4a40", "http://")  # fmt: skip
+# Response headers the engine adds on the `headers` scenario: only the allowlisted
+# `metadata` (and the content headers) may reach a client.
+ENGINE_HEADERS = (
+    "endpoint-load-metrics: TEXT kv_cache_usage_perc=0.93, num_requests_waiting=12",
+    "x-request-id: engine-chosen-id",
+    "server: engine-internal/1.0",
+    "set-cookie: engine=1",
+    "access-control-allow-origin: *",
+    "x-amzn-sagemaker-new-session-id: s-1",
+    "cache-control: no-store",
+    "x-internal-host: 10.0.0.12",
+    'metadata: {"id":"embd-1","data":[{"index":0}]}',
+)
+SCENARIOS: dict[str, bytes] = {
+    "error-500": _response(
+        _vllm_error(500, "InternalServerError", "Traceback: " + LEAKY), status="500 Internal"
+    ),
+    "error-500-chunked": _chunked(
+        _vllm_error(500, "InternalServerError", LEAKY), status="500 Internal"
+    ),
+    "error-503-text": _response(
+        b"engine at 10.0.0.1:9000 is draining", status="503 Unavailable", ctype="text/plain"
+    ),
+    "error-400": _response(
+        _vllm_error(400, "BadRequestError", LEAKY, param="messages"), status="400 Bad Request"
+    ),
+    "error-400-chunked": _chunked(
+        _vllm_error(400, "BadRequestError", LEAKY, param="messages"), status="400 Bad Request"
+    ),
+    "error-422-nested": _response(
+        json.dumps({"detail": [{"loc": ["body", "url"], "msg": LEAKY}, 7, None]}).encode(),
+        status="422 Unprocessable",
+    ),
+    "error-404-html": _response(
+        b"<html>no route at 10.0.0.1:80</html>", status="404 Not Found", ctype="text/html"
+    ),
+    "error-400-big": _response(
+        _vllm_error(400, "BadRequestError", "x" * 70_000 + LEAKY), status="400 Bad Request"
+    ),
+    "headers": _response(b'{"ok":"headers"}', *ENGINE_HEADERS),
+    # A successful answer is relayed byte for byte, whatever it says.
+    "ok-leaky": _response(json.dumps({"text": LEAKY}).encode()),
+    "sse-leaky": _chunked(
+        b"data: " + json.dumps({"text": LEAKY}).encode() + b"\n\ndata: [DONE]\n\n",
+        ctype="text/event-stream",
+    ),
+}
 
 
 def _serve(engine: Engine, conn_id: int, sock: socket.socket) -> None:
@@ -100,6 +180,8 @@ def _serve(engine: Engine, conn_id: int, sock: socket.socket) -> None:
                 sock.sendall(_response(b'{"ok":1}'))
                 time.sleep(0.1)
                 return  # closes the keep-alive connection while the gateway holds it
+            elif scenario in SCENARIOS:
+                sock.sendall(SCENARIOS[scenario])
             elif scenario == "big":
                 sock.sendall(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
                 piece = b"x" * 65536
@@ -115,8 +197,9 @@ def _serve(engine: Engine, conn_id: int, sock: socket.socket) -> None:
         sock.close()
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
+@contextmanager
+def scripted_engine() -> Iterator[Engine]:
+    """The scripted engine, on a free loopback port."""
     counter = iter(range(1, 1_000_000))
     holder: list[Engine] = []
 
@@ -138,6 +221,12 @@ def engine() -> Iterator[Engine]:
 
 
 @pytest.fixture(scope="module")
+def engine() -> Iterator[Engine]:
+    with scripted_engine() as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
 def gateway(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     tmp: Path = tmp_path_factory.mktemp("upstream")
     env = {
@@ -146,6 +235,7 @@ def gateway(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         "GATEWAY_TIMEOUTS__FIRST_BYTE": "1",
         "GATEWAY_TIMEOUTS__IDLE": "1",
         "GATEWAY_ROUTING__HEALTH_INTERVAL": "30",
+        "GATEWAY_FORWARD_HEADERS": '["x-scenario"]',
     }
     proc = gateway_proc(tmp, env)
     proc.start("/healthz")
@@ -267,7 +357,11 @@ def test_unusable_engine_urls(url: str) -> None:
 
 
 def test_engine_under_a_path_prefix(engine: Engine, tmp_path: Path) -> None:
-    env = {"GATEWAY_ENGINES": f'["{engine.url}/prefix/"]', "GATEWAY_API_KEYS": f'["{KEY}"]'}
+    env = {
+        "GATEWAY_ENGINES": f'["{engine.url}/prefix/"]',
+        "GATEWAY_API_KEYS": f'["{KEY}"]',
+        "GATEWAY_FORWARD_HEADERS": '["x-scenario"]',
+    }
     proc = gateway_proc(tmp_path, env)
     proc.start("/healthz")
     try:
