@@ -73,6 +73,12 @@ def test_check_config_masks_every_secret(
             {"GATEWAY_API_KEYS": f'["{SECRET}"]', "GATEWAY_MEDIA__CA_FILE": "/nonexistent.pem"},
             "ca_file",
         ),
+        # A header vLLM acts on may not be added to the forwarded ones.
+        (
+            {"GATEWAY_API_KEYS": f'["{SECRET}"]', "GATEWAY_FORWARD_HEADERS": '["X-Vllm-Priority"]'},
+            "forward_headers",
+        ),
+        ({"GATEWAY_API_KEYS": f'["{SECRET}"]', "GATEWAY_LIMITS__MAX_HEADERS": "0"}, "max_headers"),
     ],
 )
 def test_check_config_refuses_invalid_settings(

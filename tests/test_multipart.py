@@ -99,3 +99,25 @@ def test_bad_uploads_are_refused(ctype: str | None, body: bytes, error: type[Gat
     with pytest.raises(error) as info:
         validate_upload(ctype, body, SETTINGS, max_file_bytes=MAX_FILE)
     assert 400 <= info.value.status < 500
+
+
+def test_the_model_field_is_exposed_for_the_model_check() -> None:
+    with_model = form(audio(), ("model", b"whisper-large", None, None))
+    assert validate_upload(CTYPE, with_model, SETTINGS, max_file_bytes=MAX_FILE).model == (
+        "whisper-large"
+    )
+    without = validate_upload(CTYPE, form(audio()), SETTINGS, max_file_bytes=MAX_FILE)
+    assert without.model is None
+    empty = form(audio(), ("model", b"", None, None))
+    assert validate_upload(CTYPE, empty, SETTINGS, max_file_bytes=MAX_FILE).model == ""
+    # Two `model` fields could be read differently by the gateway and the engine.
+    twice = form(audio(), ("model", b"a", None, None), ("model", b"b", None, None))
+    with pytest.raises(InvalidRequest):
+        validate_upload(CTYPE, twice, SETTINGS, max_file_bytes=MAX_FILE)
+
+
+def test_vllm_xargs_form_field_is_refused() -> None:
+    body = form(audio(), ("vllm_xargs", b'{"kv_transfer_params": {}}', None, None))
+    with pytest.raises(FieldNotAllowed) as info:
+        validate_upload(CTYPE, body, SETTINGS, max_file_bytes=MAX_FILE)
+    assert info.value.param == "vllm_xargs"
