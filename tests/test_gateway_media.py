@@ -455,7 +455,58 @@ def _shapes(u: str) -> list[tuple[str, str, dict[str, Any]]]:
          {"model": MODEL, "messages": [{"role": "user", "content": [
              {"type": "image", "source": {"type": "url", "url": u}}]}]}),
     ]  # fmt: skip
-    return out
+    return out + _bypass_shapes(u)
+
+
+def _bypass_shapes(u: str) -> list[tuple[str, str, dict[str, Any]]]:
+    """The ways past the first release's walker (one extra key on a part, an item type
+    it did not descend into). vLLM drops unknown keys from parts and fetched these."""
+    role_part = {**image(u), "role": "user"}
+    msgs = [{"role": "user", "content": [role_part]}]
+    return [
+        ("part with a role key", "/v1/chat/completions", chat(role_part)),
+        ("part with a null role", "/v1/chat/completions", chat({**image(u), "role": None})),
+        ("role part in a system message", "/v1/chat/completions", chat(role_part, role="system")),
+        ("role part on tokenize", "/tokenize", {"model": MODEL, "messages": msgs}),
+        ("role part on invocations", "/invocations", {"model": MODEL, "messages": msgs}),
+        ("role part in batch chat", "/v1/chat/completions/batch",
+         {"model": MODEL, "messages": [msgs]}),
+        ("role part in embeddings", "/v1/embeddings", {"model": MODEL, "messages": msgs}),
+        ("role part in pooling", "/pooling", {"model": MODEL, "messages": msgs}),
+        ("role part in score content", "/score",
+         {"model": MODEL, "queries": [{"content": [role_part]}], "documents": ["a"]}),
+        ("role part in cohere chat", "/cohere/v2/chat", {"model": MODEL, "messages": msgs}),
+        ("role part in v2 embed", "/v2/embed",
+         {"model": MODEL, "inputs": [{"content": [role_part]}]}),
+        ("responses item with a role", "/v1/responses",
+         {"model": MODEL, "input": [{"role": "user", "type": "input_image", "image_url": u}]}),
+        ("responses custom tool output", "/v1/responses",
+         {"model": MODEL, "input": [{"type": "custom_tool_call_output", "call_id": "c1",
+                                     "output": [{"type": "input_image", "image_url": u}]}]}),
+        ("messages block with a role", "/v1/messages",
+         {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [
+             {"type": "image", "role": "user", "source": {"type": "url", "url": u}}]}]}),
+        ("messages tool result with a role", "/v1/messages",
+         {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [
+             {"type": "tool_result", "role": "user", "tool_use_id": "t1", "content": [
+                 {"type": "image", "source": {"type": "url", "url": u}}]}]}]}),
+    ]  # fmt: skip
+
+
+def test_a_default_engine_fetches_what_the_first_walker_missed(stack: Stack) -> None:
+    """The simulated engine reads parts as vLLM does (unknown keys dropped): sent to it
+    directly, a part with a role key makes it fetch the canary. The table above shows
+    the gateway refusing the same bodies before any connection."""
+    with RecordingServer() as direct:
+        url = f"http://127.0.0.1:{direct.port}/direct.png"
+        r = stack.http.post(stack.ref.url + "/v1/chat/completions",
+                            json=chat({**image(url), "role": "user"}))  # fmt: skip
+        # Fetched: the canary's 418 makes it a fetch error (422), as in vLLM.
+        assert r.status_code == 422, r.text
+        assert [h.path for h in direct.hits] == ["/direct.png"]
+        refused(stack, stack.inline, "/v1/chat/completions", chat({**image(url), "role": "user"}),
+                400, "media_url_not_allowed", "ip_literal")  # fmt: skip
+        assert len(direct.hits) == 1
 
 
 def test_media_is_found_in_every_endpoint_and_shape(stack: Stack) -> None:
