@@ -689,6 +689,19 @@ FIELD_CASES: list[tuple[str, str, dict[str, Any], str]] = [
     ("mm_processor_kwargs on pooling", "/pooling",
      {"model": MODEL, "input": "x", "mm_processor_kwargs": {"num_frames": -1}},
      "mm_processor_kwargs"),
+    # vllm_xargs seeds the engine request's kv/ec transfer params (vLLM 0.32).
+    ("kv_transfer_params in vllm_xargs", "/v1/completions",
+     {"model": MODEL, "prompt": "x", "vllm_xargs": {"kv_transfer_params": {"x": 1}}},
+     "vllm_xargs.kv_transfer_params"),
+    ("vllm_xargs not listed by the operator", "/v1/chat/completions",
+     chat({"type": "text", "text": "hi"}, vllm_xargs={"anything": 1}), "vllm_xargs.anything"),
+    ("pooling plugin data", "/pooling", {"model": MODEL, "data": {"plugin": "input"}}, "data"),
+    ("priority", "/v1/chat/completions", chat({"type": "text", "text": "hi"}, priority=-100),
+     "priority"),
+    ("embeds part nested anywhere", "/v1/responses",
+     {"model": MODEL, "input": [{"type": "custom_tool_call_output", "call_id": "c",
+                                 "output": [{"role": "user", "image_embeds": EMB}]}]},
+     "input[0].output[0].image_embeds"),
 ]  # fmt: skip
 
 

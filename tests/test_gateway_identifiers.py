@@ -1,0 +1,119 @@
+"""Identifiers a client names that the engine shares across tenants, through the gateway
+under uvicorn in front of a simulated engine that records what it receives: request ids
+and media uuids namespaced per key, and the opt-in prefix-cache isolation per tenant,
+shown by the engine's own prefix-cache counters."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.procs import Proc, gateway_proc, running, scrape, sim_proc
+
+MODEL = "Qwen/Qwen3-VL-2B-Instruct"
+KEYS = {"a1": "key-a1-0123456789abcdef", "a2": "key-a2-0123456789abcdef",
+        "b1": "key-b1-0123456789abcdef"}  # fmt: skip
+TENANTS = {"a1": "team-a", "a2": "team-a", "b1": "team-b"}
+
+
+@dataclass
+class Stack:
+    sim: Proc
+    shared: Proc  # cache_isolation off (the default)
+    isolated: Proc  # cache_isolation tenant
+    http: httpx.Client
+
+    def post(self, gateway: Proc, name: str, path: str, body: dict[str, Any]) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {KEYS[name]}"}
+        return self.http.post(gateway.url + path, json=body, headers=headers)
+
+    def received(self) -> list[dict[str, Any]]:
+        got = self.http.get(self.sim.url + "/sim/requests").json()
+        return [json.loads(r["body"]) for r in got if r["method"] == "POST"]
+
+    def clear(self) -> None:
+        self.http.delete(self.sim.url + "/sim/requests")
+
+    def hits(self) -> float:
+        samples = scrape(self.sim.url + "/metrics")
+        return sum(v for (name, _), v in samples.items() if name == "vllm:prefix_cache_hits_total")
+
+
+def _env(sim: Proc, **extra: str) -> dict[str, str]:
+    keys = [{"key": k, "name": n, "tenant": TENANTS[n]} for n, k in KEYS.items()]
+    return {
+        "GATEWAY_ENGINES": json.dumps([sim.url]),
+        "GATEWAY_API_KEYS": json.dumps(keys),
+        "GATEWAY_PAYLOAD__NAMESPACE_SECRET": "identifiers-test-secret",
+        **extra,
+    }
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp: Path = tmp_path_factory.mktemp("identifiers")
+    sim = sim_proc(tmp, "--record-requests", "100", "--latency", "zero")
+    with running(sim):
+        shared = gateway_proc(tmp, _env(sim))
+        isolated = gateway_proc(tmp, _env(sim, GATEWAY_PAYLOAD__CACHE_ISOLATION="tenant"))
+        with running(shared, isolated, ready_path="/readyz"), httpx.Client(timeout=10) as http:
+            yield Stack(sim, shared, isolated, http)
+
+
+def prompt(topic: str) -> dict[str, Any]:
+    text = " ".join(f"{topic} line {i} of a long shared system prompt." for i in range(60))
+    return {"model": MODEL, "max_tokens": 1, "messages": [
+        {"role": "system", "content": text}, {"role": "user", "content": "hi"}]}  # fmt: skip
+
+
+def test_request_ids_reach_the_engine_namespaced_per_key(stack: Stack) -> None:
+    stack.clear()
+    for name in ("a1", "a1", "b1"):
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 1, "request_id": "mine"}
+        assert stack.post(stack.shared, name, "/v1/completions", body).status_code == 200
+    ids = [b["request_id"] for b in stack.received()]
+    assert ids[0] == ids[1] != ids[2]
+    assert all(i.startswith("gw-") and "mine" not in i for i in ids)
+
+
+def test_media_uuids_reach_the_engine_namespaced_per_key(stack: Stack) -> None:
+    stack.clear()
+    part = {"type": "image_url", "image_url": None, "uuid": "cached-by-someone"}
+    for name in ("a1", "b1"):
+        body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": [
+            part, {"type": "text", "text": "again"}]}]}  # fmt: skip
+        stack.post(stack.shared, name, "/v1/chat/completions", body)
+    uuids = [b["messages"][0]["content"][0]["uuid"] for b in stack.received()]
+    assert len(uuids) == 2 and uuids[0] != uuids[1]
+    assert "cached-by-someone" not in uuids
+
+
+def test_without_isolation_tenants_share_the_prefix_cache(stack: Stack) -> None:
+    body = prompt("shared")
+    assert stack.post(stack.shared, "a1", "/v1/chat/completions", body).status_code == 200
+    before = stack.hits()
+    assert stack.post(stack.shared, "b1", "/v1/chat/completions", body).status_code == 200
+    assert stack.hits() - before > 100  # b1 hit what a1 computed: a timing side channel
+
+
+def test_with_tenant_isolation_only_the_same_tenant_hits(stack: Stack) -> None:
+    body = prompt("isolated")
+    stack.clear()
+    assert stack.post(stack.isolated, "a1", "/v1/chat/completions", body).status_code == 200
+    before = stack.hits()
+    assert stack.post(stack.isolated, "b1", "/v1/chat/completions", body).status_code == 200
+    assert stack.hits() == before  # another tenant: nothing cached for it
+    assert stack.post(stack.isolated, "a2", "/v1/chat/completions", body).status_code == 200
+    assert stack.hits() - before > 100  # the same tenant shares
+    salts = [b["cache_salt"] for b in stack.received()]
+    assert salts[0] == salts[2] != salts[1]
+    # A client's own salt is kept apart from its tenant's default, and from others'.
+    own = {**body, "cache_salt": "my-own-salt"}
+    assert stack.post(stack.isolated, "a1", "/v1/chat/completions", own).status_code == 200
+    assert stack.received()[-1]["cache_salt"] not in ("my-own-salt", *salts)
