@@ -37,9 +37,13 @@ from gateway.payload.rules import (
 from gateway.payload.settings import CacheIsolation, PayloadSettings
 
 Setter = Callable[[Resolved], None]
+# Where the walk is: () at the top, else (parent, key or index), or a rendered path.
+Trail = tuple[Any, ...] | str
 _URL = frozenset({"url"})
 _URL_DATA = frozenset({"url", "data"})
 _PART_KEYS = frozenset({*MEDIA_KEYS, SOURCE_KEY, "uuid"})
+# Keys that need more than a descent; every other key costs one set lookup.
+_SPECIAL_KEYS = frozenset({*MEDIA_KEYS, SOURCE_KEY, *FORBIDDEN_ANYWHERE, *URLISH_KEYS})
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +74,18 @@ class Identity:
         # Length-prefixed so no (owner, value) pair collides with another's concatenation.
         material = f"{purpose}:{len(owner)}:{owner}:{value}".encode()
         return "gw-" + hmac.new(self.secret, material, hashlib.sha256).hexdigest()
+
+
+def render(trail: Trail) -> str:
+    """`messages[0].content[1].image_url` for a trail."""
+    keys: list[str | int] = []
+    while isinstance(trail, tuple) and trail:
+        trail, key = trail
+        keys.append(key)
+    out = trail if isinstance(trail, str) else ""
+    for key in reversed(keys):
+        out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else key)
+    return out
 
 
 def _b64(value: object, path: str) -> bytes:
@@ -123,7 +139,7 @@ class Walk:
         self._xargs(body.get("vllm_xargs"))
         self._request_id(body)
         self._cache_salt(body)
-        self.visit(body, "", 0)
+        self.visit(body, (), 0)
 
     def _xargs(self, xargs: object) -> None:
         if xargs is None:
@@ -165,43 +181,56 @@ class Walk:
 
     # --- the walk ----------------------------------------------------------------------
 
-    def node(self, value: object, path: str, depth: int) -> None:
+    def node(self, value: object, trail: Trail, depth: int) -> None:
         if isinstance(value, dict):
-            self.visit(value, path, depth)
+            self.visit(value, trail, depth)
         elif isinstance(value, list):
             if depth >= MAX_DEPTH:
-                raise InvalidRequest("The request body is nested too deeply.", param=path)
+                raise InvalidRequest("The request body is nested too deeply.", param=render(trail))
             for i, item in enumerate(value):
-                if isinstance(item, dict | list):
-                    self.node(item, f"{path}[{i}]", depth + 1)
+                if isinstance(item, dict):
+                    self.visit(item, (trail, i), depth + 1)
+                elif isinstance(item, list):
+                    self.node(item, (trail, i), depth + 1)
 
     def visit(
-        self, obj: dict[str, Any], path: str, depth: int, skip: frozenset[str] = frozenset()
+        self, obj: dict[str, Any], trail: Trail, depth: int, skip: frozenset[str] = frozenset()
     ) -> None:
         """Checks `obj` and everything below it; `skip` names keys its caller handled."""
         if depth >= MAX_DEPTH:
-            raise InvalidRequest("The request body is nested too deeply.", param=path)
-        prefix = f"{path}." if path else ""
+            raise InvalidRequest("The request body is nested too deeply.", param=render(trail))
         ptype = obj.get("type")
         if not isinstance(ptype, str | None) and not _PART_KEYS.isdisjoint(obj):
             # Checked before the part's values, so it is what a client hears about.
-            raise InvalidRequest("A content part's type must be a string.", param=f"{prefix}type")
+            raise InvalidRequest(
+                "A content part's type must be a string.", param=render((trail, "type"))
+            )
         is_part = isinstance(ptype, str) and ptype in MEDIA_TYPES
         before = len(self.items)
         for key, value in obj.items():
+            if key not in _SPECIAL_KEYS:
+                # The common case: paths are rendered only where something is found.
+                if isinstance(value, dict):
+                    self.visit(value, (trail, key), depth + 1)
+                elif isinstance(value, list):
+                    self.node(value, (trail, key), depth + 1)
+                continue
             if key in skip:
                 continue
+            path = render((trail, key))
             if key in FORBIDDEN_ANYWHERE:
-                self._forbidden(key, value, prefix + key)
+                self._forbidden(key, value, path)
             if key in MEDIA_KEYS:
                 is_part = True
-                self.media_value(obj, key, value, ptype, prefix + key, depth)
+                self.media_value(obj, key, value, ptype, path, depth)
             elif key == SOURCE_KEY and isinstance(value, dict):
-                self.source(obj, value, ptype, prefix + key, depth)
-            elif isinstance(value, dict | list):
-                self.node(value, prefix + key, depth + 1)
+                self.source(obj, value, ptype, path, depth)
+            elif isinstance(value, dict):
+                self.visit(value, path, depth + 1)
+            elif isinstance(value, list):
+                self.node(value, path, depth + 1)
         if is_part:
-            self.part(obj, ptype, path, skip, has_media=len(self.items) > before)
+            self.part(obj, ptype, render(trail), skip, has_media=len(self.items) > before)
 
     def _forbidden(self, key: str, value: object, path: str) -> None:
         setting = FORBIDDEN_ANYWHERE[key]
