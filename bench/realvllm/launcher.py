@@ -53,8 +53,10 @@ ENGINE_ENV = {
 DROPPED_ENV = ("http_proxy", "https_proxy", "all_proxy", "no_proxy", "ws_proxy", "wss_proxy")
 
 STARTUP_TIMEOUT = 300.0
-# vLLM logs each route as it starts: "Route: /v1/models, Methods: GET".
-ROUTE_LINE = re.compile(r"Route: (\S+), Methods: ([A-Z, ]+)")
+# vLLM logs each route as it starts (vllm/entrypoints/launchers/launcher.py):
+# "Route: /v1/models, Methods: GET", and "Route: /v1/realtime, Endpoint: realtime" for
+# routes without methods (WebSockets).
+ROUTE_LINE = re.compile(r"Route: (\S+), (?:Methods: ([A-Z, ]+)|Endpoint: \w+)")
 
 
 class EngineError(RuntimeError):
@@ -253,7 +255,8 @@ class Engine:
         """The routes vLLM logged at start, with their methods."""
         routes: dict[str, set[str]] = {}
         for path, methods in ROUTE_LINE.findall(self.log()):
-            routes.setdefault(path, set()).update(m.strip() for m in methods.split(","))
+            found = routes.setdefault(path, set())
+            found.update(m.strip() for m in methods.split(",") if m.strip())
         return routes
 
     def rss_bytes(self) -> int:
@@ -324,6 +327,10 @@ def start_all(engines: Sequence[Engine], timeout: float = STARTUP_TIMEOUT) -> li
     return list(engines)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.realvllm.launcher", description=__doc__)
     p.add_argument("model", help="a model name under $VLLM_CPU_HOME/models, or a folder")
@@ -331,6 +338,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("extra", nargs="*", help="after --: more `vllm serve` arguments")
     a = p.parse_args(argv)
     engine = Engine(a.model, args=a.extra, port=a.port)
+    # SIGTERM stops the engine too (a background job ignores SIGINT).
+    signal.signal(signal.SIGTERM, _interrupt)
     engine.start()
     print(
         f"{engine.name}: {engine.url} pid {engine.pid}, started in {engine.startup_seconds:.1f}"

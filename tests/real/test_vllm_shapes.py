@@ -18,7 +18,7 @@ from gateway.payload.rules import FORBIDDEN_ANYWHERE, FORBIDDEN_TYPES, MEDIA_KEY
 pytestmark = pytest.mark.real_vllm
 
 # Run with the engine venv's interpreter: what vLLM's chat renderer and APIs accept.
-_PROBE = r'''
+_PROBE = r"""
 import inspect, json, re, typing
 from vllm.renderers import chat_utils as cu
 from vllm.entrypoints.generate.structured_decisions.protocol import StructuredDecisionRequest
@@ -36,7 +36,7 @@ print(json.dumps({
     "anthropic_source": inspect.getsource(
         AnthropicServingMessages._convert_image_source_to_url),
 }))
-'''
+"""
 
 
 @pytest.fixture(scope="module")

