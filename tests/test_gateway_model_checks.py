@@ -105,6 +105,20 @@ def test_upload_model_field_is_checked(stack: Stack, key: str, model: str | None
     assert stack.received() == before
 
 
+def test_upload_with_vllm_xargs_is_refused(stack: Stack) -> None:
+    # The form twin of the JSON field: it seeds the engine request's extra args.
+    before = stack.received()
+    r = httpx.post(
+        stack.gateway.url + "/v1/audio/transcriptions",
+        headers=auth(FULL),
+        files={"file": ("a.wav", wav(), "audio/wav")},
+        data={"model": MODEL, "vllm_xargs": '{"kv_transfer_params": {"remote_host": "x"}}'},
+        timeout=30,
+    )
+    assert (r.status_code, code_of(r)) == (400, "field_not_allowed")
+    assert stack.received() == before
+
+
 @pytest.mark.parametrize(("key", "model"), [(LIMITED, MODEL), (FULL, MODEL), (FULL, None)])
 def test_upload_with_an_allowed_model_is_forwarded(
     stack: Stack, key: str, model: str | None
