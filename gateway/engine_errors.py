@@ -29,9 +29,10 @@ ADDRESS = "<address>"
 _URL = re.compile(r"\b(?:[a-z][a-z0-9+.-]{0,30}://|(?:file|data):)[^\s'\"<>`]+", re.I)
 # What a URL may end with but a sentence usually does: kept outside the replacement.
 _TRAILING = ".,;:!?)]}"
-# host:port, the host an IPv6 literal in brackets, an IPv4 address or a DNS name (a name
-# must contain a letter, so `12:30` and `1:2` are left alone). IPv6 literals are replaced
-# before names are looked at, or `8a2e:370` inside one would read as a name and a port.
+# host:port, the host an IPv6 literal in brackets (`_BRACKETED`), or an IPv4 address or
+# a DNS name (`_HOST_PORT`; a name must contain a letter, so `12:30` and `1:2` are left
+# alone). IPv6 literals are replaced before names are looked at, or `8a2e:370` inside one
+# would read as a name and a port.
 # Bounded repetitions only: bodies are scrubbed whole, and nested quantifiers backtrack
 # quadratically.
 _BRACKETED = re.compile(r"\[[0-9a-f:.]{2,45}\](?::\d{1,5})?(?![\w])", re.I)
@@ -64,7 +65,8 @@ def _host_port(m: re.Match[str]) -> str:
 
 def _ipv6(m: re.Match[str]) -> str:
     text = m.group(0)
-    # A literal needs `::` or all eight groups; `12:30:45` is a time, `a::` not much.
+    # A literal has `::` next to at least one group, or all eight groups: `12:30:45` is
+    # a time, and a bare `::` is left alone.
     if ("::" in text and any(c not in ":" for c in text)) or text.count(":") == 7:
         return ADDRESS
     return text
