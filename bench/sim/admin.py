@@ -18,8 +18,8 @@ METRICS_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
 
 async def health(engine: Engine, req: Request) -> None:
-    # vLLM answers 200 with an empty body.
-    await respond(req.send, 200, b"", TEXT)
+    # vLLM answers 200 with an empty body and no content type.
+    await respond(req.send, 200, b"", None)
 
 
 async def version(engine: Engine, req: Request) -> None:

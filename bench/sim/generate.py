@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from bench.sim import prompt, tokenizer
+from bench.sim.config import VERSION
 from bench.sim.engine import Engine, EngineRequest
 from bench.sim.errors import bad_request, invalid_body
 from bench.sim.http import Request, end_stream, respond_json, send_event, start_stream
@@ -99,7 +100,15 @@ def _usage(prompt_tokens: int, completion: int, cached: int) -> dict[str, Any]:
         "total_tokens": prompt_tokens + completion,
         "completion_tokens": completion,
         "prompt_tokens_details": {"cached_tokens": cached},
+        "completion_tokens_details": None,
     }
+
+
+# Fields vLLM 0.32 puts in every non-streamed answer, null unless asked for
+# (tests/real/test_fidelity.py compares the keys with the real engine's).
+RESPONSE_NULLS = {"kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+CHOICE_NULLS = {"stop_reason": None, "token_ids": None, "routed_experts": None}
+FINGERPRINT = {"system_fingerprint": f"vllm-{VERSION}-sim"}
 
 
 async def chat(engine: Engine, req: Request) -> None:
@@ -145,7 +154,7 @@ async def chat(engine: Engine, req: Request) -> None:
                 "message": message,
                 "logprobs": None,
                 "finish_reason": reason,
-                "stop_reason": None,
+                **CHOICE_NULLS,
             }
             await respond_json(
                 req.send,
@@ -154,10 +163,12 @@ async def chat(engine: Engine, req: Request) -> None:
                     "model": model,
                     "choices": [choice],
                     "service_tier": None,
-                    "system_fingerprint": None,
+                    **FINGERPRINT,
                     "usage": usage,
                     "prompt_logprobs": None,
-                    "kv_transfer_params": None,
+                    "prompt_token_ids": None,
+                    "prompt_text": None,
+                    **RESPONSE_NULLS,
                 },
             )
             return
@@ -184,7 +195,7 @@ async def chat(engine: Engine, req: Request) -> None:
             await send_event(req.send, {**head, "choices": [choice]})
         cache_reply()
         if include_usage:
-            await send_event(req.send, {**head, "choices": [], "usage": usage})
+            await send_event(req.send, {**head, "choices": [], "usage": usage, **FINGERPRINT})
         await end_stream(req.send)
 
 
@@ -226,13 +237,22 @@ async def completions(engine: Engine, req: Request) -> None:
                     "text": "".join(pieces),
                     "logprobs": None,
                     "finish_reason": reason,
-                    "stop_reason": None,
+                    **CHOICE_NULLS,
                     "prompt_logprobs": None,
+                    "prompt_token_ids": None,
                 }
                 for i, (pieces, reason) in enumerate(results)
             ]
             await respond_json(
-                req.send, {**head, "choices": choices, "usage": usage, "kv_transfer_params": None}
+                req.send,
+                {
+                    **head,
+                    "choices": choices,
+                    "service_tier": None,
+                    **FINGERPRINT,
+                    "usage": usage,
+                    **RESPONSE_NULLS,
+                },
             )
             return
         await start_stream(req.send)
@@ -249,7 +269,7 @@ async def completions(engine: Engine, req: Request) -> None:
                 }
                 await send_event(req.send, {**head, "choices": [choice]})
         if include_usage:
-            await send_event(req.send, {**head, "choices": [], "usage": usage})
+            await send_event(req.send, {**head, "choices": [], "usage": usage, **FINGERPRINT})
         await end_stream(req.send)
 
 

@@ -81,10 +81,12 @@ async def respond(
     send: Send,
     status: int,
     body: bytes,
-    content_type: bytes = JSON,
+    content_type: bytes | None = JSON,
     headers: Iterable[tuple[bytes, bytes]] = (),
 ) -> None:
-    raw = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+    raw = [(b"content-length", str(len(body)).encode())]
+    if content_type is not None:
+        raw.append((b"content-type", content_type))
     raw.extend(headers)
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body})

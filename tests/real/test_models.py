@@ -41,6 +41,6 @@ def test_two_builds_are_byte_identical(real_home: Home, tmp_path: Path) -> None:
     for name in ALL:
         for needed in ("config.json", "model.safetensors", "tokenizer.json"):
             assert f"{name}/{needed}" in first
-    assert {"tiny-qwen2vl/preprocessor_config.json", "tiny-bert-embed/modules.json"} <= set(first)
+    assert {"tiny-qwen2vl/processor_config.json", "tiny-bert-embed/modules.json"} <= set(first)
     # And the models the tier serves are this build.
     assert digests(real_home.models) == first

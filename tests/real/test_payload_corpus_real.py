@@ -28,8 +28,8 @@ import pytest
 from bench.realvllm.launcher import Engine
 from tests import corpus
 from tests.corpus import Case, Fill
-from tests.procs import Proc, RecordingServer, Route, wait_for
-from tests.real.harness import AUTH, gateway, received
+from tests.procs import Proc, RecordingServer, Route, gateway_proc, wait_for
+from tests.real.harness import AUTH, gateway_env, received
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(900)]
 
@@ -64,12 +64,17 @@ def real_stack(
             "GATEWAY_MEDIA__ALLOWED_SCHEMES": '["http"]',
             "GATEWAY_MEDIA__ALLOWED_NETWORKS": '["127.0.0.0/8"]',
         }
-        with (
-            gateway(tmp, [real_multimodal_engine], **media) as gw,
-            httpx.Client(timeout=120) as http,
-        ):
-            yield RealStack(real_multimodal_engine, gw, origin, canary, http,
-                            Fill(origin.url, canary.url, real_multimodal_engine.name))  # fmt: skip
+        # Started here rather than with harness.gateway: on a loaded 2-core machine (other
+        # engines warming up) the gateway's start can take longer than its 30 s.
+        gw = gateway_proc(tmp, gateway_env([real_multimodal_engine], **media))
+        try:
+            gw.start("/healthz", timeout=180)
+            assert wait_for(lambda: httpx.get(gw.url + "/readyz").status_code == 200, 120)
+            fill = Fill(origin.url, canary.url, real_multimodal_engine.name)
+            with httpx.Client(timeout=120) as http:
+                yield RealStack(real_multimodal_engine, gw, origin, canary, http, fill)
+        finally:
+            gw.stop()
         # Over the whole module, whatever failed in between.
         assert canary.connections == 0 and not canary.hits, canary.hits[:5]
         fetchers = {h.headers.get("User-Agent") for h in origin.hits}
