@@ -29,12 +29,8 @@ from gateway.errors import (
 )
 from gateway.media.av import AUDIO_TYPES, sniff, validate_audio
 from gateway.media.settings import MediaSettings
+from gateway.payload.rules import FORBIDDEN_FORM_FIELDS
 
-# Form fields with the same meaning as the JSON fields payload.py refuses.
-_FORBIDDEN_FORM_FIELDS = frozenset(
-    {"prompt_embeds", "kv_transfer_params", "ec_transfer_params", "media_io_kwargs",
-     "mm_processor_kwargs", "chat_template", "vllm_xargs"}
-)  # fmt: skip
 _MAX_HEADER_BYTES = 4096
 
 
@@ -162,7 +158,7 @@ def _check(parts: list[_Part], settings: MediaSettings) -> Upload:
     fields: dict[str, list[str]] = {}
     files = [p for p in parts if p.name == "file"]
     for part in parts:
-        if part.name in _FORBIDDEN_FORM_FIELDS:
+        if part.name in FORBIDDEN_FORM_FIELDS:
             raise FieldNotAllowed(f"The field '{part.name}' is not allowed.", param=part.name)
         if part.name == "file":
             continue
