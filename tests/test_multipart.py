@@ -88,6 +88,9 @@ def test_octet_stream_uploads_are_named_by_their_magic_bytes() -> None:
          .encode(), InvalidRequest),  # no Content-Disposition name
         (CTYPE, form(audio(), ("mm_processor_kwargs", b"{}", None, None)), FieldNotAllowed),
         (CTYPE, form(audio(), ("kv_transfer_params", b"{}", None, None)), FieldNotAllowed),
+        (CTYPE, form(audio(), ("priority", b"-100", None, None)), FieldNotAllowed),
+        (CTYPE, form(audio(), ("request_id", b"another-tenants-id", None, None)), FieldNotAllowed),
+        (CTYPE, form(audio(), ("image_embeds", b"AAAA", None, None)), FieldNotAllowed),
         (CTYPE, form(audio(HTML, "audio/wav")), MediaInvalid),
         (CTYPE, form(audio(SVG, "application/octet-stream")), MediaInvalid),
         (CTYPE, form(audio(png(), "audio/wav")), MediaInvalid),
