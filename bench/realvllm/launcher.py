@@ -24,7 +24,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,6 +131,8 @@ class Engine:
     model: str
     served_name: str | None = None
     args: Sequence[str] = ()
+    # Set for this engine on top of ENGINE_ENV (e.g. VLLM_CPU_OMP_THREADS_BIND).
+    env: Mapping[str, str] = field(default_factory=dict)
     port: int = 0
     workdir: Path | None = None
     home: Home = field(default_factory=Home.default)
@@ -177,6 +179,7 @@ class Engine:
             if k.lower() not in DROPPED_ENV and not k.startswith(("GATEWAY_", "VLLM_"))
         }
         env.update(ENGINE_ENV)
+        env.update(self.env)
         cache = self.workdir / "cache"
         env.update(
             {

@@ -18,6 +18,7 @@ Each is a `bench.realvllm.launcher.Engine`: `.url`, `.name` (the model id to sen
 
 from __future__ import annotations
 
+import signal
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -68,6 +69,19 @@ class Engines:
     def close(self) -> None:
         self.stop(*list(self._starts))
         self._pool.shutdown()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _teardown_on_sigterm() -> Iterator[None]:
+    """A tier ended with SIGTERM (a CI timeout, a `kill`) still stops its engines: pytest
+    tears the fixtures down on KeyboardInterrupt, not on a signal it does not handle."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    yield
+    signal.signal(signal.SIGTERM, previous)
 
 
 @pytest.fixture(scope="session")

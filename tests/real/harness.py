@@ -98,6 +98,15 @@ def chat_body(model: str, content: object, **extra: object) -> dict[str, object]
     }
 
 
+def raw_chat_request(body: Mapping[str, object], headers: Mapping[str, str] | None = None) -> bytes:
+    """A chat request as bytes on the wire, for a client that closes its socket itself."""
+    payload = json.dumps(body).encode()
+    lines = ["POST /v1/chat/completions HTTP/1.1", "Host: 127.0.0.1"]
+    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    lines += ["Content-Type: application/json", f"Content-Length: {len(payload)}", "", ""]
+    return "\r\n".join(lines).encode() + payload
+
+
 def image_part(url: str) -> dict[str, object]:
     return {"type": "image_url", "image_url": {"url": url}}
 

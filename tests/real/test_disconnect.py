@@ -12,7 +12,6 @@ failed to cancel would instead run to `max_tokens` and count as finished (`lengt
 
 from __future__ import annotations
 
-import json
 import socket
 import time
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ import pytest
 
 from bench.realvllm.launcher import Engine
 from tests.procs import Proc, wait_for
-from tests.real.harness import AUTH, chat_body, gateway, metric
+from tests.real.harness import AUTH, chat_body, gateway, metric, raw_chat_request
 
 pytestmark = pytest.mark.real_vllm
 
@@ -49,16 +48,6 @@ class Progress:
             metric(engine, "vllm:generation_tokens_total"),
             metric(engine, "vllm:request_success_total"),
         )
-
-
-def raw_request(port: int, body: dict[str, object]) -> bytes:
-    payload = json.dumps(body).encode()
-    head = (
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-        f"Authorization: {AUTH['Authorization']}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
-    )
-    return head.encode() + payload
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "not streamed"])
@@ -88,7 +77,7 @@ def test_client_disconnect_aborts_the_request_in_vllm(
         # A raw connection: the request sent, no answer read, the socket closed while the
         # engine is at work on it.
         with socket.create_connection(("127.0.0.1", chat_gw.port)) as conn:
-            conn.sendall(raw_request(chat_gw.port, body))
+            conn.sendall(raw_chat_request(body, AUTH))
             assert wait_for(at_work, timeout=10), Progress.of(engine)
     # The client is gone: the request leaves the running set at once...
     assert wait_for(lambda: Progress.of(engine).running == 0, timeout=5), Progress.of(engine)

@@ -10,6 +10,8 @@ does a listed one that went away (the list must stay true).
 from __future__ import annotations
 
 import json
+import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +19,8 @@ import httpx
 import pytest
 
 from bench.realvllm.launcher import Engine
-from tests.procs import Proc, running, scrape, sim_proc
+from tests.procs import Proc, running, scrape, sim_proc, wait_for
+from tests.real.harness import raw_chat_request
 
 pytestmark = pytest.mark.real_vllm
 
@@ -151,3 +154,42 @@ def test_sim_answers_like_the_real_engine(sim: Proc, real_chat_engine: Engine) -
 def test_metrics_the_gateway_reads_exist_on_the_real_engine(real_chat_engine: Engine) -> None:
     names = {name for name, _ in scrape(real_chat_engine.url + "/metrics")}
     assert set(METRICS) <= names
+
+
+def abort_counted(url: str, port: int, model: str) -> bool:
+    """Whether a client that leaves mid-request moves
+    `vllm:request_success_total{finished_reason="abort"}`."""
+
+    def sample(name: str, **labels: str) -> float:
+        return sum(
+            v
+            for (n, ls), v in scrape(url + "/metrics").items()
+            if n == name and labels.items() <= dict(ls).items()
+        )
+
+    before = sample("vllm:request_success_total", finished_reason="abort")
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Count the trees."}],
+        "max_tokens": 1900,
+        "ignore_eos": True,
+    }
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        conn.sendall(raw_chat_request(body))
+        assert wait_for(lambda: sample("vllm:num_requests_running") == 1, timeout=10)
+    assert wait_for(lambda: sample("vllm:num_requests_running") == 0, timeout=10)
+    time.sleep(0.5)
+    return sample("vllm:request_success_total", finished_reason="abort") > before
+
+
+def test_client_abort_accounting_differs_as_documented(
+    tmp_path_factory: pytest.TempPathFactory, real_chat_engine: Engine
+) -> None:
+    # vLLM 0.32 aborts a client's request in the API server and records no finished
+    # request; the simulator counts it under finished_reason="abort" (docs/sim.md, and
+    # tests/test_sim_latency.py pins it). The gateway reads neither.
+    proc = sim_proc(tmp_path_factory.mktemp("fidelity-abort"), "--model", real_chat_engine.name)
+    with running(proc):
+        assert abort_counted(proc.url, proc.port, real_chat_engine.name) is True
+    engine = real_chat_engine
+    assert abort_counted(engine.url, engine.port, engine.name) is False
