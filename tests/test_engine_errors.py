@@ -174,8 +174,10 @@ def test_engine_errors_are_replaced(gateway: Proc, scenario: str, status: int, c
     assert (r.status_code, error["code"]) == (status, "engine_error")
     assert error["type"] == ("server_error" if status >= 500 else "invalid_request_error")
     assert request_id in error["message"]
+    # The random request id is ours to show; it may contain a leak's digits by chance.
+    shown = r.text.replace(request_id, "<id>")
     for leak in (*LEAKS, "10.0.0.1", "Traceback", "draining", "html"):
-        assert leak not in r.text, leak
+        assert leak not in shown, leak
     assert r.headers["content-type"] == "application/json"
     assert int(r.headers["content-length"]) == len(r.content)
     # The engine's answer is in the gateway's log, under the same request id.
