@@ -18,11 +18,12 @@ import aiohttp
 import orjson
 import structlog
 
+from gateway.asgi import ASGIApp, Receive, Scope, Send
 from gateway.auth import KeyConfigError, KeyRing, build_keys, load_key_file
 from gateway.config import Settings, load_settings
 from gateway.endpoints import Action
 from gateway.errors import UnknownEndpoint
-from gateway.exchange import SCOPE_KEY, ASGIApp, Exchange, Receive, Scope, Send
+from gateway.exchange import exchange_of
 from gateway.logging import RequestLog, configure_logging
 from gateway.metrics import CONTENT_TYPE, Metrics
 from gateway.middleware import Authentication, EndpointGuard, InFlightLimit, RequestContext
@@ -30,7 +31,7 @@ from gateway.payload import PayloadInspector
 from gateway.proxy import Proxy
 from gateway.routing.policy import make_policy
 from gateway.routing.pool import EnginePool
-from gateway.upstream import Upstream
+from gateway.upstream import Upstream, UpstreamClient
 
 # The env var through which `vllm-gateway serve --workers N` hands each worker its
 # config file (uvicorn starts workers from an import string, not an object).
@@ -77,7 +78,7 @@ class LocalRoutes:
             status, body, content_type = 200, self.metrics.render(), CONTENT_TYPE
         else:
             raise UnknownEndpoint()
-        ex: Exchange = scope[SCOPE_KEY]
+        ex = exchange_of(scope)
         ex.bytes_out = len(body)
         headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -92,7 +93,7 @@ class Dispatch:
         self.proxy = proxy
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        ex: Exchange = scope[SCOPE_KEY]
+        ex = exchange_of(scope)
         if ex.route.action is Action.local:
             await self.local(scope, receive, send)
         else:
@@ -136,9 +137,14 @@ class KeyFileWatcher:
 
 
 class Gateway:
-    """The ASGI application: the middleware stack for HTTP, and the lifespan."""
+    """The ASGI application: the middleware stack for HTTP, and the lifespan.
 
-    def __init__(self, settings: Settings) -> None:
+    Every collaborator is built here, whole, from settings, or handed in (`upstream`:
+    the client requests are forwarded with, a fake engine in tests). The lifespan
+    starts the background work and owns everything that must be closed, in one
+    `AsyncExitStack`: what started last is closed first."""
+
+    def __init__(self, settings: Settings, *, upstream: UpstreamClient | None = None) -> None:
         self.settings = settings
         self.metrics = Metrics()
         keys = build_keys(settings.api_keys)
@@ -153,17 +159,23 @@ class Gateway:
         self.pool.extra_models = frozenset(settings.served_models)
         self.pool.models = self.pool.extra_models
         self.inspector = PayloadInspector(settings.media, settings.payload)
+        t = settings.timeouts
+        self.upstream: UpstreamClient = upstream or Upstream(
+            connect_timeout=t.connect,
+            # Bounds the wait for the response headers; the silence between body chunks
+            # is bounded separately by `timeouts.idle`.
+            first_byte_timeout=t.first_byte,
+            keepalive=t.upstream_keepalive,
+        )
         policy = make_policy(settings.routing)
         self.metrics.watch_pool(lambda: self.pool.engines, policy.name)
-        self.proxy = Proxy(settings, self.pool, policy, self.metrics, self.inspector)
+        self.proxy = Proxy(settings, self.pool, policy, self.metrics, self.inspector, self.upstream)
         self.watcher = (
             KeyFileWatcher(settings.api_keys_file, self.keyring, settings)
             if settings.api_keys_file is not None
             else None
         )
-        self._session: aiohttp.ClientSession | None = None
-        self._upstream: Upstream | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._exit: contextlib.AsyncExitStack | None = None
 
         logger = structlog.get_logger("gateway")
         self.request_log = RequestLog(logger, settings.log_format, settings.log_level)
@@ -202,27 +214,35 @@ class Gateway:
             await send({"type": "websocket.close", "code": 1008})
 
     async def startup(self) -> None:
-        # aiohttp serves the health checks and model lists; requests are forwarded by
-        # the proxy's own upstream client.
-        connector = aiohttp.TCPConnector(
-            limit=self.settings.limits.max_in_flight + 16,
-            limit_per_host=0,
-            keepalive_timeout=self.settings.timeouts.upstream_keepalive,
-            # Engines are addressed by URL in settings; cache their DNS briefly.
-            ttl_dns_cache=10,
-        )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            # Bytes are relayed as the engine sent them; the client decompresses.
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
-            cookie_jar=aiohttp.DummyCookieJar(),
-        )
-        self._upstream = self.proxy.start()
-        self.request_log.bind(asyncio.get_running_loop())
-        await self.pool.start(self._session)
-        if self.watcher is not None:
-            self._tasks.append(asyncio.create_task(self.watcher.run(), name="key-file"))
+        async with contextlib.AsyncExitStack() as stack:
+            stack.callback(self.request_log.flush)
+            stack.push_async_callback(self.upstream.aclose)
+            stack.push_async_callback(self.inspector.aclose)
+            # aiohttp serves the health checks and model lists; requests are forwarded
+            # by the upstream client.
+            connector = aiohttp.TCPConnector(
+                limit=self.settings.limits.max_in_flight + 16,
+                limit_per_host=0,
+                keepalive_timeout=self.settings.timeouts.upstream_keepalive,
+                # Engines are addressed by URL in settings; cache their DNS briefly.
+                ttl_dns_cache=10,
+            )
+            session = await stack.enter_async_context(
+                aiohttp.ClientSession(
+                    connector=connector,
+                    auto_decompress=False,
+                    skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+                    cookie_jar=aiohttp.DummyCookieJar(),
+                )
+            )
+            self.request_log.bind(asyncio.get_running_loop())
+            await self.pool.start(session)
+            stack.push_async_callback(self.pool.stop)
+            if self.watcher is not None:
+                task = asyncio.create_task(self.watcher.run(), name="key-file")
+                stack.push_async_callback(_cancel, task)
+            # Started whole: from here the stack is closed by `shutdown`.
+            self._exit = stack.pop_all()
         log.info(
             "gateway_started",
             engines=len(self.pool.engines),
@@ -231,20 +251,9 @@ class Gateway:
         )
 
     async def shutdown(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks.clear()
-        await self.pool.stop()
-        await self.inspector.aclose()
-        if self._upstream is not None:
-            await self._upstream.aclose()
-            self._upstream = None
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-        self.request_log.flush()
+        exit_stack, self._exit = self._exit, None
+        if exit_stack is not None:
+            await exit_stack.aclose()
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -263,9 +272,16 @@ class Gateway:
                 return
 
 
-def create_app(settings: Settings) -> Gateway:
-    """Build the gateway for `settings`. Raises KeyConfigError for unusable keys."""
-    return Gateway(settings)
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def create_app(settings: Settings, *, upstream: UpstreamClient | None = None) -> Gateway:
+    """Build the gateway for `settings`, forwarding through `upstream` (default: the
+    gateway's own keep-alive client). Raises KeyConfigError for unusable keys."""
+    return Gateway(settings, upstream=upstream)
 
 
 def tune_collector() -> None:

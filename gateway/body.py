@@ -1,17 +1,30 @@
-"""Reading request bodies from ASGI `receive` under a size cap.
+"""Reading a request's body as its route declares it, under a size cap.
 
-The cap is enforced while reading, so a body sent without `Content-Length` (chunked) is
-cut off at the cap instead of being buffered whole first.
+    incoming = await read_incoming(scope, receive, route, settings)
+
+A JSON body is read whole and parsed once into an object; a multipart upload is read
+whole and validated (gateway/multipart.py); other routes take no body. The cap is
+enforced while reading, so a body sent without `Content-Length` (chunked) is cut off at
+the cap instead of being buffered whole first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
-from gateway.errors import RequestTooLarge
+import orjson
 
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+from gateway.asgi import Receive, Scope
+from gateway.config import Settings
+from gateway.endpoints import BodyKind, Route
+from gateway.errors import InvalidJson, RequestTooLarge, UnsupportedMediaType
+from gateway.multipart import Upload, validate_upload
+
+# The Content-Type a JSON request is forwarded with: the media type that was checked,
+# never the client's header (a `Connection: content-type` once stripped that header
+# after it was validated).
+_JSON_CONTENT_TYPE = (b"content-type", b"application/json")
 
 
 class ClientDisconnected(Exception):
@@ -59,3 +72,71 @@ async def read_body(receive: Receive, limit: int) -> bytes:
     if len(chunks) == 1:
         return chunks[0]
     return b"".join(chunks)
+
+
+@dataclass(frozen=True, slots=True)
+class Incoming:
+    """A request's body as read: the bytes to forward, the parsed JSON object or the
+    validated upload, and the Content-Type header to forward with them."""
+
+    data: bytes | None = None
+    json: dict[str, Any] | None = None
+    upload: Upload | None = None
+    content_type: tuple[bytes, bytes] | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.data) if self.data is not None else 0
+
+
+_NO_BODY = Incoming()
+
+
+def header(scope: Scope, name: bytes) -> bytes | None:
+    """The first value of a request header (`name` in lower case), or None."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None
+
+
+def _is_json(content_type: bytes | None) -> bool:
+    if content_type is None:
+        return False
+    return content_type.split(b";", 1)[0].strip().lower() == b"application/json"
+
+
+async def read_incoming(
+    scope: Scope, receive: Receive, route: Route, settings: Settings
+) -> Incoming:
+    """The request's body as `route` declares it. Raises UnsupportedMediaType,
+    RequestTooLarge, InvalidJson, ClientDisconnected and the upload's refusals."""
+    limits = settings.limits
+    if route.body is BodyKind.json:
+        if not _is_json(header(scope, b"content-type")):
+            raise UnsupportedMediaType("This endpoint takes 'Content-Type: application/json'.")
+        check_declared(scope["headers"], limits.max_body_bytes)
+        raw = await read_body(receive, limits.max_body_bytes)
+        try:
+            loaded = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise InvalidJson("The request body is not valid JSON.") from None
+        if not isinstance(loaded, dict):
+            raise InvalidJson("The request body must be a JSON object.")
+        return Incoming(raw, loaded, None, _JSON_CONTENT_TYPE)
+    if route.body is BodyKind.multipart:
+        # Read whole (capped) and validated before anything reaches an engine: the
+        # upload is forwarded only when it is one well-formed audio file.
+        check_declared(scope["headers"], limits.max_upload_bytes)
+        raw = await read_body(receive, limits.max_upload_bytes)
+        declared = header(scope, b"content-type")
+        upload = validate_upload(
+            None if declared is None else declared.decode("latin-1"),
+            raw,
+            settings.media,
+            max_file_bytes=limits.max_upload_bytes,
+        )
+        # The boundary the body was parsed with; validate_upload refused any other.
+        content_type = (b"content-type", declared) if declared is not None else None
+        return Incoming(raw, None, upload, content_type)
+    return _NO_BODY

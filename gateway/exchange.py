@@ -6,17 +6,9 @@ outermost one turns it into the request's log line and metrics.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
-
+from gateway.asgi import Scope
 from gateway.auth import ApiKey
 from gateway.endpoints import UNKNOWN, Route
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # The scope key under which the exchange travels.
 SCOPE_KEY = "gateway.exchange"

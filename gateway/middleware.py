@@ -11,8 +11,11 @@ import re
 import time
 from typing import Any
 
+from gateway.asgi import ASGIApp, Message, Receive, Scope, Send
 from gateway.auth import KeyRing
+from gateway.authorize import check_route
 from gateway.body import ClientDisconnected
+from gateway.body import header as _header
 from gateway.config import LimitsSettings
 from gateway.endpoints import Action, Group, match
 from gateway.errors import (
@@ -20,13 +23,12 @@ from gateway.errors import (
     GatewayError,
     MethodNotAllowed,
     Overloaded,
-    PermissionDenied,
     TooManyHeaders,
     UnknownEndpoint,
     error_body,
     send_error,
 )
-from gateway.exchange import SCOPE_KEY, ASGIApp, Exchange, Message, Receive, Scope, Send
+from gateway.exchange import SCOPE_KEY, Exchange, exchange_of
 from gateway.logging import RequestLog
 from gateway.metrics import Metrics
 
@@ -55,13 +57,6 @@ class RequestIds:
             pos = 0
         self._pos = pos + 16
         return self._buffer[pos : pos + 16].hex()
-
-
-def _header(scope: Scope, name: bytes) -> bytes | None:
-    for key, value in scope["headers"]:
-        if key == name:
-            return bytes(value)
-    return None
 
 
 class RequestContext:
@@ -168,7 +163,7 @@ class EndpointGuard:
         self.keyring = keyring
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        ex: Exchange = scope[SCOPE_KEY]
+        ex = exchange_of(scope)
         raw_path: bytes = scope.get("raw_path") or scope["path"].encode("utf-8", "replace")
         found = match(raw_path)
         route = found.route
@@ -196,7 +191,7 @@ class Authentication:
         self.public_metrics = public_metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        ex: Exchange = scope[SCOPE_KEY]
+        ex = exchange_of(scope)
         group = ex.route.group
         if group is None or (group is Group.metrics and self.public_metrics):
             await self.app(scope, receive, send)
@@ -204,8 +199,7 @@ class Authentication:
         key = self.keyring.authenticate(_header(scope, b"authorization"))
         ex.key = key
         ex.key_name = key.name
-        if group not in key.scopes:
-            raise PermissionDenied(f"This API key has no '{group.value}' scope.")
+        check_route(key, ex.route)
         await self.app(scope, receive, send)
 
 
@@ -219,7 +213,7 @@ class InFlightLimit:
         metrics.count_in_flight(lambda: self.current)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        ex: Exchange = scope[SCOPE_KEY]
+        ex = exchange_of(scope)
         if ex.route.action is not Action.forward:
             await self.app(scope, receive, send)
             return

@@ -10,7 +10,8 @@ response parsed by httptools (llhttp, the parser uvicorn uses), the body handed 
 it arrives. The engine is addressed by configured URL only; nothing here follows
 redirects, decompresses, or adds headers besides Host and Content-Length.
 
-Health checks and media fetching keep their own clients.
+Health checks and media fetching keep their own clients. The proxy depends only on the
+`UpstreamClient` and `Response` protocols below, so tests can hand it a fake engine.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import asyncio
 import ssl
 from collections import deque
 from collections.abc import Sequence
-from typing import cast
+from typing import Protocol, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -50,6 +51,46 @@ class ReadTimeout(UpstreamError):
 
 class ConnectionBroken(UpstreamError):
     """The connection failed or carried something that is not an HTTP response."""
+
+
+class Response(Protocol):
+    """An engine's answer as the relay reads it (`UpstreamResponse`, or a test's fake)."""
+
+    status: int
+    raw_headers: list[tuple[bytes, bytes]]
+    content_length: int | None
+    content_type: str
+
+    async def read(self, limit: float) -> bytes:
+        """The whole body within `limit` seconds; raises ReadTimeout or ConnectionBroken."""
+        ...
+
+    async def readany(self) -> bytes:
+        """The next bytes of the body, b"" at its end; raises ConnectionBroken."""
+        ...
+
+    def close(self) -> None:
+        """Release the answer: its connection is reused only if it was read to the end."""
+        ...
+
+
+class UpstreamClient(Protocol):
+    """What the proxy sends requests with (`Upstream`, or a test's fake engine)."""
+
+    async def request(
+        self,
+        origin: Origin,
+        method: str,
+        target: str,
+        headers: Sequence[tuple[bytes, bytes]],
+        body: bytes | None,
+    ) -> Response:
+        """Send one request and return once the response headers arrived. Raises
+        ConnectFailed when nothing reached the engine, FirstByteTimeout, or
+        ConnectionBroken."""
+        ...
+
+    async def aclose(self) -> None: ...
 
 
 class Origin:
@@ -312,14 +353,15 @@ class Upstream:
 
     def __init__(
         self,
-        loop: asyncio.AbstractEventLoop,
         *,
         connect_timeout: float,
         first_byte_timeout: float,
         keepalive: float,
         max_idle: int = 1024,
     ) -> None:
-        self._loop = loop
+        # The running loop, bound on first use: the client is built before the server
+        # starts its loop (asyncio's lookup per request costs a getpid() on 3.11).
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._connect_timeout = connect_timeout
         self._first_byte = first_byte_timeout
         self._keepalive = keepalive
@@ -340,14 +382,15 @@ class Upstream:
         if len(idle) >= self._max_idle:
             conn.abort()
             return
+        assert self._loop is not None  # a connection exists, so a request bound it
         conn.idle_since = self._loop.time()
         conn.resume()
         idle.append(conn)
 
-    async def _connect(self, origin: Origin) -> _Connection:
+    async def _connect(self, origin: Origin, loop: asyncio.AbstractEventLoop) -> _Connection:
         idle = self._idle.get((origin.host, origin.port, origin.ssl))
         if idle:
-            fresh = self._loop.time() - self._keepalive
+            fresh = loop.time() - self._keepalive
             while idle:
                 conn = idle.pop()  # most recently used first
                 transport = conn.transport
@@ -365,7 +408,7 @@ class Upstream:
             context = self._ssl = self._ssl or ssl.create_default_context()
         try:
             async with asyncio.timeout(self._connect_timeout):
-                _, protocol = await self._loop.create_connection(
+                _, protocol = await loop.create_connection(
                     lambda: _Connection(self, origin), origin.host, origin.port, ssl=context
                 )
         except (OSError, TimeoutError, ssl.SSLError):
@@ -387,8 +430,11 @@ class Upstream:
         uvicorn's parser and the endpoint table). Raises ConnectFailed when nothing
         reached the engine, FirstByteTimeout, or ConnectionBroken.
         """
-        conn = await self._connect(origin)
-        response = UpstreamResponse(conn, self._loop)
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        conn = await self._connect(origin, loop)
+        response = UpstreamResponse(conn, loop)
         conn.response = response
         head = [
             f"{method} {origin.base_path}{target} HTTP/1.1\r\n".encode("latin-1"),

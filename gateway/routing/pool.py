@@ -83,6 +83,23 @@ class Engine:
         return f"Engine({self.url!r}, healthy={self.healthy}, in_flight={self.in_flight})"
 
 
+class Lease:
+    """An engine held for one request: counted in its `in_flight` from entering the
+    `with` block to leaving it, however the request ends, so the count cannot drift."""
+
+    __slots__ = ("engine",)
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def __enter__(self) -> Engine:
+        self.engine.in_flight += 1
+        return self.engine
+
+    def __exit__(self, *exc: object) -> None:
+        self.engine.in_flight -= 1
+
+
 class EnginePool:
     """Engines from settings. `start` resolves names and runs the checks; `stop` ends them.
 

@@ -1,0 +1,93 @@
+"""Authorisation in one place: whether a key may use a route's group, and a model.
+
+The route check runs in the `Authentication` middleware, as soon as the key is known;
+the model check in the proxy, once the body that names the model has been read. vLLM
+takes the model from the JSON `model`, from a multipart `model` field (resolved the
+same way: unknown names go on to the LoRA resolvers), and on `/invocations` from a
+header (below); each is checked here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.auth import ApiKey
+from gateway.body import Incoming
+from gateway.endpoints import Route
+from gateway.errors import FieldNotAllowed, ModelNotAllowed, NoEngineAvailable, PermissionDenied
+from gateway.exchange import Exchange
+from gateway.routing.pool import EnginePool
+
+# vLLM's SageMaker wrapper: its body `model` is replaced before vLLM reads it.
+_INVOCATIONS = "/invocations"
+
+
+def check_route(key: ApiKey, route: Route) -> None:
+    """The key's scopes must grant the route's group."""
+    group = route.group
+    if group is not None and group not in key.scopes:
+        raise PermissionDenied(f"This API key has no '{group.value}' scope.")
+
+
+class ModelCheck:
+    """The model a request names must be served and allowed for its key."""
+
+    def __init__(self, pool: EnginePool) -> None:
+        self.pool = pool
+
+    def __call__(self, ex: Exchange, incoming: Incoming) -> None:
+        if incoming.json is not None:
+            if ex.route.path == _INVOCATIONS:
+                self._invocation(ex, incoming.json)
+            else:
+                self._model(ex, incoming.json.get("model"))
+        elif incoming.upload is not None:
+            self._model(ex, incoming.upload.model)
+
+    def _invocation(self, ex: Exchange, body: dict[str, Any]) -> None:
+        """`/invocations`: vLLM 0.32 serves it under `model_hosting_container_standards`
+        (0.1.16), whose `inject_adapter_id(adapter_path="model")` sets the body's `model`
+        to the `X-Amzn-SageMaker-Adapter-Identifier` header, or to null when the header
+        is absent, before vLLM reads the body. The gateway never forwards that header
+        (headers.py), so vLLM always runs its default model there, whatever the body
+        names: a key limited to some models cannot be held to them and is refused.
+        Stateful-session requests (`requestType`) are the wrapper's, not inference."""
+        if "requestType" in body:
+            raise FieldNotAllowed(
+                "SageMaker session requests are not served through this gateway.",
+                param="requestType",
+            )
+        key = ex.key
+        if key is not None and key.models is not None:
+            raise ModelNotAllowed(
+                "This API key may use only some models, and /invocations always runs the "
+                "engine's default model: use the OpenAI-compatible routes."
+            )
+        self._model(ex, body.get("model"))
+
+    def _model(self, ex: Exchange, model: Any) -> None:
+        """`model` (None when absent) must be served and allowed for the key; a key
+        limited to some models must name one."""
+        key = ex.key
+        pool = self.pool
+        if model is None:
+            # vLLM then serves its default model; a key limited to some models must name one.
+            if key is not None and key.models is not None:
+                raise ModelNotAllowed(
+                    "This API key may use only some models: name one in 'model'.", param="model"
+                )
+            return
+        if isinstance(model, str) and model not in pool.models and not pool.models_known:
+            # No engine has listed its models yet (they are all down or starting): the
+            # model may well be served, so "retry shortly", not "not served".
+            raise NoEngineAvailable()
+        if (
+            not isinstance(model, str)
+            or model not in pool.models
+            or (key is not None and not key.allows_model(model))
+        ):
+            # The model name is not echoed: it is client text (`../x` and the like).
+            raise ModelNotAllowed(
+                "The model is not served here or not allowed for this API key.", param="model"
+            )
+        ex.model = model

@@ -1,0 +1,192 @@
+"""Relaying an engine's answer to the client.
+
+Successful answers are streamed chunk by chunk as they arrive: no SSE frame is parsed on
+this path (LiteLLM's per-chunk re-serialisation costs ~1.5 ms). Only the allowlisted
+response headers cross (headers.py). Error answers are read whole under a cap and
+scrubbed or replaced (engine_errors.py); a model list is filtered for a key limited to
+some models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import structlog
+
+from gateway.asgi import Send
+from gateway.disconnect import DisconnectWatch
+from gateway.endpoints import Group
+from gateway.engine_errors import excerpt, scrub_json
+from gateway.errors import EngineError, UpstreamInvalid, send_error, sse_error_frame
+from gateway.exchange import Exchange
+from gateway.forwarder import gateway_error
+from gateway.headers import RESPONSE_HEADERS
+from gateway.upstream import Response, UpstreamError
+
+log = structlog.get_logger("gateway.relay")
+
+# Error answers are read whole up to this size, to be scrubbed or replaced; a larger
+# one is replaced unread (vLLM's error bodies are a few hundred bytes).
+_ERROR_LIMIT = 64 * 1024
+# Responses up to this size with a Content-Length are read whole and sent in one
+# message: one write instead of two for the common small JSON answer.
+_SMALL_RESPONSE = 64 * 1024
+# A model list read whole to be filtered for a key limited to some models.
+_MODEL_LIST_LIMIT = 1024 * 1024
+
+
+def response_headers(resp: Response) -> list[tuple[bytes, bytes]]:
+    """The engine's response headers a client gets: only those in RESPONSE_HEADERS."""
+    return [(name, value) for name, value in resp.raw_headers if name.lower() in RESPONSE_HEADERS]
+
+
+class Relay:
+    """Sends one engine answer to its client. `idle` bounds the engine's silence between
+    two chunks; time spent writing to a slow client is not counted against the engine."""
+
+    def __init__(self, idle: float) -> None:
+        self.idle = idle
+
+    async def __call__(
+        self, resp: Response, send: Send, ex: Exchange, watch: DisconnectWatch
+    ) -> None:
+        key = ex.key
+        if resp.status >= 400:
+            await self.error(resp, send, ex, watch)
+        elif ex.route.group is Group.models and key is not None and key.models is not None:
+            await self.model_list(resp, send, ex, watch, key.models)
+        else:
+            await self.stream(resp, send, ex, watch)
+
+    async def _read_capped(self, resp: Response, limit: int) -> bytes | None:
+        """The whole body, or None when it is larger than `limit` (the rest is left
+        unread: the connection is then closed, never reused)."""
+        length = resp.content_length
+        if length is not None and length > limit:
+            return None
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(self.idle):
+                while chunk := await resp.readany():
+                    size += len(chunk)
+                    if size > limit:
+                        return None
+                    chunks.append(chunk)
+        except (UpstreamError, TimeoutError) as exc:
+            raise gateway_error(exc, answering=True) from None
+        return b"".join(chunks)
+
+    async def error(self, resp: Response, send: Send, ex: Exchange, watch: DisconnectWatch) -> None:
+        """An engine's 4xx or 5xx, small or streamed: a 4xx JSON body keeps its shape
+        with every string scrubbed of URLs and addresses; anything else (every 5xx, a
+        4xx that is not JSON or is over the cap) is replaced by `EngineError`, and the
+        engine's text goes to the log. No engine header is relayed with either."""
+        body = await self._read_capped(resp, _ERROR_LIMIT)
+        watch.stop()
+        status = resp.status
+        if status < 500 and body is not None:
+            cleaned = scrub_json(body)
+            if cleaned is not None:
+                ex.bytes_out = len(cleaned)
+                headers = [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(cleaned)).encode("ascii")),
+                ]
+                await send({"type": "http.response.start", "status": status, "headers": headers})
+                await send({"type": "http.response.body", "body": cleaned})
+                return
+        log.warning(
+            "engine_error",
+            request_id=ex.request_id,
+            engine=ex.engine,
+            status=status,
+            body=excerpt(body),
+        )
+        error = EngineError(status, ex.request_id)
+        ex.code = error.code
+        await send_error(send, error)
+
+    async def model_list(
+        self,
+        resp: Response,
+        send: Send,
+        ex: Exchange,
+        watch: DisconnectWatch,
+        allowed: frozenset[str],
+    ) -> None:
+        """`GET /v1/models` for a key limited to some models: the engine's list with
+        only those, so a key learns nothing of the models it may not use. An answer
+        that cannot be read as a model list is refused, never passed on unfiltered."""
+        body = await self._read_capped(resp, _MODEL_LIST_LIMIT)
+        watch.stop()
+        if body is None:
+            raise UpstreamInvalid()
+        try:
+            listing = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            raise UpstreamInvalid() from None
+        models = listing.get("data") if isinstance(listing, dict) else None
+        if not isinstance(models, list):
+            raise UpstreamInvalid()
+        listing["data"] = [m for m in models if isinstance(m, dict) and m.get("id") in allowed]
+        body = orjson.dumps(listing)
+        headers = [h for h in response_headers(resp) if h[0].lower() != b"content-length"]
+        headers.append((b"content-length", str(len(body)).encode("ascii")))
+        ex.bytes_out = len(body)
+        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def stream(
+        self, resp: Response, send: Send, ex: Exchange, watch: DisconnectWatch
+    ) -> None:
+        out_headers = response_headers(resp)
+        length = resp.content_length
+        if length is not None and length <= _SMALL_RESPONSE:
+            try:
+                # One timer, no asyncio.timeout context: this is the common path.
+                body = await resp.read(self.idle)
+            except UpstreamError as exc:
+                raise gateway_error(exc, answering=True) from None
+            watch.stop()
+            ex.bytes_out = len(body)
+            await send(
+                {"type": "http.response.start", "status": resp.status, "headers": out_headers}
+            )
+            await send({"type": "http.response.body", "body": body})
+            return
+
+        await send({"type": "http.response.start", "status": resp.status, "headers": out_headers})
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.idle) as deadline:
+                while True:
+                    chunk = await resp.readany()
+                    if not chunk:
+                        break
+                    ex.bytes_out += len(chunk)
+                    # The deadline is the engine's: paused while a slow client reads.
+                    deadline.reschedule(None)
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    deadline.reschedule(loop.time() + self.idle)
+        except (UpstreamError, TimeoutError) as exc:
+            error = gateway_error(exc, answering=True)
+            ex.code = error.code
+            log.warning("upstream_broken", request_id=ex.request_id, engine=ex.engine)
+            if resp.content_type == "text/event-stream":
+                # Never a silent truncation: SSE clients get an error frame, as vLLM
+                # sends one for its own mid-stream errors, then the stream ends.
+                watch.stop()
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": sse_error_frame(error),
+                        "more_body": False,
+                    }
+                )
+            # Other responses are left incomplete: the server then closes the client
+            # connection, which a client sees as an error, not as a short body.
+            return
+        watch.stop()
+        await send({"type": "http.response.body", "body": b""})
