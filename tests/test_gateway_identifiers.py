@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.procs import Proc, gateway_proc, running, scrape, sim_proc
+from tests.procs import Proc, gateway_proc, running, scrape, sim_proc, wait_for
 
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 KEYS = {"a1": "key-a1-0123456789abcdef", "a2": "key-a2-0123456789abcdef",
@@ -62,7 +62,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     with running(sim):
         shared = gateway_proc(tmp, _env(sim))
         isolated = gateway_proc(tmp, _env(sim, GATEWAY_PAYLOAD__CACHE_ISOLATION="tenant"))
-        with running(shared, isolated, ready_path="/readyz"), httpx.Client(timeout=10) as http:
+        with running(shared, isolated, ready_path="/healthz"), httpx.Client(timeout=10) as http:
+            for gateway in (shared, isolated):
+                # Ready once a health check has read the engine's models.
+                assert wait_for(lambda g=gateway: http.get(g.url + "/readyz").status_code == 200)
             yield Stack(sim, shared, isolated, http)
 
 
