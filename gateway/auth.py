@@ -88,9 +88,14 @@ def build_keys(entries: Iterable[str | ApiKeyConfig]) -> tuple[ApiKey, ...]:
     """Turn configured entries into keys; raises KeyConfigError for unusable entries."""
     keys: list[ApiKey] = []
     seen: set[bytes] = set()
+    names: set[str] = set()
     for index, entry in enumerate(entries, start=1):
         cfg = entry if isinstance(entry, ApiKeyConfig) else ApiKeyConfig(key=SecretStr(entry))
         label = cfg.name or f"key-{index}"
+        # Names label logs and metrics: two keys under one name could not be told apart.
+        if label in names or label == ANONYMOUS.name:
+            raise KeyConfigError(f"{label}: another key has this name")
+        names.add(label)
         try:
             digest = _digest(cfg.key.get_secret_value())
         except KeyConfigError as exc:

@@ -80,6 +80,10 @@ def test_object_keys_carry_name_scopes_models() -> None:
         (["sha256:" + "zz" * 32], "64 hex"),
         ([PLAIN, hash_key(PLAIN)], "twice"),
         ([ApiKeyConfig(key=PLAIN, scopes=["admin"])], "unknown scopes"),
+        ([ApiKeyConfig(key=PLAIN, name="team"), ApiKeyConfig(key=OTHER, name="team")],
+         "another key has this name"),
+        ([PLAIN, ApiKeyConfig(key=OTHER, name="key-1")], "another key has this name"),
+        ([ApiKeyConfig(key=PLAIN, name="anonymous")], "another key has this name"),
     ],
 )
 def test_unusable_keys_are_config_errors(entries: list[str | ApiKeyConfig], message: str) -> None:

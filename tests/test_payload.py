@@ -61,8 +61,9 @@ def make_settings(origin: RecordingServer, **overrides: Any) -> MediaSettings:
 PAYLOAD = PayloadSettings(namespace_secret=SecretStr("test-namespace-secret"))
 
 
-def key(name: str, tenant: str | None = None) -> ApiKey:
-    return ApiKey(name, b"", FORWARDED_GROUPS, None, tenant)
+def key(name: str, tenant: str | None = None, secret: str | None = None) -> ApiKey:
+    digest = hashlib.sha256((secret or f"secret-of-{name}").encode()).digest()
+    return ApiKey(name, digest, FORWARDED_GROUPS, None, tenant)
 
 
 async def inspect(
@@ -649,3 +650,18 @@ async def test_media_digests_are_reported_by_path(origin: RecordingServer) -> No
         ("messages[0].content[1].image_url.url", PNG_HASH),
         ("messages[0].content[2].image_url", hashlib.sha256(other).hexdigest()),
     )
+
+
+async def test_identifiers_follow_the_key_not_its_name() -> None:
+    """Names are labels: unnamed keys are numbered by position (`key-3`), so a key file
+    edited later may give a name to another key. Its identifiers stay its own."""
+    inspector = PayloadInspector(MediaSettings(), PAYLOAD)
+    bodies = [{"prompt": "x", "request_id": "r1"} for _ in range(3)]
+    try:
+        await inspector.inspect(bodies[0], key("key-1", secret="first-key-0123456789"))
+        await inspector.inspect(bodies[1], key("key-1", secret="second-key-0123456789"))
+        await inspector.inspect(bodies[2], key("renamed", secret="first-key-0123456789"))
+    finally:
+        await inspector.aclose()
+    ids = [b["request_id"] for b in bodies]
+    assert ids[0] == ids[2] != ids[1]

@@ -85,9 +85,11 @@ class PayloadInspector:
         self._inliner = MediaInliner(media, self._fetcher)
 
     def identity(self, key: ApiKey | None) -> Identity:
-        name = key.name if key is not None else ""
-        tenant = (key.tenant if key is not None else None) or name
-        return Identity(name, tenant, self._secret)
+        """Identifiers are namespaced by the key itself (its digest), not by its name:
+        names are labels an operator may reuse or renumber (`key-3`) in a later file."""
+        owner = key.digest.hex() if key is not None else ""
+        tenant = f"tenant:{key.tenant}" if key is not None and key.tenant is not None else owner
+        return Identity(owner, tenant, self._secret)
 
     async def inspect(self, body: dict[str, Any], key: ApiKey | None) -> Inspection:
         walk = Walk(self._media, self._payload, self._policy, self.identity(key))

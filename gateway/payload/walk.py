@@ -62,15 +62,15 @@ class MediaItem:
 
 @dataclass(frozen=True, slots=True)
 class Identity:
-    """Who is asking, for namespacing what a client names: the key's name, the tenant
-    its cache salt is shared with, and the deployment's HMAC secret."""
+    """Who is asking, for namespacing what a client names: the key (its digest), the
+    tenant its cache salt is shared with, and the deployment's HMAC secret."""
 
-    key_name: str
+    owner: str
     tenant: str
     secret: bytes
 
     def namespaced(self, purpose: str, value: str, *, tenant: bool = False) -> str:
-        owner = self.tenant if tenant else self.key_name
+        owner = self.tenant if tenant else self.owner
         # Length-prefixed so no (owner, value) pair collides with another's concatenation.
         material = f"{purpose}:{len(owner)}:{owner}:{value}".encode()
         return "gw-" + hmac.new(self.secret, material, hashlib.sha256).hexdigest()
