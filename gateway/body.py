@@ -19,7 +19,7 @@ from gateway.asgi import Receive, Scope
 from gateway.config import Settings
 from gateway.endpoints import BodyKind, Route
 from gateway.errors import InvalidJson, RequestTooLarge, UnsupportedMediaType
-from gateway.multipart import Upload, validate_upload
+from gateway.multipart import Upload, content_type, validate_upload
 
 # The Content-Type a JSON request is forwarded with: the media type that was checked,
 # never the client's header (a `Connection: content-type` once stripped that header
@@ -136,7 +136,6 @@ async def read_incoming(
             settings.media,
             max_file_bytes=limits.max_upload_bytes,
         )
-        # The boundary the body was parsed with; validate_upload refused any other.
-        content_type = (b"content-type", declared) if declared is not None else None
-        return Incoming(raw, None, upload, content_type)
+        # Written by the gateway with the boundary the body was parsed with.
+        return Incoming(raw, None, upload, (b"content-type", content_type(upload)))
     return _NO_BODY

@@ -15,6 +15,7 @@ match. Raises `UnsupportedMediaType` (not multipart), `InvalidRequest` (malforme
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 
 from python_multipart.exceptions import MultipartParseError
@@ -32,6 +33,13 @@ from gateway.media.settings import MediaSettings
 from gateway.payload.rules import FORBIDDEN_FORM_FIELDS
 
 _MAX_HEADER_BYTES = 4096
+# RFC 2046 boundary characters (no trailing space). Anything else is refused, so the
+# boundary can be forwarded quoted in a Content-Type the gateway writes itself.
+_BOUNDARY = re.compile(rb"[0-9A-Za-z'()+_,\-./:=? ]{0,69}[0-9A-Za-z'()+_,\-./:=?]")
+# Field names the gateway reads the same way as the engine's form parser, whatever
+# charset that parser would decode with (Starlette decodes names and values with the
+# Content-Type's charset: `charset=utf-7` turned `+AG0-odel` into `model` there).
+_FIELD_NAME = re.compile(r"[A-Za-z0-9_.\-\[\]]{1,64}")
 
 
 @dataclass
@@ -49,6 +57,7 @@ class Upload:
     audio_format: str
     size: int
     digest: str  # sha256 hex of the file bytes
+    boundary: bytes  # as parsed: the one the forwarded Content-Type names
 
     @property
     def model(self) -> str | None:
@@ -60,13 +69,26 @@ class Upload:
 
 
 def _boundary(content_type: str | None) -> bytes:
+    """The boundary of a `multipart/form-data` Content-Type that has no parameter but
+    the boundary (and a UTF-8 charset): any other charset changes how the engine's
+    parser decodes the parts, so the gateway would check one form and forward another."""
     if not content_type:
         raise UnsupportedMediaType("This endpoint takes multipart/form-data.")
     ctype, params = parse_options_header(content_type)
     boundary = params.get(b"boundary", b"")
-    if ctype != b"multipart/form-data" or not 0 < len(boundary) <= 70:
+    if ctype != b"multipart/form-data" or not _BOUNDARY.fullmatch(boundary):
         raise UnsupportedMediaType("This endpoint takes multipart/form-data with a boundary.")
+    charset = params.get(b"charset", b"utf-8").lower()
+    if set(params) - {b"boundary", b"charset"} or charset not in (b"utf-8", b"utf8"):
+        raise UnsupportedMediaType(
+            "The multipart Content-Type may carry only a boundary (and charset=utf-8)."
+        )
     return boundary
+
+
+def content_type(upload: Upload) -> bytes:
+    """The Content-Type an upload is forwarded with, written by the gateway."""
+    return b'multipart/form-data; boundary="' + upload.boundary + b'"'
 
 
 class _Collector:
@@ -151,13 +173,15 @@ def validate_upload(
         raise InvalidRequest("The multipart body is malformed.") from None
     if not ended:
         raise InvalidRequest("The multipart body is truncated.")
-    return _check(collector.parts, settings)
+    return _check(collector.parts, settings, boundary)
 
 
-def _check(parts: list[_Part], settings: MediaSettings) -> Upload:
+def _check(parts: list[_Part], settings: MediaSettings, boundary: bytes) -> Upload:
     fields: dict[str, list[str]] = {}
     files = [p for p in parts if p.name == "file"]
     for part in parts:
+        if not _FIELD_NAME.fullmatch(part.name):
+            raise InvalidRequest("A form field's name has characters this gateway refuses.")
         if part.name in FORBIDDEN_FORM_FIELDS:
             raise FieldNotAllowed(f"The field '{part.name}' is not allowed.", param=part.name)
         if part.name == "file":
@@ -183,7 +207,12 @@ def _check(parts: list[_Part], settings: MediaSettings) -> Upload:
         raise MediaInvalid("The uploaded file is empty.", param="file")
     info = validate_audio(data, declared, settings)
     return Upload(
-        fields, files[0].filename, info.format, len(data), hashlib.sha256(data).hexdigest()
+        fields,
+        files[0].filename,
+        info.format,
+        len(data),
+        hashlib.sha256(data).hexdigest(),
+        boundary,
     )
 
 

@@ -855,6 +855,60 @@ def test_valid_wav_upload_is_forwarded_unchanged(stack: Stack) -> None:
     assert audio in sent
 
 
+def _form(boundary: str, fields: list[tuple[str, bytes]]) -> bytes:
+    out = b""
+    for name, value in fields:
+        out += f"--{boundary}\r\n".encode()
+        if name == "file":
+            out += (b'Content-Disposition: form-data; name="file"; filename="a.wav"\r\n'
+                    b"Content-Type: audio/wav\r\n\r\n")  # fmt: skip
+        else:
+            out += f'Content-Disposition: form-data; name="{name}"\r\n\r\n'.encode()
+        out += value + b"\r\n"
+    return out + f"--{boundary}--\r\n".encode()
+
+
+@pytest.mark.parametrize(
+    ("label", "params", "fields", "status", "code"),
+    [
+        # Starlette (vLLM's form parser) decodes part names with the charset: in UTF-7
+        # `+AG0-odel` is `model` and `+AHY-llm_xargs` is `vllm_xargs`.
+        ("utf-7 charset", "; charset=utf-7",
+         [("model", MODEL.encode()), ("+AG0-odel", b"another-model"),
+          ("+AHY-llm_xargs", b'{"kv_cache_report_mode": "full"}')], 415,
+         "unsupported_media_type"),
+        ("utf-16 charset", "; charset=utf-16", [("model", MODEL.encode())], 415,
+         "unsupported_media_type"),
+        ("another parameter", "; foo=bar", [("model", MODEL.encode())], 415,
+         "unsupported_media_type"),
+        ("a name outside the field alphabet", "",
+         [("model", MODEL.encode()), ("+AG0-odel", b"another-model")], 400, "invalid_request"),
+    ],
+)  # fmt: skip
+def test_uploads_are_read_as_the_engine_reads_them(
+    stack: Stack, label: str, params: str, fields: list[tuple[str, bytes]], status: int, code: str
+) -> None:
+    boundary = "b0undary"
+    body = _form(boundary, [*fields, ("file", wav())])
+    before = counts(stack)
+    r = stack.http.post(
+        stack.inline.url + "/v1/audio/transcriptions", content=body,
+        headers={**auth(), "Content-Type": f"multipart/form-data; boundary={boundary}{params}"},
+    )  # fmt: skip
+    assert (r.status_code, r.json()["error"]["code"]) == (status, code), label
+    assert counts(stack) == before
+    # The same form in UTF-8 is forwarded, under a Content-Type the gateway wrote.
+    clear(stack, stack.gen)
+    plain = _form(boundary, [("model", MODEL.encode()), ("file", wav())])
+    r = stack.http.post(
+        stack.inline.url + "/v1/audio/transcriptions", content=plain,
+        headers={**auth(), "Content-Type": f"multipart/form-data; boundary={boundary}"},
+    )  # fmt: skip
+    assert r.status_code == 200, r.text
+    (record,) = records(stack, stack.gen)
+    assert record["headers"]["content-type"] == f'multipart/form-data; boundary="{boundary}"'
+
+
 @pytest.mark.parametrize(
     ("label", "files", "data", "status", "code"),
     [

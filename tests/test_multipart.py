@@ -16,7 +16,7 @@ from gateway.errors import (
     UnsupportedMediaType,
 )
 from gateway.media.settings import MediaSettings
-from gateway.multipart import validate_upload
+from gateway.multipart import content_type, validate_upload
 from tests.test_media_samples import HTML, SVG, png, wav
 
 BOUNDARY = "gwtestboundary"
@@ -124,3 +124,25 @@ def test_vllm_xargs_form_field_is_refused() -> None:
     with pytest.raises(FieldNotAllowed) as info:
         validate_upload(CTYPE, body, SETTINGS, max_file_bytes=MAX_FILE)
     assert info.value.param == "vllm_xargs"
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        "multipart/form-data; boundary=B; charset=utf-7",
+        "multipart/form-data; boundary=B; charset=utf-16",
+        "multipart/form-data; boundary=B; foo=bar",
+        'multipart/form-data; boundary="a\\"b"',
+        "multipart/form-data; boundary=" + "x" * 71,
+    ],
+)
+def test_only_a_boundary_and_utf8_are_accepted(content_type: str) -> None:
+    with pytest.raises(UnsupportedMediaType):
+        validate_upload(content_type, b"", MediaSettings(), max_file_bytes=1 << 20)
+
+
+def test_an_upload_is_forwarded_under_a_content_type_the_gateway_writes() -> None:
+    upload = validate_upload(
+        CTYPE + "; charset=UTF-8", form(audio()), MediaSettings(), max_file_bytes=1 << 20
+    )
+    assert content_type(upload) == f'multipart/form-data; boundary="{BOUNDARY}"'.encode()
