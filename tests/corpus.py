@@ -63,6 +63,8 @@ DATA = {
     "audio": "data:audio/wav;base64," + B64_WAV,
     "video": "data:video/webm;base64," + base64.b64encode(WEBM).decode(),
 }
+# Bytes an embeds part would make vLLM torch.load (never sent anywhere: refused first).
+EMBEDS = base64.b64encode(b"PK\x03\x04 not a tensor").decode()
 # What the origin serves at each path (path -> (bytes, content type)).
 ORIGIN_FILES: dict[str, tuple[bytes, str]] = {
     "/img.png": (PNG, "image/png"),
@@ -98,6 +100,8 @@ def url(source: str, modality: str) -> str:
         return ORIGIN + _ORIGIN_PATH[modality]
     if source == "canary":
         return CANARY + "/stolen-" + modality
+    if source == "embeds":
+        return ""
     return DATA[modality]
 
 
@@ -157,6 +161,20 @@ SHAPES: tuple[Shape, ...] = (
           lambda u: {"type": "image",
                      "source": {"type": "base64", "media_type": "image/png", "data": B64_PNG}},
           frozenset({"messages"}), sources=("data",)),
+    # Embeds parts: vLLM torch-loads their bytes (CVE-2025-62164); refused by default,
+    # wherever they sit and whatever else the part carries. Typed, and by key presence
+    # (vLLM's fallback when `type` is missing or a `uuid` is set).
+    *(Shape(name, "image", build, frozenset(), sources=("embeds",), engine_ok=False)
+      for name, build in (
+          ("image_embeds", lambda u: {"type": "image_embeds", "image_embeds": EMBEDS}),
+          ("image_embeds_untyped", lambda u: {"image_embeds": EMBEDS}),
+          ("image_embeds_dict_uuid",
+           lambda u: {"image_embeds": {"image_embeds": EMBEDS}, "uuid": "u-3"}),
+          ("audio_embeds", lambda u: {"type": "audio_embeds", "audio_embeds": EMBEDS}),
+          ("video_embeds", lambda u: {"type": "video_embeds", "video_embeds": EMBEDS}),
+          ("prompt_embeds_part", lambda u: {"type": "prompt_embeds", "data": EMBEDS}),
+          ("prompt_embeds_untyped", lambda u: {"prompt_embeds": EMBEDS, "data": EMBEDS}),
+      )),
 )  # fmt: skip
 SHAPE = {s.name: s for s in SHAPES}
 
@@ -201,6 +219,7 @@ DECORATIONS: dict[str, Callable[[dict[str, Any]], None]] = {
     "role_and_uuid": lambda p: p.update(role="user", uuid="u-2"),
 }
 LEGIT_DECORATIONS = frozenset({"plain", "uuid"})
+_TYPE_DECORATIONS = frozenset(d for d in DECORATIONS if d.startswith("type_"))
 
 
 # --- nestings: where the part sits in its content list ------------------------------
@@ -457,7 +476,7 @@ class Case:
     id: str
     route: str
     body: dict[str, Any]
-    evil: bool  # the canary sits in a media position: must be refused
+    evil: bool  # the canary in a media position, or an embeds part: must be refused
     legit: bool  # a documented shape with allowed media or mere mentions: must be served
     runner: str = "generate"
     modalities: frozenset[str] = frozenset()
@@ -500,7 +519,12 @@ def make(
         f"{container}/{shape}/{source}/{decoration}/{nesting}",
         c.route,
         body,
-        evil=source == "canary",
+        # A prompt_embeds part is one by its `type` alone: with another type it is data.
+        evil=source == "canary"
+        or (
+            source == "embeds"
+            and not (shape == "prompt_embeds_part" and decoration in _TYPE_DECORATIONS)
+        ),
         legit=legit,
         runner=c.runner,
         modalities=frozenset({s.modality}),
@@ -636,7 +660,7 @@ def data_cases(containers: Sequence[Container] = CONTAINERS) -> list[Case]:
     return out
 
 
-_VALUE_KEYS = ("image_url", "video_url", "audio_url", "source")
+_VALUE_KEYS = ("image_url", "video_url", "audio_url", "input_audio", "source")
 VALUE_WRAPS: dict[str, Callable[[Json], Json]] = {
     "value_in_list": lambda v: [v],
     "value_in_object": lambda v: {"content": v},
@@ -726,6 +750,12 @@ def fast_slice() -> list[Case]:
                 add(make(c.name, s.name, "canary", "role_null" if j % 4 == 0 else "plain", n))
             elif (i + j) % 4 == 1:
                 add(make(c.name, "image_url", "origin", "role_user", n))
+    embeds = [s for s in SHAPES if "embeds" in s.sources]
+    for i, c in enumerate(CONTAINERS):
+        for j, s in enumerate(embeds):
+            if (i + j) % 3 == 0:
+                add(make(c.name, s.name, "embeds", decorations[(i + 5 * j) % len(decorations)],
+                         nestings[(i + j) % len(nestings)]))  # fmt: skip
     for case in [*data_cases(), *embed_images_cases(), *mention_cases(), *value_cases()]:
         add(case)
     return list(out.values())
@@ -884,7 +914,8 @@ def check(
         assert outcome.error_code in STABLE_CODES, f"{where}: error code not a documented one"
         assert not outcome.forwarded, f"{where}: refused, yet the engine received it"
     assert not (evil and outcome.status < 400), (
-        f"{where}: canary in a media position, yet forwarded: "
+        f"{where}: must be refused (canary in a media position, or an embeds part), yet "
+        "forwarded: "
         + (outcome.forwarded[0][1][:600].decode(errors="replace") if outcome.forwarded else "")
     )
     assert not (legit and outcome.status != 200), f"{where}: a legitimate body was not served"
@@ -922,6 +953,16 @@ def check(
                 )
             else:
                 assert _is_base64(now), f"{where}: inline data at {p} is not base64"
+        for part_path in _part_paths(body):
+            uuid = (
+                get(body, part_path).get("uuid") if isinstance(get(body, part_path), dict) else None
+            )
+            if uuid is not None:
+                sent_part = _find(sent, part_path)
+                now = sent_part.get("uuid") if isinstance(sent_part, dict) else None
+                assert now is None or now != uuid, (
+                    f"{where}: the client's uuid {uuid!r} at {part_path} reached the engine as sent"
+                )
         for p, v in walk(body):
             if isinstance(v, str) and MENTION_PATH in v:
                 try:
