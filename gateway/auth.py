@@ -84,13 +84,13 @@ def _scopes(names: list[str] | None, label: str) -> frozenset[Group]:
     return frozenset(Group(n) for n in names)
 
 
-def build_keys(entries: Iterable[str | ApiKeyConfig]) -> tuple[ApiKey, ...]:
+def build_keys(entries: Iterable[SecretStr | ApiKeyConfig]) -> tuple[ApiKey, ...]:
     """Turn configured entries into keys; raises KeyConfigError for unusable entries."""
     keys: list[ApiKey] = []
     seen: set[bytes] = set()
     names: set[str] = set()
     for index, entry in enumerate(entries, start=1):
-        cfg = entry if isinstance(entry, ApiKeyConfig) else ApiKeyConfig(key=SecretStr(entry))
+        cfg = entry if isinstance(entry, ApiKeyConfig) else ApiKeyConfig(key=entry)
         label = cfg.name or f"key-{index}"
         # Names label logs and metrics: two keys under one name could not be told apart.
         if label in names or label == ANONYMOUS.name:
@@ -108,7 +108,7 @@ def build_keys(entries: Iterable[str | ApiKeyConfig]) -> tuple[ApiKey, ...]:
     return tuple(keys)
 
 
-_ENTRIES: TypeAdapter[list[str | ApiKeyConfig]] = TypeAdapter(list[str | ApiKeyConfig])
+_ENTRIES: TypeAdapter[list[SecretStr | ApiKeyConfig]] = TypeAdapter(list[SecretStr | ApiKeyConfig])
 
 
 def load_key_file(path: Path) -> tuple[ApiKey, ...]:

@@ -9,7 +9,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    FilePath,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -70,7 +78,11 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
     engines: list[str] = Field(default_factory=list)
-    api_keys: list[str | ApiKeyConfig] = Field(default_factory=list)
+    # The CA (PEM) that signs engines' certificates, for https:// and dns+https://
+    # engines; None: the system's trust store. Forwarding and health checks alike.
+    engine_ca_file: FilePath | None = None
+    # Plain keys are SecretStr, like every secret: never in a repr, a dump or a log.
+    api_keys: list[SecretStr | ApiKeyConfig] = Field(default_factory=list)
     api_keys_file: Path | None = None
     upstream_api_key: SecretStr | None = None
     # Models served besides those the engines list on /v1/models.

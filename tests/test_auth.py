@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 from pathlib import Path
 
 import pytest
+from pydantic import SecretStr
 
 from gateway.auth import ANONYMOUS, KeyConfigError, KeyRing, build_keys, hash_key, load_key_file
-from gateway.config import ApiKeyConfig
+from gateway.config import ApiKeyConfig, load_settings
 from gateway.endpoints import FORWARDED_GROUPS, Group
 from gateway.errors import InvalidApiKey
 
@@ -17,7 +20,8 @@ OTHER = "other-key-0123456789abcdef"
 
 
 def ring(*entries: str | ApiKeyConfig, anonymous: bool = False) -> KeyRing:
-    return KeyRing(build_keys(entries), allow_unauthenticated=anonymous)
+    keys = [e if isinstance(e, ApiKeyConfig) else SecretStr(e) for e in entries]
+    return KeyRing(build_keys(keys), allow_unauthenticated=anonymous)
 
 
 def test_hash_key_is_sha256_hex() -> None:
@@ -80,8 +84,10 @@ def test_object_keys_carry_name_scopes_models() -> None:
         (["sha256:" + "zz" * 32], "64 hex"),
         ([PLAIN, hash_key(PLAIN)], "twice"),
         ([ApiKeyConfig(key=PLAIN, scopes=["admin"])], "unknown scopes"),
-        ([ApiKeyConfig(key=PLAIN, name="team"), ApiKeyConfig(key=OTHER, name="team")],
-         "another key has this name"),
+        (
+            [ApiKeyConfig(key=PLAIN, name="team"), ApiKeyConfig(key=OTHER, name="team")],
+            "another key has this name",
+        ),
         ([PLAIN, ApiKeyConfig(key=OTHER, name="key-1")], "another key has this name"),
         ([ApiKeyConfig(key=PLAIN, name="anonymous")], "another key has this name"),
     ],
@@ -126,3 +132,31 @@ def test_bad_key_file_never_echoes_keys(tmp_path: Path, text: str) -> None:
     with pytest.raises(KeyConfigError) as info:
         load_key_file(f)
     assert PLAIN not in str(info.value)
+
+
+@pytest.mark.parametrize("form", ["argument", "environment", "yaml"])
+def test_plain_keys_never_show_in_settings(
+    form: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plain key given in any form is a SecretStr: not in the settings' repr, str or
+    dump, and still the key that authenticates."""
+    for name in list(os.environ):
+        if name.startswith("GATEWAY_"):
+            monkeypatch.delenv(name)
+    entries = [PLAIN, {"key": OTHER, "name": "b"}]
+    if form == "argument":
+        settings = load_settings(api_keys=entries)
+    elif form == "environment":
+        monkeypatch.setenv("GATEWAY_API_KEYS", json.dumps(entries))
+        settings = load_settings()
+    else:
+        config = tmp_path / "gateway.yaml"
+        config.write_text(f"api_keys:\n  - {PLAIN}\n  - key: {OTHER}\n    name: b\n")
+        settings = load_settings(config)
+    shown = repr(settings) + str(settings) + str(settings.model_dump())
+    shown += settings.model_dump_json()
+    assert PLAIN not in shown and OTHER not in shown
+    assert isinstance(settings.api_keys[0], SecretStr)
+    keys = KeyRing(build_keys(settings.api_keys))
+    assert keys.authenticate(b"Bearer " + PLAIN.encode()).name == "key-1"
+    assert keys.authenticate(b"Bearer " + OTHER.encode()).name == "b"

@@ -34,6 +34,9 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+MASK = "**********"  # how pydantic dumps a SecretStr
+
+
 def test_check_config_masks_every_secret(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -50,11 +53,24 @@ def test_check_config_masks_every_secret(
     data = json.loads(out)
     assert data["port"] == 9123  # the environment overrides the file
     assert data["engines"] == ["http://127.0.0.1:8001"]
-    assert data["api_keys"][0] == "***"
+    # Masked by their types (SecretStr), not by the command.
+    assert data["api_keys"][0] == MASK
     assert data["api_keys"][1] == {
-        "key": "***", "name": "tenant-a", "scopes": ["inference"], "models": None
+        "key": MASK, "name": "tenant-a", "scopes": ["inference"], "models": None, "tenant": None
     }  # fmt: skip
-    assert data["upstream_api_key"] == "***"
+    assert data["upstream_api_key"] == MASK
+    assert SECRET not in out + err and UPSTREAM not in out + err
+
+
+def test_check_config_masks_keys_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("GATEWAY_API_KEYS", json.dumps([SECRET, {"key": SECRET + "y"}]))
+    monkeypatch.setenv("GATEWAY_UPSTREAM_API_KEY", UPSTREAM)
+    code, out, err = run(capsys, "check-config")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["api_keys"][0] == data["api_keys"][1]["key"] == data["upstream_api_key"] == MASK
     assert SECRET not in out + err and UPSTREAM not in out + err
 
 
