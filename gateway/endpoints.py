@@ -65,8 +65,6 @@ class Route:
     group: Group | None = None
     methods: frozenset[str] = frozenset()
     body: BodyKind = BodyKind.none
-    # Whether the body's `model` must be a served model the key may use.
-    check_model: bool = False
     # Why a route is blocked; the reason goes into the error message.
     reason: str = ""
 
@@ -80,8 +78,8 @@ _POST = frozenset({"POST"})
 _GET = frozenset({"GET"})
 
 
-def _json(path: str, group: Group, *, model: bool = True) -> Route:
-    return Route(path, Action.forward, group, _POST, BodyKind.json, check_model=model)
+def _json(path: str, group: Group) -> Route:
+    return Route(path, Action.forward, group, _POST, BodyKind.json)
 
 
 def _get(path: str, group: Group) -> Route:

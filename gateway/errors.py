@@ -1,20 +1,48 @@
 """The one error tree of the gateway, and the one place errors are rendered.
 
 Every refusal the gateway makes is a `GatewayError` subclass with a fixed HTTP status
-and a stable `code` that clients and tests can rely on. Foreign exceptions (aiohttp,
-httpx, Pillow, orjson) are translated at the boundary with ``raise ... from exc``; their
-text never reaches a client, because Pillow messages have leaked heap addresses and
-URL parsers echo attacker input.
+and a stable `code` that clients and tests can rely on. Foreign exceptions (httpx,
+httptools, Pillow, orjson) are translated at the boundary with ``raise ... from exc``;
+their text never reaches a client, because Pillow messages have leaked heap addresses
+and URL parsers echo attacker input. Raised when:
+
+* GatewayError                500 internal_error: an unexpected failure (middleware.py)
+  + InvalidRequest            400 invalid_request: a body the rules refuse (payload/)
+  | + InvalidJson             400 invalid_json: a body not JSON, or not an object (body.py)
+  | + FieldNotAllowed         400 field_not_allowed: a field or form field refused (payload/)
+  | + MediaUrlNotAllowed      400 media_url_not_allowed: a media URL off policy (media/)
+  | + MediaInvalid            400 media_invalid: a media item not valid (media/, payload/)
+  + InvalidApiKey             401 invalid_api_key: no key, not Bearer, unknown (auth.py)
+  + PermissionDenied          403 scope_not_allowed: the key lacks the route's group
+  | + EndpointBlocked         403 endpoint_blocked: a blocked route (middleware.py)
+  | + ModelNotAllowed         403 model_not_allowed: a model not served or not the key's
+  + UnknownEndpoint           404 unknown_endpoint: a path not in the table
+  + MethodNotAllowed          405 method_not_allowed: the wrong method for a route
+  + RequestTooLarge           413 request_too_large: a body over its cap (body.py)
+  | + MediaTooLarge           413 media_too_large: a media item over its caps (media/)
+  + TooManyHeaders            431 too_many_headers: over limits.max_headers
+  + UnsupportedMediaType      415 unsupported_media_type: a Content-Type the route refuses
+  + MediaFetchFailed          422 media_fetch_failed: a media URL could not be fetched
+  + Overloaded                503 overloaded: over limits.max_in_flight (middleware.py)
+  | + NoEngineAvailable       503 no_engine_available: no engine, or no models known yet
+  + UpstreamUnavailable       502 upstream_unavailable: no engine took the request
+  | + UpstreamBroken          502 upstream_broken: an answer broke off (forwarder.py)
+  | + UpstreamInvalid         502 upstream_invalid: a model list not readable (relay.py)
+  + EngineError               engine's status, engine_error: an engine's 5xx or unusable
+  |                           4xx, replaced (relay.py)
+  + UpstreamTimeout           504 upstream_timeout: an engine silent too long (forwarder.py)
+
+The upstream client's own failures (gateway/upstream.py, `UpstreamError`) are mapped to
+the last four in one place, `forwarder.gateway_error`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
-from typing import Any
+from collections.abc import Mapping
 
 import orjson
 
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+from gateway.asgi import Send
 
 
 class GatewayError(Exception):
