@@ -1,7 +1,7 @@
-"""Authorisation in one place: whether a key may use a route's group, and a model.
+"""Authorisation in one place: whether a key may use a route, and a model.
 
 The route check runs in the `Authentication` middleware, as soon as the key is known;
-the model check in the proxy, once the body that names the model has been read. vLLM
+the request check in the proxy, once the body that names the model has been read. vLLM
 takes the model from the JSON `model`, from a multipart `model` field (resolved the
 same way: unknown names go on to the LoRA resolvers), and on `/invocations` from a
 header (below); each is checked here.
@@ -13,29 +13,54 @@ from typing import Any
 
 from gateway.auth import ApiKey
 from gateway.body import Incoming
-from gateway.endpoints import Route
-from gateway.errors import FieldNotAllowed, ModelNotAllowed, NoEngineAvailable, PermissionDenied
+from gateway.endpoints import Group, Route
+from gateway.errors import (
+    EndpointBlocked,
+    FieldNotAllowed,
+    ModelNotAllowed,
+    NoEngineAvailable,
+    PermissionDenied,
+)
 from gateway.exchange import Exchange
+from gateway.payload import CacheIsolation, PayloadSettings
 from gateway.routing.pool import EnginePool
 
 # vLLM's SageMaker wrapper: its body `model` is replaced before vLLM reads it.
 _INVOCATIONS = "/invocations"
+# Scopes a route needs beyond its group's. vLLM 0.32 dispatches /invocations by the
+# body's shape to its chat, completion, embedding, classification and scoring handlers.
+_ALSO_REQUIRED: dict[str, frozenset[Group]] = {_INVOCATIONS: frozenset({Group.pooling})}
+# Routes whose handlers drop `cache_salt` before it reaches the engine (vLLM 0.32:
+# Cohere chat builds its chat request without it; Cohere embed has no such field), so
+# the gateway cannot keep tenants' prefix caches apart there.
+_UNSALTED = frozenset({"/cohere/v2/chat", "/v2/embed"})
 
 
 def check_route(key: ApiKey, route: Route) -> None:
-    """The key's scopes must grant the route's group."""
+    """The key's scopes must grant the route's group, and any other the route needs."""
     group = route.group
     if group is not None and group not in key.scopes:
         raise PermissionDenied(f"This API key has no '{group.value}' scope.")
+    also = _ALSO_REQUIRED.get(route.path)
+    if also is not None and not also <= key.scopes:
+        needed = ", ".join(sorted(g.value for g in also | {group} if g is not None))
+        raise PermissionDenied(f"This endpoint needs the scopes: {needed}.")
 
 
-class ModelCheck:
-    """The model a request names must be served and allowed for its key."""
+class RequestCheck:
+    """What a request's body asks for must be allowed: the model for its key, and a
+    route that keeps tenants' caches apart when the deployment isolates them."""
 
-    def __init__(self, pool: EnginePool) -> None:
+    def __init__(self, pool: EnginePool, payload: PayloadSettings) -> None:
         self.pool = pool
+        self.isolated = payload.cache_isolation is not CacheIsolation.off
 
     def __call__(self, ex: Exchange, incoming: Incoming) -> None:
+        if self.isolated and ex.route.path in _UNSALTED:
+            raise EndpointBlocked(
+                "This endpoint cannot keep tenants' prefix caches apart (the engine drops "
+                "cache_salt there), and this gateway isolates them."
+            )
         if incoming.json is not None:
             if ex.route.path == _INVOCATIONS:
                 self._invocation(ex, incoming.json)

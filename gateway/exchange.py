@@ -24,6 +24,7 @@ class Exchange:
         "code",
         "disconnected",
         "engine",
+        "engine_request_id",
         "failovers",
         "key",
         "key_name",
@@ -40,6 +41,9 @@ class Exchange:
 
     def __init__(self, request_id: str, path: str, started: float) -> None:
         self.request_id = request_id
+        # The id the engine gets (its request id in vLLM): ours, or the client's made
+        # unique (see middleware.RequestContext).
+        self.engine_request_id = request_id
         self.path = path
         self.started = started
         self.route: Route = UNKNOWN

@@ -32,8 +32,8 @@ from gateway.exchange import SCOPE_KEY, Exchange, exchange_of
 from gateway.logging import RequestLog
 from gateway.metrics import Metrics
 
-# A client's X-Request-Id becomes the engine's request id (VLLM-FACTS.md, "Wire
-# details"), so only a short, plain token is taken; anything else is replaced.
+# A client's X-Request-Id names the request in logs and in the answer; only a short,
+# plain token is taken, anything else is replaced.
 _REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
 _MAX_LOGGED_PATH = 200
 DEFAULT_MAX_HEADERS: int = LimitsSettings.model_fields["max_headers"].default
@@ -89,12 +89,15 @@ class RequestContext:
         started = time.perf_counter()
         too_many = len(scope["headers"]) > self.max_headers
         given = None if too_many else _header(scope, b"x-request-id")
-        if given is not None and _REQUEST_ID.fullmatch(given):
-            request_id = given.decode("ascii")
-        else:
-            request_id = self.ids.new()
+        own = given is not None and _REQUEST_ID.fullmatch(given) is not None
+        request_id = given.decode("ascii") if own and given is not None else self.ids.new()
         raw_path: bytes = scope.get("raw_path") or scope["path"].encode("utf-8", "replace")
         ex = Exchange(request_id, raw_path.decode("latin-1")[:_MAX_LOGGED_PATH], started)
+        if own:
+            # vLLM takes X-Request-Id as its request id, ahead of the body's, and aborts
+            # by it: a client's own id is made unique, so no tenant can name another's
+            # request. The engine's id still starts with the client's, for the logs.
+            ex.engine_request_id = f"{request_id}-{self.ids.new()[:16]}"
         scope[SCOPE_KEY] = ex
         id_header = (b"x-request-id", request_id.encode("ascii"))
 
@@ -135,6 +138,7 @@ class RequestContext:
         self.request_log.write(
             {
                 "request_id": ex.request_id,
+                "engine_request_id": ex.engine_request_id,
                 "key_name": ex.key_name,
                 "method": scope["method"],
                 "path": ex.path,

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import orjson
 
 from gateway.asgi import Receive, Scope, Send
-from gateway.authorize import ModelCheck
+from gateway.authorize import RequestCheck
 from gateway.body import ClientDisconnected, Incoming, header, read_incoming
 from gateway.config import Settings
 from gateway.disconnect import DisconnectWatch
@@ -48,7 +48,7 @@ class Proxy:
         self.inspector = inspector
         self.pool = pool
         self.policy = policy
-        self.check_model = ModelCheck(pool)
+        self.check_request = RequestCheck(pool, settings.payload)
         self.forwarder = Forwarder(upstream, pool, metrics)
         self.relay = Relay(settings.timeouts.idle)
         self._counts = metrics.routing
@@ -71,7 +71,7 @@ class Proxy:
         ex = exchange_of(scope)
         incoming = await read_incoming(scope, receive, ex.route, self.settings)
         ex.bytes_in = incoming.size
-        self.check_model(ex, incoming)
+        self.check_request(ex, incoming)
         data, media = await self._inspect(incoming, ex)
 
         engines: Sequence[Engine] = self.pool.healthy() or self.pool.engines
@@ -87,7 +87,7 @@ class Proxy:
         query: bytes = scope.get("query_string", b"")
         if query:
             target += "?" + query.decode("latin-1")
-        headers = self._upstream_headers(scope, ex.request_id, incoming.content_type)
+        headers = self._upstream_headers(scope, ex.engine_request_id, incoming.content_type)
 
         loop = self._loop or self._bind_loop()
         task = asyncio.current_task(loop)

@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.payload.rules import MEDIA_KEYS, MEDIA_TYPES
 from tests.test_media_samples import WEBM, png, wav
 
 ORIGIN = "@@ORIGIN@@"
@@ -876,6 +877,23 @@ def _is_base64(value: Json) -> bool:
     return True
 
 
+def in_media_position(body: Json, path: Path) -> bool:
+    """Whether a value sits where the documented rules (docs/media.md) make it media:
+    below a media key or a `source`, or inside an object typed as a media part. A URL
+    elsewhere (an annotation's `url`, an unknown field) is read by no vLLM 0.32 code
+    (tests/real/test_vllm_shapes.py keeps these tables honest) and is not media."""
+    node = body
+    for key in path:
+        if isinstance(node, dict):
+            ptype = node.get("type")
+            if key in MEDIA_KEYS or key == "source" or (
+                isinstance(ptype, str) and ptype in MEDIA_TYPES
+            ):
+                return True
+        node = node[key]
+    return False
+
+
 @dataclass
 class Outcome:
     status: int
@@ -902,10 +920,11 @@ def check(
     2. the answer is 2xx, or 4xx with a documented error code; never 5xx;
     3. a body with the canary in a media position is refused, and nothing reached the
        engine;
-    4. a forwarded body holds no string that is a URL to the origin or the canary (except
-       text mentions), each media path now holds a `data:` URL (or inline base64 where
-       the source was base64, or a base64 `source` where it was an Anthropic URL source),
-       and mentions are unchanged;
+    4. a forwarded body holds no string that is a URL to the origin or the canary in a
+       media position (`in_media_position`: below a media key or a `source`, or in an
+       object typed as a media part), each media path there now holds a `data:` URL (or
+       inline base64 where the source was base64, or a base64 `source` where it was an
+       Anthropic URL source), and text mentions are unchanged;
     5. a legitimate body is served (200)."""
     where = f"{case_id} {route} -> {outcome.status} {outcome.error_code}"
     assert canary_contacts == 0, f"{where}: the canary was contacted"
@@ -930,10 +949,15 @@ def check(
         leaks = [
             (p, v)
             for p, v in walk(sent)
-            if isinstance(v, str) and urls.fullmatch(v) and MENTION_PATH not in v
+            if isinstance(v, str)
+            and urls.fullmatch(v)
+            and MENTION_PATH not in v
+            and in_media_position(sent, p)
         ]
         assert not leaks, f"{where}: URLs reached the engine: {leaks[:3]}"
         for p in media_paths(body):
+            if not in_media_position(body, p):
+                continue  # moved where nothing reads media: checked by `leaks` above
             original = get(body, p)
             try:
                 now = get(sent, p)

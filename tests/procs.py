@@ -174,6 +174,17 @@ class SocketCanary:
         self.sock.close()
 
 
+def client_request_id(engine_request_id: str) -> str:
+    """The X-Request-Id a client sent, from the id its engine got: the gateway makes a
+    client's id unique by appending `-` and 16 hex digits (an id the gateway minted,
+    32 hex digits, goes to the engine as it is)."""
+    client, sep, suffix = engine_request_id.rpartition("-")
+    if sep and len(suffix) == 16:
+        return client
+    assert len(engine_request_id) == 32, engine_request_id
+    return engine_request_id
+
+
 def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -84,7 +84,11 @@ def gateways(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 def _seen(engine: Engine, request_id: str) -> list[Seen]:
     with engine.lock:
-        return [s for s in engine.seen if s.headers.get("x-request-id") == request_id]
+        return [
+            s
+            for s in engine.seen
+            if s.headers.get("x-request-id", "").rpartition("-")[0] == request_id
+        ]
 
 
 def _post_raw(port: int, head: list[bytes], body: bytes) -> tuple[int, bytes]:

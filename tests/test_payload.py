@@ -665,3 +665,29 @@ async def test_identifiers_follow_the_key_not_its_name() -> None:
         await inspector.aclose()
     ids = [b["request_id"] for b in bodies]
     assert ids[0] == ids[2] != ids[1]
+
+
+async def test_session_ids_are_namespaced_per_key() -> None:
+    inspector = PayloadInspector(MediaSettings(), PAYLOAD)
+    bodies = [{"prompt": "x", "session_id": "victim-session"} for _ in range(2)]
+    try:
+        await inspector.inspect(bodies[0], key("a"))
+        await inspector.inspect(bodies[1], key("b"))
+    finally:
+        await inspector.aclose()
+    ids = [b["session_id"] for b in bodies]
+    assert ids[0] != ids[1] and "victim-session" not in ids
+
+
+async def test_an_untyped_embeds_part_is_a_part_whose_uuid_is_namespaced() -> None:
+    body = chat({"uuid": "their-cached-embeds", "image_embeds": None})
+    await inspect(MediaSettings(), body)
+    assert body["messages"][0]["content"][0]["uuid"].startswith("gw-")
+
+
+async def test_input_audio_without_data_in_an_untyped_object_is_not_media() -> None:
+    schema = {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"input_audio": {"type": "string"}}}}}]}  # fmt: skip
+    assert await inspect(MediaSettings(), schema) == []
+    with pytest.raises(MediaInvalid):
+        await inspect(MediaSettings(), chat({"type": "input_audio", "input_audio": {}}))

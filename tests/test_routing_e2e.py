@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from bench.workloads import png_data_url
-from tests.procs import Proc, gateway_proc, sim_proc, sim_received, wait_for
+from tests.procs import Proc, client_request_id, gateway_proc, sim_proc, sim_received, wait_for
 
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 KEY = "sk-routing-e2e-0123456789abcdef"
@@ -93,8 +93,9 @@ def served(engines: Sequence[Proc]) -> dict[str, int]:
     out: dict[str, int] = {}
     for index, engine in enumerate(engines):
         for entry in httpx.get(engine.url + "/sim/requests", timeout=5).json():
-            request_id = entry["headers"].get("x-request-id")
-            if entry["path"] == "/v1/chat/completions" and request_id:
+            engine_id = entry["headers"].get("x-request-id")
+            if entry["path"] == "/v1/chat/completions" and engine_id:
+                request_id = client_request_id(engine_id)
                 assert request_id not in out, "one request reached two engines"
                 out[request_id] = index
     return out

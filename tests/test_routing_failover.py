@@ -25,7 +25,15 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.procs import Proc, gateway_proc, scrape, sim_proc, sim_received, wait_for
+from tests.procs import (
+    Proc,
+    client_request_id,
+    gateway_proc,
+    scrape,
+    sim_proc,
+    sim_received,
+    wait_for,
+)
 
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 KEY = "sk-routing-failover-0123456789abcdef"
@@ -95,7 +103,7 @@ def recorded(sim: Proc) -> list[str]:
     """Ids of the chat requests `sim` received, from its recorder."""
     entries = httpx.get(sim.url + "/sim/requests", timeout=5).json()
     return [
-        e["headers"]["x-request-id"]
+        client_request_id(e["headers"]["x-request-id"])
         for e in entries
         if e["path"] == "/v1/chat/completions" and "x-request-id" in e["headers"]
     ]

@@ -15,7 +15,7 @@ import base64
 import binascii
 import hashlib
 import hmac
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ from gateway.payload.rules import (
     MAX_DEPTH,
     MEDIA_KEYS,
     MEDIA_TYPES,
+    NAMESPACED_TOP_LEVEL,
     SOURCE_KEY,
     URLISH_KEYS,
 )
@@ -42,6 +43,8 @@ Trail = tuple[Any, ...] | str
 _URL = frozenset({"url"})
 _URL_DATA = frozenset({"url", "data"})
 _PART_KEYS = frozenset({*MEDIA_KEYS, SOURCE_KEY, "uuid"})
+# The keys of a media part whose values are checked where they are found.
+_HANDLED = frozenset({*MEDIA_KEYS, SOURCE_KEY})
 # Keys that need more than a descent; every other key costs one set lookup.
 _SPECIAL_KEYS = frozenset({*MEDIA_KEYS, SOURCE_KEY, *FORBIDDEN_ANYWHERE, *URLISH_KEYS})
 
@@ -137,7 +140,8 @@ class Walk:
             if body.get(field) is not None and not getattr(self.payload, setting):
                 raise FieldNotAllowed(f"The field '{field}' is not allowed.", param=field)
         self._xargs(body.get("vllm_xargs"))
-        self._request_id(body)
+        for field in NAMESPACED_TOP_LEVEL:
+            self._identifier(body, field)
         self._cache_salt(body)
         self.visit(body, (), 0)
 
@@ -153,15 +157,14 @@ class Walk:
                     "This vllm_xargs key is not allowed.", param=f"vllm_xargs.{key}"[:200]
                 )
 
-    def _request_id(self, body: dict[str, Any]) -> None:
-        """A body `request_id` names the engine request and, on /v1/responses, the stored
-        response: never shared across keys as sent."""
-        value = body.get("request_id")
+    def _identifier(self, body: dict[str, Any], field: str) -> None:
+        """A client-chosen identifier the engine shares across keys, namespaced."""
+        value = body.get(field)
         if value is None:
             return
         if not isinstance(value, str) or not 0 < len(value) <= 128:
-            raise InvalidRequest("request_id must be a short string.", param="request_id")
-        body["request_id"] = self.identity.namespaced("request_id", value)
+            raise InvalidRequest(f"{field} must be a short string.", param=field)
+        body[field] = self.identity.namespaced(field, value)
         self.changed = True
 
     def _cache_salt(self, body: dict[str, Any]) -> None:
@@ -220,6 +223,8 @@ class Walk:
             path = render((trail, key))
             if key in FORBIDDEN_ANYWHERE:
                 self._forbidden(key, value, path)
+                # An embeds key makes a part, uuid and all (vLLM infers its type so).
+                is_part = is_part or key in FORBIDDEN_TYPES
             if key in MEDIA_KEYS:
                 is_part = True
                 self.media_value(obj, key, value, ptype, path, depth)
@@ -251,13 +256,15 @@ class Walk:
             setting = FORBIDDEN_TYPES[ptype]
             if not getattr(self.media, setting):
                 raise FieldNotAllowed(f"The content part '{ptype}' is not allowed.", param=path)
-        for key in URLISH_KEYS.intersection(part).difference(skip):
-            value = part[key]
-            if isinstance(value, str):
-                # Not a place vLLM reads media from today: refused, not ignored (after
-                # the URL check, so a forbidden URL reports as such).
-                self.policy_check(value, f"{path}.{key}")
-                raise MediaInvalid("The media part's shape is not recognised.", param=path)
+        if isinstance(ptype, str) and ptype in MEDIA_TYPES:
+            if not isinstance(part.get(SOURCE_KEY), dict | None):
+                raise MediaInvalid("The media source must be an object.", param=path)
+            # Its media values check what lies below them; anything else holds no URL.
+            self.stray_urls(part, path, skip | _HANDLED)
+        else:
+            for key in URLISH_KEYS.intersection(part).difference(skip):
+                if isinstance(part[key], str):
+                    self.stray_urls({key: part[key]}, path, frozenset())
         if "uuid" in part:
             self.uuid(part, path, has_media=has_media)
 
@@ -279,7 +286,11 @@ class Walk:
         # value that names nothing fetchable is left alone (JSON schemas use these keys).
         typed = isinstance(ptype, str) and ptype in MEDIA_TYPES
         if key == "input_audio":
-            self.input_audio(value, path)
+            if not typed and isinstance(value, dict) and "data" not in value:
+                # No audio in it (a tool schema's property, say): walked like any object.
+                self.visit(value, path, depth + 1)
+            else:
+                self.input_audio(value, path)
         elif isinstance(value, str):
             self.url(value, kind, path, _set(obj, key))
         elif isinstance(value, dict):
@@ -312,10 +323,7 @@ class Walk:
             self.url(url, kind, f"{path}.url", _set(value, "url"))
         elif url is not None:
             raise MediaInvalid("The media URL must be a string.", param=f"{path}.url")
-        for name in URLISH_KEYS.intersection(value).difference(_URL):
-            if isinstance(value[name], str):
-                self.policy_check(value[name], f"{path}.{name}")
-                raise MediaInvalid("The media item's shape is not recognised.", param=path)
+        self.stray_urls(value, path, _URL)
         before = len(self.items)
         self.visit(value, path, depth, _URL)
         if len(self.items) > before:
@@ -369,7 +377,29 @@ class Walk:
         elif kind is not None:
             # An image, video or audio block with a source vLLM may read some other way.
             raise MediaInvalid("The media source type is not supported.", param=path)
+        self.stray_urls(source, path, _URL_DATA)
         self.visit(source, path, depth + 1, _URL_DATA)
+
+    def stray_urls(self, obj: dict[str, Any], path: str, skip: frozenset[str]) -> None:
+        """Below a media part or value, a URL under a name vLLM does not read media from
+        (`url`, `uri`, `src`, `href`) is refused, not ignored: default deny for shapes
+        vLLM may read tomorrow. Its URL is checked first, so a forbidden one reports as
+        such. `skip` names `obj`'s keys that its caller checks itself."""
+        stack: list[tuple[dict[str, Any] | list[Any], str, frozenset[str]]] = [(obj, path, skip)]
+        while stack:
+            node, where, skipped = stack.pop()
+            items: Iterable[tuple[str | int, Any]] = (
+                node.items() if isinstance(node, dict) else enumerate(node)
+            )
+            for key, value in items:
+                if key in skipped:
+                    continue
+                below = f"{where}.{key}" if isinstance(key, str) else f"{where}[{key}]"
+                if key in URLISH_KEYS and isinstance(value, str):
+                    self.policy_check(value, below)
+                    raise MediaInvalid("The media item's shape is not recognised.", param=path)
+                if isinstance(value, dict | list):
+                    stack.append((value, below, frozenset()))
 
     def add(self, item: MediaItem) -> None:
         if len(self.items) >= self.media.max_items:
