@@ -54,8 +54,8 @@ class Relay:
         key = ex.key
         if resp.status >= 400:
             await self.error(resp, send, ex, watch)
-        elif ex.route.group is Group.models and key is not None and key.models is not None:
-            await self.model_list(resp, send, ex, watch, key.models)
+        elif ex.route.group is Group.models:
+            await self.model_list(resp, send, ex, watch, None if key is None else key.models)
         else:
             await self.stream(resp, send, ex, watch)
 
@@ -114,11 +114,13 @@ class Relay:
         send: Send,
         ex: Exchange,
         watch: DisconnectWatch,
-        allowed: frozenset[str],
+        allowed: frozenset[str] | None,
     ) -> None:
-        """`GET /v1/models` for a key limited to some models: the engine's list with
-        only those, so a key learns nothing of the models it may not use. An answer
-        that cannot be read as a model list is refused, never passed on unfiltered."""
+        """`GET /v1/models`: the engine's list, each model's `root` (vLLM 0.32 puts the
+        model's or adapter's path on the engine's disk there) replaced by its id, and
+        for a key limited to some models (`allowed`) only those, so a key learns nothing
+        of the models it may not use. An answer that cannot be read as a model list is
+        refused, never passed on unfiltered."""
         body = await self._read_capped(resp, _MODEL_LIST_LIMIT)
         watch.stop()
         if body is None:
@@ -130,7 +132,11 @@ class Relay:
         models = listing.get("data") if isinstance(listing, dict) else None
         if not isinstance(models, list):
             raise UpstreamInvalid()
-        listing["data"] = [m for m in models if isinstance(m, dict) and m.get("id") in allowed]
+        listing["data"] = [
+            {**m, "root": m.get("id")} if "root" in m else m
+            for m in models
+            if isinstance(m, dict) and (allowed is None or m.get("id") in allowed)
+        ]
         body = orjson.dumps(listing)
         headers = [h for h in response_headers(resp) if h[0].lower() != b"content-length"]
         headers.append((b"content-length", str(len(body)).encode("ascii")))

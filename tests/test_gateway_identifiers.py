@@ -18,8 +18,9 @@ from tests.procs import Proc, gateway_proc, running, scrape, sim_proc, wait_for
 
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 KEYS = {"a1": "key-a1-0123456789abcdef", "a2": "key-a2-0123456789abcdef",
-        "b1": "key-b1-0123456789abcdef"}  # fmt: skip
-TENANTS = {"a1": "team-a", "a2": "team-a", "b1": "team-b"}
+        "b1": "key-b1-0123456789abcdef", "gen": "key-gen-0123456789abcdef"}  # fmt: skip
+TENANTS = {"a1": "team-a", "a2": "team-a", "b1": "team-b", "gen": "team-b"}
+SCOPES = {"gen": ["inference"]}
 
 
 @dataclass
@@ -29,9 +30,15 @@ class Stack:
     isolated: Proc  # cache_isolation tenant
     http: httpx.Client
 
-    def post(self, gateway: Proc, name: str, path: str, body: dict[str, Any]) -> httpx.Response:
-        headers = {"Authorization": f"Bearer {KEYS[name]}"}
+    def post(
+        self, gateway: Proc, name: str, path: str, body: dict[str, Any], **headers: str
+    ) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {KEYS[name]}", **headers}
         return self.http.post(gateway.url + path, json=body, headers=headers)
+
+    def received_headers(self) -> list[dict[str, str]]:
+        got = self.http.get(self.sim.url + "/sim/requests").json()
+        return [r["headers"] for r in got if r["method"] == "POST"]
 
     def received(self) -> list[dict[str, Any]]:
         got = self.http.get(self.sim.url + "/sim/requests").json()
@@ -46,7 +53,10 @@ class Stack:
 
 
 def _env(sim: Proc, **extra: str) -> dict[str, str]:
-    keys = [{"key": k, "name": n, "tenant": TENANTS[n]} for n, k in KEYS.items()]
+    keys = [
+        {"key": k, "name": n, "tenant": TENANTS[n], "scopes": SCOPES.get(n)}
+        for n, k in KEYS.items()
+    ]
     return {
         "GATEWAY_ENGINES": json.dumps([sim.url]),
         "GATEWAY_API_KEYS": json.dumps(keys),
@@ -120,3 +130,40 @@ def test_with_tenant_isolation_only_the_same_tenant_hits(stack: Stack) -> None:
     own = {**body, "cache_salt": "my-own-salt"}
     assert stack.post(stack.isolated, "a1", "/v1/chat/completions", own).status_code == 200
     assert stack.received()[-1]["cache_salt"] not in ("my-own-salt", *salts)
+
+
+def test_the_same_client_request_id_reaches_the_engine_as_two_ids(stack: Stack) -> None:
+    """vLLM takes X-Request-Id as its request id and aborts by it: two tenants sending
+    the same one must not share it at the engine."""
+    stack.clear()
+    for name in ("a1", "b1"):
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+        r = stack.post(stack.shared, name, "/v1/completions", body, **{"X-Request-Id": "trace-1"})
+        assert r.status_code == 200 and r.headers["x-request-id"] == "trace-1"
+    ids = [h["x-request-id"] for h in stack.received_headers()]
+    assert len(set(ids)) == 2 and all(i.startswith("trace-1-") for i in ids)
+
+
+def test_invocations_need_the_pooling_scope_too(stack: Stack) -> None:
+    """vLLM dispatches /invocations by the body's shape, embeddings and scoring included:
+    a key with only the inference scope may not reach the pooling handlers there."""
+    stack.clear()
+    body = {"model": MODEL, "input": "hello"}
+    r = stack.post(stack.shared, "gen", "/invocations", body)
+    assert (r.status_code, r.json()["error"]["code"]) == (403, "scope_not_allowed")
+    assert "pooling" in r.json()["error"]["message"]
+    assert stack.received() == []
+    chat = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    assert stack.post(stack.shared, "gen", "/v1/chat/completions", chat).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/cohere/v2/chat", "/v2/embed"])
+def test_routes_that_drop_cache_salt_are_refused_under_isolation(stack: Stack, path: str) -> None:
+    stack.clear()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "texts": ["t"]}
+    r = stack.post(stack.isolated, "a1", path, body)
+    assert (r.status_code, r.json()["error"]["code"]) == (403, "endpoint_blocked")
+    assert stack.received() == []
+    # Without isolation the same request is forwarded (the engine answers what it will).
+    stack.post(stack.shared, "a1", path, body)
+    assert len(stack.received()) == 1

@@ -71,6 +71,15 @@ def test_a_key_without_a_model_list_sees_every_model(stack: Stack) -> None:
     assert _ids(_models(stack.gateway.url, ALL)) == ["model-a", "model-b"]
 
 
+def test_model_roots_never_show_the_engines_paths(stack: Stack) -> None:
+    """vLLM lists a model's (or adapter's) path on its disk as `root`."""
+    direct = httpx.get(stack.sim.url + "/v1/models", timeout=10).json()
+    assert {m["root"] for m in direct["data"]} == {"Qwen/Qwen3-VL-2B-Instruct"}
+    for key in (ALL, ONLY_A):
+        for model in _models(stack.gateway.url, key).json()["data"]:
+            assert model["root"] == model["id"]
+
+
 def test_a_key_limited_to_some_models_sees_only_those(stack: Stack) -> None:
     resp = _models(stack.gateway.url, ONLY_A)
     assert _ids(resp) == ["model-a"]
@@ -81,7 +90,7 @@ def test_a_key_limited_to_some_models_sees_only_those(stack: Stack) -> None:
     assert _ids(_models(stack.gateway.url, NOT_SERVED)) == []
 
 
-def test_an_unreadable_model_list_is_refused_for_a_limited_key(stack: Stack) -> None:
+def test_an_unreadable_model_list_is_refused(stack: Stack) -> None:
     before = len(stack.broken.hits)
     resp = _models(stack.broken_gateway.url, ONLY_A)
     assert resp.status_code == 502
@@ -89,6 +98,6 @@ def test_an_unreadable_model_list_is_refused_for_a_limited_key(stack: Stack) -> 
     assert "nope" not in resp.text
     # It did ask the engine (and only that): the refusal is about the answer.
     assert [h.path for h in stack.broken.hits[before:]] == ["/v1/models"]
-    # A key without a model list gets the engine's answer as it is, as before.
+    # A key without a model list is refused the same: the list is always rewritten.
     passed = _models(stack.broken_gateway.url, ALL)
-    assert passed.status_code == 200 and passed.json()["data"] == "nope"
+    assert passed.status_code == 502 and passed.json()["error"]["code"] == "upstream_invalid"
