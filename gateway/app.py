@@ -10,11 +10,11 @@ import asyncio
 import contextlib
 import gc
 import os
+import ssl
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import orjson
 import structlog
 
@@ -151,22 +151,28 @@ class Gateway:
         if settings.api_keys_file is not None:
             keys += load_key_file(settings.api_keys_file)
         self.keyring = KeyRing(keys, allow_unauthenticated=settings.allow_unauthenticated)
-        self.pool = EnginePool(
-            settings.engines,
-            settings.routing,
-            headers=self._upstream_auth(),
-        )
-        self.pool.extra_models = frozenset(settings.served_models)
-        self.pool.models = self.pool.extra_models
-        self.inspector = PayloadInspector(settings.media, settings.payload)
         t = settings.timeouts
+        # One client for everything sent to engines: forwarded requests, health checks,
+        # model lists and load scrapes, under one TLS configuration.
         self.upstream: UpstreamClient = upstream or Upstream(
             connect_timeout=t.connect,
             # Bounds the wait for the response headers; the silence between body chunks
             # is bounded separately by `timeouts.idle`.
             first_byte_timeout=t.first_byte,
             keepalive=t.upstream_keepalive,
+            ssl_context=ssl.create_default_context(cafile=settings.engine_ca_file)
+            if settings.engine_ca_file is not None
+            else None,
         )
+        self.pool = EnginePool(
+            settings.engines,
+            settings.routing,
+            upstream=self.upstream,
+            headers=self._upstream_auth(),
+        )
+        self.pool.extra_models = frozenset(settings.served_models)
+        self.pool.models = self.pool.extra_models
+        self.inspector = PayloadInspector(settings.media, settings.payload)
         policy = make_policy(settings.routing)
         self.metrics.watch_pool(lambda: self.pool.engines, policy.name)
         self.proxy = Proxy(settings, self.pool, policy, self.metrics, self.inspector, self.upstream)
@@ -199,9 +205,9 @@ class Gateway:
             app = cls(app, **options)
         self.stack = app
 
-    def _upstream_auth(self) -> dict[str, str]:
+    def _upstream_auth(self) -> list[tuple[bytes, bytes]]:
         key = self.settings.upstream_api_key
-        return {"Authorization": f"Bearer {key.get_secret_value()}"} if key else {}
+        return [(b"authorization", f"Bearer {key.get_secret_value()}".encode())] if key else []
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -218,25 +224,8 @@ class Gateway:
             stack.callback(self.request_log.flush)
             stack.push_async_callback(self.upstream.aclose)
             stack.push_async_callback(self.inspector.aclose)
-            # aiohttp serves the health checks and model lists; requests are forwarded
-            # by the upstream client.
-            connector = aiohttp.TCPConnector(
-                limit=self.settings.limits.max_in_flight + 16,
-                limit_per_host=0,
-                keepalive_timeout=self.settings.timeouts.upstream_keepalive,
-                # Engines are addressed by URL in settings; cache their DNS briefly.
-                ttl_dns_cache=10,
-            )
-            session = await stack.enter_async_context(
-                aiohttp.ClientSession(
-                    connector=connector,
-                    auto_decompress=False,
-                    skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
-                    cookie_jar=aiohttp.DummyCookieJar(),
-                )
-            )
             self.request_log.bind(asyncio.get_running_loop())
-            await self.pool.start(session)
+            await self.pool.start()
             stack.push_async_callback(self.pool.stop)
             if self.watcher is not None:
                 task = asyncio.create_task(self.watcher.run(), name="key-file")

@@ -3,7 +3,12 @@ by a `Lease`, and the one mapping from upstream failures to gateway errors.
 
 A request moves to the next engine only when the previous one provably received
 nothing (the connection was refused). Once a request was written it may have started,
-so it is never sent again elsewhere.
+so it is never sent again elsewhere, with one exception: an engine that closed a reused
+connection without answering and then refused a fresh one (`ReconnectFailed`) is going
+away; a GET or HEAD then moves on, a POST (which that engine may have read) does not.
+The upstream client already sent the request once more to the same engine on a fresh
+connection (gateway/upstream.py): a keep-alive connection closed under a request is
+neither an error nor a health failure.
 """
 
 from __future__ import annotations
@@ -18,14 +23,16 @@ from gateway.routing.pool import Engine, EnginePool, Lease
 from gateway.upstream import (
     ConnectFailed,
     FirstByteTimeout,
-    Origin,
     ReadTimeout,
+    ReconnectFailed,
     Response,
     UpstreamClient,
     UpstreamError,
 )
 
 Relay = Callable[[Response], Awaitable[None]]
+# Methods that may go to another engine after ReconnectFailed: they change nothing.
+IDEMPOTENT = frozenset({"GET", "HEAD"})
 
 
 def gateway_error(exc: UpstreamError | TimeoutError, *, answering: bool) -> GatewayError:
@@ -50,20 +57,6 @@ class Forwarder:
         self.pool = pool
         self.metrics = metrics
         self._counts = metrics.routing
-        self._origins: dict[str, Origin] = {}
-
-    def origin(self, engine: Engine) -> Origin:
-        origin = self._origins.get(engine.url)
-        if origin is None:
-            if len(self._origins) > 2 * len(self.pool.engines) + 16:
-                # Engines named by DNS come and go: forget the origins of departed ones.
-                self._origins.clear()
-            try:
-                origin = self._origins[engine.url] = Origin(engine.url)
-            except ValueError:
-                # Not a usable engine URL: nothing can reach it, like a refused connect.
-                raise ConnectFailed("engine URL") from None
-        return origin
 
     async def forward(
         self,
@@ -87,13 +80,22 @@ class Forwarder:
             with Lease(engine):
                 sent_at = time.perf_counter()
                 try:
-                    resp = await self.upstream.request(
-                        self.origin(engine), method, target, headers, data
-                    )
+                    if engine.origin is None:
+                        # Not a usable engine URL: nothing can reach it.
+                        raise ConnectFailed("engine URL")
+                    resp = await self.upstream.request(engine.origin, method, target, headers, data)
                 except ConnectFailed:
                     # Nothing reached this engine: eject it and try the next one.
                     pool.eject(engine)
                     continue
+                except ReconnectFailed as exc:
+                    # The engine refuses connections now: eject it. A GET moves on; a
+                    # POST it may have read before closing is not sent elsewhere.
+                    pool.eject(engine)
+                    if method in IDEMPOTENT:
+                        continue
+                    ex.engine = engine.url
+                    raise gateway_error(exc, answering=False) from None
                 except UpstreamError as exc:
                     ex.engine = engine.url
                     pool.failed(engine)

@@ -10,8 +10,10 @@ response parsed by httptools (llhttp, the parser uvicorn uses), the body handed 
 it arrives. The engine is addressed by configured URL only; nothing here follows
 redirects, decompresses, or adds headers besides Host and Content-Length.
 
-Health checks and media fetching keep their own clients. The proxy depends only on the
-`UpstreamClient` and `Response` protocols below, so tests can hand it a fake engine.
+The same client serves the engine pool's health checks, model lists and load scrapes,
+so one TLS configuration (`engine_ca_file`) covers everything sent to engines. Media
+fetching keeps its own client (gateway/media/). The proxy and the pool depend only on
+the `UpstreamClient` and `Response` protocols below, so tests can hand them a fake engine.
 """
 
 from __future__ import annotations
@@ -53,6 +55,15 @@ class ConnectionBroken(UpstreamError):
     """The connection failed or carried something that is not an HTTP response."""
 
 
+class ClosedUnanswered(ConnectionBroken):
+    """The engine closed the connection before sending any byte of an answer."""
+
+
+class ReconnectFailed(UpstreamError):
+    """The engine closed a reused connection without answering, then refused a fresh
+    one: it is going away, and may or may not have read the request."""
+
+
 class Response(Protocol):
     """An engine's answer as the relay reads it (`UpstreamResponse`, or a test's fake)."""
 
@@ -86,8 +97,8 @@ class UpstreamClient(Protocol):
         body: bytes | None,
     ) -> Response:
         """Send one request and return once the response headers arrived. Raises
-        ConnectFailed when nothing reached the engine, FirstByteTimeout, or
-        ConnectionBroken."""
+        ConnectFailed when nothing reached the engine, ReconnectFailed,
+        FirstByteTimeout, or ConnectionBroken."""
         ...
 
     async def aclose(self) -> None: ...
@@ -95,19 +106,34 @@ class UpstreamClient(Protocol):
 
 class Origin:
     """An engine's scheme, host, port and base path, parsed once from its configured URL
-    (an engine served under a path prefix gets every request under that prefix)."""
+    (an engine served under a path prefix gets every request under that prefix).
 
-    __slots__ = ("base_path", "host", "host_header", "port", "ssl")
+    `server_name` is the name of an engine its URL names by address (one resolved from
+    a `dns+https://name` entry): the connection goes to the URL's address, while the
+    Host header and, over TLS, the server name sent (SNI) and checked against the
+    certificate are `server_name`. None: the URL's host is the name.
+    """
 
-    def __init__(self, url: str) -> None:
+    __slots__ = ("base_path", "host", "host_header", "key", "port", "server_name", "ssl")
+
+    def __init__(self, url: str, server_name: str | None = None) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError("an engine URL must be http:// or https:// with a host")
         self.ssl = parts.scheme == "https"
         self.host = parts.hostname
         self.port = parts.port or (443 if self.ssl else 80)
-        self.host_header = parts.netloc.rsplit("@", 1)[-1].encode("ascii")
+        self.server_name = server_name
+        if server_name is None:
+            self.host_header = parts.netloc.rsplit("@", 1)[-1].encode("ascii")
+        elif self.port == (443 if self.ssl else 80):
+            self.host_header = server_name.encode("ascii")
+        else:
+            self.host_header = f"{server_name}:{self.port}".encode("ascii")
         self.base_path = parts.path.rstrip("/")
+        # Idle connections are shared by origins with the same key only: one opened
+        # under another server name was checked against another certificate name.
+        self.key = (self.host, self.port, self.ssl, server_name)
 
 
 class _Connection(asyncio.Protocol):
@@ -121,6 +147,8 @@ class _Connection(asyncio.Protocol):
         self.response: UpstreamResponse | None = None
         self.closed = False
         self.idle_since = 0.0
+        # Whether any byte arrived since the current request was written.
+        self.answered = False
         self._paused = False
         self._extra = False
 
@@ -131,6 +159,7 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
+        self.answered = True
         response = self.response
         if response is None or response.complete:
             # Bytes nobody asked for: the connection is not reusable.
@@ -153,6 +182,8 @@ class _Connection(asyncio.Protocol):
         if response is not None and not response.complete:
             if response.headers_done and response.until_eof:
                 response._finish()
+            elif not self.answered:
+                response._fail(ClosedUnanswered("The engine closed the connection."))
             else:
                 response._fail(ConnectionBroken("The engine closed the connection."))
 
@@ -322,12 +353,13 @@ class UpstreamResponse:
         """The whole body (for bodies known to be small), within `limit` seconds."""
         if not self.complete:
             # Small answers usually arrive with their headers: no timer for those.
-            self._conn.resume()
             handle = self._loop.call_later(limit, self._time_out, ReadTimeout)
             try:
                 while not self.complete:
                     if self._error is not None:
                         raise self._error
+                    # The whole body is wanted: reading goes on past the high-water mark.
+                    self._conn.resume()
                     await self._wait()
             finally:
                 handle.cancel()
@@ -348,8 +380,16 @@ class UpstreamResponse:
 
 class Upstream:
     """Keep-alive connections to the engines, reused while idle for less than
-    `keepalive` seconds (below vLLM's own 5 s, so a request is never written onto a
-    connection the engine is closing). `aclose()` closes them all."""
+    `keepalive` seconds (below vLLM's own 5 s, so a request is rarely written onto a
+    connection the engine is closing). `aclose()` closes them all.
+
+    A reused connection the engine closes before answering is its keep-alive timeout
+    racing the request: uvicorn closes an idle connection without reading what arrived.
+    The request is then sent once more, on a fresh connection to the same engine,
+    whatever its method; if that connection is refused, ReconnectFailed.
+
+    `ssl_context` checks engines' certificates (default: the system's trust store).
+    """
 
     def __init__(
         self,
@@ -358,6 +398,7 @@ class Upstream:
         first_byte_timeout: float,
         keepalive: float,
         max_idle: int = 1024,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         # The running loop, bound on first use: the client is built before the server
         # starts its loop (asyncio's lookup per request costs a getpid() on 3.11).
@@ -366,19 +407,18 @@ class Upstream:
         self._first_byte = first_byte_timeout
         self._keepalive = keepalive
         self._max_idle = max_idle
-        self._idle: dict[tuple[str, int, bool], list[_Connection]] = {}
+        self._idle: dict[tuple[str, int, bool, str | None], list[_Connection]] = {}
         self._all: set[_Connection] = set()
-        self._ssl: ssl.SSLContext | None = None
+        self._ssl = ssl_context
 
     def _forget(self, conn: _Connection) -> None:
         self._all.discard(conn)
-        idle = self._idle.get((conn.origin.host, conn.origin.port, conn.origin.ssl))
+        idle = self._idle.get(conn.origin.key)
         if idle is not None and conn in idle:
             idle.remove(conn)
 
     def _release(self, conn: _Connection) -> None:
-        key = (conn.origin.host, conn.origin.port, conn.origin.ssl)
-        idle = self._idle.setdefault(key, [])
+        idle = self._idle.setdefault(conn.origin.key, [])
         if len(idle) >= self._max_idle:
             conn.abort()
             return
@@ -387,8 +427,9 @@ class Upstream:
         conn.resume()
         idle.append(conn)
 
-    async def _connect(self, origin: Origin, loop: asyncio.AbstractEventLoop) -> _Connection:
-        idle = self._idle.get((origin.host, origin.port, origin.ssl))
+    def _reuse(self, origin: Origin, loop: asyncio.AbstractEventLoop) -> _Connection | None:
+        """An idle connection to `origin` still open and young enough, or None."""
+        idle = self._idle.get(origin.key)
         if idle:
             fresh = loop.time() - self._keepalive
             while idle:
@@ -403,13 +444,24 @@ class Upstream:
                     conn.abort()
                     continue
                 return conn
+        return None
+
+    async def _open(self, origin: Origin, loop: asyncio.AbstractEventLoop) -> _Connection:
+        """A new connection to `origin`; over TLS the certificate is checked against its
+        server name. Raises ConnectFailed."""
         context: ssl.SSLContext | None = None
+        server_name: str | None = None
         if origin.ssl:
             context = self._ssl = self._ssl or ssl.create_default_context()
+            server_name = origin.server_name
         try:
             async with asyncio.timeout(self._connect_timeout):
                 _, protocol = await loop.create_connection(
-                    lambda: _Connection(self, origin), origin.host, origin.port, ssl=context
+                    lambda: _Connection(self, origin),
+                    origin.host,
+                    origin.port,
+                    ssl=context,
+                    server_hostname=server_name,
                 )
         except (OSError, TimeoutError, ssl.SSLError):
             raise ConnectFailed("connect") from None
@@ -428,14 +480,52 @@ class Upstream:
 
         `target` and `headers` must already be free of CR and LF (they come from
         uvicorn's parser and the endpoint table). Raises ConnectFailed when nothing
-        reached the engine, FirstByteTimeout, or ConnectionBroken.
+        reached the engine, ReconnectFailed, FirstByteTimeout, or ConnectionBroken.
         """
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
-        conn = await self._connect(origin, loop)
+        conn = self._reuse(origin, loop)
+        reused = conn is not None
+        if conn is None:
+            conn = await self._open(origin, loop)
+        response = self._send(conn, loop, origin, method, target, headers, body)
+        try:
+            await response._start(self._first_byte)
+        except ClosedUnanswered:
+            response.close()
+            if not reused:
+                raise
+            # Closed under the request without a byte of answer: once more, fresh.
+            try:
+                conn = await self._open(origin, loop)
+            except ConnectFailed:
+                raise ReconnectFailed("reconnect") from None
+            response = self._send(conn, loop, origin, method, target, headers, body)
+            try:
+                await response._start(self._first_byte)
+            except BaseException:
+                response.close()
+                raise
+        except BaseException:
+            response.close()
+            raise
+        return response
+
+    @staticmethod
+    def _send(
+        conn: _Connection,
+        loop: asyncio.AbstractEventLoop,
+        origin: Origin,
+        method: str,
+        target: str,
+        headers: Sequence[tuple[bytes, bytes]],
+        body: bytes | None,
+    ) -> UpstreamResponse:
+        """Write one request on `conn`; its response is fed by the connection."""
         response = UpstreamResponse(conn, loop)
         conn.response = response
+        conn.answered = False
         head = [
             f"{method} {origin.base_path}{target} HTTP/1.1\r\n".encode("latin-1"),
             b"Host: ",
@@ -457,11 +547,6 @@ class Upstream:
             if body:
                 head.append(body)
             transport.write(b"".join(head))
-        try:
-            await response._start(self._first_byte)
-        except BaseException:
-            response.close()
-            raise
         return response
 
     async def aclose(self) -> None:

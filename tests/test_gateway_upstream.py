@@ -2,8 +2,9 @@
 
 A raw TCP server on loopback plays the engine and answers each request the way its
 `x-scenario` header asks: chunked, read-until-close, `Connection: close`, garbage, a
-stall, a short body, an idle connection closed under the gateway, a large streamed body,
-error answers and extra response headers (`SCENARIOS`). The gateway runs as a real
+stall, a short body, an idle connection closed under the gateway, a request dropped
+unanswered on a reused connection, a large streamed body, error answers and extra
+response headers (`SCENARIOS`). The gateway runs as a real
 process in front of it (one for the whole module), with `x-scenario` added to the
 headers it forwards (`forward_headers`). tests/test_gateway_headers.py and
 tests/test_engine_errors.py run their own gateways in front of the same kind of engine.
@@ -39,6 +40,7 @@ class Seen:
     path: str
     headers: dict[str, str]
     body: bytes
+    index: int = 0  # the request's place on its connection, from 0
 
 
 @dataclass
@@ -139,8 +141,10 @@ SCENARIOS: dict[str, bytes] = {
 
 def _serve(engine: Engine, conn_id: int, sock: socket.socket) -> None:
     rfile = sock.makefile("rb")
+    index = -1
     try:
         while True:
+            index += 1
             line = rfile.readline()
             if not line:
                 return
@@ -151,8 +155,12 @@ def _serve(engine: Engine, conn_id: int, sock: socket.socket) -> None:
                 headers[name.strip().lower()] = value.strip()
             body = rfile.read(int(headers.get("content-length", "0")))
             with engine.lock:
-                engine.seen.append(Seen(conn_id, method, path, headers, body))
+                engine.seen.append(Seen(conn_id, method, path, headers, body, index))
             scenario = headers.get("x-scenario", "")
+            if scenario == "drop-reused" and index > 0:
+                # As uvicorn at its keep-alive timeout: a request arriving on a kept-alive
+                # connection is never read, the connection closed without an answer.
+                return
             if path == "/health":
                 sock.sendall(_response(b"{}"))
             elif path == "/v1/models" and not scenario:
@@ -247,7 +255,8 @@ def gateway(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 def _get(gateway: Proc, scenario: str) -> httpx.Response:
     headers = {"Authorization": f"Bearer {KEY}", "X-Scenario": scenario}
-    return httpx.get(gateway.url + "/v1/models", headers=headers, timeout=10)
+    # /version: a GET the gateway relays as the engine sends it (a model list is parsed).
+    return httpx.get(gateway.url + "/version", headers=headers, timeout=10)
 
 
 def test_request_as_the_engine_sees_it(engine: Engine, gateway: Proc) -> None:
@@ -366,8 +375,52 @@ def test_engine_under_a_path_prefix(engine: Engine, tmp_path: Path) -> None:
     proc.start("/healthz")
     try:
         headers = {"Authorization": f"Bearer {KEY}", "X-Scenario": "prefixed"}
-        r = httpx.get(proc.url + "/v1/models?x=1", headers=headers, timeout=10)
+        r = httpx.get(proc.url + "/version?x=1", headers=headers, timeout=10)
     finally:
         proc.stop()
     assert r.status_code == 200
-    assert engine.requests("prefixed")[-1].path == "/prefix/v1/models?x=1"
+    assert engine.requests("prefixed")[-1].path == "/prefix/version?x=1"
+
+
+def test_a_reused_connection_closed_without_an_answer_is_retried_fresh(
+    engine: Engine, tmp_path: Path
+) -> None:
+    """Every request on a reused connection is dropped unanswered: the gateway sends it
+    once more on a fresh connection to the same engine, GET and POST alike, and does not
+    count it against the engine (one failure would eject it here)."""
+    env = {
+        "GATEWAY_ENGINES": f'["{engine.url}"]',
+        "GATEWAY_API_KEYS": f'["{KEY}"]',
+        "GATEWAY_FORWARD_HEADERS": '["x-scenario"]',
+        "GATEWAY_PUBLIC_METRICS": "true",
+        "GATEWAY_ROUTING__EJECT_AFTER_5XX": "1",
+        "GATEWAY_ROUTING__HEALTH_INTERVAL": "30",
+    }
+    proc = gateway_proc(tmp_path, env)
+    proc.start("/readyz")
+    headers = {"Authorization": f"Bearer {KEY}", "X-Scenario": "drop-reused"}
+    body = {"model": MODEL, "prompt": "hi"}
+    try:
+        with httpx.Client(timeout=10) as client:
+            for _ in range(3):
+                r = client.get(proc.url + "/version", headers=headers)
+                assert r.status_code == 200, r.text
+                r = client.post(proc.url + "/v1/completions", headers=headers, json=body)
+                assert (r.status_code, r.json()) == (200, {"ok": True})
+            ready = client.get(proc.url + "/readyz").json()
+            metrics = client.get(proc.url + "/metrics").text
+    finally:
+        proc.stop()
+    by_id: dict[str, list[Seen]] = {}
+    for seen in engine.requests("drop-reused"):
+        by_id.setdefault(seen.headers["x-request-id"], []).append(seen)
+    assert len(by_id) == 6
+    retried = [s for s in by_id.values() if len(s) == 2]
+    # The gateway's connection was kept alive between requests: most went out on it,
+    # were dropped, and went again, first on a new connection. None went three times.
+    assert len(retried) >= 5 and all(len(s) <= 2 for s in by_id.values())
+    for dropped, again in retried:
+        assert dropped.index > 0 and again.index == 0 and dropped.conn != again.conn
+        assert (dropped.method, dropped.body) == (again.method, again.body)
+    assert ready["healthy_engines"] == 1
+    assert f'gateway_engine_ejections_total{{engine="{engine.url}"}} 0.0' in metrics

@@ -14,7 +14,6 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import aiohttp
 import httpx
 import pytest
 
@@ -23,6 +22,7 @@ from gateway.routing.dns import DnsEntry, NameNotFound
 from gateway.routing.engine_load import EngineLoad, parse_load
 from gateway.routing.pool import EnginePool
 from gateway.routing.settings import RoutingSettings
+from gateway.upstream import Upstream
 from tests.procs import Proc, gateway_proc, scrape, sim_proc, wait_for
 
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"
@@ -95,10 +95,15 @@ def test_dns_entry_refuses_bad_entries(spec: str) -> None:
     with pytest.raises(ValueError, match="engine entry"):
         DnsEntry(spec)
     with pytest.raises(ValueError, match="engine entry"):
-        EnginePool([spec], RoutingSettings())
+        EnginePool([spec], RoutingSettings(), upstream=_upstream())
 
 
 # --- the pool's loops against real engines ------------------------------------------------
+
+
+def _upstream() -> Upstream:
+    """The client the gateway checks engines with (the one it forwards with)."""
+    return Upstream(connect_timeout=1.0, first_byte_timeout=5.0, keepalive=4.0)
 
 
 @pytest.fixture(scope="module")
@@ -120,30 +125,33 @@ async def test_dns_entry_follows_the_answers(sim: Proc) -> None:
         return answers
 
     settings = RoutingSettings(health_interval=0.05, dns_interval=0.05, health_timeout=0.5)
-    pool = EnginePool([f"dns+http://engines.test:{sim.port}"], settings, resolver=resolver)
+    upstream = _upstream()
+    pool = EnginePool(
+        [f"dns+http://engines.test:{sim.port}"], settings, upstream=upstream, resolver=resolver
+    )
     urls = lambda: sorted(e.url for e in pool.engines)  # noqa: E731
     healthy = lambda: sorted(e.url for e in pool.healthy())  # noqa: E731
-    async with aiohttp.ClientSession() as session:
-        await pool.start(session)
-        try:
-            assert urls() == healthy() == [sim.url] and pool.ready()
-            assert MODEL in pool.models
-            # A second address appears; nothing listens there, so it is listed, unhealthy.
-            answers = ["127.0.0.1", "127.0.0.2"]
-            await _until(lambda: len(urls()) == 2)
-            await asyncio.sleep(0.2)
-            assert healthy() == [sim.url]
-            # A failed lookup keeps the engines; a name with no addresses empties the entry.
-            answers = OSError("resolver timeout")
-            await asyncio.sleep(0.2)
-            assert len(urls()) == 2
-            answers = NameNotFound("engines.test")
-            await _until(lambda: not urls())
-            assert not pool.ready()
-            answers = ["127.0.0.1"]
-            await _until(lambda: healthy() == [sim.url])
-        finally:
-            await pool.stop()
+    await pool.start()
+    try:
+        assert urls() == healthy() == [sim.url] and pool.ready()
+        assert MODEL in pool.models
+        # A second address appears; nothing listens there, so it is listed, unhealthy.
+        answers = ["127.0.0.1", "127.0.0.2"]
+        await _until(lambda: len(urls()) == 2)
+        await asyncio.sleep(0.2)
+        assert healthy() == [sim.url]
+        # A failed lookup keeps the engines; a name with no addresses empties the entry.
+        answers = OSError("resolver timeout")
+        await asyncio.sleep(0.2)
+        assert len(urls()) == 2
+        answers = NameNotFound("engines.test")
+        await _until(lambda: not urls())
+        assert not pool.ready()
+        answers = ["127.0.0.1"]
+        await _until(lambda: healthy() == [sim.url])
+    finally:
+        await pool.stop()
+        await upstream.aclose()
 
 
 async def _until(predicate: object, within: float = 5.0) -> None:
@@ -158,34 +166,35 @@ async def test_ejection_backs_off_then_recovers_on_a_good_check(sim: Proc) -> No
     settings = RoutingSettings(
         health_interval=0.05, eject_backoff=0.3, eject_backoff_max=0.6, eject_after_5xx=3
     )
-    pool = EnginePool([sim.url], settings)
-    async with aiohttp.ClientSession() as session:
-        await pool.start(session)
-        try:
-            (engine,) = pool.engines
-            assert engine.healthy
-            pool.eject(engine)
-            assert pool.healthy() == [] and engine.backoff == 0.3 and engine.ejections == 1
-            # The engine answers its health checks, but stays out for its back-off.
-            started = time.monotonic()
-            await _until(lambda: engine.healthy)
-            assert time.monotonic() - started >= 0.25
-            # Ejected again without a good answer in between: the back-off doubles, capped.
-            pool.eject(engine)
-            assert engine.backoff == 0.6
-            await _until(lambda: engine.healthy)
-            pool.eject(engine)
-            assert engine.backoff == 0.6 and engine.ejections == 3
-            await _until(lambda: engine.healthy)
-            # A good answer ends the back-off; a run of 5xx (not a single one) ejects.
-            pool.succeeded(engine)
-            pool.failed(engine)
-            pool.failed(engine)
-            assert engine.healthy
-            pool.failed(engine)
-            assert not engine.healthy and engine.backoff == 0.3
-        finally:
-            await pool.stop()
+    upstream = _upstream()
+    pool = EnginePool([sim.url], settings, upstream=upstream)
+    await pool.start()
+    try:
+        (engine,) = pool.engines
+        assert engine.healthy
+        pool.eject(engine)
+        assert pool.healthy() == [] and engine.backoff == 0.3 and engine.ejections == 1
+        # The engine answers its health checks, but stays out for its back-off.
+        started = time.monotonic()
+        await _until(lambda: engine.healthy)
+        assert time.monotonic() - started >= 0.25
+        # Ejected again without a good answer in between: the back-off doubles, capped.
+        pool.eject(engine)
+        assert engine.backoff == 0.6
+        await _until(lambda: engine.healthy)
+        pool.eject(engine)
+        assert engine.backoff == 0.6 and engine.ejections == 3
+        await _until(lambda: engine.healthy)
+        # A good answer ends the back-off; a run of 5xx (not a single one) ejects.
+        pool.succeeded(engine)
+        pool.failed(engine)
+        pool.failed(engine)
+        assert engine.healthy
+        pool.failed(engine)
+        assert not engine.healthy and engine.backoff == 0.3
+    finally:
+        await pool.stop()
+        await upstream.aclose()
 
 
 # --- the real gateway ------------------------------------------------------------------

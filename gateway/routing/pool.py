@@ -1,7 +1,8 @@
 """The engine pool: the configured engines, their health, load and served models.
 
 - Engines come from `GATEWAY_ENGINES`: URLs, and `dns+http://name:port` entries resolved
-  every `routing.dns_interval` seconds to one engine per address (dns.py).
+  every `routing.dns_interval` seconds to one engine per address (dns.py); such an
+  engine keeps the entry's name for its Host header and TLS server name.
 - Health is checked actively (GET /health every `routing.health_interval`) and
   passively: an engine that refuses a connection, or answers `routing.eject_after_5xx`
   5xx in a row, is ejected for a back-off that doubles while it keeps failing, and comes
@@ -11,6 +12,10 @@
   `MODELS_REFRESH` seconds.
 - Load: `in_flight` counts what this gateway forwards; with `routing.load_interval` set,
   `waiting` is the engine's own queue, scraped from its /metrics (engine_load.py).
+
+Checks, model lists and scrapes go through the upstream client requests are forwarded
+with (gateway/upstream.py): one client, one TLS configuration for everything sent to
+engines.
 """
 
 from __future__ import annotations
@@ -18,16 +23,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-import aiohttp
 import orjson
 import structlog
 
 from gateway.routing.dns import DnsEntry, NameNotFound, Resolver, is_dns_entry, resolve
 from gateway.routing.engine_load import parse_load
 from gateway.routing.settings import RoutingSettings
+from gateway.upstream import ConnectFailed, Origin, UpstreamClient, UpstreamError
 
 MODELS_REFRESH = 15.0
 # While no engine is ready, health checks run at least this often, so a gateway that
@@ -39,7 +44,9 @@ log = structlog.get_logger("gateway.pool")
 
 class Engine:
     """One engine. `in_flight` counts requests the gateway is forwarding to it;
-    `waiting` is the engine's own queue as last scraped (0 when not scraped)."""
+    `waiting` is the engine's own queue as last scraped (0 when not scraped).
+    `origin` is where requests go (None: the URL is unusable, nothing can reach it);
+    `server_name` names an engine whose URL holds a resolved address (see Origin)."""
 
     __slots__ = (
         "backoff",
@@ -51,13 +58,18 @@ class Engine:
         "kv_cache_usage",
         "models",
         "models_at",
+        "origin",
         "scraped",
         "url",
         "waiting",
     )
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, server_name: str | None = None) -> None:
         self.url = url.rstrip("/")
+        try:
+            self.origin: Origin | None = Origin(self.url, server_name)
+        except ValueError:
+            self.origin = None
         self.healthy = False
         self.in_flight = 0
         self.waiting = 0
@@ -103,8 +115,10 @@ class Lease:
 class EnginePool:
     """Engines from settings. `start` resolves names and runs the checks; `stop` ends them.
 
-    `resolver` looks up a DNS entry's addresses (default: the system resolver, A and
-    AAAA); it raises NameNotFound for a name without addresses.
+    `upstream` sends the checks (the client requests are forwarded with); `headers` go
+    with each (the engine key). `resolver` looks up a DNS entry's addresses (default:
+    the system resolver, A and AAAA); it raises NameNotFound for a name without
+    addresses.
     """
 
     def __init__(
@@ -112,12 +126,14 @@ class EnginePool:
         entries: Sequence[str],
         settings: RoutingSettings,
         *,
-        headers: Mapping[str, str] | None = None,
+        upstream: UpstreamClient,
+        headers: Sequence[tuple[bytes, bytes]] = (),
         on_health: Callable[[Engine], None] | None = None,
         resolver: Resolver = resolve,
     ) -> None:
         self._settings = settings
-        self._headers = dict(headers or {})
+        self._upstream = upstream
+        self._headers = list(headers)
         self._on_health = on_health
         self._resolver = resolver
         self._static: list[Engine] = []
@@ -130,7 +146,6 @@ class EnginePool:
         # Engines of each DNS entry, by URL, from its last good resolution.
         self._resolved: dict[str, dict[str, Engine]] = {e.spec: {} for e in self._dns}
         self.engines: list[Engine] = list(self._static)
-        self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._healthy: list[Engine] = []
         self.extra_models: frozenset[str] = frozenset()
@@ -185,10 +200,9 @@ class EnginePool:
 
     # -- lifecycle -----------------------------------------------------------------------
 
-    async def start(self, session: aiohttp.ClientSession) -> None:
+    async def start(self) -> None:
         """Resolve names and check every engine once (so a ready gateway knows its
         models), then keep doing so in the background."""
-        self._session = session
         await self.resolve_all()
         await self.check_all()
         if self._settings.load_interval > 0:
@@ -259,7 +273,7 @@ class EnginePool:
         urls = [entry.url(a) for a in addresses]
         if set(urls) == set(old):
             return False
-        new = {url: old.get(url) or Engine(url) for url in urls}
+        new = {url: old.get(url) or Engine(url, entry.host) for url in urls}
         gone = [url for url in old if url not in new]
         added = [url for url in new if url not in old]
         log.info("engine_dns_changed", entry=entry.spec, added=added, removed=gone)
@@ -272,12 +286,17 @@ class EnginePool:
         await asyncio.gather(*(self._check(e) for e in self.engines))
 
     async def _get(self, engine: Engine, path: str) -> tuple[int, bytes]:
-        assert self._session is not None
-        timeout = aiohttp.ClientTimeout(total=self._settings.health_timeout)
-        async with self._session.get(
-            engine.url + path, headers=self._headers, timeout=timeout, allow_redirects=False
-        ) as resp:
-            return resp.status, await resp.read()
+        """GET `path` and its whole answer within `routing.health_timeout`. Raises
+        UpstreamError or TimeoutError."""
+        if engine.origin is None:
+            raise ConnectFailed("engine URL")
+        limit = self._settings.health_timeout
+        async with asyncio.timeout(limit):
+            resp = await self._upstream.request(engine.origin, "GET", path, self._headers, None)
+            try:
+                return resp.status, await resp.read(limit)
+            finally:
+                resp.close()
 
     async def _check(self, engine: Engine) -> None:
         if not engine.healthy and time.monotonic() < engine.ejected_until:
@@ -285,7 +304,7 @@ class EnginePool:
         try:
             status, _ = await self._get(engine, "/health")
             ok = status == 200
-        except (aiohttp.ClientError, TimeoutError):
+        except (UpstreamError, TimeoutError):
             ok = False
         models_changed = False
         if ok and (not engine.healthy or time.monotonic() - engine.models_at > MODELS_REFRESH):
@@ -312,7 +331,7 @@ class EnginePool:
             return frozenset(
                 str(m["id"]) for m in data.get("data", []) if isinstance(m, dict) and "id" in m
             )
-        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, AttributeError):
+        except (UpstreamError, TimeoutError, orjson.JSONDecodeError, AttributeError):
             log.warning("engine_models_unreadable", engine=engine.url)
             return None
 
@@ -324,7 +343,7 @@ class EnginePool:
     async def _scrape(self, engine: Engine) -> None:
         try:
             status, body = await self._get(engine, "/metrics")
-        except (aiohttp.ClientError, TimeoutError):
+        except (UpstreamError, TimeoutError):
             status, body = 0, b""
         load = parse_load(body) if status == 200 else None
         if load is None:
