@@ -4,7 +4,9 @@ A Kubernetes headless service names one A/AAAA record per ready pod: resolving i
 of its addresses, again every `routing.dns_interval` seconds, lets engines join and leave
 the pool as pods come and go. Each address becomes one engine URL (`http://10.0.0.7:8000`,
 `http://[fd00::7]:8000`), so rendezvous hashing sees the same URLs on every replica that
-resolves the same records.
+resolves the same records. The engine keeps the entry's name (`DnsEntry.host`) for its
+Host header and, with `dns+https://`, for TLS: the certificate names the service, not a
+pod's address (pool.Engine, upstream.Origin).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class NameNotFound(Exception):
 
 
 class DnsEntry:
-    """One `dns+http://name:port[/path]` entry of `GATEWAY_ENGINES`."""
+    """One `dns+http://name:port[/path]` (or `dns+https://`) entry of `GATEWAY_ENGINES`."""
 
     __slots__ = ("base_path", "host", "port", "scheme", "spec")
 
