@@ -114,17 +114,19 @@ class Proxy:
         self._loop = asyncio.get_running_loop()
         return self._loop
 
-    async def _inspect(self, incoming: Incoming, ex: Exchange) -> tuple[bytes | None, list[str]]:
+    async def _inspect(
+        self, incoming: Incoming, ex: Exchange
+    ) -> tuple[bytes | None, dict[str, str]]:
         """The bytes to forward, and the content hashes of the body's media items (for
         routing). The single place where request bodies are inspected or rewritten
         before they reach an engine. A body the inspector did not rewrite (no media, no
         client identifier to namespace) is forwarded as the client sent it."""
         body = incoming.json
         if body is None:
-            return incoming.data, []
+            return incoming.data, {}
         inspection = await self.inspector.inspect(body, ex.key)
         data = orjson.dumps(body) if inspection.changed else incoming.data
-        return data, inspection.digests
+        return data, dict(inspection.media)
 
     def _upstream_headers(
         self, scope: Scope, request_id: str, content_type: tuple[bytes, bytes] | None
@@ -146,7 +148,7 @@ class Proxy:
         scope: Scope,
         ex: Exchange,
         incoming: Incoming,
-        media: list[str],
+        media: dict[str, str],
         engines: Sequence[Engine],
     ) -> list[Engine]:
         """The policy's order for this request; its decision goes on `ex` and the counts."""
@@ -158,7 +160,7 @@ class Proxy:
         request = RoutingRequest(
             path=ex.route.path,
             body=incoming.json,
-            media_hashes=media,
+            media=media,
             key_name=ex.key_name,
             session=session,
         )

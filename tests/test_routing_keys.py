@@ -28,8 +28,23 @@ def text(t: str) -> dict[str, Any]:
     return {"type": "text", "text": t}
 
 
+def placed(body: dict[str, Any], digests: list[str]) -> dict[str, str]:
+    """`digests` as the payload walk reports them: by the path of each image part, in
+    order (`messages[1].content[0].image_url.url`)."""
+    out: dict[str, str] = {}
+    given = iter(digests)
+    field = "messages" if "messages" in body else "input"
+    for mi, message in enumerate(body.get(field) or []):
+        content = message.get("content") if isinstance(message, dict) else None
+        for pi, part in enumerate(content if isinstance(content, list) else []):
+            digest = next(given, None) if isinstance(part, dict) and "image_url" in part else None
+            if digest is not None:
+                out[f"{field}[{mi}].content[{pi}].image_url.url"] = digest
+    return out
+
+
 def kinds(body: dict[str, Any], hashes: list[str] | None = None) -> list[str]:
-    return [a.kind.value for a in candidate_anchors(body, hashes or [])]
+    return [a.kind.value for a in candidate_anchors(body, placed(body, hashes or []))]
 
 
 @pytest.mark.parametrize(
@@ -101,7 +116,7 @@ def test_candidate_boundaries(body: dict[str, Any], hashes: list[str], expected:
     ],
 )
 def test_odd_bodies_never_raise(body: Any) -> None:
-    anchors = candidate_anchors(body, ["h"])
+    anchors = candidate_anchors(body, {"messages[0].content[0].image_url.url": "h"})
     assert all(len(a.digest) == 16 for a in anchors)
 
 
@@ -160,8 +175,9 @@ WEIRD = [
 
 @pytest.mark.parametrize("body", WEIRD)
 def test_weird_shapes_never_raise(body: Any) -> None:
-    for hashes in ([], ["h1"], ["h1", "h2"]):
-        anchors = candidate_anchors(body, hashes)
+    one = {"messages[0].content[0].image_url.url": "h1"}
+    for media in ({}, one, {**one, "messages[0].content[1]": "h2", "input[0]": "h3"}):
+        anchors = candidate_anchors(body, media)
         assert all(len(a.digest) == 16 for a in anchors)
     assert len(session_anchor(body, "s").digest) == 16
 
@@ -187,9 +203,10 @@ def test_turns_of_a_conversation_share_their_prefix_anchors() -> None:
 
 
 def test_same_image_different_questions_share_the_media_anchor() -> None:
-    q1 = candidate_anchors(chat(SYSTEM, user([image(), text("colour?")])), ["sha256:aa"])
-    q2 = candidate_anchors(chat(SYSTEM, user([image(), text("count?")])), ["sha256:aa"])
-    other = candidate_anchors(chat(SYSTEM, user([image(), text("colour?")])), ["sha256:bb"])
+    at = "messages[1].content[0].image_url.url"
+    q1 = candidate_anchors(chat(SYSTEM, user([image(), text("colour?")])), {at: "sha256:aa"})
+    q2 = candidate_anchors(chat(SYSTEM, user([image(), text("count?")])), {at: "sha256:aa"})
+    other = candidate_anchors(chat(SYSTEM, user([image(), text("colour?")])), {at: "sha256:bb"})
     assert q1[1].kind is AnchorKind.media
     assert q1[1].digest == q2[1].digest
     assert q1[2].digest != q2[2].digest
@@ -301,3 +318,16 @@ def test_window_decays_old_traffic() -> None:
 def test_hot_window_rejects_bad_settings(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="positive"):
         HotCandidates(**kwargs)
+
+
+def test_media_is_placed_by_path_not_by_count() -> None:
+    """The walk also reports media where no content part holds it (a media key on a
+    message, say); each part still gets its own digest, where counting would not."""
+    body = chat(SYSTEM, user([image(), text("colour?")]))
+    at = {"messages[1].content[0].image_url.url": "sha256:aa"}
+    extra = {**body, "messages": [SYSTEM, {**body["messages"][1], "image_url": "x"}]}
+    by_path = candidate_anchors(extra, {"messages[1].image_url": "sha256:zz", **at})
+    assert by_path[1].kind is AnchorKind.media
+    assert by_path[1].digest == candidate_anchors(body, at)[1].digest
+    # Without the digest the part is keyed by its URL: a different anchor.
+    assert candidate_anchors(body)[1].digest != by_path[1].digest

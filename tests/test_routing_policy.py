@@ -25,6 +25,7 @@ from gateway.routing.policy import (
 )
 from gateway.routing.rendezvous import load_bound, rendezvous_order
 from gateway.routing.settings import RoutingPolicy, RoutingSettings
+from tests.test_routing_keys import placed
 
 
 @dataclass
@@ -49,7 +50,7 @@ def conversation(i: int, turns: int) -> dict[str, Any]:
 
 
 def chat_request(body: dict[str, Any], media: list[str] | None = None) -> RoutingRequest:
-    return RoutingRequest("/v1/chat/completions", body=body, media_hashes=media or [])
+    return RoutingRequest("/v1/chat/completions", body=body, media=placed(body, media or []))
 
 
 def image_question(image: int, question: int) -> RoutingRequest:
@@ -188,7 +189,7 @@ def test_requests_without_a_prompt_do_not_sway_replicas() -> None:
             for _ in range(3):
                 route(b, RoutingRequest("/v1/models"), pool)
         picks_b.append(
-            route(b, RoutingRequest(req.path, body=req.body, media_hashes=req.media_hashes), pool)
+            route(b, RoutingRequest(req.path, body=req.body, media=req.media), pool)
         )
     assert picks_a == picks_b
 

@@ -134,31 +134,35 @@ def _parts(content: Any) -> Sequence[Any]:
     return ()
 
 
-def _count_media(messages: Sequence[Any]) -> int:
-    count = 0
-    for message in messages:
-        if isinstance(message, dict):
-            for part in _parts(message.get("content")):
-                if isinstance(part, dict) and _is_media(part):
-                    count += 1
-    return count
+def _by_part(media: Mapping[str, str]) -> dict[str, str]:
+    """The payload walk's media digests by path (`messages[0].content[1].image_url.url`),
+    keyed by the content part that holds each (`messages[0].content[1]`)."""
+    out: dict[str, str] = {}
+    for path, digest in media.items():
+        start = path.find(".content[")
+        end = path.find("]", start)
+        if start >= 0 and end >= 0:
+            out.setdefault(path[: end + 1], digest)
+    return out
 
 
 def _chat_anchors(
-    chain: _Chain, messages: Sequence[Any], media_hashes: Sequence[str], preamble: str | None
+    chain: _Chain,
+    messages: Sequence[Any],
+    media: Mapping[str, str],
+    preamble: str | None,
+    field: str,
 ) -> None:
-    # The media hashes come from the payload walker in request order. If their count
-    # does not match the parts seen here, index matching would mislabel items: fall back
-    # to each item's URL instead.
-    use_hashes = bool(media_hashes) and len(media_hashes) == _count_media(messages)
-    media_index = 0
+    # Each media part is placed by the digest the payload walk found at its path; a part
+    # it has none for (passthrough mode, or an unusual shape) by the part's URL.
+    by_part = _by_part(media) if media else {}
     had_system = preamble is not None
     leading_system = True
     seen_user = False
     if preamble is not None:
         # /v1/responses `instructions`: rendered as a leading system message.
         chain.feed(_MESSAGE + b"system" + _TEXT + _encode(preamble))
-    for message in messages:
+    for index, message in enumerate(messages):
         if not isinstance(message, dict):
             continue
         role = message.get("role")
@@ -184,11 +188,11 @@ def _chat_anchors(
                 chain.feed(_TEXT + _encode(part))
             elif isinstance(part, dict):
                 if _is_media(part):
-                    if use_hashes:
-                        chain.feed(_MEDIA + _encode(str(media_hashes[media_index])))
+                    digest = by_part.get(f"{field}[{index}].content[{i}]")
+                    if digest is not None:
+                        chain.feed(_MEDIA + _encode(digest))
                     else:
                         chain.feed(_MEDIA + _fallback_media_id(part))
-                    media_index += 1
                     if i == last_media:
                         chain.cut(AnchorKind.media)
                 else:
@@ -240,12 +244,14 @@ def _prompt_anchors(chain: _Chain, data: bytes, block_bytes: int) -> None:
 
 def candidate_anchors(
     body: dict[str, Any] | None,
-    media_hashes: Sequence[str] = (),
+    media: Mapping[str, str] | None = None,
     *,
     block_bytes: int = 512,
     max_candidates: int = 64,
 ) -> list[Anchor]:
-    """The candidate anchors of a request, shortest first; empty if it has no prompt."""
+    """The candidate anchors of a request, shortest first; empty if it has no prompt.
+    `media` maps the paths of the body's media items to their content digests (the
+    payload walk's findings)."""
     if not isinstance(body, dict):
         return []
     chain = _Chain(_header(body))
@@ -253,12 +259,13 @@ def candidate_anchors(
     instructions = body.get("instructions")
     preamble = instructions if isinstance(instructions, str) else None
     if isinstance(messages, list) and messages:
-        _chat_anchors(chain, messages, media_hashes, None)
+        _chat_anchors(chain, messages, media or {}, None, "messages")
     else:
-        source = body.get("prompt", body.get("input"))
+        field = "prompt" if "prompt" in body else "input"
+        source = body.get(field)
         if isinstance(source, list) and source and isinstance(source[0], dict):
             # /v1/responses input items and embeddings-as-messages carry chat messages.
-            _chat_anchors(chain, source, media_hashes, preamble)
+            _chat_anchors(chain, source, media or {}, preamble, field)
         else:
             prompt = _prompt_bytes(source)
             if prompt is None:

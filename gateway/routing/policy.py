@@ -10,7 +10,7 @@ line and the metrics.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -39,8 +39,8 @@ class RoutingRequest:
     path: str
     # The parsed JSON body after inspection (None for bodiless or multipart requests).
     body: dict[str, Any] | None = None
-    # Content hashes of the validated media items, in request order.
-    media_hashes: list[str] = field(default_factory=list)
+    # Content digests of the validated media items, by their path in the body.
+    media: Mapping[str, str] = field(default_factory=dict)
     key_name: str | None = None
     # A client-named session (from the `session_header` setting); overrides the anchor.
     session: str | None = None
@@ -133,7 +133,7 @@ class Affinity:
             return session_anchor(body, session), None
         candidates = candidate_anchors(
             body,
-            request.media_hashes,
+            request.media,
             block_bytes=self._settings.prompt_block_bytes,
             max_candidates=self._settings.max_candidates,
         )
