@@ -47,6 +47,8 @@ class Engines:
         self._pool = ThreadPoolExecutor(4)
         self._starts: dict[str, Future[Engine]] = {}
         self._lock = threading.Lock()
+        # (label, seconds to healthy, resident MB after start) of every engine started.
+        self.started: list[tuple[str, float, float]] = []
 
     def warm(self, *labels: str) -> None:
         with self._lock:
@@ -57,7 +59,11 @@ class Engines:
 
     def get(self, label: str) -> Engine:
         self.warm(label)
-        return self._starts[label].result()
+        engine = self._starts[label].result()
+        with self._lock:
+            if label not in {entry[0] for entry in self.started}:
+                self.started.append((label, engine.startup_seconds, engine.rss_bytes() / 1e6))
+        return engine
 
     def stop(self, *labels: str) -> None:
         for label in labels:
@@ -96,9 +102,25 @@ def real_home() -> Home:
     return home
 
 
+ENGINES_KEY = pytest.StashKey[Engines]()
+
+
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, config: pytest.Config
+) -> None:
+    engines = config.stash.get(ENGINES_KEY, None)
+    if engines is not None and engines.started:
+        terminalreporter.section("real engines")
+        for label, seconds, mb in engines.started:
+            terminalreporter.write_line(
+                f"{label}: healthy after {seconds:.1f} s, {mb:.0f} MB resident"
+            )
+
+
 @pytest.fixture(scope="session")
-def real_engines(real_home: Home) -> Iterator[Engines]:
+def real_engines(real_home: Home, pytestconfig: pytest.Config) -> Iterator[Engines]:
     engines = Engines(real_home)
+    pytestconfig.stash[ENGINES_KEY] = engines
     try:
         yield engines
     finally:

@@ -222,6 +222,9 @@ def test_ssrf_probe_direct_is_fetched_through_the_gateway_refused(
         stack,
         lambda: httpx.post(stack.mm_gw.url + path, headers=AUTH, json=body, timeout=60),
     )
+    code = via.json().get("error", {}).get("code") if via.content else None
+    print(f"direct {direct.status_code}, {direct_hits} canary contact(s); gateway "
+          f"{via.status_code} {code}, {gw_hits} canary contact(s)")  # fmt: skip
     assert 400 <= via.status_code < 500, via.text
     assert gw_hits == 0
     assert Snapshot.of(stack.mm) == before
