@@ -3,6 +3,9 @@
 Each server is a subprocess with its output in a log file under the run's work directory,
 optionally pinned to a set of CPUs (children such as uvicorn workers inherit the mask).
 `Target` is what the load generators talk to: a base URL plus the headers it needs.
+
+This is also the one toolkit the tests start processes with (tests/procs.py is a thin
+layer over it): `free_port`, `clean_env`, `Server`, `terminate` and `scrape`.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -20,15 +24,42 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_KEY = "bench-local-key-not-secret"
 
 
 def free_port() -> int:
+    """A TCP port free on loopback now (the kernel's pick; another process may take it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+class InThread:
+    """Work done by a daemon thread while a `with` block runs: `run` in the thread,
+    `stop` (from the caller's thread) to make it return; the block's end waits for it."""
+
+    def __init__(self) -> None:
+        self._thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        self._thread.join()
 
 
 @dataclass(frozen=True)
@@ -107,7 +138,9 @@ class Server:
     def pid(self) -> int | None:
         return self.popen.pid if self.popen is not None else None
 
-    def start(self, timeout: float = 30.0) -> Server:
+    def start(self, ready_path: str | None = None, timeout: float = 30.0) -> Self:
+        """Start the process and wait until `ready_path` (default `self.ready_path`)
+        answers below 500; stop it and raise if it exits or is not ready in time."""
         cpus = self.cpus
 
         def pin() -> None:
@@ -115,30 +148,49 @@ class Server:
                 os.sched_setaffinity(0, cpus)
 
         with self.log_path.open("wb") as log:
+            # The child keeps its own copy of the descriptor; closing ours avoids a
+            # ResourceWarning, which pytest turns into an error.
             self.popen = subprocess.Popen(
                 self.args,
                 cwd=ROOT,
                 env=self.env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                preexec_fn=pin,  # single-threaded here: the child only pins itself
+                # Only when pinning: preexec_fn is unsafe in a threaded parent (the
+                # tests start servers from a thread pool).
+                preexec_fn=pin if cpus is not None else None,
             )
+        url = self.url + (ready_path or self.ready_path)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:
                 raise RuntimeError(f"{self.name} exited early:\n{self.log_tail()}")
-            status = http_status(self.url + self.ready_path)
+            status = http_status(url)
             if status is not None and status < 500:
                 return self
             time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"{self.name} did not become ready in {timeout}s:\n{self.log_tail()}")
 
-    def log_tail(self, chars: int = 3000) -> str:
+    def log(self) -> str:
+        """Everything the process wrote so far ("" when there is no log yet)."""
         try:
-            return self.log_path.read_text(errors="replace")[-chars:]
+            return self.log_path.read_text(errors="replace")
         except OSError:
             return ""
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log()[-chars:]
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def kill(self) -> None:
+        """Stop at once, like a crashed engine."""
+        if self.alive():
+            assert self.popen is not None
+            self.popen.kill()
+            self.popen.wait(10)
 
     def stop(self) -> None:
         terminate(self.popen)
@@ -211,6 +263,31 @@ def rss_bytes(pid: int) -> int:
     return total
 
 
+# --- metrics ----------------------------------------------------------------------------
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(url: str, headers: Mapping[str, str] | None = None, timeout: float = 5.0) -> Samples:
+    """Samples of a Prometheus endpoint (the full URL, `.../metrics`) as
+    {(name, sorted labels): value}."""
+    text = httpx.get(url, headers=headers, timeout=timeout).text
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
+    return sum(
+        value
+        for (n, ls), value in samples.items()
+        if n == name and labels.items() <= dict(ls).items()
+    )
+
+
 # --- targets and fleets --------------------------------------------------------------
 
 
@@ -252,7 +329,7 @@ class Fleet:
         self._stack.close()
 
     def _start(self, server: Server, timeout: float = 30.0) -> Server:
-        server.start(timeout)
+        server.start(timeout=timeout)
         self._stack.callback(server.stop)
         return server
 

@@ -1,4 +1,4 @@
-"""The routing bench's workload machinery and its in-process replay (bench/routing.py,
+"""The routing bench's workload machinery and its in-process replay (bench/routing/,
 bench/workloads.py). The live run through real engines is in test_bench.py."""
 
 from __future__ import annotations

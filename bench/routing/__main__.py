@@ -1,0 +1,7 @@
+"""`python -m bench.routing`."""
+
+import sys
+
+from bench.routing import main
+
+sys.exit(main())

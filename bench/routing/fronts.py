@@ -1,0 +1,81 @@
+"""The front ends a live run compares: gateways with each policy, vllm-router, replicas."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.routing.options import Options
+from bench.stack import BENCH_KEY, Fleet, Server, free_port
+
+# Starts the engines' front end(s) (stopped by the fleet or the exit stack); returns their
+# URLs and the headers a client sends.
+Starter = Callable[[Fleet, list[str], ExitStack], tuple[list[str], dict[str, str]]]
+
+
+@dataclass
+class Front:
+    name: str
+    start: Starter | None
+    ideal: bool = False
+
+
+def _gateway(policy: str, replicas: int, opts: Options) -> Starter:
+    def start(
+        fleet: Fleet, engines: list[str], stack: ExitStack
+    ) -> tuple[list[str], dict[str, str]]:
+        env = {"GATEWAY_ROUTING__POLICY": policy, "GATEWAY_LOG_LEVEL": "warning"}
+        if opts.load_epsilon is not None:
+            env["GATEWAY_ROUTING__LOAD_EPSILON"] = str(opts.load_epsilon)
+        env.update(opts.gateway_env)
+        urls = [
+            fleet.gateway(engines, env, name=f"gateway-{policy}-{i}").url for i in range(replicas)
+        ]
+        return urls, {"Authorization": f"Bearer {BENCH_KEY}"}
+
+    return start
+
+
+def _router(replicas: int) -> Starter:
+    def start(
+        fleet: Fleet, engines: list[str], stack: ExitStack
+    ) -> tuple[list[str], dict[str, str]]:
+        urls = []
+        for i in range(replicas):
+            port = free_port()
+            # Each replica needs its own metrics port: the default (29000) is shared.
+            args = [str(Path(sys.executable).parent / "vllm-router"), "--host", "127.0.0.1"]
+            args += ["--port", str(port), "--policy", "cache_aware", "--log-level", "warning"]
+            args += ["--prometheus-port", str(free_port()), "--worker-urls", *engines]
+            log = fleet.workdir / f"vllm-router-{i}-{port}.log"
+            server = Server(f"vllm-router-{i}", args, port, log, cpus=fleet.cpus.proxy)
+            server.start(timeout=60.0)
+            stack.callback(server.stop)
+            urls.append(server.url)
+        return urls, {}
+
+    return start
+
+
+def router_installed() -> bool:
+    return (Path(sys.executable).parent / "vllm-router").exists()
+
+
+def fronts(opts: Options) -> list[Front]:
+    table = [
+        Front("ideal (1 engine, all the cache)", None, ideal=True),
+        Front("affinity", _gateway("affinity", 1, opts)),
+        Front("round_robin", _gateway("round_robin", 1, opts)),
+        Front("least_loaded", _gateway("least_loaded", 1, opts)),
+        Front("vllm-router cache_aware", _router(1)),
+        Front("affinity, 2 replicas", _gateway("affinity", 2, opts)),
+        Front("vllm-router cache_aware, 2 replicas", _router(2)),
+    ]
+    if not router_installed():
+        table = [f for f in table if not f.name.startswith("vllm-router")]
+    if opts.fronts:
+        table = [f for f in table if any(f.name.startswith(n) for n in opts.fronts)]
+    return table

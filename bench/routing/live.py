@@ -1,0 +1,172 @@
+"""One live run: fresh engines and a front end per workload, the engines' counters
+before and after, and what they say (hit rate, uncached tokens, balance, TTFT)."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+import urllib.request
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.report import fmt, progress
+from bench.routing.client import replay
+from bench.routing.fronts import Front
+from bench.routing.options import INFERENCE_PATHS, MODEL, Options
+from bench.stack import CpuPlan, Fleet, Server, scrape, total
+from bench.workloads import Workload
+
+# --- engine counters -------------------------------------------------------------------
+
+
+@dataclass
+class Counters:
+    queries: float = 0.0
+    hits: float = 0.0
+    requests: float = 0.0
+
+
+def counters(engine: str) -> Counters:
+    """The engine's prefix-cache counters and the inference requests it received."""
+    samples = scrape(engine + "/metrics", timeout=10)
+    return Counters(
+        queries=total(samples, "vllm:prefix_cache_queries_total"),
+        hits=total(samples, "vllm:prefix_cache_hits_total"),
+        requests=sum(
+            total(samples, "sim:received_requests_total", path=path) for path in INFERENCE_PATHS
+        ),
+    )
+
+
+@dataclass
+class Result:
+    front: str
+    workload: str
+    hit_rate: float
+    uncached: float
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    max_over_mean: float | None
+    # Max / mean of the engines' time-averaged requests in flight.
+    busy_max_over_mean: float | None
+    per_engine: list[float]
+    errors: int
+    seconds: float
+    # Hit rate over the warm-up sessions (None without a warm-up).
+    warm_hit_rate: float | None = None
+    # Max / mean requests per engine over the warm-up and the measured part together:
+    # placement evens out the engines' shares over its window, which spans both.
+    whole_max_over_mean: float | None = None
+
+
+def _delta(before: list[Counters], after: list[Counters]) -> tuple[float, float]:
+    """Prefix-cache queries and hits, summed over the engines, between two scrapes."""
+    queries = sum(a.queries - b.queries for a, b in zip(after, before, strict=True))
+    hits = sum(a.hits - b.hits for a, b in zip(after, before, strict=True))
+    return queries, hits
+
+
+def _pct(values: list[float], p: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))] * 1000
+
+
+def run_front(
+    front: Front, workloads: list[Workload], opts: Options, workdir: Path, cpus: CpuPlan
+) -> list[Result]:
+    """Each workload on fresh engines and a fresh front end: no cache, hot window or
+    placement carries over, so every row measures that workload alone."""
+    return [run_one(front, w, opts, workdir, cpus) for w in workloads]
+
+
+def run_one(
+    front: Front, workload: Workload, opts: Options, workdir: Path, cpus: CpuPlan
+) -> Result:
+    with Fleet(workdir, cpus) as fleet, ExitStack() as stack:
+        if front.ideal:
+            cache = str(opts.kv_cache_tokens * opts.engines)
+            sims = [fleet.sim("--kv-cache-tokens", cache, "--latency", "zero", name="sim-ideal")]
+        else:
+            sims = _start_sims(fleet, opts)
+        engines = [s.url for s in sims]
+        if front.start is None:
+            urls, headers = engines, {}
+        else:
+            urls, headers = front.start(fleet, engines, stack)
+        for url in urls:
+            _wait_for_model(url, headers)
+        start = [counters(e) for e in engines]
+        warm = workload.sessions[: workload.warmup]
+        warm_outcome = asyncio.run(replay(warm, urls, headers, opts.concurrency, opts.live))
+        before = [counters(e) for e in engines]
+        t0 = time.monotonic()
+        outcome = asyncio.run(
+            replay(workload.measured, urls, headers, opts.concurrency, opts.live, engines)
+        )
+        seconds = time.monotonic() - t0
+        after = [counters(e) for e in engines]
+    queries, hits = _delta(start, before)
+    warm_hit_rate = hits / queries if queries else None
+    queries, hits = _delta(before, after)
+    per_engine = [a.requests - b.requests for a, b in zip(after, before, strict=True)]
+    mean = statistics.mean(per_engine)
+    result = Result(
+        front=front.name,
+        workload=workload.name,
+        hit_rate=hits / queries if queries else 0.0,
+        uncached=queries - hits,
+        ttft_p50_ms=None if front.ideal else _pct(outcome.ttft, 50),
+        ttft_p99_ms=None if front.ideal else _pct(outcome.ttft, 99),
+        max_over_mean=None if front.ideal or not mean else max(per_engine) / mean,
+        busy_max_over_mean=_max_over_mean(outcome.busy) if not front.ideal else None,
+        per_engine=per_engine,
+        errors=outcome.errors + warm_outcome.errors,
+        seconds=seconds,
+        warm_hit_rate=warm_hit_rate,
+        whole_max_over_mean=None
+        if front.ideal
+        else _max_over_mean([a.requests - b.requests for a, b in zip(after, start, strict=True)]),
+    )
+    outcome.first_error = outcome.first_error or warm_outcome.first_error
+    if result.errors:
+        progress(f"  {result.errors} errors, first: {outcome.first_error}")
+    progress(
+        f"  {front.name} / {workload.name}: hit {result.hit_rate:.1%}, "
+        f"p50 {fmt(result.ttft_p50_ms)} ms, load {per_engine}, {seconds:.1f}s"
+    )
+    return result
+
+
+def _wait_for_model(url: str, headers: dict[str, str], timeout: float = 30.0) -> None:
+    """Wait until the front end lists the model: a gateway learns the engines' models
+    from their /v1/models, and refuses the model (403) until it has."""
+    req = urllib.request.Request(url + "/v1/models", headers=headers)  # noqa: S310 (loopback)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(req, timeout=5) as resp:  # noqa: S310 (loopback)
+                if MODEL in resp.read().decode():
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} does not list {MODEL} after {timeout}s")
+
+
+def _max_over_mean(values: Sequence[float]) -> float | None:
+    mean = statistics.mean(values) if values else 0.0
+    return max(values) / mean if mean else None
+
+
+def _start_sims(fleet: Fleet, opts: Options) -> list[Server]:
+    args = ("--kv-cache-tokens", str(opts.kv_cache_tokens), "--latency", "calibrated")
+    # In parallel: each start waits for /health, and there are 4 x 7 x 4 of them a run.
+    with ThreadPoolExecutor(opts.engines) as pool:
+        futures = [pool.submit(fleet.sim, *args, name=f"sim-{i}") for i in range(opts.engines)]
+        return [f.result() for f in futures]
