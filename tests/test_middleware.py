@@ -1,0 +1,501 @@
+"""Each middleware of gateway/middleware.py called in-process, as tables of small cases:
+the status and error code a request gets, and whether it reached the app inside.
+
+The stack is built as app.py builds it, outermost first, down to the middleware under
+test, with a tiny app inside that records what reached it. The same refusals through
+real processes are in test_gateway.py and test_endpoints.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.asgi import ASGIApp, Message, Receive, Scope, Send
+from gateway.auth import KeyRing, build_keys
+from gateway.body import ClientDisconnected
+from gateway.config import ApiKeyConfig
+from gateway.errors import InvalidJson
+from gateway.exchange import exchange_of
+from gateway.logging import RequestLog
+from gateway.metrics import Metrics
+from gateway.middleware import Authentication, EndpointGuard, InFlightLimit, RequestContext
+
+FULL = "sk-middleware-full-0123456789"
+POOLING = "sk-middleware-pooling-0123456789"
+INFERENCE = "sk-middleware-inference-0123456789"
+BOTH = "sk-middleware-both-0123456789"
+METRICS = "sk-middleware-metrics-0123456789"
+WRONG = "sk-middleware-not-configured-0123456789"
+KEYS = build_keys(
+    [
+        ApiKeyConfig(key=FULL, name="full"),
+        ApiKeyConfig(key=POOLING, name="pooling", scopes=["pooling"]),
+        ApiKeyConfig(key=INFERENCE, name="inference", scopes=["inference"]),
+        ApiKeyConfig(key=BOTH, name="both", scopes=["inference", "pooling"]),
+        ApiKeyConfig(key=METRICS, name="metrics", scopes=["metrics"]),
+    ]
+)
+
+
+class Logger:
+    """Records what the middleware logs: the request line (console format goes through
+    `info`) and unhandled errors."""
+
+    def __init__(self) -> None:
+        self.lines: list[dict[str, Any]] = []
+        self.exceptions: list[str] = []
+
+    def info(self, event: str, **fields: Any) -> None:
+        self.lines.append({"event": event, **fields})
+
+    def exception(self, event: str, **fields: Any) -> None:
+        self.exceptions.append(event)
+
+
+@dataclass
+class Inner:
+    """The app inside the stack: answers 200 `ok`, or runs `behaviour` instead."""
+
+    scopes: list[Scope] = field(default_factory=list)
+    behaviour: Any = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.scopes.append(scope)
+        if self.behaviour is not None:
+            await self.behaviour(scope, receive, send)
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+@dataclass
+class Answer:
+    status: int | None
+    headers: dict[bytes, bytes]
+    body: bytes
+
+    @property
+    def code(self) -> str | None:
+        if self.status is None or self.status < 400:
+            return None
+        code: str = orjson.loads(self.body)["error"]["code"]
+        return code
+
+
+@dataclass
+class Stack:
+    app: ASGIApp
+    inner: Inner
+    logger: Logger
+    metrics: Metrics
+    limit: InFlightLimit
+
+
+def stack(
+    *,
+    public_metrics: bool = False,
+    allow_unauthenticated: bool = False,
+    max_headers: int = 64,
+    limit: int = 8,
+) -> Stack:
+    """RequestContext, EndpointGuard, Authentication, InFlightLimit, as app.py lists them."""
+    inner, logger, metrics = Inner(), Logger(), Metrics()
+    keyring = KeyRing(KEYS, allow_unauthenticated=allow_unauthenticated)
+    in_flight = InFlightLimit(inner, limit=limit, metrics=metrics)
+    auth = Authentication(in_flight, keyring=keyring, public_metrics=public_metrics)
+    guard = EndpointGuard(auth, keyring=keyring)
+    context = RequestContext(
+        guard,
+        metrics=metrics,
+        logger=logger,
+        request_log=RequestLog(logger, fmt="console"),
+        max_headers=max_headers,
+    )
+    return Stack(context, inner, logger, metrics, in_flight)
+
+
+def scope(
+    path: str = "/v1/chat/completions",
+    method: str = "POST",
+    key: str | None = None,
+    headers: list[tuple[bytes, bytes]] | None = None,
+    raw_path: bytes | None = None,
+) -> Scope:
+    raw_headers = list(headers or [])
+    if key is not None:
+        raw_headers.append((b"authorization", b"Bearer " + key.encode()))
+    return {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "raw_path": raw_path if raw_path is not None else path.encode(),
+        "query_string": b"",
+        "headers": raw_headers,
+    }
+
+
+async def call(app: ASGIApp, request: Scope) -> Answer:
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    await app(request, receive, send)
+    starts = [m for m in sent if m["type"] == "http.response.start"]
+    assert len(starts) <= 1, sent
+    if not starts:
+        return Answer(None, {}, b"")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return Answer(starts[0]["status"], dict(starts[0]["headers"]), body)
+
+
+def samples(metrics: Metrics, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    out: dict[tuple[tuple[str, str], ...], float] = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for s in family.samples:
+            if s.name == name:
+                out[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+# --- EndpointGuard: the endpoint table -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "method", "raw_path", "status", "code"),
+    [
+        ("/v1/chat/completions", "POST", None, 200, None),
+        ("/v1/chat/completions", "GET", None, 405, "method_not_allowed"),
+        ("/v1/models", "POST", None, 405, "method_not_allowed"),
+        ("/v1/load_lora_adapter", "POST", None, 403, "endpoint_blocked"),
+        # A blocked route in another spelling stays blocked, never unknown or forwarded.
+        ("/v1/load_lora_adapter", "POST", b"/v1/./load_lora_adapter", 403, "endpoint_blocked"),
+        ("/v1/load_lora_adapter", "POST", b"//v1/load_lora_adapter", 403, "endpoint_blocked"),
+        ("/v1/load_lora_adapter", "GET", None, 403, "endpoint_blocked"),
+        ("/no/such/route", "GET", None, 404, "unknown_endpoint"),
+        ("/v1/chat/completions", "POST", b"/v1/chat/../chat/completions", 404, "unknown_endpoint"),
+        ("/", "GET", None, 404, "unknown_endpoint"),
+        ("/healthz", "GET", None, 200, None),
+        ("/healthz", "POST", None, 405, "method_not_allowed"),
+    ],
+)
+async def test_endpoint_guard(
+    path: str, method: str, raw_path: bytes | None, status: int, code: str | None
+) -> None:
+    s = stack()
+    answer = await call(s.app, scope(path, method, FULL, raw_path=raw_path))
+    assert (answer.status, answer.code) == (status, code), answer.body
+    assert len(s.inner.scopes) == (1 if status == 200 else 0)
+
+
+async def test_endpoint_guard_names_the_key_that_probed_a_blocked_route() -> None:
+    s = stack()
+    await call(s.app, scope("/v1/load_lora_adapter", key=POOLING))
+    await call(s.app, scope("/v1/load_lora_adapter", key="sk-not-a-configured-key-000000"))
+    assert [line["key_name"] for line in s.logger.lines] == ["pooling", None]
+    assert [line["code"] for line in s.logger.lines] == ["endpoint_blocked"] * 2
+
+
+async def test_endpoint_guard_hands_the_matched_path_on() -> None:
+    s = stack()
+    await call(s.app, scope("/v1/chat/completions", key=FULL))
+    (inner,) = s.inner.scopes
+    assert inner["gateway.path"] == "/v1/chat/completions"
+    assert exchange_of(inner).route.path == "/v1/chat/completions"
+
+
+# --- Authentication: keys and scopes ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "method", "authorization", "status", "code"),
+    [
+        ("/v1/chat/completions", "POST", None, 401, "invalid_api_key"),
+        ("/v1/chat/completions", "POST", b"Bearer " + FULL.encode(), 200, None),
+        ("/v1/chat/completions", "POST", b"bearer " + FULL.encode(), 200, None),
+        ("/v1/chat/completions", "POST", b"Bearer  " + FULL.encode() + b" ", 200, None),
+        ("/v1/chat/completions", "POST", b"Basic " + FULL.encode(), 401, "invalid_api_key"),
+        ("/v1/chat/completions", "POST", FULL.encode(), 401, "invalid_api_key"),
+        (
+            "/v1/chat/completions",
+            "POST",
+            b"Bearer " + WRONG.encode(),
+            401,
+            "invalid_api_key",
+        ),
+        ("/v1/chat/completions", "POST", b"Bearer ", 401, "invalid_api_key"),
+        ("/v1/chat/completions", "POST", b"Bearer " + POOLING.encode(), 403, "scope_not_allowed"),
+        ("/pooling", "POST", b"Bearer " + POOLING.encode(), 200, None),
+        ("/pooling", "POST", b"Bearer " + INFERENCE.encode(), 403, "scope_not_allowed"),
+        # /invocations runs vLLM's chat and pooling handlers: it needs both scopes.
+        ("/invocations", "POST", b"Bearer " + INFERENCE.encode(), 403, "scope_not_allowed"),
+        ("/invocations", "POST", b"Bearer " + POOLING.encode(), 403, "scope_not_allowed"),
+        ("/invocations", "POST", b"Bearer " + BOTH.encode(), 200, None),
+        # The gateway's metrics: only a key granted `metrics`, never implicitly.
+        ("/metrics", "GET", None, 401, "invalid_api_key"),
+        ("/metrics", "GET", b"Bearer " + FULL.encode(), 403, "scope_not_allowed"),
+        ("/metrics", "GET", b"Bearer " + METRICS.encode(), 200, None),
+        ("/v1/models", "GET", b"Bearer " + METRICS.encode(), 403, "scope_not_allowed"),
+        # Probes need no key.
+        ("/healthz", "GET", None, 200, None),
+        ("/readyz", "GET", None, 200, None),
+    ],
+)
+async def test_authentication(
+    path: str, method: str, authorization: bytes | None, status: int, code: str | None
+) -> None:
+    s = stack()
+    headers = [] if authorization is None else [(b"authorization", authorization)]
+    answer = await call(s.app, scope(path, method, headers=headers))
+    assert (answer.status, answer.code) == (status, code), answer.body
+    assert len(s.inner.scopes) == (1 if status == 200 else 0)
+
+
+@pytest.mark.parametrize(
+    ("public_metrics", "allow_unauthenticated", "authorization", "status", "code"),
+    [
+        (True, False, None, 200, None),
+        (True, False, b"Bearer " + WRONG.encode(), 200, None),
+        (False, True, None, 403, "scope_not_allowed"),  # anonymous has no metrics scope
+        (False, True, b"Bearer " + METRICS.encode(), 200, None),
+    ],
+)
+async def test_authentication_of_metrics_by_setting(
+    public_metrics: bool,
+    allow_unauthenticated: bool,
+    authorization: bytes | None,
+    status: int,
+    code: str | None,
+) -> None:
+    s = stack(public_metrics=public_metrics, allow_unauthenticated=allow_unauthenticated)
+    headers = [] if authorization is None else [(b"authorization", authorization)]
+    answer = await call(s.app, scope("/metrics", "GET", headers=headers))
+    assert (answer.status, answer.code) == (status, code), answer.body
+
+
+@pytest.mark.parametrize(
+    ("authorization", "status", "code", "key_name"),
+    [
+        (None, 200, None, "anonymous"),
+        (b"Bearer " + POOLING.encode(), 403, "scope_not_allowed", "pooling"),
+        # A wrong key is refused even when no key is needed: it is a client's mistake.
+        (b"Bearer " + WRONG.encode(), 401, "invalid_api_key", None),
+    ],
+)
+async def test_authentication_without_keys_required(
+    authorization: bytes | None, status: int, code: str | None, key_name: str | None
+) -> None:
+    s = stack(allow_unauthenticated=True)
+    headers = [] if authorization is None else [(b"authorization", authorization)]
+    answer = await call(s.app, scope("/v1/chat/completions", headers=headers))
+    assert (answer.status, answer.code) == (status, code), answer.body
+    assert s.logger.lines[-1]["key_name"] == key_name
+
+
+# --- InFlightLimit ---------------------------------------------------------------------
+
+
+class Held:
+    """An inner app that holds each request until `release` is set; `arrived` is set
+    once `expected` requests are in."""
+
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
+        self.count = 0
+        self.arrived = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.count += 1
+        if self.count >= self.expected:
+            self.arrived.set()
+        await self.release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+async def test_in_flight_limit_refuses_over_the_cap_and_frees_its_slots() -> None:
+    s = stack(limit=2)
+    held = s.inner.behaviour = Held(2)
+    first = asyncio.create_task(call(s.app, scope(key=FULL)))
+    second = asyncio.create_task(call(s.app, scope(key=FULL)))
+    await held.arrived.wait()
+    over = await call(s.app, scope(key=FULL))
+    assert (over.status, over.code) == (503, "overloaded")
+    assert over.headers[b"retry-after"] == b"1"
+    # Only forwarded routes count: the gateway's own still answer at the cap.
+    s.inner.behaviour = None
+    assert (await call(s.app, scope("/healthz", "GET"))).status == 200
+    s.inner.behaviour = held
+    held.release.set()
+    assert [(await first).status, (await second).status] == [200, 200]
+    assert s.limit.current == 0
+    assert (await call(s.app, scope(key=FULL))).status == 200
+    # A refusal by the limit is the gateway's own: counted as a rejection.
+    assert samples(s.metrics, "gateway_rejections_total") == {(("code", "overloaded"),): 1.0}
+
+
+@pytest.mark.parametrize(
+    "failure", [InvalidJson("bad"), RuntimeError("boom"), ClientDisconnected()]
+)
+async def test_in_flight_limit_frees_the_slot_when_the_request_fails(
+    failure: BaseException,
+) -> None:
+    s = stack(limit=1)
+
+    async def fails(scope: Scope, receive: Receive, send: Send) -> None:
+        raise failure
+
+    s.inner.behaviour = fails
+    await call(s.app, scope(key=FULL))
+    assert s.limit.current == 0
+    s.inner.behaviour = None
+    assert (await call(s.app, scope(key=FULL))).status == 200
+
+
+async def test_in_flight_gauge_reads_the_current_count() -> None:
+    s = stack(limit=4)
+    held = s.inner.behaviour = Held(3)
+    tasks = [asyncio.create_task(call(s.app, scope(key=FULL))) for _ in range(3)]
+    await held.arrived.wait()
+    assert samples(s.metrics, "gateway_requests_in_flight") == {(): 3.0}
+    held.release.set()
+    await asyncio.gather(*tasks)
+    assert samples(s.metrics, "gateway_requests_in_flight") == {(): 0.0}
+
+
+# --- RequestContext: ids, the error renderer, the log line -----------------------------
+
+
+def _raises(exc: BaseException, after_start: bool = False) -> Any:
+    async def behaviour(scope: Scope, receive: Receive, send: Send) -> None:
+        if after_start:
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+        raise exc
+
+    return behaviour
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "status", "code", "logged_status", "logged_code"),
+    [
+        (None, 200, None, 200, None),
+        (_raises(InvalidJson("Not JSON.")), 400, "invalid_json", 400, "invalid_json"),
+        # An error after the answer started cannot be rendered: the log still says so.
+        (_raises(InvalidJson("late"), after_start=True), 200, None, 200, "invalid_json"),
+        (_raises(RuntimeError("secret detail")), 500, "internal_error", 500, "internal_error"),
+        (_raises(ClientDisconnected()), None, None, 499, "client_disconnected"),
+    ],
+)
+async def test_request_context_renders_errors_once_and_logs_every_request(
+    behaviour: Any, status: int | None, code: str | None, logged_status: int, logged_code: str
+) -> None:
+    s = stack()
+    s.inner.behaviour = behaviour
+    answer = await call(s.app, scope(key=FULL))
+    assert (answer.status, answer.code) == (status, code), answer.body
+    assert b"secret detail" not in answer.body  # library text never reaches a client
+    (line,) = s.logger.lines
+    assert (line["status"], line["code"]) == (logged_status, logged_code)
+    assert line["key_name"] == "full" and line["group"] == "inference"
+    assert s.logger.exceptions == (["unhandled_error"] if status == 500 else [])
+    if answer.status is not None:
+        assert answer.headers[b"x-request-id"].decode() == line["request_id"]
+
+
+@pytest.mark.parametrize(
+    ("given", "kept"),
+    [
+        (b"client-id.1:2_3", True),
+        (b"a" * 128, True),
+        (b"a" * 129, False),
+        (b"has space", False),
+        (b"semi;colon", False),
+        (b"", False),
+        (None, False),
+    ],
+)
+async def test_request_context_takes_only_a_plain_client_request_id(
+    given: bytes | None, kept: bool
+) -> None:
+    s = stack()
+    headers = [] if given is None else [(b"x-request-id", given)]
+    answer = await call(s.app, scope(key=FULL, headers=headers))
+    request_id = answer.headers[b"x-request-id"]
+    (line,) = s.logger.lines
+    if kept:
+        assert given is not None and request_id == given
+        # The engine gets the client's id made unique, so no tenant can name another's.
+        client, _, suffix = line["engine_request_id"].rpartition("-")
+        assert client == given.decode() and len(suffix) == 16
+    else:
+        assert len(request_id) == 32 and int(request_id, 16) >= 0
+        assert line["engine_request_id"] == request_id.decode()
+
+
+@pytest.mark.parametrize(
+    ("count", "status", "code"), [(5, 200, None), (6, 431, "too_many_headers")]
+)
+async def test_request_context_caps_the_header_count_first(
+    count: int, status: int, code: str | None
+) -> None:
+    s = stack(max_headers=5)
+    # `count` fields, the key last; more than the cap is refused before anything reads
+    # them, the client's own request id included.
+    headers = [(b"x-request-id", b"mine")] + [(b"x-filler", b"1")] * (count - 2)
+    answer = await call(s.app, scope(key=FULL, headers=headers))
+    assert (answer.status, answer.code) == (status, code), answer.body
+    assert (answer.headers[b"x-request-id"] == b"mine") == (status == 200)
+    assert len(s.inner.scopes) == (1 if status == 200 else 0)
+
+
+async def test_request_context_passes_other_scopes_through() -> None:
+    s = stack()
+    seen: list[str] = []
+
+    async def lifespan(scope: Scope, receive: Receive, send: Send) -> None:
+        seen.append(scope["type"])
+
+    # The inner middleware see only http scopes in the gateway; RequestContext itself
+    # must hand a lifespan scope on untouched.
+    context = RequestContext(
+        lifespan,
+        metrics=s.metrics,
+        logger=s.logger,
+        request_log=RequestLog(s.logger, fmt="console"),
+    )
+
+    async def receive() -> Message:
+        return {"type": "lifespan.startup"}
+
+    async def send(message: Message) -> None:
+        raise AssertionError(message)
+
+    await context({"type": "lifespan"}, receive, send)
+    assert seen == ["lifespan"] and s.logger.lines == []
+
+
+async def test_request_context_counts_requests_and_the_gateways_own_refusals() -> None:
+    s = stack()
+    await call(s.app, scope(key=FULL))
+    await call(s.app, scope(key=None))
+    await call(s.app, scope("/v1/load_lora_adapter", key=FULL))
+    requests = samples(s.metrics, "gateway_requests_total")
+    assert requests == {
+        (("code", ""), ("group", "inference"), ("status", "200")): 1.0,
+        (("code", "invalid_api_key"), ("group", "inference"), ("status", "401")): 1.0,
+        (("code", "endpoint_blocked"), ("group", "blocked"), ("status", "403")): 1.0,
+    }
+    assert samples(s.metrics, "gateway_rejections_total") == {
+        (("code", "invalid_api_key"),): 1.0,
+        (("code", "endpoint_blocked"),): 1.0,
+    }
