@@ -83,8 +83,7 @@ FORBIDDEN_TOP_LEVEL: Final[dict[str, str]] = {
 NAMESPACED_TOP_LEVEL: Final = ("request_id", "session_id")
 # Form fields of the audio routes with the same meaning as the JSON fields above.
 FORBIDDEN_FORM_FIELDS: Final = frozenset(
-    {*FORBIDDEN_ANYWHERE, *FORBIDDEN_TOP_LEVEL, *NAMESPACED_TOP_LEVEL, "vllm_xargs",
-     "cache_salt"}
+    {*FORBIDDEN_ANYWHERE, *FORBIDDEN_TOP_LEVEL, *NAMESPACED_TOP_LEVEL, "vllm_xargs", "cache_salt"}
 )
 
 # Lists and objects below the body; tool schemas nest deeper than messages do.
