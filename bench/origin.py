@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from bench.stack import InThread
+
 
 @dataclass
 class Hit:
@@ -29,7 +31,48 @@ class Route:
     delay: float = 0.0
 
 
-class RecordingServer:
+class QuietHandler(BaseHTTPRequestHandler):
+    """A keep-alive request handler that logs nothing (the servers record what they need)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+class ThreadedServer(InThread):
+    """An HTTP server on loopback (a free port), served by a daemon thread while the
+    `with` block runs; over TLS when given a server context."""
+
+    def __init__(
+        self,
+        handler: type[BaseHTTPRequestHandler],
+        host: str = "127.0.0.1",
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
+        self._server = ThreadingHTTPServer((host, 0), handler)
+        self._server.daemon_threads = True
+        self.tls = tls
+        if tls is not None:
+            # The handshake runs as a connection is accepted: one that fails never
+            # reaches the handler (for RecordingServer: in neither `connections` nor `hits`).
+            self._server.socket = tls.wrap_socket(self._server.socket, server_side=True)
+        self.port = int(self._server.server_address[1])
+        super().__init__()
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+
+    def run(self) -> None:
+        self._server.serve_forever()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+class RecordingServer(ThreadedServer):
     """A threaded HTTP server on loopback that records every request it gets.
 
     As a canary (no routes) it answers 418 and `hits` proves whether anything reached it.
@@ -48,9 +91,7 @@ class RecordingServer:
         self._lock = threading.Lock()
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
+        class Handler(QuietHandler):
             def setup(self) -> None:
                 with outer._lock:
                     outer.connections += 1
@@ -77,31 +118,8 @@ class RecordingServer:
 
             do_GET = do_POST = do_HEAD = do_PUT = _serve
 
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer((host, 0), Handler)
-        self._server.daemon_threads = True
-        self.tls = tls
-        if tls is not None:
-            # The handshake runs as a connection is accepted: one that fails never
-            # reaches the handler, so it shows in neither `connections` nor `hits`.
-            self._server.socket = tls.wrap_socket(self._server.socket, server_side=True)
-        self.port = int(self._server.server_address[1])
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+        super().__init__(Handler, host, tls)
 
     @property
     def contacted(self) -> bool:
         return self.connections > 0 or bool(self.hits)
-
-    def __enter__(self) -> RecordingServer:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()

@@ -15,7 +15,7 @@ from bench import loadgen
 from bench.loadgen import LoadResult, Target
 from bench.overhead import CHAT, small_chat
 from bench.report import Report, fmt, progress
-from bench.stack import Fleet, RunConfig, discover_model, rss_bytes
+from bench.stack import Fleet, InThread, RunConfig, discover_model, rss_bytes
 
 # Past saturation throughput may wobble; below this share of the best seen so far it
 # counts as a collapse.
@@ -25,28 +25,23 @@ COLLAPSE_SHARE = 0.8
 RSS_GROWTH_LIMIT = 0.5
 
 
-class RssSampler:
+class RssSampler(InThread):
     """Samples the resident memory of a process tree in a thread while a run goes on."""
 
     def __init__(self, pid: int | None, interval: float = 0.2) -> None:
         self.pid, self.interval = pid, interval
         self.samples: list[int] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._done = threading.Event()
+        super().__init__()
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
+    def run(self) -> None:
+        while not self._done.is_set():
             if self.pid is not None:
                 self.samples.append(rss_bytes(self.pid))
-            self._stop.wait(self.interval)
+            self._done.wait(self.interval)
 
-    def __enter__(self) -> RssSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
+    def stop(self) -> None:
+        self._done.set()
 
 
 def run(cfg: RunConfig, report: Report) -> None:

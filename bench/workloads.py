@@ -19,14 +19,14 @@ distinct prefixes: eviction decides the hit rate, as in the DESIGN.md simulation
 
 from __future__ import annotations
 
-import base64
-import io
 import itertools
 import random
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from bench.samples import data_url, encode
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -210,9 +210,7 @@ def png_data_url(index: int, side: int = 672) -> str:
     for _ in range(6):
         x, y = rng.randrange(side - box), rng.randrange(side - box)
         draw.rectangle((x, y, x + box, y + box), fill=(rng.randrange(256), 40, rng.randrange(256)))
-    buf = io.BytesIO()
-    image.save(buf, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return data_url("image/png", encode(image, "PNG"))
 
 
 def images(model: str, scale: float, rng: random.Random, max_tokens: int) -> Workload:

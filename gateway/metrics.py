@@ -44,6 +44,50 @@ class RoutingCounts:
         self.failovers = 0
 
 
+# The per-engine families: kind, name, help, and an engine's value (None: not reported,
+# as the queue and the cache of an engine whose metrics were never scraped).
+_PER_ENGINE: tuple[
+    tuple[
+        type[GaugeMetricFamily | CounterMetricFamily],
+        str,
+        str,
+        Callable[[EngineStats], float | None],
+    ],
+    ...,
+] = (
+    (
+        GaugeMetricFamily,
+        "gateway_engine_healthy",
+        "1 when the engine is in rotation (passed its last health check, not ejected).",
+        lambda e: 1.0 if e.healthy else 0.0,
+    ),
+    (
+        GaugeMetricFamily,
+        "gateway_engine_in_flight",
+        "Requests this gateway is forwarding to the engine.",
+        lambda e: float(e.in_flight),
+    ),
+    (
+        GaugeMetricFamily,
+        "gateway_engine_waiting",
+        "Requests queued in the engine, from its own metrics as last scraped.",
+        lambda e: float(e.waiting) if e.scraped else None,
+    ),
+    (
+        GaugeMetricFamily,
+        "gateway_engine_kv_cache_usage",
+        "The engine's KV cache usage (0-1), from its own metrics as last scraped.",
+        lambda e: e.kv_cache_usage if e.scraped else None,
+    ),
+    (
+        CounterMetricFamily,
+        "gateway_engine_ejections",
+        "Times the engine was taken out of rotation by a refused connection or 5xx run.",
+        lambda e: float(e.ejections),
+    ),
+)
+
+
 class PoolCollector(Collector):
     """Per-engine gauges and the routing counts, built from live state at scrape time:
     nothing per request, and engines that leave the pool (DNS) leave the metrics."""
@@ -57,38 +101,13 @@ class PoolCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         engines = self._engines()
-        healthy = GaugeMetricFamily(
-            "gateway_engine_healthy",
-            "1 when the engine is in rotation (passed its last health check, not ejected).",
-            labels=["engine"],
-        )
-        in_flight = GaugeMetricFamily(
-            "gateway_engine_in_flight",
-            "Requests this gateway is forwarding to the engine.",
-            labels=["engine"],
-        )
-        waiting = GaugeMetricFamily(
-            "gateway_engine_waiting",
-            "Requests queued in the engine, from its own metrics as last scraped.",
-            labels=["engine"],
-        )
-        kv = GaugeMetricFamily(
-            "gateway_engine_kv_cache_usage",
-            "The engine's KV cache usage (0-1), from its own metrics as last scraped.",
-            labels=["engine"],
-        )
-        ejections = CounterMetricFamily(
-            "gateway_engine_ejections",
-            "Times the engine was taken out of rotation by a refused connection or 5xx run.",
-            labels=["engine"],
-        )
-        for e in engines:
-            healthy.add_metric([e.url], 1.0 if e.healthy else 0.0)
-            in_flight.add_metric([e.url], float(e.in_flight))
-            ejections.add_metric([e.url], float(e.ejections))
-            if e.scraped:
-                waiting.add_metric([e.url], float(e.waiting))
-                kv.add_metric([e.url], e.kv_cache_usage)
+        for kind, name, documentation, value in _PER_ENGINE:
+            family = kind(name, documentation, labels=["engine"])
+            for e in engines:
+                v = value(e)
+                if v is not None:
+                    family.add_metric([e.url], v)
+            yield family
         decisions = CounterMetricFamily(
             "gateway_routing_decisions",
             "Requests placed by the routing policy, by whether they went to the first "
@@ -102,7 +121,7 @@ class PoolCollector(Collector):
             "Times a refused connection moved a request on to the next engine in its order.",
         )
         failovers.add_metric([], float(self._counts.failovers))
-        yield from (healthy, in_flight, waiting, kv, ejections, decisions, failovers)
+        yield from (decisions, failovers)
 
 
 class Metrics:
@@ -122,19 +141,13 @@ class Metrics:
             ["code"],
             registry=self.registry,
         )
-        self.duration = Histogram(
+        self.duration = self._by_group(
             "gateway_request_duration_seconds",
             "Time from request start to the last byte of the answer.",
-            ["group"],
-            buckets=_BUCKETS,
-            registry=self.registry,
         )
-        self.upstream_ttfb = Histogram(
+        self.upstream_ttfb = self._by_group(
             "gateway_upstream_ttfb_seconds",
             "Time from forwarding a request to the engine's response headers.",
-            ["group"],
-            buckets=_BUCKETS,
-            registry=self.registry,
         )
         self.in_flight = Gauge(
             "gateway_requests_in_flight",
@@ -146,6 +159,10 @@ class Metrics:
         self._durations: dict[str, Histogram] = {}
         self._ttfbs: dict[str, Histogram] = {}
 
+    def _by_group(self, name: str, documentation: str) -> Histogram:
+        """A latency histogram labelled by route group (every one with the same buckets)."""
+        return Histogram(name, documentation, ["group"], buckets=_BUCKETS, registry=self.registry)
+
     def observe_request(
         self, group: str, status: int, code: str, duration: float, rejected: bool
     ) -> None:
@@ -154,18 +171,12 @@ class Metrics:
         if child is None:
             child = self._requests[key] = self.requests.labels(group, str(status), code)
         child.inc()
-        hist = self._durations.get(group)
-        if hist is None:
-            hist = self._durations[group] = self.duration.labels(group)
-        hist.observe(duration)
+        _observe(self._durations, self.duration, group, duration)
         if rejected:
             self.rejections.labels(code).inc()
 
     def observe_ttfb(self, group: str, seconds: float) -> None:
-        hist = self._ttfbs.get(group)
-        if hist is None:
-            hist = self._ttfbs[group] = self.upstream_ttfb.labels(group)
-        hist.observe(seconds)
+        _observe(self._ttfbs, self.upstream_ttfb, group, seconds)
 
     def count_in_flight(self, current: Callable[[], float]) -> None:
         """Read the in-flight gauge from `current` at scrape time: no locked update
@@ -178,3 +189,11 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _observe(children: dict[str, Histogram], metric: Histogram, group: str, value: float) -> None:
+    """Observe `value` in `metric`'s child for `group`, cached in `children`."""
+    child = children.get(group)
+    if child is None:
+        child = children[group] = metric.labels(group)
+    child.observe(value)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.procs import Proc, RecordingServer, sim_proc
@@ -23,6 +24,13 @@ def start_sim(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
     yield start
     for proc in started:
         proc.stop()
+
+
+@pytest.fixture
+def client(sim: Proc) -> Iterator[httpx.Client]:
+    """A client of the module's `sim` fixture (a simulated engine the module starts)."""
+    with httpx.Client(base_url=sim.url, timeout=10) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

@@ -48,8 +48,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench.samples import WEBM, png, wav
 from gateway.payload.rules import MEDIA_KEYS, MEDIA_TYPES
-from tests.test_media_samples import WEBM, png, wav
 
 ORIGIN = "@@ORIGIN@@"
 CANARY = "@@CANARY@@"
@@ -310,6 +310,13 @@ def _responses_text(content: Json) -> Json:
     return content
 
 
+# The Responses API's tool calls, by type: what each carries besides its id and name.
+_TOOL_CALLS: dict[str, dict[str, str]] = {
+    "function_call": {"arguments": "{}"},
+    "custom_tool_call": {"input": "x"},
+}
+
+
 def _responses(kind: str) -> Callable[[Json, dict[str, Any]], dict[str, Any]]:
     def build(content: Json, on_message: dict[str, Any]) -> dict[str, Any]:
         content = _responses_text(content)
@@ -318,27 +325,13 @@ def _responses(kind: str) -> Callable[[Json, dict[str, Any]], dict[str, Any]]:
             items = [{"role": "user", "content": content, **on_message}]
         elif kind == "typed_message":
             items = [{"type": "message", "role": "user", "content": content, **on_message}]
-        elif kind == "function_call_output":
+        else:  # a tool's output: the call, then its output holding the content
+            call_type = kind.removesuffix("_output")
+            call = _TOOL_CALLS[call_type]
             items = [
                 {"role": "user", "content": "call the tool"},
-                {"type": "function_call", "call_id": "call-1", "name": "look", "arguments": "{}"},
-                {
-                    "type": "function_call_output",
-                    "call_id": "call-1",
-                    "output": content,
-                    **on_message,
-                },
-            ]
-        else:
-            items = [
-                {"role": "user", "content": "call the tool"},
-                {"type": "custom_tool_call", "call_id": "call-1", "name": "look", "input": "x"},
-                {
-                    "type": "custom_tool_call_output",
-                    "call_id": "call-1",
-                    "output": content,
-                    **on_message,
-                },
+                {"type": call_type, "call_id": "call-1", "name": "look", **call},
+                {"type": kind, "call_id": "call-1", "output": content, **on_message},
             ]
         return {"model": MODEL, "max_output_tokens": 16, "input": items}
 
@@ -407,6 +400,16 @@ def _scoring(route: str, where: str) -> Callable[[Json, dict[str, Any]], dict[st
     return build
 
 
+def _messages(name: str, route: str, role: str) -> Container:
+    """An Anthropic Messages body on one of its routes."""
+    return Container(name, route, "messages", _anthropic(role, route))
+
+
+def _scored(name: str, route: str, field: str, family: str = "scoring") -> Container:
+    """A scoring, rerank or embed body on one of its routes (a pooling engine serves it)."""
+    return Container(name, route, family, _scoring(route, field), runner="pooling")
+
+
 CONTAINERS: tuple[Container, ...] = (
     *(Container(f"chat_{role}", "/v1/chat/completions", "chat",
                 _chat_body(role, max_tokens=2))
@@ -430,32 +433,20 @@ CONTAINERS: tuple[Container, ...] = (
               _responses("function_call_output")),
     Container("responses_custom_tool_output", "/v1/responses", "responses",
               _responses("custom_tool_call_output")),
-    Container("messages_user", "/v1/messages", "messages", _anthropic("user", "/v1/messages")),
-    Container("messages_assistant", "/v1/messages", "messages",
-              _anthropic("assistant", "/v1/messages")),
-    Container("messages_tool_result", "/v1/messages", "messages",
-              _anthropic("tool_result", "/v1/messages")),
-    Container("count_tokens", "/v1/messages/count_tokens", "messages",
-              _anthropic("user", "/v1/messages/count_tokens")),
-    Container("count_tokens_tool_result", "/v1/messages/count_tokens", "messages",
-              _anthropic("tool_result", "/v1/messages/count_tokens")),
-    Container("score_queries", "/score", "scoring", _scoring("/score", "queries"),
-              runner="pooling"),
-    Container("score_documents", "/v1/score", "scoring", _scoring("/v1/score", "documents"),
-              runner="pooling"),
-    Container("score_text_2", "/score", "scoring", _scoring("/score", "text_2"),
-              runner="pooling"),
-    Container("score_items", "/score", "scoring", _scoring("/score", "items"),
-              runner="pooling"),
-    Container("score_data_1", "/v1/score", "scoring", _scoring("/v1/score", "data_1"),
-              runner="pooling"),
-    Container("rerank", "/rerank", "scoring", _scoring("/rerank", "rerank"), runner="pooling"),
-    Container("rerank_v1", "/v1/rerank", "scoring", _scoring("/v1/rerank", "rerank"),
-              runner="pooling"),
-    Container("rerank_v2", "/v2/rerank", "scoring", _scoring("/v2/rerank", "rerank"),
-              runner="pooling"),
-    Container("embed_v2_inputs", "/v2/embed", "cohere", _scoring("/v2/embed", "embed"),
-              runner="pooling"),
+    _messages("messages_user", "/v1/messages", "user"),
+    _messages("messages_assistant", "/v1/messages", "assistant"),
+    _messages("messages_tool_result", "/v1/messages", "tool_result"),
+    _messages("count_tokens", "/v1/messages/count_tokens", "user"),
+    _messages("count_tokens_tool_result", "/v1/messages/count_tokens", "tool_result"),
+    _scored("score_queries", "/score", "queries"),
+    _scored("score_documents", "/v1/score", "documents"),
+    _scored("score_text_2", "/score", "text_2"),
+    _scored("score_items", "/score", "items"),
+    _scored("score_data_1", "/v1/score", "data_1"),
+    _scored("rerank", "/rerank", "rerank"),
+    _scored("rerank_v1", "/v1/rerank", "rerank"),
+    _scored("rerank_v2", "/v2/rerank", "rerank"),
+    _scored("embed_v2_inputs", "/v2/embed", "embed", family="cohere"),
     # Every other JSON route once: the walk must not depend on the route.
     Container("completions_messages", "/v1/completions", "chat",
               _chat_body("user", prompt="hi", max_tokens=2), legit=False),

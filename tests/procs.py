@@ -1,5 +1,8 @@
 """Real servers on loopback for tests: subprocesses (engines, the gateway) and in-process
 threaded servers (canaries and media origins) that record every connection they get.
+
+A thin layer over the bench's toolkit (bench/stack.py, bench/origin.py): the same
+`Server`, ports, environment and scraper, with the defaults the tests want.
 """
 
 from __future__ import annotations
@@ -12,85 +15,29 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.origin import Hit, RecordingServer, Route
-from bench.stack import clean_env, terminate
+from bench.stack import ROOT, Server, clean_env, free_port, scrape, total
 
-__all__ = ["Hit", "RecordingServer", "Route"]
-
-ROOT = Path(__file__).resolve().parent.parent
+__all__ = ["ROOT", "Hit", "RecordingServer", "Route", "free_port", "scrape", "total"]
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+class Proc(Server):
+    """A server subprocess for a test (bench.stack.Server): ready within 20 s."""
 
-
-@dataclass
-class Proc:
-    """A server subprocess on loopback. Output goes to a log file, read on failure."""
-
-    args: list[str]
-    port: int
-    env: dict[str, str]
-    log_path: Path
-    popen: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, ready_path: str = "/health", timeout: float = 20.0) -> Proc:
-        with self.log_path.open("wb") as log:
-            # The child keeps its own copy of the descriptor; closing ours avoids a
-            # ResourceWarning, which pytest turns into an error.
-            self.popen = subprocess.Popen(
-                self.args, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT
-            )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"{self.args} exited early:\n{self.log()}")
-            try:
-                r = httpx.get(self.url + ready_path, timeout=0.5)
-                if r.status_code < 500:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"{self.args} did not become ready:\n{self.log()}")
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
-
-    def kill(self) -> None:
-        """Stop at once, like a crashed engine."""
-        if self.popen is not None and self.popen.poll() is None:
-            self.popen.kill()
-            self.popen.wait(10)
-
-    def stop(self) -> None:
-        terminate(self.popen)
+    def start(self, ready_path: str | None = None, timeout: float = 20.0) -> Self:
+        return super().start(ready_path, timeout)
 
 
 def sim_proc(tmp: Path, *opts: str, port: int | None = None) -> Proc:
     """A simulated engine (`python -m bench.sim`), not yet started."""
     port = port or free_port()
     args = [sys.executable, "-m", "bench.sim", "--host", "127.0.0.1", "--port", str(port), *opts]
-    return Proc(args, port, clean_env(), tmp / f"sim-{port}.log")
+    return Proc("sim", args, port, tmp / f"sim-{port}.log")
 
 
 def gateway_proc(tmp: Path, env: Mapping[str, str], *opts: str, port: int | None = None) -> Proc:
@@ -100,7 +47,24 @@ def gateway_proc(tmp: Path, env: Mapping[str, str], *opts: str, port: int | None
         sys.executable, "-m", "gateway.cli", "serve",
         "--host", "127.0.0.1", "--port", str(port), *opts,
     ]  # fmt: skip
-    return Proc(args, port, clean_env(env), tmp / f"gateway-{port}.log")
+    return Proc("gateway", args, port, tmp / f"gateway-{port}.log", env=clean_env(env))
+
+
+def run_cli(
+    *args: str, stdin: str | None = None, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`python -m gateway.cli ARGS` as an operator runs it (the console script's module),
+    its output captured as text; the caller checks the return code."""
+    return subprocess.run(
+        [sys.executable, "-m", "gateway.cli", *args],
+        input=stdin,
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
 
 
 @contextmanager
@@ -114,16 +78,9 @@ def running(*procs: Proc, ready_path: str = "/health") -> Iterator[Sequence[Proc
             p.stop()
 
 
-def scrape(
-    url: str, headers: Mapping[str, str] | None = None
-) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Samples of a Prometheus endpoint as {(name, sorted labels): value}."""
-    text = httpx.get(url, headers=headers, timeout=5).text
-    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples with these labels on the server at `url` (its /metrics)."""
+    return total(scrape(url + "/metrics"), name, **labels)
 
 
 def sim_received(
@@ -131,11 +88,11 @@ def sim_received(
 ) -> float:
     """Requests an engine received, from its `sim:received_requests_total`, minus the
     gateway's own health checks and model discovery and the scrape itself."""
-    total = 0.0
+    received = 0.0
     for (name, labels), value in scrape(engine_url + "/metrics").items():
         if name == "sim:received_requests_total" and dict(labels).get("path") not in exclude_paths:
-            total += value
-    return total
+            received += value
+    return received
 
 
 class SocketCanary:

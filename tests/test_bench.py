@@ -91,24 +91,20 @@ def suites(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Suite
             gw.stop()
 
 
-@pytest.fixture(scope="module")
-def overhead(suites: dict[str, SuiteRun]) -> dict[str, Any]:
-    return suites["overhead"].result()
+def _result_of(suite: str) -> Any:
+    """A fixture: the report of `suite`, waited for."""
+
+    @pytest.fixture(scope="module")
+    def result(suites: dict[str, SuiteRun]) -> dict[str, Any]:
+        return suites[suite].result()
+
+    return result
 
 
-@pytest.fixture(scope="module")
-def reference(suites: dict[str, SuiteRun]) -> dict[str, Any]:
-    return suites["reference"].result()
-
-
-@pytest.fixture(scope="module")
-def routing(suites: dict[str, SuiteRun]) -> dict[str, Any]:
-    return suites["routing"].result()
-
-
-@pytest.fixture(scope="module")
-def external_scale(suites: dict[str, SuiteRun]) -> dict[str, Any]:
-    return suites["scale"].result()
+overhead = _result_of("overhead")
+reference = _result_of("reference")
+routing = _result_of("routing")
+external_scale = _result_of("scale")
 
 
 @pytest.mark.slow

@@ -9,9 +9,7 @@ HEALTHCHECK and the engine's probe commands).
 
 from __future__ import annotations
 
-import base64
 import copy
-import io
 import json
 import os
 import re
@@ -25,9 +23,9 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from PIL import Image
 from pydantic import BaseModel
 
+from bench.samples import data_url, png
 from gateway.auth import load_key_file
 from gateway.config import Settings
 from tests.procs import (
@@ -36,6 +34,7 @@ from tests.procs import (
     RecordingServer,
     free_port,
     gateway_proc,
+    run_cli,
     running,
     sim_proc,
     sim_received,
@@ -226,14 +225,9 @@ def clean_environ() -> dict[str, str]:
 
 def key_file(tmp: Path) -> Path:
     """A keys file as the operator makes it: digests from `vllm-gateway hash-key`."""
-    digest = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "hash-key"],
-        input=CLIENT_KEY + "\n",
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=ROOT,
-    ).stdout.strip()
+    result = run_cli("hash-key", stdin=CLIENT_KEY + "\n")
+    assert result.returncode == 0, result.stderr
+    digest = result.stdout.strip()
     assert digest.startswith("sha256:") and CLIENT_KEY not in digest
     path = tmp / "keys.yaml"
     path.write_text(f"api_keys:\n  - key: {digest}\n    name: deploy-test\n")
@@ -310,17 +304,11 @@ def test_gateway_env_loads_as_settings(variant: str, monkeypatch: pytest.MonkeyP
 def test_check_config_accepts_the_deploy_env(variant: str, tmp_path: Path) -> None:
     env = {**clean_environ(), **gateway_env(variant)}
     env["GATEWAY_API_KEYS_FILE"] = str(key_file(tmp_path))
-    r = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "check-config"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    r = run_cli("check-config", env=env)
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
-    assert data["upstream_api_key"] == "***"
+    # Masked by the settings' own dump (SecretStr), since check-config prints it as is.
+    assert data["upstream_api_key"] == "**********"
     assert UPSTREAM not in r.stdout + r.stderr
 
 
@@ -639,9 +627,7 @@ def test_dockerignore_lets_only_the_build_inputs_through() -> None:
 
 
 def png_data_url() -> str:
-    buf = io.BytesIO()
-    Image.new("RGB", (8, 8), (200, 30, 30)).save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return data_url("image/png", png())
 
 
 def chat(url: str, key: str | None, image_url: str | None = None) -> httpx.Response:

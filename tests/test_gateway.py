@@ -20,9 +20,9 @@ import httpx
 import openai
 import pytest
 
+from bench.samples import wav
 from gateway.endpoints import TABLE, Action, BodyKind, Group
 from tests.procs import Proc, client_request_id, gateway_proc, scrape, sim_proc, wait_for
-from tests.test_media_samples import wav
 
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 EXTRA_MODEL = "configured/extra-model"

@@ -28,18 +28,8 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.procs import (
-    Proc,
-    RecordingServer,
-    Route,
-    SocketCanary,
-    gateway_proc,
-    sim_proc,
-    wait_for,
-)
-from tests.test_media_samples import (
+from bench.samples import (
     EPS,
     HTML,
     SVG,
@@ -50,6 +40,17 @@ from tests.test_media_samples import (
     png,
     png_header_only,
     wav,
+)
+from tests.procs import (
+    Proc,
+    RecordingServer,
+    Route,
+    SocketCanary,
+    gateway_proc,
+    metric,
+    sim_proc,
+    sim_received,
+    wait_for,
 )
 
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"
@@ -197,17 +198,7 @@ def auth(key: str = KEY_A) -> dict[str, str]:
 
 def counts(stack: Stack) -> list[float]:
     """Requests each engine received, minus health checks, model discovery and scrapes."""
-    out: list[float] = []
-    for sim in stack.sims:
-        text = stack.http.get(sim.url + "/metrics").text
-        out.append(sum(
-            sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name == "sim:received_requests_total"
-            and sample.labels["path"] not in ("/health", "/metrics", "/v1/models")
-        ))  # fmt: skip
-    return out
+    return [sim_received(sim.url) for sim in stack.sims]
 
 
 def records(stack: Stack, sim: Proc, *, scrapes: bool = False) -> list[dict[str, Any]]:
@@ -745,9 +736,7 @@ def _engine_urls(record: dict[str, Any]) -> list[str]:
 
 
 def mm_hits(stack: Stack, sim: Proc) -> float:
-    text = stack.http.get(sim.url + "/metrics").text
-    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
-    return sum(s.value for s in samples if s.name == "vllm:mm_cache_hits_total")
+    return metric(sim.url, "vllm:mm_cache_hits_total")
 
 
 def test_inline_mode_hands_the_engine_a_validated_data_url(stack: Stack) -> None:

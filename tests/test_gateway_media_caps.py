@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.samples import png
 from tests.procs import (
     Proc,
     ask_about_image,
@@ -23,7 +24,6 @@ from tests.procs import (
     sim_proc,
     sim_received,
 )
-from tests.test_media_samples import png
 
 KEY = "sk-media-caps-0123456789abcdef"
 PNG = png(16, 16)

@@ -12,16 +12,16 @@ from typing import Any
 import httpx
 import pytest
 
+from bench.samples import wav
 from tests.procs import (
     Proc,
     client_request_id,
     gateway_proc,
-    scrape,
+    metric,
     sim_proc,
     sim_received,
     wait_for,
 )
-from tests.test_media_samples import wav
 
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 FULL = "sk-models-full-0123456789abcdef"
@@ -59,8 +59,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             proc.start("/healthz" if proc is gateway else "/health")
 
         def both_healthy() -> bool:
-            samples = scrape(gateway.url + "/metrics")
-            return sum(v for (n, _), v in samples.items() if n == "gateway_engine_healthy") == 2
+            return metric(gateway.url, "gateway_engine_healthy") == 2
 
         assert wait_for(both_healthy)
         yield Stack(sims, gateway)

@@ -11,13 +11,13 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 import httpx
 import pytest
 
+from bench.samples import png
 from gateway.errors import MediaFetchFailed
 from gateway.media.addresses import Address
 from gateway.media.fetch import MediaFetcher
 from gateway.media.settings import MediaSettings
 from gateway.media.urls import RemoteUrl, UrlPolicy
 from tests.procs import RecordingServer, Route, SocketCanary
-from tests.test_media_samples import png
 
 PNG = png()
 

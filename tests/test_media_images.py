@@ -7,11 +7,7 @@ import base64
 
 import pytest
 
-from gateway.errors import GatewayError, MediaInvalid, MediaTooLarge
-from gateway.media.av import validate_audio, validate_jpeg_frames, validate_video
-from gateway.media.images import check_formats, validate_image
-from gateway.media.settings import MediaSettings, ValidationDepth
-from tests.test_media_samples import (
+from bench.samples import (
     EPS,
     HTML,
     MP4,
@@ -24,6 +20,10 @@ from tests.test_media_samples import (
     png_header_only,
     wav,
 )
+from gateway.errors import GatewayError, MediaInvalid, MediaTooLarge
+from gateway.media.av import validate_audio, validate_jpeg_frames, validate_video
+from gateway.media.images import check_formats, validate_image
+from gateway.media.settings import MediaSettings, ValidationDepth
 
 SETTINGS = MediaSettings(max_pixels=1_000_000, max_frames=8, max_bytes=200_000)
 

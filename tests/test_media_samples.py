@@ -1,81 +1,16 @@
-"""Sample media for the media, payload and multipart tests (imported by them), and a
-check that each sample is what its name says."""
+"""A check that each sample medium (bench/samples.py, shared with the bench) is what its
+name says; some tests import the samples through here."""
 
 from __future__ import annotations
 
-import base64
 import io
-import struct
-import zlib
 
 from PIL import Image
 
+from bench.samples import HTML, SVG, data_url, gif, jpeg, png, wav
 
-def png(width: int = 8, height: int = 8, color: tuple[int, int, int] = (200, 30, 30)) -> bytes:
-    out = io.BytesIO()
-    Image.new("RGB", (width, height), color).save(out, format="PNG")
-    return out.getvalue()
-
-
-def jpeg(width: int = 8, height: int = 8) -> bytes:
-    out = io.BytesIO()
-    Image.new("RGB", (width, height), (10, 120, 200)).save(out, format="JPEG")
-    return out.getvalue()
-
-
-def noisy_jpeg(size: int = 64) -> bytes:
-    """A JPEG whose scan data dominates, so cutting its tail leaves the header whole."""
-    out = io.BytesIO()
-    Image.effect_noise((size, size), 80).convert("RGB").save(out, format="JPEG")
-    return out.getvalue()
-
-
-def gif(frames: int, size: int = 4) -> bytes:
-    # Each frame differs from the last, or Pillow merges them when saving.
-    images = [Image.new("RGB", (size, size), (i % 2 * 255, 0, 0)) for i in range(frames)]
-    out = io.BytesIO()
-    images[0].save(out, format="GIF", save_all=True, append_images=images[1:], duration=10)
-    return out.getvalue()
-
-
-def png_header_only(width: int, height: int) -> bytes:
-    """A PNG whose header claims width x height: a decompression bomb's first bytes."""
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    chunk = b"IHDR" + ihdr
-    crc = struct.pack(">I", zlib.crc32(chunk) & 0xFFFFFFFF)
-    idat = zlib.compress(b"\x00" * 64)
-    idat_chunk = b"IDAT" + idat
-    idat_crc = struct.pack(">I", zlib.crc32(idat_chunk) & 0xFFFFFFFF)
-    return (
-        b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + chunk + crc
-        + struct.pack(">I", len(idat)) + idat_chunk + idat_crc
-    )  # fmt: skip
-
-
-def wav(samples: int = 800) -> bytes:
-    data = b"\x00\x00" * samples
-    fmt = struct.pack("<HHIIHH", 1, 1, 8000, 16000, 2, 16)
-    body = (
-        b"WAVE"
-        + b"fmt "
-        + struct.pack("<I", 16)
-        + fmt
-        + b"data"
-        + struct.pack("<I", len(data))
-        + data
-    )
-    return b"RIFF" + struct.pack("<I", len(body)) + body
-
-
-SVG = b'<?xml version="1.0"?><svg xmlns="http://www.w3.org/2000/svg"><image href="http://169.254.169.254/"/></svg>'
-HTML = b"<!DOCTYPE html><html><body><script>alert(1)</script></body></html>"
-EPS = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n(/etc/passwd) (r) file\nshowpage\n"
-MP4 = b"\x00\x00\x00\x18ftypisom\x00\x00\x02\x00isomiso2" + b"\x00" * 64
-WEBM = b"\x1a\x45\xdf\xa3" + b"\x00" * 64
-
-
-def data_url(mime: str, data: bytes) -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+# What the payload, multipart and real-engine tests import from here.
+__all__ = ["HTML", "SVG", "data_url", "jpeg", "png", "wav"]
 
 
 def test_samples_are_what_they_claim() -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.samples import png
 from gateway.errors import MediaFetchFailed
 from gateway.media.fetch import MediaFetcher, default_inner_transport
 from gateway.media.settings import MediaSettings
@@ -37,7 +38,6 @@ from tests.procs import (
     sim_received,
 )
 from tests.test_media_fetch import StaticResolver
-from tests.test_media_samples import png
 
 TLS = Path(__file__).parent / "data" / "tls"
 PNG = png(16, 16)

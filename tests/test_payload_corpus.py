@@ -21,9 +21,8 @@ from __future__ import annotations
 import copy
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from bench.origin import QuietHandler, ThreadedServer
 from tests import corpus
 from tests.corpus import Case, Fill, Outcome
 from tests.procs import (
@@ -63,7 +63,7 @@ ENGINE_REPLY = json.dumps(
 ).encode()
 
 
-class RecordingEngine:
+class RecordingEngine(ThreadedServer):
     """An engine stand-in on loopback: GET /health and /v1/models answer as vLLM does,
     every POST gets 200 with a minimal chat completion, and its body is recorded."""
 
@@ -75,9 +75,7 @@ class RecordingEngine:
             {"object": "list", "data": [{"id": model, "object": "model", "owned_by": "vllm"}]}
         ).encode()
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
+        class Handler(QuietHandler):
             def _reply(self, body: bytes) -> None:
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
@@ -95,22 +93,7 @@ class RecordingEngine:
                     outer.received.append((self.path, body))
                 self._reply(ENGINE_REPLY)
 
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.port = int(self._server.server_address[1])
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-
-    def __enter__(self) -> RecordingEngine:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        super().__init__(Handler)
 
 
 @dataclass
@@ -272,49 +255,103 @@ def _replace(body: Any, path: corpus.Path, value: Any) -> None:
 Example = tuple[Case, dict[str, Any], list[str]]
 
 
+def _mutate_shared(
+    draw: st.DrawFn, op: str, body: dict[str, Any], path: corpus.Path, node: Any, log: list[str]
+) -> bool:
+    """The mutations both strategies make: an extra key (never overwriting what is there,
+    the media or the content), an odd `type`, the node wrapped in a list or an object.
+    False when `op` is none of these."""
+    if op == "key":
+        key, value = draw(st.sampled_from(_EXTRA_KEYS)), draw(st.sampled_from(_EXTRA_VALUES))
+        if key not in node:
+            node[key] = copy.deepcopy(value)
+            log.append(f"{path}.{key}={value!r}")
+    elif op == "type":
+        node["type"] = copy.deepcopy(draw(st.sampled_from(_ODD_TYPES)))
+        log.append(f"{path}.type={node['type']!r}")
+    elif op == "wrap_list":
+        _replace(body, path, [node])
+        log.append(f"{path} -> [..]")
+    elif op == "wrap_dict":
+        key = draw(st.sampled_from(_WRAP_KEYS))
+        _replace(body, path, {key: node})
+        log.append(f"{path} -> {{{key}: ..}}")
+    else:
+        return False
+    return True
+
+
+# Picks the path an operation applies to (and may change the operation).
+Pick = Callable[[st.DrawFn, str, dict[str, Any]], tuple[str, corpus.Path]]
+# Applies an operation `_mutate_shared` does not know.
+Own = Callable[[st.DrawFn, str, dict[str, Any], corpus.Path, Any, list[str]], None]
+
+
+def _mutated(draw: st.DrawFn, rounds: int, ops: list[str], pick: Pick, own: Own) -> Example:
+    """A base case's body after 1 to `rounds` operations drawn from `ops`, with the log
+    of what was done."""
+    base = draw(st.sampled_from(_BASES))
+    body = copy.deepcopy(base.body)
+    log: list[str] = []
+    for _ in range(draw(st.integers(1, rounds))):
+        op, path = pick(draw, draw(st.sampled_from(ops)), body)
+        node = corpus.get(body, path)
+        if not _mutate_shared(draw, op, body, path, node, log):
+            own(draw, op, body, path, node, log)
+    return base, body, log
+
+
+def _pick_part(draw: st.DrawFn, op: str, body: dict[str, Any]) -> tuple[str, corpus.Path]:
+    parts = _parts(body)
+    if op in ("wrap_list", "wrap_dict"):
+        return op, draw(st.sampled_from(_above(body, parts)))
+    return op, draw(st.sampled_from(parts))
+
+
+def _mutate_part(
+    draw: st.DrawFn, op: str, body: dict[str, Any], path: corpus.Path, node: Any, log: list[str]
+) -> None:
+    if op == "untype":
+        node.pop("type", None)
+        log.append(f"{path} -type")
+    else:
+        parent = corpus.get(body, path[:-1])
+        if isinstance(parent, list):
+            parent.append(copy.deepcopy(node))
+            log.append(f"dup {path}")
+
+
 @st.composite
 def mutated_parts(draw: st.DrawFn) -> Example:
     """Mutations of the media parts and of everything above them: extra keys (`role`,
     `name`, `uuid`, unknown...), `type` changed to odd values or removed, parts and their
     containers wrapped in lists and objects, parts duplicated next to themselves. Every
     media value stays where vLLM reads it, under its media key."""
-    base = draw(st.sampled_from(_BASES))
-    body = copy.deepcopy(base.body)
-    log: list[str] = []
-    for _ in range(draw(st.integers(1, 4))):
-        op = draw(st.sampled_from(["key", "key", "type", "untype", "wrap_list", "wrap_dict",
-                                   "dup"]))  # fmt: skip
-        parts = _parts(body)
-        if op in ("wrap_list", "wrap_dict"):
-            path = draw(st.sampled_from(_above(body, parts)))
-        else:
-            path = draw(st.sampled_from(parts))
-        node = corpus.get(body, path)
-        if op == "key":
-            key, value = draw(st.sampled_from(_EXTRA_KEYS)), draw(st.sampled_from(_EXTRA_VALUES))
-            if key in node:
-                continue  # never overwrite what is there (the media, or the content)
-            node[key] = copy.deepcopy(value)
-            log.append(f"{path}.{key}={value!r}")
-        elif op == "type":
-            node["type"] = copy.deepcopy(draw(st.sampled_from(_ODD_TYPES)))
-            log.append(f"{path}.type={node['type']!r}")
-        elif op == "untype":
-            node.pop("type", None)
-            log.append(f"{path} -type")
-        elif op == "wrap_list":
-            _replace(body, path, [node])
-            log.append(f"{path} -> [..]")
-        elif op == "wrap_dict":
-            key = draw(st.sampled_from(_WRAP_KEYS))
-            _replace(body, path, {key: node})
-            log.append(f"{path} -> {{{key}: ..}}")
-        else:
-            parent = corpus.get(body, path[:-1])
-            if isinstance(parent, list):
-                parent.append(copy.deepcopy(node))
-                log.append(f"dup {path}")
-    return base, body, log
+    ops = ["key", "key", "type", "untype", "wrap_list", "wrap_dict", "dup"]
+    return _mutated(draw, 4, ops, _pick_part, _mutate_part)
+
+
+def _pick_value(draw: st.DrawFn, op: str, body: dict[str, Any]) -> tuple[str, corpus.Path]:
+    values = [v for v in _media_values(body) if isinstance(corpus.get(body, v), dict)]
+    if op == "move_part" or not values:
+        op, values = "move_part", _parts(body)
+    return op, draw(st.sampled_from(values))
+
+
+def _mutate_value(
+    draw: st.DrawFn, op: str, body: dict[str, Any], path: corpus.Path, node: Any, log: list[str]
+) -> None:
+    if op == "copy":
+        node[draw(st.sampled_from(_WRAP_KEYS))] = copy.deepcopy(node)
+        log.append(f"copy {path}")
+    else:  # move the part or the value to an unusual top-level place
+        key = draw(st.sampled_from(_MOVE_TO))
+        holder = body.setdefault(key, [])
+        if not isinstance(holder, list):
+            body[key] = holder = [holder]
+        holder.append(node)
+        _replace(body, path, {"type": "text", "text": "moved"})
+        log.append(f"move {path} -> {key}")
 
 
 @st.composite
@@ -324,44 +361,8 @@ def mutated_media(draw: st.DrawFn) -> Example:
     under another key inside it, the part or the value moved to an unusual top-level
     field. The URL is still in the body; wherever it went, it must not reach the engine
     as a URL (brief, invariant 4), and a canary must not be forwarded."""
-    base = draw(st.sampled_from(_BASES))
-    body = copy.deepcopy(base.body)
-    log: list[str] = []
-    for _ in range(draw(st.integers(1, 3))):
-        op = draw(st.sampled_from(["wrap_list", "wrap_dict", "key", "type", "copy", "move",
-                                   "move_part"]))  # fmt: skip
-        values = [v for v in _media_values(body) if isinstance(corpus.get(body, v), dict)]
-        if op == "move_part" or not values:
-            op, values = "move_part", _parts(body)
-        path = draw(st.sampled_from(values))
-        node = corpus.get(body, path)
-        if op == "wrap_list":
-            _replace(body, path, [node])
-            log.append(f"{path} -> [..]")
-        elif op == "wrap_dict":
-            key = draw(st.sampled_from(_WRAP_KEYS))
-            _replace(body, path, {key: node})
-            log.append(f"{path} -> {{{key}: ..}}")
-        elif op == "key":
-            key, value = draw(st.sampled_from(_EXTRA_KEYS)), draw(st.sampled_from(_EXTRA_VALUES))
-            if key not in node:
-                node[key] = copy.deepcopy(value)
-                log.append(f"{path}.{key}={value!r}")
-        elif op == "type":
-            node["type"] = copy.deepcopy(draw(st.sampled_from(_ODD_TYPES)))
-            log.append(f"{path}.type={node['type']!r}")
-        elif op == "copy":
-            node[draw(st.sampled_from(_WRAP_KEYS))] = copy.deepcopy(node)
-            log.append(f"copy {path}")
-        else:  # move the part or the value to an unusual top-level place
-            key = draw(st.sampled_from(_MOVE_TO))
-            holder = body.setdefault(key, [])
-            if not isinstance(holder, list):
-                body[key] = holder = [holder]
-            holder.append(node)
-            _replace(body, path, {"type": "text", "text": "moved"})
-            log.append(f"move {path} -> {key}")
-    return base, body, log
+    ops = ["wrap_list", "wrap_dict", "key", "type", "copy", "move", "move_part"]
+    return _mutated(draw, 3, ops, _pick_value, _mutate_value)
 
 
 _SETTINGS = settings(

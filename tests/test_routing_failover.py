@@ -29,7 +29,7 @@ from tests.procs import (
     Proc,
     client_request_id,
     gateway_proc,
-    scrape,
+    metric,
     sim_proc,
     sim_received,
     wait_for,
@@ -134,10 +134,6 @@ def request_lines(gateway: Proc, ids: Sequence[str]) -> dict[str, dict[str, Any]
     return out
 
 
-def metric(gateway: Proc, name: str, **labels: str) -> float:
-    return scrape(gateway.url + "/metrics").get((name, tuple(sorted(labels.items()))), 0.0)
-
-
 # --- a hot anchor spills (before any engine is killed) -----------------------------------
 
 
@@ -158,12 +154,9 @@ def test_hot_anchor_spills_to_the_next_engine(stack: Stack) -> None:
         return r.status_code
 
     def watch() -> None:
-        samples = scrape(stack.fast.url + "/metrics")
-        in_flight_seen.append(
-            sum(v for (n, _), v in samples.items() if n == "gateway_engine_in_flight")
-        )
+        in_flight_seen.append(metric(stack.fast.url, "gateway_engine_in_flight"))
 
-    spilled_before = metric(stack.fast, "gateway_routing_decisions_total", policy="affinity",
+    spilled_before = metric(stack.fast.url, "gateway_routing_decisions_total", policy="affinity",
                             choice="spilled")  # fmt: skip
     with ThreadPoolExecutor(len(ids)) as pool:
         futures = [pool.submit(send, i) for i in ids]
@@ -177,7 +170,7 @@ def test_hot_anchor_spills_to_the_next_engine(stack: Stack) -> None:
     # Never all on one engine, and the bound keeps the anchor's engine near its share.
     assert max(engines.count(e) for e in set(engines)) <= 8, engines
     assert in_flight_seen[0] >= 1  # the per-engine gauge saw the requests in flight
-    spilled = metric(stack.fast, "gateway_routing_decisions_total", policy="affinity",
+    spilled = metric(stack.fast.url, "gateway_routing_decisions_total", policy="affinity",
                      choice="spilled")  # fmt: skip
     assert spilled - spilled_before >= 1
     lines = request_lines(stack.fast, ids)
@@ -282,7 +275,7 @@ def test_killed_engine_loses_no_request_that_had_not_started(stack: Stack) -> No
     where = served(stack.sims, {1: snapshot})
     assert {where[o.request_id] for o in before if o.request_id in where} == {0, 1, 2}
     assert all(where[o.request_id] in (0, 2) for o in after)
-    healthy = metric(stack.fast, "gateway_engine_healthy", engine=victim.url)
+    healthy = metric(stack.fast.url, "gateway_engine_healthy", engine=victim.url)
     assert healthy == 0
 
 
@@ -292,7 +285,7 @@ def test_restarted_engine_comes_back_into_rotation(stack: Stack) -> None:
     restarted = sim_proc(stack.tmp, *SIM_OPTS, port=victim.port).start()
     victim.popen = restarted.popen  # the module's teardown stops it
     assert wait_for(
-        lambda: metric(stack.fast, "gateway_engine_healthy", engine=victim.url) == 1, timeout=10
+        lambda: metric(stack.fast.url, "gateway_engine_healthy", engine=victim.url) == 1, timeout=10
     ), stack.fast.log()
     with httpx.Client(timeout=10) as client:
         for i in range(30):
@@ -326,10 +319,10 @@ def test_refused_connections_fail_over_once_per_engine(stack: Stack) -> None:
     failovers = [lines[i]["failovers"] for i in ids]
     # Each dead engine refuses one request, is ejected, and is not tried again.
     assert sum(failovers) == 2 and max(failovers) <= 2, failovers
-    assert metric(stack.slow, "gateway_routing_failovers_total") == 2
+    assert metric(stack.slow.url, "gateway_routing_failovers_total") == 2
     assert httpx.get(stack.slow.url + "/readyz").json()["healthy_engines"] == 1
     for dead in stack.sims[1:]:
-        assert metric(stack.slow, "gateway_engine_ejections_total", engine=dead.url) == 1
+        assert metric(stack.slow.url, "gateway_engine_ejections_total", engine=dead.url) == 1
 
     # The last one dies: it refuses its request (a clear 502) and is ejected. With no
     # engine in rotation every engine is tried, each once (two failovers), then 502.

@@ -315,17 +315,25 @@ def test_requests_without_a_prompt_spread_round_robin(req: RoutingRequest) -> No
     assert sorted(picks.values()) == [2, 2, 2, 2]
 
 
+def moved_when_one_leaves(
+    pool: list[FakeEngine], before: Affinity, after: Affinity, turns_after: int
+) -> list[tuple[str, str]]:
+    """Routes 100 one-turn conversations with `before` over `pool`, then the same
+    conversations at `turns_after` turns with `after` over `pool` without its third
+    engine; returns the (before, after) engines of those that moved."""
+    first = [route(before, chat_request(conversation(i, 1)), pool) for i in range(100)]
+    smaller = [e for e in pool if e.url != pool[2].url]
+    then = [route(after, chat_request(conversation(i, turns_after)), smaller) for i in range(100)]
+    return [(b, a) for b, a in zip(first, then, strict=True) if b != a]
+
+
 def test_removing_an_engine_moves_only_its_own_anchors() -> None:
     # Pure rendezvous (no placement memory): two instances that never met agree on every
     # anchor whose first choice is still there.
     pool = engines(5)
     policy_a, policy_b = affinity(placement=False), affinity(placement=False)
-    before = [route(policy_a, chat_request(conversation(i, 1)), pool) for i in range(100)]
-    gone = pool[2].url
-    smaller = [e for e in pool if e.url != gone]
-    after = [route(policy_b, chat_request(conversation(i, 1)), smaller) for i in range(100)]
-    moved = [(b, a) for b, a in zip(before, after, strict=True) if b != a]
-    assert moved and all(b == gone for b, _ in moved)
+    moved = moved_when_one_leaves(pool, policy_a, policy_b, turns_after=1)
+    assert moved and all(b == pool[2].url for b, _ in moved)
 
 
 def test_placements_stay_when_an_engine_leaves() -> None:
@@ -333,12 +341,8 @@ def test_placements_stay_when_an_engine_leaves() -> None:
     policy = affinity()
     for req in background(20):  # past the warm-up: anchors are first user messages
         route(policy, req, pool)
-    before = [route(policy, chat_request(conversation(i, 1)), pool) for i in range(100)]
-    gone = pool[2].url
-    smaller = [e for e in pool if e.url != gone]
-    after = [route(policy, chat_request(conversation(i, 2)), smaller) for i in range(100)]
-    moved = [(b, a) for b, a in zip(before, after, strict=True) if b != a]
-    assert moved and all(b == gone for b, _ in moved)
+    moved = moved_when_one_leaves(pool, policy, policy, turns_after=2)
+    assert moved and all(b == pool[2].url for b, _ in moved)
 
 
 def uneven_conversations() -> list[RoutingRequest]:

@@ -12,7 +12,7 @@ import openai
 import orjson
 import pytest
 
-from tests.procs import Proc, running, scrape, sim_proc
+from tests.procs import Proc, metric, running, scrape, sim_proc
 
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 SYSTEM = "You are a careful assistant. " * 8  # several blocks of shared prefix
@@ -34,20 +34,6 @@ def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     proc = sim_proc(tmp_path_factory.mktemp("guarded"), "--latency", "zero", "--api-key", "k3y")
     with running(proc):
         yield proc
-
-
-@pytest.fixture
-def client(sim: Proc) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=sim.url, timeout=10) as c:
-        yield c
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for (n, ls), value in scrape(url + "/metrics").items():
-        if n == name and all(dict(ls).get(k) == v for k, v in labels.items()):
-            total += value
-    return total
 
 
 def chat_body(question: str, **extra: Any) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import pytest
 
 from bench.sim.engine import prefill_seconds
 from bench.sim.media import MediaItem, image_tokens
-from tests.procs import Proc, running, scrape, sim_proc, wait_for
+from tests.procs import Proc, metric, running, scrape, sim_proc, wait_for
 
 LONG = {"messages": [{"role": "user", "content": "Write a long essay."}],
         "max_tokens": 3000, "ignore_eos": True}  # fmt: skip
@@ -22,10 +22,6 @@ def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     proc = sim_proc(tmp_path_factory.mktemp("latency"), "--max-num-seqs", "1")
     with running(proc):
         yield proc
-
-
-def gauge(url: str, name: str) -> float:
-    return sum(v for (n, _), v in scrape(url + "/metrics").items() if n == name)
 
 
 # Reference medians (VLLM-FACTS.md): image tokens, then TTFT for a new image and for the
@@ -52,27 +48,26 @@ def test_first_token_waits_for_the_model(sim: Proc) -> None:
     # Not a timing assertion: the calibrated engine reports a non-zero TTFT.
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     assert httpx.post(sim.url + "/v1/chat/completions", json=body, timeout=10).is_success
-    samples = scrape(sim.url + "/metrics")
-    assert sum(v for (n, _), v in samples.items() if n == "vllm:time_to_first_token_seconds_sum")
+    assert metric(sim.url, "vllm:time_to_first_token_seconds_sum")
 
 
 def test_non_streaming_disconnect_aborts(sim: Proc) -> None:
-    before = gauge(sim.url, "sim:aborted_requests_total")
+    before = metric(sim.url, "sim:aborted_requests_total")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(sim.url + "/v1/chat/completions", json=LONG, timeout=0.5)
-    assert wait_for(lambda: gauge(sim.url, "sim:aborted_requests_total") == before + 1)
-    assert wait_for(lambda: gauge(sim.url, "vllm:num_requests_running") == 0)
+    assert wait_for(lambda: metric(sim.url, "sim:aborted_requests_total") == before + 1)
+    assert wait_for(lambda: metric(sim.url, "vllm:num_requests_running") == 0)
 
 
 def test_streaming_disconnect_aborts(sim: Proc) -> None:
-    before = gauge(sim.url, "sim:aborted_requests_total")
+    before = metric(sim.url, "sim:aborted_requests_total")
     with (
         httpx.Client(timeout=10) as client,
         client.stream("POST", sim.url + "/v1/chat/completions", json={**LONG, "stream": True}) as r,
     ):
         first = next(r.iter_lines())
         assert first.startswith("data: ")
-    assert wait_for(lambda: gauge(sim.url, "sim:aborted_requests_total") == before + 1)
+    assert wait_for(lambda: metric(sim.url, "sim:aborted_requests_total") == before + 1)
     samples = scrape(sim.url + "/metrics")
     aborts = [
         v
@@ -83,7 +78,7 @@ def test_streaming_disconnect_aborts(sim: Proc) -> None:
 
 
 async def test_overload_queues_and_every_waiter_can_abort(sim: Proc) -> None:
-    before = gauge(sim.url, "sim:aborted_requests_total")
+    before = metric(sim.url, "sim:aborted_requests_total")
     async with httpx.AsyncClient(timeout=30) as client:
         tasks = [
             asyncio.create_task(client.post(sim.url + "/v1/chat/completions", json=LONG))
@@ -92,8 +87,8 @@ async def test_overload_queues_and_every_waiter_can_abort(sim: Proc) -> None:
         seen = await asyncio.to_thread(
             wait_for,
             lambda: (
-                gauge(sim.url, "vllm:num_requests_waiting") == 2
-                and gauge(sim.url, "vllm:num_requests_running") == 1
+                metric(sim.url, "vllm:num_requests_waiting") == 2
+                and metric(sim.url, "vllm:num_requests_running") == 1
             ),
         )
         load = (await client.get(sim.url + "/load")).json()
@@ -103,7 +98,7 @@ async def test_overload_queues_and_every_waiter_can_abort(sim: Proc) -> None:
     assert seen
     assert load == {"server_load": 3}
     assert await asyncio.to_thread(
-        wait_for, lambda: gauge(sim.url, "sim:aborted_requests_total") == before + 3
+        wait_for, lambda: metric(sim.url, "sim:aborted_requests_total") == before + 3
     )
-    assert gauge(sim.url, "vllm:num_requests_waiting") == 0
-    assert gauge(sim.url, "vllm:num_requests_running") == 0
+    assert metric(sim.url, "vllm:num_requests_waiting") == 0
+    assert metric(sim.url, "vllm:num_requests_running") == 0

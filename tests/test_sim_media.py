@@ -4,7 +4,6 @@ gateway closes. Canaries here are expected to be contacted, except where a flag 
 from __future__ import annotations
 
 import base64
-import io
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -12,23 +11,16 @@ from typing import Any
 import httpcore
 import httpx
 import pytest
-from PIL import Image
 
+from bench.samples import data_url, png
 from bench.sim import guard
 from bench.sim.app import SimApp
 from bench.sim.config import SimConfig, parse_args
 from bench.sim.guard import LoopbackOnly
-from tests.procs import Proc, RecordingServer, Route, running, scrape, sim_proc
+from tests.procs import Proc, RecordingServer, Route, running, scrape, sim_proc, total
 
-
-def png(side: int, color: tuple[int, int, int] = (200, 30, 30)) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", (side, side), color).save(buf, "PNG")
-    return buf.getvalue()
-
-
-SMALL = png(448)
-LARGE = png(896)
+SMALL = png(448, 448)
+LARGE = png(896, 896)
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +72,7 @@ def image_part(url: str) -> dict[str, Any]:
 
 def mm(url: str) -> tuple[float, float]:
     samples = scrape(url + "/metrics")
-    get = lambda name: sum(v for (n, _), v in samples.items() if n == name)  # noqa: E731
-    return get("vllm:mm_cache_queries_total"), get("vllm:mm_cache_hits_total")
+    return total(samples, "vllm:mm_cache_queries_total"), total(samples, "vllm:mm_cache_hits_total")
 
 
 def test_loopback_canary_is_fetched(sim: Proc, canary: RecordingServer) -> None:
@@ -146,8 +137,8 @@ def test_image_tokens_and_mm_cache(sim: Proc, origin: RecordingServer) -> None:
 
 
 def test_other_bytes_miss_the_prefix_cache(sim: Proc) -> None:
-    blue = "data:image/png;base64," + base64.b64encode(png(448, (0, 0, 200))).decode()
-    green = "data:image/png;base64," + base64.b64encode(png(448, (0, 200, 0))).decode()
+    blue = data_url("image/png", png(448, 448, (0, 0, 200)))
+    green = data_url("image/png", png(448, 448, (0, 200, 0)))
     first = ask(sim.url, image_part(blue), question="same question").json()
     other = ask(sim.url, image_part(green), question="same question").json()
     same = ask(sim.url, image_part(blue), question="another question").json()

@@ -26,12 +26,6 @@ def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
         yield proc
 
 
-@pytest.fixture
-def client(sim: Proc) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=sim.url, timeout=10) as c:
-        yield c
-
-
 def dot(a: list[float], b: list[float]) -> float:
     return sum(x * y for x, y in zip(a, b, strict=True))
 

@@ -25,7 +25,7 @@ def policy_cost() -> None:
         messages.append({"role": "user", "content": words(rng, 100)})
         messages.append({"role": "assistant", "content": words(rng, 150)})
     messages.append({"role": "user", "content": words(rng, 20)})
-    bodies = {
+    bodies: dict[str, dict[str, Any]] = {
         "chat, 2k tokens, 10 messages": {"model": MODEL, "messages": messages},
         "prompt, 8 kB": {"model": MODEL, "prompt": words(rng, 2000)},
     }

@@ -95,8 +95,9 @@ def run_one(
         else:
             sims = _start_sims(fleet, opts)
         engines = [s.url for s in sims]
+        headers: dict[str, str] = {}
         if front.start is None:
-            urls, headers = engines, {}
+            urls = engines
         else:
             urls, headers = front.start(fleet, engines, stack)
         for url in urls:

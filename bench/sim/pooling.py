@@ -102,57 +102,65 @@ def _head(prefix: str, model: str, engine: Engine, req: Request) -> dict[str, An
     return {"id": f"{prefix}-{rid}", "object": "list", "created": int(time.time()), "model": model}
 
 
-async def embeddings(engine: Engine, req: Request) -> None:
+# One row of a per-input answer, from the input's index and text.
+Row = Callable[[int, str], dict[str, Any]]
+
+
+async def _answer_each(
+    engine: Engine, req: Request, prefix: str, row_for: Callable[[dict[str, Any]], Row]
+) -> None:
+    """What embeddings, pooling and classify share: the inputs run on the engine, then one
+    row per input. `row_for(body)` checks the route's own fields (after the inputs, as
+    vLLM does) and returns the row builder."""
     body = req.json()
     model, _ = engine.resolve_model(body.get("model"))
     texts, items = await _inputs(engine, body)
+    row = row_for(body)
+    tokens = _count(texts)
+    await _run(engine, tokens, items)
+    data = [row(index, text) for index, text in enumerate(texts)]
+    await respond_json(
+        req.send, {**_head(prefix, model, engine, req), "data": data, "usage": _usage(tokens)}
+    )
+
+
+def _embedding_row(body: dict[str, Any]) -> Row:
     dims = body.get("dimensions")
     if dims is not None and (type(dims) is not int or not 1 <= dims <= DIMENSIONS):
         raise invalid_body(f"dimensions: Input should be an integer from 1 to {DIMENSIONS}")
     fmt = body.get("encoding_format", "float")
     if fmt not in ("float", "base64"):
         raise invalid_body("encoding_format: Input should be 'float' or 'base64'")
-    tokens = _count(texts)
-    await _run(engine, tokens, items)
-    data = []
-    for index, text in enumerate(texts):
+
+    def row(index: int, text: str) -> dict[str, Any]:
         vector: Any = embed(text, dims or DIMENSIONS)
         if fmt == "base64":
             vector = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
-        data.append({"index": index, "object": "embedding", "embedding": vector})
-    await respond_json(
-        req.send, {**_head("embd", model, engine, req), "data": data, "usage": _usage(tokens)}
-    )
+        return {"index": index, "object": "embedding", "embedding": vector}
+
+    return row
+
+
+def _pooling_row(index: int, text: str) -> dict[str, Any]:
+    return {"index": index, "object": "pooling", "data": embed(text)}
+
+
+def _classify_row(index: int, text: str) -> dict[str, Any]:
+    p = (hashlib.blake2b(text.encode(), digest_size=2).digest()[0] + 0.5) / 256.0
+    label = 0 if p >= 0.5 else 1
+    return {"index": index, "label": f"LABEL_{label}", "probs": [p, 1.0 - p], "num_classes": 2}
+
+
+async def embeddings(engine: Engine, req: Request) -> None:
+    await _answer_each(engine, req, "embd", _embedding_row)
 
 
 async def pooling(engine: Engine, req: Request) -> None:
-    body = req.json()
-    model, _ = engine.resolve_model(body.get("model"))
-    texts, items = await _inputs(engine, body)
-    tokens = _count(texts)
-    await _run(engine, tokens, items)
-    data = [{"index": i, "object": "pooling", "data": embed(t)} for i, t in enumerate(texts)]
-    await respond_json(
-        req.send, {**_head("pool", model, engine, req), "data": data, "usage": _usage(tokens)}
-    )
+    await _answer_each(engine, req, "pool", lambda _body: _pooling_row)
 
 
 async def classify(engine: Engine, req: Request) -> None:
-    body = req.json()
-    model, _ = engine.resolve_model(body.get("model"))
-    texts, items = await _inputs(engine, body)
-    tokens = _count(texts)
-    await _run(engine, tokens, items)
-    data = []
-    for index, text in enumerate(texts):
-        p = (hashlib.blake2b(text.encode(), digest_size=2).digest()[0] + 0.5) / 256.0
-        label = 0 if p >= 0.5 else 1
-        data.append(
-            {"index": index, "label": f"LABEL_{label}", "probs": [p, 1.0 - p], "num_classes": 2}
-        )
-    await respond_json(
-        req.send, {**_head("classify", model, engine, req), "data": data, "usage": _usage(tokens)}
-    )
+    await _answer_each(engine, req, "classify", lambda _body: _classify_row)
 
 
 _SCORE_FIELDS = (
