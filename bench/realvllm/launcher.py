@@ -167,7 +167,7 @@ class Engine:
         args = [str(self.home.python), "-m", "bench.realvllm.entry", "serve"]
         args += [str(self.model_path), "--host", "127.0.0.1", "--port", str(self.port)]
         args += ["--served-model-name", self.name]
-        # Eager: no torch.compile, a start in ~20 s with no compiler at work.
+        # Eager: no torch.compile, so no compiler at work during a start.
         args += ["--dtype", "float32", "--enforce-eager", *self.args]
         return args
 
@@ -176,6 +176,7 @@ class Engine:
         env = {
             k: v
             for k, v in os.environ.items()
+            # The caller's own VLLM_ settings would change the engine under test: `env` sets them.
             if k.lower() not in DROPPED_ENV and not k.startswith(("GATEWAY_", "VLLM_"))
         }
         env.update(ENGINE_ENV)

@@ -164,7 +164,6 @@ def _probe_urls(s: Stack) -> dict[str, str]:
         "localhost": f"http://localhost:{port}/img.png",
         "ipv4-mapped": f"http://[::ffff:127.0.0.1]:{port}/img.png",
         "hex": f"http://0x7f000001:{port}/img.png",
-        "other loopback address": f"http://127.0.0.2:{port}/img.png",
         "upper case": f"http://LOCALHOST:{port}/img.png",
         "userinfo": f"http://localhost@127.0.0.1:{port}/img.png",
         # Allowed origin, redirect to the canary.
