@@ -88,9 +88,10 @@ if patched:
 PYEOF
 
 echo "== smoke test"
-mkdir -p "$HOME_DIR/run"
-TMPDIR="$HOME_DIR/run" VLLM_CACHE_ROOT="$HOME_DIR/run/cache" VLLM_NO_USAGE_STATS=1 \
-DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 "$PY" - <<'PYEOF'
+smoke="$(mktemp -d "$HOME_DIR/smoke.XXXXXX")"
+trap 'rm -rf "$smoke"' EXIT
+TMPDIR="$smoke" VLLM_CACHE_ROOT="$smoke/cache" TORCHINDUCTOR_CACHE_DIR="$smoke/inductor" \
+VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 "$PY" - <<'PYEOF'
 import warnings
 
 warnings.filterwarnings("ignore")

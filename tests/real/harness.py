@@ -111,9 +111,11 @@ def image_part(url: str) -> dict[str, object]:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
-def post(url: str, body: Mapping[str, object], headers: Mapping[str, str] | None = None,
-         timeout: float = 60) -> httpx.Response:  # fmt: skip
-    return httpx.post(url, json=body, headers=dict(headers or AUTH), timeout=timeout)
+def post(
+    url: str, body: Mapping[str, object], headers: Mapping[str, str] | None = None
+) -> httpx.Response:
+    """A JSON POST with the tenant's key unless `headers` are given."""
+    return httpx.post(url, json=body, headers=dict(headers or AUTH), timeout=60)
 
 
 # --- route drift -----------------------------------------------------------------------------
