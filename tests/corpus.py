@@ -877,8 +877,10 @@ def in_media_position(body: Json, path: Path) -> bool:
     for key in path:
         if isinstance(node, dict):
             ptype = node.get("type")
-            if key in MEDIA_KEYS or key == "source" or (
-                isinstance(ptype, str) and ptype in MEDIA_TYPES
+            if (
+                key in MEDIA_KEYS
+                or key == "source"
+                or (isinstance(ptype, str) and ptype in MEDIA_TYPES)
             ):
                 return True
         node = node[key]

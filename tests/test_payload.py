@@ -567,9 +567,7 @@ async def test_request_ids_are_namespaced_per_key() -> None:
     assert all(c.changed and c.digests == [] for c in changed)
 
 
-@pytest.mark.parametrize(
-    ("mode", "same_tenant_shares"), [("key", False), ("tenant", True)]
-)
+@pytest.mark.parametrize(("mode", "same_tenant_shares"), [("key", False), ("tenant", True)])
 async def test_cache_isolation_salts_every_request_per_key_or_tenant(
     mode: str, same_tenant_shares: bool
 ) -> None:

@@ -188,9 +188,7 @@ def test_requests_without_a_prompt_do_not_sway_replicas() -> None:
         if i % 2:
             for _ in range(3):
                 route(b, RoutingRequest("/v1/models"), pool)
-        picks_b.append(
-            route(b, RoutingRequest(req.path, body=req.body, media=req.media), pool)
-        )
+        picks_b.append(route(b, RoutingRequest(req.path, body=req.body, media=req.media), pool))
     assert picks_a == picks_b
 
 
