@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,8 +19,15 @@ from gateway.errors import GatewayError
 from gateway.logging import RequestLog, configure_logging
 from gateway.metrics import Metrics
 from gateway.middleware import RequestContext
-from tests.procs import Proc, gateway_proc, wait_for
-from tests.test_gateway_upstream import LEAKS, LEAKY, MODEL, Engine, scripted_engine
+from tests.procs import Proc, wait_for
+from tests.test_gateway_upstream import (
+    LEAKS,
+    LEAKY,
+    MODEL,
+    Engine,
+    scripted_engine,
+    scripted_gateway,
+)
 
 KEY = "sk-engine-errors-0123456789abcdef"
 
@@ -127,20 +133,8 @@ def engine() -> Iterator[Engine]:
 
 @pytest.fixture(scope="module")
 def gateway(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    tmp: Path = tmp_path_factory.mktemp("engine-errors")
-    env = {
-        "GATEWAY_ENGINES": f'["{engine.url}"]',
-        "GATEWAY_API_KEYS": f'["{KEY}"]',
-        "GATEWAY_ROUTING__HEALTH_INTERVAL": "30",
-        # Only for the scripted engine: it picks its answer by this header.
-        "GATEWAY_FORWARD_HEADERS": '["x-scenario"]',
-    }
-    proc = gateway_proc(tmp, env)
-    proc.start("/healthz")
-    try:
+    with scripted_gateway(engine, tmp_path_factory.mktemp("engine-errors")) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def ask(gateway: Proc, scenario: str, *, chat: bool = False) -> httpx.Response:

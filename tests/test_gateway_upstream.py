@@ -234,23 +234,41 @@ def engine() -> Iterator[Engine]:
         yield e
 
 
-@pytest.fixture(scope="module")
-def gateway(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    tmp: Path = tmp_path_factory.mktemp("upstream")
-    env = {
+@contextmanager
+def scripted_gateway(engine: Engine, tmp: Path, **env: str) -> Iterator[Proc]:
+    """The gateway under uvicorn before the scripted engine, which picks its answer by
+    the X-Scenario header (forwarded for it alone)."""
+    base = {
         "GATEWAY_ENGINES": f'["{engine.url}"]',
         "GATEWAY_API_KEYS": f'["{KEY}"]',
-        "GATEWAY_TIMEOUTS__FIRST_BYTE": "1",
-        "GATEWAY_TIMEOUTS__IDLE": "1",
         "GATEWAY_ROUTING__HEALTH_INTERVAL": "30",
         "GATEWAY_FORWARD_HEADERS": '["x-scenario"]',
     }
-    proc = gateway_proc(tmp, env)
+    proc = gateway_proc(tmp, {**base, **env})
     proc.start("/healthz")
     try:
         yield proc
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    tmp: Path = tmp_path_factory.mktemp("upstream")
+    env = {"GATEWAY_TIMEOUTS__FIRST_BYTE": "1", "GATEWAY_TIMEOUTS__IDLE": "1"}
+    with scripted_gateway(engine, tmp, **env) as proc:
+        yield proc
+
+
+def post_scenario(gateway: Proc, scenario: str, body: bytes, timeout: float = 5) -> httpx.Response:
+    headers = {
+        "Authorization": f"Bearer {KEY}",
+        "Content-Type": "application/json",
+        "X-Scenario": scenario,
+    }
+    return httpx.post(
+        gateway.url + "/v1/completions", content=body, headers=headers, timeout=timeout
+    )
 
 
 def _get(gateway: Proc, scenario: str) -> httpx.Response:
@@ -261,15 +279,7 @@ def _get(gateway: Proc, scenario: str) -> httpx.Response:
 
 def test_request_as_the_engine_sees_it(engine: Engine, gateway: Proc) -> None:
     body = b'{"model": "scripted/model",   "prompt": "exact bytes \\u00e9"}'
-    r = httpx.post(
-        gateway.url + "/v1/completions",
-        content=body,
-        headers={
-            "Authorization": f"Bearer {KEY}",
-            "Content-Type": "application/json",
-            "X-Scenario": "shape",
-        },
-    )
+    r = post_scenario(gateway, "shape", body)
     assert r.status_code == 200 and r.json() == {"ok": True}
     seen = engine.requests("shape")[-1]
     assert (seen.method, seen.path, seen.body) == ("POST", "/v1/completions", body)
@@ -282,16 +292,7 @@ def test_request_as_the_engine_sees_it(engine: Engine, gateway: Proc) -> None:
 def test_large_body_is_forwarded_intact(engine: Engine, gateway: Proc) -> None:
     prompt = "".join(chr(0x41 + i % 26) for i in range(1_500_000))
     body = b'{"model": "scripted/model", "prompt": "%s"}' % prompt.encode()
-    r = httpx.post(
-        gateway.url + "/v1/completions",
-        content=body,
-        headers={
-            "Authorization": f"Bearer {KEY}",
-            "Content-Type": "application/json",
-            "X-Scenario": "large-body",
-        },
-        timeout=10,
-    )
+    r = post_scenario(gateway, "large-body", body, timeout=10)
     assert r.status_code == 200
     seen = engine.requests("large-body")[-1]
     assert seen.body == body and seen.headers["content-length"] == str(len(body))
