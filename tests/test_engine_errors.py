@@ -133,7 +133,7 @@ def engine() -> Iterator[Engine]:
 
 @pytest.fixture(scope="module")
 def gateway(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    with scripted_gateway(engine, tmp_path_factory.mktemp("engine-errors")) as proc:
+    with scripted_gateway(engine, tmp_path_factory.mktemp("engine-errors"), KEY) as proc:
         yield proc
 
 

@@ -235,12 +235,12 @@ def engine() -> Iterator[Engine]:
 
 
 @contextmanager
-def scripted_gateway(engine: Engine, tmp: Path, **env: str) -> Iterator[Proc]:
+def scripted_gateway(engine: Engine, tmp: Path, key: str = KEY, **env: str) -> Iterator[Proc]:
     """The gateway under uvicorn before the scripted engine, which picks its answer by
     the X-Scenario header (forwarded for it alone)."""
     base = {
         "GATEWAY_ENGINES": f'["{engine.url}"]',
-        "GATEWAY_API_KEYS": f'["{KEY}"]',
+        "GATEWAY_API_KEYS": f'["{key}"]',
         "GATEWAY_ROUTING__HEALTH_INTERVAL": "30",
         "GATEWAY_FORWARD_HEADERS": '["x-scenario"]',
     }
