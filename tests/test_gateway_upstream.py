@@ -31,6 +31,9 @@ from tests.procs import Proc, gateway_proc
 KEY = "sk-upstream-0123456789abcdef"
 MODEL = "scripted/model"
 BIG = 2 * 1024 * 1024
+# More than loopback's socket buffers hold (they grow to a few MiB), so a client that
+# stops reading makes the gateway's writes wait.
+HUGE = 32 * 1024 * 1024
 
 
 @dataclass
@@ -184,16 +187,30 @@ def _serve(engine: Engine, conn_id: int, sock: socket.socket) -> None:
             elif scenario == "short":
                 sock.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n0123456789")
                 return
+            elif scenario == "stall-mid":
+                # Starts a small answer, then goes quiet past the gateway's idle timeout.
+                sock.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n0123456789")
+                time.sleep(3)
+                return
+            elif scenario == "stall-mid-sse":
+                sock.sendall(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                    b"transfer-encoding: chunked\r\n\r\n"
+                    + b"%x\r\n%s\r\n"
+                    % (12, b"data: {}\n\n\n\n")
+                )
+                time.sleep(3)
+                return
             elif scenario == "idle-close":
                 sock.sendall(_response(b'{"ok":1}'))
                 time.sleep(0.1)
                 return  # closes the keep-alive connection while the gateway holds it
             elif scenario in SCENARIOS:
                 sock.sendall(SCENARIOS[scenario])
-            elif scenario == "big":
+            elif scenario in ("big", "huge"):
                 sock.sendall(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
                 piece = b"x" * 65536
-                for _ in range(BIG // len(piece)):
+                for _ in range((BIG if scenario == "big" else HUGE) // len(piece)):
                     sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
                 sock.sendall(b"0\r\n\r\n")
             else:
@@ -334,6 +351,8 @@ def test_idle_connection_closed_by_the_engine_is_not_reused(engine: Engine, gate
         ("garbage", 502, "upstream_unavailable"),
         ("stall", 504, "upstream_timeout"),
         ("short", 502, "upstream_broken"),
+        # A small answer that stalls is a timeout, as a streamed one is (it was 502).
+        ("stall-mid", 504, "upstream_timeout"),
     ],
 )
 def test_upstream_failures_are_clear_errors(
@@ -425,3 +444,35 @@ def test_a_reused_connection_closed_without_an_answer_is_retried_fresh(
         assert (dropped.method, dropped.body) == (again.method, again.body)
     assert ready["healthy_engines"] == 1
     assert f'gateway_engine_ejections_total{{engine="{engine.url}"}} 0.0' in metrics
+
+
+def test_a_stream_that_stalls_ends_with_a_timeout_frame(gateway: Proc) -> None:
+    with httpx.stream(
+        "GET",
+        gateway.url + "/version",
+        headers={"Authorization": f"Bearer {KEY}", "X-Scenario": "stall-mid-sse"},
+        timeout=10,
+    ) as r:
+        body = r.read()
+    assert r.status_code == 200
+    assert body.startswith(b"data: {}")
+    assert b'"code":"upstream_timeout"' in body
+
+
+def test_a_slow_client_is_not_blamed_on_the_engine(gateway: Proc) -> None:
+    """The idle timeout (1 s here) is the engine's silence: a client that stops reading
+    for longer still gets the whole answer once it reads again."""
+    host, port = "127.0.0.1", int(gateway.url.rsplit(":", 1)[1])
+    with socket.create_connection((host, port), timeout=10) as sock:
+        sock.sendall(
+            b"GET /version HTTP/1.1\r\nHost: gw\r\nX-Scenario: huge\r\n"
+            b"Authorization: Bearer " + KEY.encode() + b"\r\nConnection: close\r\n\r\n"
+        )
+        first = sock.recv(4096)
+        assert first.startswith(b"HTTP/1.1 200")
+        time.sleep(2.5)  # the gateway's writes back up meanwhile
+        received = bytearray(first)
+        while chunk := sock.recv(1 << 16):
+            received += chunk
+    assert received.endswith(b"0\r\n\r\n"), bytes(received[-200:])
+    assert received.count(b"x") >= HUGE
