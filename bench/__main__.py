@@ -90,7 +90,7 @@ def engines(real: bool, cpus: CpuPlan) -> Iterator[RealEngines | None]:
 def main(argv: Sequence[str] | None = None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     if raw[:1] == ["routing"]:
-        # The routing suite has its own options, entry point and report (the bench/routing/ package).
+        # The routing suite (the bench/routing/ package) has its own options and report.
         module = importlib.import_module("bench.routing")
         return int(module.main(raw[1:]) or 0)
     args = parse_args(raw)
