@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 
 from gateway.auth import hash_key
 from gateway.cli import main
-from tests.procs import ROOT, Proc, gateway_proc, running, wait_for
+from tests.procs import Proc, gateway_proc, run_cli, running, wait_for
 
 SECRET = "sk-cli-secret-0123456789abcdef"
 UPSTREAM = "upstream-secret-0123456789"
@@ -138,15 +137,7 @@ def test_hash_key(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 
 def test_console_script_entry_point() -> None:
     # `python -m gateway.cli` is what the test harness and the docs run.
-    result = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "hash-key"],
-        input=SECRET,
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=30,
-        check=False,
-    )
+    result = run_cli("hash-key", stdin=SECRET)
     assert result.returncode == 0
     assert result.stdout.strip() == hash_key(SECRET)
 
