@@ -117,8 +117,24 @@ def http_status(url: str, timeout: float = 0.5) -> int | None:
         return None
 
 
+class Logged:
+    """Reading the output of a process that writes to `log_path`."""
+
+    log_path: Path
+
+    def log(self) -> str:
+        """Everything the process wrote so far ("" when there is no log yet)."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log()[-chars:]
+
+
 @dataclass
-class Server:
+class Server(Logged):
     """A server subprocess on loopback. The caller must `stop()` it (or use a `Fleet`)."""
 
     name: str
@@ -171,16 +187,6 @@ class Server:
             time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"{self.name} did not become ready in {timeout}s:\n{self.log_tail()}")
-
-    def log(self) -> str:
-        """Everything the process wrote so far ("" when there is no log yet)."""
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def log_tail(self, chars: int = 3000) -> str:
-        return self.log()[-chars:]
 
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.realvllm.home import Home
-from bench.stack import ROOT, process_tree
+from bench.stack import ROOT, Logged, process_tree
 
 # Set for every engine: nothing leaves this machine, and the engine stays small.
 ENGINE_ENV = {
@@ -125,7 +125,7 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
 
 
 @dataclass
-class Engine:
+class Engine(Logged):
     """One real vLLM server on loopback. The caller must `stop()` it."""
 
     model: str
@@ -245,15 +245,6 @@ class Engine:
         foreign = listening - _socket_inodes(process_tree(self.pid))
         if not listening or foreign:
             raise EngineError(f"port {self.port} is also held by another process")
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def log_tail(self, chars: int = 4000) -> str:
-        return self.log()[-chars:]
 
     def logged_routes(self) -> dict[str, set[str]]:
         """The routes vLLM logged at start, with their methods."""
