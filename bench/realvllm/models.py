@@ -68,37 +68,36 @@ _SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
 _TURN = "<|im_start|>{{ message['role'] }}\n"
 _GENERATION = "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 
+
+def _chatml(part: str) -> str:
+    """A ChatML template (a default system prompt when none is given) that renders each
+    part of a list content with `part`, a Jinja fragment over `part`."""
+    return (
+        "{% for message in messages %}"
+        "{% if loop.first and message['role'] != 'system' %}"
+        + _SYSTEM
+        + "{% endif %}"
+        + _TURN
+        + "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for part in message['content'] %}"
+        + part
+        + "{% endfor %}{% endif %}<|im_end|>\n"
+        "{% endfor %}" + _GENERATION
+    )
+
+
 # ChatML; text parts only.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
-    + _SYSTEM
-    + "{% endif %}"
-    + _TURN
-    + "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n"
-    "{% endfor %}" + _GENERATION
-)
+CHAT_TEMPLATE = _chatml("{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}")
 
 # Qwen2-VL's layout: each image becomes <|vision_start|><|image_pad|><|vision_end|> and
 # the processor expands the pad to the image's tokens.
-MULTIMODAL_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
-    + _SYSTEM
-    + "{% endif %}"
-    + _TURN
-    + "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
+MULTIMODAL_TEMPLATE = _chatml(
     "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
     "<|vision_start|><|image_pad|><|vision_end|>"
     "{% elif part['type'] == 'video' or 'video' in part %}"
     "<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif 'text' in part %}{{ part['text'] }}"
-    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
-    "{% endfor %}" + _GENERATION
+    "{% endif %}"
 )
 
 # The training text: sentences drawn from these words with a fixed seed. English words,
