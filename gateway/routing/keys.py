@@ -22,7 +22,8 @@ Each text is encoded and hashed once; the cost is linear in the body's text and 
 number of boundaries. Nothing here raises on any JSON value, whatever its shape: a part
 of an unexpected type simply adds nothing to the stream, and nothing recurses on client
 nesting. The payload checks reject malformed bodies before routing, but routing must not
-depend on them: it is never the place a request crashes (tests/test_routing_keys.py).
+depend on them: it is never the place a request crashes
+(tests/gateway/routing/test_routing_keys.py).
 """
 
 from __future__ import annotations

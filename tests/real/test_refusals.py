@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from bench.realvllm.launcher import Engine
+from tests.gateway.media.test_media_samples import png
 from tests.procs import Proc, RecordingServer, Route, wait_for
 from tests.real.harness import (
     AUTH,
@@ -25,7 +26,6 @@ from tests.real.harness import (
     gateway,
     image_part,
 )
-from tests.test_media_samples import png
 
 pytestmark = pytest.mark.real_vllm
 

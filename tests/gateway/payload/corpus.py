@@ -34,7 +34,7 @@ docs list as supported, with allowed media or text that merely mentions URLs: le
 bodies must be served, or "refuse everything" would pass.
 
 `check` holds the invariants for one exchange through the gateway; the fast suite
-(`tests/test_payload_corpus.py`, a recording engine) and the real tier
+(`tests/gateway/payload/test_payload_corpus.py`, a recording engine) and the real tier
 (`tests/real/test_payload_corpus_real.py`, a real vLLM) both use it.
 """
 

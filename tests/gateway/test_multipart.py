@@ -17,7 +17,7 @@ from gateway.errors import (
 )
 from gateway.media.settings import MediaSettings
 from gateway.multipart import content_type, validate_upload
-from tests.test_media_samples import HTML, SVG, png, wav
+from tests.gateway.media.test_media_samples import HTML, SVG, png, wav
 
 BOUNDARY = "gwtestboundary"
 CTYPE = f"multipart/form-data; boundary={BOUNDARY}"

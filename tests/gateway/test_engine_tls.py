@@ -23,9 +23,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.procs import Proc, RecordingServer, Route, gateway_proc, wait_for
+from tests.procs import ROOT, Proc, RecordingServer, Route, gateway_proc, wait_for
 
-TLS = Path(__file__).parent / "data" / "tls"
+TLS = ROOT / "tests" / "data" / "tls"
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 KEY = "sk-engine-tls-0123456789abcdef"
 HEADERS = {"Authorization": f"Bearer {KEY}"}

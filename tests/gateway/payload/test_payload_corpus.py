@@ -1,4 +1,4 @@
-"""The generated corpus (tests/corpus.py) through the running gateway (issue 11).
+"""The generated corpus (tests/gateway/payload/corpus.py) through the running gateway (issue 11).
 
 A black-box check of the body walk: whatever the walker looks like, every generated body
 is refused with a documented 4xx code, or forwarded with every media reference it carried
@@ -32,8 +32,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from bench.origin import QuietHandler, ThreadedServer
-from tests import corpus
-from tests.corpus import Case, Fill, Outcome
+from tests.gateway.payload import corpus
+from tests.gateway.payload.corpus import Case, Fill, Outcome
 from tests.procs import (
     Proc,
     RecordingServer,

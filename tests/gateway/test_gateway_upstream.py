@@ -6,8 +6,8 @@ stall, a short body, an idle connection closed under the gateway, a request drop
 unanswered on a reused connection, a large streamed body, error answers and extra
 response headers (`SCENARIOS`). The gateway runs as a real
 process in front of it (one for the whole module), with `x-scenario` added to the
-headers it forwards (`forward_headers`). tests/test_gateway_headers.py and
-tests/test_engine_errors.py run their own gateways in front of the same kind of engine.
+headers it forwards (`forward_headers`). tests/gateway/test_gateway_headers.py and
+tests/gateway/test_engine_errors.py run their own gateways in front of the same kind of engine.
 """
 
 from __future__ import annotations

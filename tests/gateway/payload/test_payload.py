@@ -27,8 +27,8 @@ from gateway.errors import (
 )
 from gateway.media.settings import MediaMode, MediaSettings, UuidPolicy
 from gateway.payload import PayloadInspector, PayloadSettings
+from tests.gateway.media.test_media_samples import HTML, SVG, data_url, jpeg, png, wav
 from tests.procs import RecordingServer, Route
-from tests.test_media_samples import HTML, SVG, data_url, jpeg, png, wav
 
 PNG = png()
 PNG_B64 = base64.b64encode(PNG).decode()

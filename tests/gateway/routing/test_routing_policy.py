@@ -25,7 +25,7 @@ from gateway.routing.policy import (
 )
 from gateway.routing.rendezvous import load_bound, rendezvous_order
 from gateway.routing.settings import RoutingPolicy, RoutingSettings
-from tests.test_routing_keys import placed
+from tests.gateway.routing.test_routing_keys import placed
 
 
 @dataclass

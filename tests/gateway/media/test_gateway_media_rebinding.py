@@ -1,7 +1,7 @@
 """DNS rebinding against the media fetcher, where the second lookup is the system's own.
 
-tests/test_media_fetch.py::test_dns_rebinding_cannot_move_the_connection proves that the
-fetcher connects to the address its injected resolver returned, but its host name
+tests/gateway/media/test_media_fetch.py::test_dns_rebinding_cannot_move_the_connection
+proves that the fetcher connects to the address its injected resolver returned, but its host name
 (`rebind.test`) resolves nowhere else, so a fetcher that connected by name would fail
 rather than land somewhere dangerous. The attack is different: the name is checked
 once, and the library that connects resolves it again and gets a private address. Here
@@ -24,8 +24,8 @@ from gateway.media.addresses import Address
 from gateway.media.fetch import MediaFetcher
 from gateway.media.settings import MediaSettings
 from gateway.media.urls import RemoteUrl, UrlPolicy
+from tests.gateway.media.test_media_samples import png
 from tests.procs import RecordingServer, Route, SocketCanary
-from tests.test_media_samples import png
 
 PNG = png(16, 16)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import ssl
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
@@ -26,7 +25,9 @@ from gateway.errors import MediaFetchFailed
 from gateway.media.fetch import MediaFetcher, default_inner_transport
 from gateway.media.settings import MediaSettings
 from gateway.media.urls import RemoteUrl, UrlPolicy
+from tests.gateway.media.test_media_fetch import StaticResolver
 from tests.procs import (
+    ROOT,
     Proc,
     RecordingServer,
     Route,
@@ -37,9 +38,8 @@ from tests.procs import (
     sim_proc,
     sim_received,
 )
-from tests.test_media_fetch import StaticResolver
 
-TLS = Path(__file__).parent / "data" / "tls"
+TLS = ROOT / "tests" / "data" / "tls"
 PNG = png(16, 16)
 
 

@@ -17,7 +17,6 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import TracebackType
 
 import pytest
@@ -38,8 +37,9 @@ from gateway.upstream import (
     Response,
     Upstream,
 )
+from tests.procs import ROOT
 
-TLS = Path(__file__).parent / "data" / "tls"
+TLS = ROOT / "tests" / "data" / "tls"
 OK = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 11\r\n\r\n{"ok":true}'
 
 

@@ -1,5 +1,5 @@
 """Engine error answers: the scrub table (in-process), then a gateway under uvicorn in
-front of the scripted engine of tests/test_gateway_upstream.py answering errors the way
+front of the scripted engine of tests/gateway/test_gateway_upstream.py answering errors the way
 vLLM 0.32 writes them; and the traceback of an unhandled error in the gateway's log."""
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from gateway.errors import GatewayError
 from gateway.logging import RequestLog, configure_logging
 from gateway.metrics import Metrics
 from gateway.middleware import RequestContext
-from tests.procs import Proc, wait_for
-from tests.test_gateway_upstream import (
+from tests.gateway.test_gateway_upstream import (
     LEAKS,
     LEAKY,
     MODEL,
@@ -28,6 +27,7 @@ from tests.test_gateway_upstream import (
     scripted_engine,
     scripted_gateway,
 )
+from tests.procs import Proc, wait_for
 
 KEY = "sk-engine-errors-0123456789abcdef"
 

@@ -610,7 +610,8 @@ def test_dead_engine_is_502(stack: Stack) -> None:
 
 def test_engine_4xx_keeps_its_shape(stack: Stack) -> None:
     # The engine's own validation error, in vLLM's shape (`code` the status as an
-    # integer): relayed with its meaning, its strings scrubbed (tests/test_engine_errors.py).
+    # integer): relayed with its meaning, its strings scrubbed
+    # (tests/gateway/test_engine_errors.py).
     r = httpx.post(
         stack.g.url + "/v1/chat/completions",
         headers=auth(FULL),

@@ -1,5 +1,5 @@
 """Headers both ways by allowlist, and the cap on their number: a gateway under uvicorn in
-front of the scripted engine of tests/test_gateway_upstream.py, which records every
+front of the scripted engine of tests/gateway/test_gateway_upstream.py, which records every
 header it receives and adds headers of its own to its answers; the `forward_headers`
 setting's validation in-process."""
 
@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from gateway.config import Settings, load_settings
+from tests.gateway.media.test_media_samples import wav
+from tests.gateway.test_gateway_upstream import MODEL, Engine, Seen, scripted_engine
 from tests.procs import Proc, gateway_proc
-from tests.test_gateway_upstream import MODEL, Engine, Seen, scripted_engine
-from tests.test_media_samples import wav
 
 KEY = "sk-headers-0123456789abcdef-SECRET"
 UPSTREAM = "upstream-headers-key-0123456789"
