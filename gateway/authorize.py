@@ -30,10 +30,12 @@ _INVOCATIONS = "/invocations"
 # Scopes a route needs beyond its group's. vLLM 0.32 dispatches /invocations by the
 # body's shape to its chat, completion, embedding, classification and scoring handlers.
 _ALSO_REQUIRED: dict[str, frozenset[Group]] = {_INVOCATIONS: frozenset({Group.pooling})}
-# Routes whose handlers drop `cache_salt` before it reaches the engine (vLLM 0.32:
-# Cohere chat builds its chat request without it; Cohere embed has no such field), so
-# the gateway cannot keep tenants' prefix caches apart there.
-_UNSALTED = frozenset({"/cohere/v2/chat", "/v2/embed"})
+# Routes whose requests reach the engine without `cache_salt` (vLLM 0.32: Cohere chat
+# builds its chat request without it; Cohere embed and the speech-to-text requests have
+# no such field), so the gateway cannot keep tenants' prefix caches apart there.
+_UNSALTED = frozenset(
+    {"/cohere/v2/chat", "/v2/embed", "/v1/audio/transcriptions", "/v1/audio/translations"}
+)
 
 
 def check_route(key: ApiKey, route: Route) -> None:
@@ -55,12 +57,15 @@ class RequestCheck:
         self.pool = pool
         self.isolated = payload.cache_isolation is not CacheIsolation.off
 
-    def __call__(self, ex: Exchange, incoming: Incoming) -> None:
+    def route(self, ex: Exchange) -> None:
+        """Checks that need no body: run before it is read."""
         if self.isolated and ex.route.path in _UNSALTED:
             raise EndpointBlocked(
                 "This endpoint cannot keep tenants' prefix caches apart (the engine drops "
                 "cache_salt there), and this gateway isolates them."
             )
+
+    def __call__(self, ex: Exchange, incoming: Incoming) -> None:
         if incoming.json is not None:
             if ex.route.path == _INVOCATIONS:
                 self._invocation(ex, incoming.json)

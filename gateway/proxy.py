@@ -69,6 +69,7 @@ class Proxy:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ex = exchange_of(scope)
+        self.check_request.route(ex)
         incoming = await read_incoming(scope, receive, ex.route, self.settings)
         ex.bytes_in = incoming.size
         self.check_request(ex, incoming)

@@ -132,10 +132,18 @@ class Relay:
         models = listing.get("data") if isinstance(listing, dict) else None
         if not isinstance(models, list):
             raise UpstreamInvalid()
+        kept = [
+            m for m in models if isinstance(m, dict) and (allowed is None or m.get("id") in allowed)
+        ]
+        ids = {m.get("id") for m in kept}
+        # `parent` names a LoRA adapter's base model: shown only when it is listed too.
         listing["data"] = [
-            {**m, "root": m.get("id")} if "root" in m else m
-            for m in models
-            if isinstance(m, dict) and (allowed is None or m.get("id") in allowed)
+            {
+                **m,
+                **({"root": m.get("id")} if "root" in m else {}),
+                **({"parent": None} if "parent" in m and m["parent"] not in ids else {}),
+            }
+            for m in kept
         ]
         body = orjson.dumps(listing)
         headers = [h for h in response_headers(resp) if h[0].lower() != b"content-length"]

@@ -346,18 +346,24 @@ class Walk:
     def source(
         self, part: dict[str, Any], source: dict[str, Any], ptype: object, path: str, depth: int
     ) -> None:
-        """An Anthropic-style `source`. vLLM (0.32) fetches `source.url` whatever the
-        source's type, and decodes `data` when the type is base64."""
+        """An Anthropic-style `source`, decided as vLLM (0.32) decides it: by its `type`.
+        A `url` source is fetched; any other type (a missing one included) becomes a data
+        URL built from `data` and `media_type`. Only `url` sources with a URL and
+        `base64` sources without one pass; the media either names is checked."""
         kind = _kind_of_type(ptype)
         url = source.get("url")
         stype = source.get("type")
-        if url is not None:
+        if stype == "url" or url is not None:
             if not isinstance(url, str):
                 raise MediaInvalid("The media URL must be a string.", param=f"{path}.url")
+            if stype != "url":
+                # vLLM would decode `data` and ignore this URL: never one without the other.
+                self.policy_check(url, f"{path}.url")
+                raise MediaInvalid("A media source with a URL must be of type 'url'.", param=path)
 
             def set_url(r: Resolved) -> None:
-                if r.data is None:  # passthrough: the canonical URL
-                    source["url"] = r.url
+                if r.data is None:  # passthrough: the canonical URL, and nothing else
+                    part[SOURCE_KEY] = {"type": "url", "url": r.url}
                 else:
                     part[SOURCE_KEY] = {"type": "base64", "media_type": r.mime, "data": r.base64}
 

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from bench.samples import wav
 from tests.procs import Proc, gateway_proc, running, scrape, sim_proc, wait_for
 
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"
@@ -157,13 +158,25 @@ def test_invocations_need_the_pooling_scope_too(stack: Stack) -> None:
     assert stack.post(stack.shared, "gen", "/v1/chat/completions", chat).status_code == 200
 
 
-@pytest.mark.parametrize("path", ["/cohere/v2/chat", "/v2/embed"])
+@pytest.mark.parametrize(
+    "path", ["/cohere/v2/chat", "/v2/embed", "/v1/audio/transcriptions", "/v1/audio/translations"]
+)
 def test_routes_that_drop_cache_salt_are_refused_under_isolation(stack: Stack, path: str) -> None:
+    def send(gateway: Proc) -> httpx.Response:
+        if "/audio/" in path:
+            return stack.http.post(
+                gateway.url + path,
+                headers={"Authorization": f"Bearer {KEYS['a1']}"},
+                files={"file": ("a.wav", wav(), "audio/wav")},
+                data={"model": MODEL},
+            )
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "texts": ["t"]}
+        return stack.post(gateway, "a1", path, body)
+
     stack.clear()
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "texts": ["t"]}
-    r = stack.post(stack.isolated, "a1", path, body)
+    r = send(stack.isolated)
     assert (r.status_code, r.json()["error"]["code"]) == (403, "endpoint_blocked")
-    assert stack.received() == []
+    assert stack.http.get(stack.sim.url + "/sim/requests").json() == []
     # Without isolation the same request is forwarded (the engine answers what it will).
-    stack.post(stack.shared, "a1", path, body)
-    assert len(stack.received()) == 1
+    send(stack.shared)
+    assert [r["path"] for r in stack.http.get(stack.sim.url + "/sim/requests").json()] == [path]

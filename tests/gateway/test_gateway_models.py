@@ -20,11 +20,13 @@ from tests.procs import Proc, gateway_proc, running, sim_proc
 ALL = "sk-models-all-0123456789abcdef"
 ONLY_A = "sk-models-only-a-0123456789abcdef"
 NOT_SERVED = "sk-models-none-0123456789abcdef"
+ADAPTER = "sk-models-adapter-0123456789abcdef"
 KEYS = json.dumps(
     [
         ALL,
         {"key": ONLY_A, "name": "only-a", "models": ["model-a"]},
         {"key": NOT_SERVED, "name": "not-served", "models": ["some/other-model"]},
+        {"key": ADAPTER, "name": "adapter-only", "models": ["adapter-x"]},
     ]
 )
 
@@ -44,7 +46,10 @@ def _env(engine: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp: Path = tmp_path_factory.mktemp("models")
-    sim = sim_proc(tmp, "--latency", "zero", "--served-model-name", "model-a", "model-b")
+    sim = sim_proc(
+        tmp, "--latency", "zero", "--served-model-name", "model-a", "model-b",
+        "--enable-runtime-lora",
+    )  # fmt: skip
     gateway = gateway_proc(tmp, _env(sim.url))
     # Answers its model list with something that is not one.
     garbage = Route(
@@ -101,3 +106,28 @@ def test_an_unreadable_model_list_is_refused(stack: Stack) -> None:
     # A key without a model list is refused the same: the list is always rewritten.
     passed = _models(stack.broken_gateway.url, ALL)
     assert passed.status_code == 502 and passed.json()["error"]["code"] == "upstream_invalid"
+
+
+def test_an_adapters_base_model_and_path_are_shown_only_as_far_as_the_key_may_see(
+    stack: Stack,
+) -> None:
+    """vLLM lists a LoRA adapter with its path as `root` and its base model as `parent`."""
+    load = {"lora_name": "adapter-x", "lora_path": "/srv/adapters/secret-x"}
+    assert httpx.post(stack.sim.url + "/v1/load_lora_adapter", json=load).status_code == 200
+    try:
+        direct = httpx.get(stack.sim.url + "/v1/models", timeout=10).json()["data"]
+        assert {
+            m["id"]: (m["root"], m["parent"]) for m in direct if m["id"] == "adapter-x"
+        } == {"adapter-x": ("/srv/adapters/secret-x", "model-a")}
+        limited = _models(stack.gateway.url, ADAPTER)
+        assert limited.json()["data"] == [
+            {**next(m for m in direct if m["id"] == "adapter-x"),
+             "root": "adapter-x", "parent": None}
+        ]  # fmt: skip
+        assert "secret-x" not in limited.text and "model-a" not in limited.text
+        # A key that may use the base model sees which model the adapter is for.
+        every = {m["id"]: m for m in _models(stack.gateway.url, ALL).json()["data"]}
+        assert every["adapter-x"]["parent"] == "model-a"
+        assert every["adapter-x"]["root"] == "adapter-x"
+    finally:
+        httpx.post(stack.sim.url + "/v1/unload_lora_adapter", json={"lora_name": "adapter-x"})

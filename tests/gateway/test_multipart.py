@@ -146,3 +146,24 @@ def test_an_upload_is_forwarded_under_a_content_type_the_gateway_writes() -> Non
         CTYPE + "; charset=UTF-8", form(audio()), MediaSettings(), max_file_bytes=1 << 20
     )
     assert content_type(upload) == f'multipart/form-data; boundary="{BOUNDARY}"'.encode()
+
+
+@pytest.mark.parametrize(
+    "disposition",
+    [
+        b"form-data; name=model\x1c",  # str.strip() dropped \x1c; Starlette keeps it
+        b'form-data; name="model"\x85',
+        b"form-data; name=model\x0b",
+        b'form-data; name="model"\xa0',
+        b'form-data; name="x"; filename\x1c',
+    ],
+)
+def test_part_headers_with_control_characters_are_refused(disposition: bytes) -> None:
+    """The engine's form parser would read another name than the gateway checked."""
+    body = form(audio()).replace(
+        b"--" + BOUNDARY.encode() + b"--",
+        b"--" + BOUNDARY.encode() + b"\r\nContent-Disposition: " + disposition
+        + b"\r\n\r\nvalue\r\n--" + BOUNDARY.encode() + b"--",
+    )  # fmt: skip
+    with pytest.raises(InvalidRequest, match="control characters"):
+        validate_upload(CTYPE, body, MediaSettings(), max_file_bytes=1 << 20)

@@ -872,6 +872,9 @@ def _form(boundary: str, fields: list[tuple[str, bytes]]) -> bytes:
          "unsupported_media_type"),
         ("a name outside the field alphabet", "",
          [("model", MODEL.encode()), ("+AG0-odel", b"another-model")], 400, "invalid_request"),
+        # Python's str.strip() removed \x1c where Starlette keeps it: two readings of a name.
+        ("a control character in a part header", "",
+         [("model\x1c", b"another-model")], 400, "invalid_request"),
     ],
 )  # fmt: skip
 def test_uploads_are_read_as_the_engine_reads_them(

@@ -162,8 +162,6 @@ IMAGE_SHAPES: list[tuple[str, Callable[[str], dict[str, Any]]]] = [
     ("/v1/messages", lambda u: {"messages": [{"role": "user", "content": [
         {"type": "tool_result", "role": "user", "tool_use_id": "t", "content": [
             {"type": "image", "role": None, "source": {"type": "url", "url": u}}]}]}]}),
-    ("/v1/messages", lambda u: {"messages": [{"role": "user", "content": [
-        {"type": "image", "source": {"type": "weird", "url": u}}]}]}),
     # Wherever a media key sits, at any depth, under any key.
     ("/v1/chat/completions", lambda u: {"messages": [{"role": "user", "content": "hi",
                                                       "image_url": u}]}),
@@ -298,6 +296,14 @@ async def test_redirects_through_the_walker_are_422_and_canary_untouched(
         ({"type": "image", "source": {"type": "base64", "media_type": "image/svg+xml",
                                       "data": base64.b64encode(SVG).decode()}}, MediaInvalid),
         ({"type": "image", "source": {"type": "file", "file_id": "f"}}, MediaInvalid),
+        # vLLM 0.32 decides a source by its type: a URL on any other type is never read,
+        # and `data` would be decoded instead, unchecked in passthrough mode.
+        ({"type": "image", "source": {"type": "weird", "url": data_url("image/png", PNG)}},
+         MediaInvalid),
+        ({"type": "image", "source": {"type": "base64", "url": data_url("image/png", PNG),
+                                      "media_type": "text/html", "data": PNG_B64}}, MediaInvalid),
+        ({"type": "image", "source": {"media_type": "image/png", "data": PNG_B64}},
+         MediaInvalid),
     ],
 )  # fmt: skip
 async def test_bad_inline_media_is_refused(
@@ -434,14 +440,16 @@ async def test_passthrough_forwards_the_canonical_url_without_fetching(
     settings = make_settings(origin, mode=MediaMode.passthrough)
     before = len(origin.hits)
     body = chat(img_part(f"HTTP://127.0.0.1:{origin.port}/img.png?a=1"))
-    source = {"type": "url", "url": f"http://127.0.0.1:{origin.port}/img.png"}
+    source = {"type": "url", "url": f"HTTP://127.0.0.1:{origin.port}/img.png", "data": "x"}
     msgs = {"messages": [{"role": "user", "content": [{"type": "image", "source": source}]}]}
     hashes = await inspect(settings, body)
     await inspect(settings, msgs, "/v1/messages")
     assert body["messages"][0]["content"][0]["image_url"]["url"] == (
         f"http://127.0.0.1:{origin.port}/img.png?a=1"
     )
-    assert source["url"] == f"http://127.0.0.1:{origin.port}/img.png"
+    # The source is rebuilt from the checked URL alone: nothing else of it is forwarded.
+    forwarded = msgs["messages"][0]["content"][0]["source"]
+    assert forwarded == {"type": "url", "url": f"http://127.0.0.1:{origin.port}/img.png"}
     assert len(hashes) == 1 and hashes[0] != PNG_HASH
     assert len(origin.hits) == before
     with pytest.raises(MediaUrlNotAllowed):
