@@ -117,10 +117,20 @@ def http_status(url: str, timeout: float = 0.5) -> int | None:
         return None
 
 
-class Logged:
-    """Reading the output of a process that writes to `log_path`."""
+class LoopbackChild:
+    """A child process serving on a loopback `port`, writing its output to `log_path`."""
 
+    port: int
+    popen: subprocess.Popen[bytes] | None
     log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen is not None else None
 
     def log(self) -> str:
         """Everything the process wrote so far ("" when there is no log yet)."""
@@ -134,7 +144,7 @@ class Logged:
 
 
 @dataclass
-class Server(Logged):
+class Server(LoopbackChild):
     """A server subprocess on loopback. The caller must `stop()` it (or use a `Fleet`)."""
 
     name: str
@@ -145,14 +155,6 @@ class Server(Logged):
     cpus: frozenset[int] | None = None
     ready_path: str = "/health"
     popen: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def pid(self) -> int | None:
-        return self.popen.pid if self.popen is not None else None
 
     def start(self, ready_path: str | None = None, timeout: float = 30.0) -> Self:
         """Start the process and wait until `ready_path` (default `self.ready_path`)

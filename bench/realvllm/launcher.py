@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.realvllm.home import Home
-from bench.stack import ROOT, Logged, process_tree
+from bench.stack import ROOT, LoopbackChild, process_tree
 
 # Set for every engine: nothing leaves this machine, and the engine stays small.
 ENGINE_ENV = {
@@ -125,7 +125,7 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
 
 
 @dataclass
-class Engine(Logged):
+class Engine(LoopbackChild):
     """One real vLLM server on loopback. The caller must `stop()` it."""
 
     model: str
@@ -144,14 +144,6 @@ class Engine(Logged):
         self.name = self.served_name or Path(self.model).name
         # Short: vLLM's ipc socket paths below it must fit in 107 bytes.
         self.workdir = self.workdir or self.home.run / f"{self.name}-{self.port}"
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def pid(self) -> int | None:
-        return self.popen.pid if self.popen is not None else None
 
     @property
     def log_path(self) -> Path:
