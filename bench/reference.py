@@ -1,4 +1,4 @@
-"""Suite `reference`: the seed study's measurements (VLLM-FACTS.md) through the gateway.
+"""Suite `reference`: the seed study's measurements (docs/facts.md) through the gateway.
 
 Each measurement runs direct to the engine and through the gateway in the same run,
 alternating: time to first token for images (new, repeated, new question) at 448 and 896
@@ -25,7 +25,7 @@ from bench.realvllm.launcher import Engine
 from bench.report import Report, fmt, progress, spread
 from bench.stack import Fleet, RunConfig, Server, discover_model
 
-# The seed study on a laptop GPU (VLLM-FACTS.md), for the side-by-side column.
+# The seed study on a laptop GPU (docs/facts.md), for the side-by-side column.
 SEED_TTFT_MS = {
     (448, "new image"): 67.9,
     (896, "new image"): 238.0,

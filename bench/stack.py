@@ -68,7 +68,7 @@ class CpuPlan:
 
     On a 2-core machine the proxy gets core 0 to itself and the engine and the load
     generator share core 1, so the proxy's CPU time is not diluted by its neighbours
-    (DESIGN.md measured every peer this way). With one CPU nothing is pinned.
+    (every peer in docs/facts.md was measured this way). With one CPU nothing is pinned.
     """
 
     proxy: frozenset[int] | None

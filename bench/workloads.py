@@ -9,7 +9,7 @@ been running (templates and shared prompts already cached somewhere), not the fi
 minute after every engine started empty.
 Sizes are in the simulated engine's tokens (bench/sim/tokenizer.py: 4 bytes of UTF-8
 per token), chosen so that one engine's KV cache holds about a quarter of a workload's
-distinct prefixes: eviction decides the hit rate, as in the DESIGN.md simulation.
+distinct prefixes: eviction decides the hit rate, as in the routing simulation (docs/facts.md).
 
 - chat: multi-turn conversations sharing one long system prompt;
 - few_shot: plain completions sharing a 3k-token few-shot prefix;

@@ -1,7 +1,8 @@
 """`create_app(settings)`: the middleware list, the gateway's own routes, the lifespan.
 
 The forwarding path is plain ASGI, not FastAPI routes: FastAPI's request handling cost
-~200-270 us of CPU per request on this machine (DESIGN.md, performance facts).
+~200-270 us of CPU per request on this machine (docs/facts.md, "Measurements behind
+design choices").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The HTTP/1.1 client the proxy forwards with: keep-alive connections to the engines.
 
-httpx lost 3-7x of aiohttp's throughput as concurrency rose (DESIGN.md, encode/httpx#3215),
+httpx lost 3-7x of aiohttp's throughput as concurrency rose (docs/facts.md, encode/httpx#3215),
 and aiohttp's request machinery (ClientSession._request, ClientRequest, a writer task per
 request with a body) was a third of the gateway's CPU per small request at 64
 connections (py-spy); replacing it took the gateway from 268 to 140 us of CPU per request

@@ -2,7 +2,7 @@
 
 The simulator is a plain ASGI app because the overhead benchmark compares the gateway
 against direct calls to it: FastAPI routing costs ~200-270 us of CPU per request
-(DESIGN.md), which would make the engine, not the gateway, the bottleneck.
+(docs/facts.md), which would make the engine, not the gateway, the bottleneck.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ checked, keeping the host name for `Host`, SNI and certificate checks. So a DNS 
 that changes between check and connect (rebinding) cannot move the connection.
 
 `MediaFetcher` owns the `httpx.AsyncClient`: no redirects (vLLM follows them unchecked,
-VLLM-FACTS.md), no proxy environment variables, identity encoding only, a byte cap
+docs/facts.md), no proxy environment variables, identity encoding only, a byte cap
 enforced while streaming, a total time cap and a cap on concurrent fetches. Every
 failure is a `MediaFetchFailed` naming its reason; library text never reaches a client.
 The caller must `await fetcher.aclose()`.

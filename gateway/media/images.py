@@ -20,7 +20,7 @@ from gateway.errors import MediaInvalid, MediaTooLarge
 from gateway.media.settings import MediaSettings, ValidationDepth
 
 # The MIME types each format may be declared as. vLLM ignores a data URL's type and
-# lets Pillow sniff (VLLM-FACTS.md); the gateway insists they agree, so an SVG, HTML or
+# lets Pillow sniff (docs/facts.md); the gateway insists they agree, so an SVG, HTML or
 # PostScript file cannot hide behind an image label.
 FORMAT_TYPES: dict[str, frozenset[str]] = {
     "PNG": frozenset({"image/png"}),
@@ -79,7 +79,7 @@ def validate_image(
         raise MediaTooLarge("The image has more pixels than this gateway accepts.") from None
     except Exception:
         # Pillow raises OSError, SyntaxError, ValueError, struct.error, EOFError and more
-        # for hostile files; its messages must not reach the client (STYLE.md, rule 5).
+        # for hostile files; its messages must not reach the client (gateway/errors.py).
         raise MediaInvalid("The image could not be read as an allowed format.") from None
 
 

@@ -91,7 +91,7 @@ class MediaInliner:
     ) -> Resolved:
         """Validate raw bytes declared as `declared` (a MIME type) for `kind`."""
         if kind is MediaKind.image:
-            # Decoding is CPU-bound: keep it off the event loop (DESIGN.md).
+            # Decoding is CPU-bound: keep it off the event loop (docs/facts.md).
             image = await asyncio.to_thread(validate_image, data, declared, self._settings)
             return Resolved(data_url(image.mime, image.data), image.mime, image.data,
                             _digest(image.data))  # fmt: skip

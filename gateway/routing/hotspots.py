@@ -6,7 +6,7 @@ template) must not be the anchor, or every request lands on one engine
 of recent requests, it
 
 - carried more than 1/(divisor x N) of them (N healthy engines, divisor 2 by default:
-  DESIGN.md, "Routing key"),
+  docs/facts.md, "Routing key"),
 - carried at least `min_count` of them (below that the share is noise; it also keeps a
   freshly started gateway from scattering the first few requests), and
 - *branches*: the requests carrying it continue differently somewhere after it.

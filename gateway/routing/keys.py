@@ -4,12 +4,12 @@ The stream is what decides a prefix-cache hit in vLLM, minus the tokenizer: the 
 (which also names the LoRA adapter), the `cache_salt`, then each message's role, text
 and the content hash of each media item, in order. It is cut at natural boundaries and
 hashed as a chain, H(previous digest, segment), so a digest names the whole prefix up to
-its boundary, the way vLLM's block hashes name a prefix of tokens (VLLM-FACTS.md,
+its boundary, the way vLLM's block hashes name a prefix of tokens (docs/facts.md,
 "Prefix caching"). The digests at those boundaries are the candidate anchors; the policy
 picks one of them (policy.py). Hashes are blake2b: stable across processes and replicas,
 unlike Python's `hash()`, which is salted per process.
 
-Candidate boundaries (DESIGN.md, "Routing key"):
+Candidate boundaries (docs/facts.md, "Routing key"):
 
 - the end of the leading system (or developer) messages;
 - the end of the last media item of the first user message, so every question about the
@@ -42,7 +42,7 @@ DIGEST_SIZE = 16
 # more, and it was a quarter of the routing time on a 2k-token chat body (profiled).
 
 # Keys whose presence makes a content part a media item, whatever its `type` says: vLLM
-# picks the part type by key presence when `type` is missing (VLLM-FACTS.md).
+# picks the part type by key presence when `type` is missing (docs/facts.md).
 _MEDIA_KEYS = ("image_url", "video_url", "audio_url", "input_audio", "image", "source")
 _MEDIA_TYPES = frozenset(
     {"image_url", "video_url", "audio_url", "input_audio", "input_image", "image"}

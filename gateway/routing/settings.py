@@ -32,7 +32,7 @@ class RoutingSettings(BaseModel):
     # count in-flight + waiting, which also sees load sent by other gateway replicas.
     load_interval: float = Field(default=0.0, ge=0.0)
     # Load bound for affinity: an engine is skipped while it carries more than
-    # (1 + load_epsilon) * mean + 1 requests (DESIGN.md, "Routing key").
+    # (1 + load_epsilon) * mean + 1 requests (docs/facts.md, "Routing key").
     load_epsilon: float = Field(default=0.75, ge=0.0)
     # Hot candidates (hotspots.py): a prefix carried by more than 1 / (hot_divisor * N)
     # of the last `hot_window` to 2 * `hot_window` requests, and by at least

@@ -1,5 +1,5 @@
 """A client that leaves mid-request, streamed or not, must end the request inside vLLM:
-the gateway closes its upstream connection, and vLLM aborts only then (VLLM-FACTS.md,
+the gateway closes its upstream connection, and vLLM aborts only then (docs/facts.md,
 "Disconnect").
 
 How vLLM 0.32 shows a client abort in its own metrics: the API server aborts the request

@@ -929,7 +929,7 @@ def test_bad_uploads_never_reach_the_engine(
     stack.untouched()
 
 
-# --- the reference SSRF table (VLLM-FACTS.md) ---------------------------------------------
+# --- the reference SSRF table (docs/facts.md) ---------------------------------------------
 
 
 def _ssrf_urls(target: Proc) -> list[tuple[str, str]]:
@@ -940,7 +940,7 @@ def _ssrf_urls(target: Proc) -> list[tuple[str, str]]:
 
 def test_reference_ssrf_table_engine_alone_then_through_the_gateway(stack: Stack) -> None:
     ref = stack.ref
-    # The engine alone fetches its own internal routes as "images" (VLLM-FACTS.md:
+    # The engine alone fetches its own internal routes as "images" (docs/facts.md:
     # 400 "cannot identify image file" after fetching) and refuses only file:.
     for url, _ in _ssrf_urls(ref):
         clear(stack, ref)
