@@ -35,18 +35,18 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from gateway.payload.rules import MEDIA_KEYS, MEDIA_TYPES, SOURCE_KEY
+
 DIGEST_SIZE = 16
 
 # Bodies come from orjson: plain dicts, lists and strs. The checks below test for those
 # concrete types, not the collections.abc ones: an ABC isinstance costs about ten times
 # more, and it was a quarter of the routing time on a 2k-token chat body (profiled).
 
-# Keys whose presence makes a content part a media item, whatever its `type` says: vLLM
-# picks the part type by key presence when `type` is missing (docs/facts.md).
-_MEDIA_KEYS = ("image_url", "video_url", "audio_url", "input_audio", "image", "source")
-_MEDIA_TYPES = frozenset(
-    {"image_url", "video_url", "audio_url", "input_audio", "input_image", "image"}
-)
+# A content part is a media item by the payload rules' tables, the ones the body walk
+# applies: by its `type`, or by a media key whatever its `type` says (vLLM picks the part
+# type by key presence when `type` is missing; docs/facts.md).
+_MEDIA_KEYS = (*MEDIA_KEYS, SOURCE_KEY)
 _SYSTEM_ROLES = frozenset({"system", "developer"})
 
 # Separators between fields of the stream. Text may contain them; a crafted collision
@@ -111,7 +111,7 @@ def _header(body: Mapping[str, Any]) -> bytes:
 def _is_media(part: Mapping[str, Any]) -> bool:
     kind = part.get("type")
     # `type` is client JSON: a list or an object is unhashable, so test for str first.
-    if isinstance(kind, str) and kind in _MEDIA_TYPES:
+    if isinstance(kind, str) and kind in MEDIA_TYPES:
         return True
     return any(key in part for key in _MEDIA_KEYS)
 
