@@ -276,26 +276,36 @@ end
 """
 
 
-def run_wrk(
-    target: Target,
-    path: str,
-    body: bytes,
-    connections: int,
-    duration: float,
-    method: str = "POST",
-    threads: int | None = None,
-) -> LoadResult:
+@dataclass(frozen=True)
+class Load:
+    """A throughput run: `connections` keep-alive connections sending `body` to `path`
+    for `duration` seconds, driven by one thread or process per usable CPU."""
+
+    path: str
+    body: bytes
+    connections: int
+    duration: float
+    method: str = "POST"
+
+    @property
+    def workers(self) -> int:
+        return max(1, min(len(os.sched_getaffinity(0)), self.connections))
+
+
+def run_wrk(target: Target, load: Load) -> LoadResult:
     """Throughput with wrk. wrk counts non-2xx/3xx answers as `status` errors."""
-    threads = threads or max(1, min(len(os.sched_getaffinity(0)), connections))
+    path, body, connections, duration = load.path, load.body, load.connections, load.duration
     with tempfile.TemporaryDirectory(prefix="bench-wrk-") as tmp:
         body_path = Path(tmp) / "body"
         body_path.write_bytes(body)
         headers = {"Content-Type": "application/json", **target.headers}
         header_lines = "\n".join(f'wrk.headers["{k}"] = "{v}"' for k, v in headers.items())
         script = Path(tmp) / "req.lua"
-        script.write_text(WRK_SCRIPT.format(body=body_path, method=method, headers=header_lines))
+        script.write_text(
+            WRK_SCRIPT.format(body=body_path, method=load.method, headers=header_lines)
+        )
         args = [
-            "wrk", "-t", str(threads), "-c", str(connections),
+            "wrk", "-t", str(load.workers), "-c", str(connections),
             "-d", f"{max(1, round(duration))}s", "--timeout", "10s",
             "-s", str(script), target.url + path,
         ]  # fmt: skip
@@ -411,18 +421,10 @@ def _load_worker(
     conn.close()
 
 
-def run_python(
-    target: Target,
-    path: str,
-    body: bytes,
-    connections: int,
-    duration: float,
-    method: str = "POST",
-    processes: int | None = None,
-) -> LoadResult:
+def run_python(target: Target, load: Load) -> LoadResult:
     """Throughput with the multi-process uvloop generator (raw keep-alive connections)."""
-    processes = max(1, min(processes or len(os.sched_getaffinity(0)), connections))
-    raw = raw_request(target, path, body, method)
+    connections, duration, processes = load.connections, load.duration, load.workers
+    raw = raw_request(target, load.path, load.body, load.method)
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
     share = [connections // processes + (i < connections % processes) for i in range(processes)]
@@ -479,7 +481,7 @@ def run_python(
     )
 
 
-Generator = Callable[[Target, str, bytes, int, float], LoadResult]
+Generator = Callable[[Target, Load], LoadResult]
 
 
 def generator_named(name: str) -> Generator:
@@ -490,14 +492,12 @@ def generator_named(name: str) -> Generator:
     raise ValueError(f"unknown load generator {name!r}")
 
 
-def choose_generator(
-    target: Target, path: str, body: bytes, connections: int = 64, duration: float = 2.0
-) -> tuple[str, dict[str, float]]:
+def choose_generator(target: Target, load: Load) -> tuple[str, dict[str, float]]:
     """Measure each available generator against `target` (the engine itself) and return
     the one that drives it harder, with the request rates seen."""
-    rates = {"python": run_python(target, path, body, connections, duration).rps}
+    rates = {"python": run_python(target, load).rps}
     if wrk_available():
-        rates["wrk"] = run_wrk(target, path, body, connections, duration).rps
+        rates["wrk"] = run_wrk(target, load).rps
     return max(rates, key=lambda k: rates[k]), rates
 
 
@@ -516,7 +516,7 @@ def select(
     engine, direct) harder at 64 connections; the choice and the rates go in the report."""
     if choice == "auto":
         progress("choosing the load generator: each drives the engine directly")
-        choice, rates = choose_generator(target, path, body, 64, 1.0 if quick else 3.0)
+        choice, rates = choose_generator(target, Load(path, body, 64, 1.0 if quick else 3.0))
         report.note(
             f"load generator: {choice} (direct to the engine at 64 connections: "
             + ", ".join(f"{k} {v:,.0f} req/s" for k, v in rates.items())

@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 from bench import loadgen
-from bench.loadgen import KeepAliveClient, LoadResult, Target, raw_request
+from bench.loadgen import KeepAliveClient, Load, LoadResult, Target, raw_request
 from bench.origin import RecordingServer, Route
 from bench.realvllm.fleet import RealRunConfig
 from bench.realvllm.launcher import Engine
@@ -232,12 +232,12 @@ def throughput_case(
     progress(f"throughput at {connections} connections: {repeats} x {duration}s per target")
     # Warm-up: a short run each, thrown away.
     for t in targets:
-        generator(t, CHAT, body, connections, min(1.0, duration))
+        generator(t, Load(CHAT, body, connections, min(1.0, duration)))
     runs: dict[str, list[LoadResult]] = {t.name: [] for t in targets}
     for r in range(repeats):
         for t in targets:
             before = cpu_seconds(t.pid) if t.pid else None
-            res = generator(t, CHAT, body, connections, duration)
+            res = generator(t, Load(CHAT, body, connections, duration))
             if before is not None and t.pid:
                 res.cpu_s = cpu_seconds(t.pid) - before
             runs[t.name].append(res)

@@ -12,7 +12,7 @@ import threading
 from typing import Any
 
 from bench import loadgen
-from bench.loadgen import LoadResult, Target
+from bench.loadgen import Load, LoadResult, Target
 from bench.overhead import CHAT, small_chat
 from bench.report import Report, fmt, progress
 from bench.stack import Fleet, InThread, RunConfig, discover_model, rss_bytes
@@ -71,14 +71,14 @@ def run(cfg: RunConfig, report: Report) -> None:
         results: dict[str, dict[int, list[LoadResult]]] = {t.name: {} for t in targets}
         rss: dict[str, dict[int, int]] = {t.name: {} for t in targets}
         for t in targets:
-            generator(t, CHAT, body, 16, min(1.0, duration))  # warm-up
+            generator(t, Load(CHAT, body, 16, min(1.0, duration)))  # warm-up
             if t.pid is not None:
                 rss[t.name][0] = rss_bytes(t.pid)
         for level in levels:
             for r in range(repeats):
                 for t in targets:
                     with RssSampler(t.pid) as sampler:
-                        res = generator(t, CHAT, body, level, duration)
+                        res = generator(t, Load(CHAT, body, level, duration))
                     results[t.name].setdefault(level, []).append(res)
                     if sampler.samples:
                         rss[t.name][level] = max(rss[t.name].get(level, 0), *sampler.samples)

@@ -3,9 +3,13 @@ engines and a real gateway on loopback, and the report must hold real measuremen
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +24,10 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 class SuiteRun:
-    """`python -m bench <suite> --quick` started in the background; `result()` waits."""
+    """`python -m bench <suite> --quick` started in the background; `result()` waits.
+
+    The run gets a process group of its own, and `kill` ends the whole group: a suite
+    stopped by a test's timeout never leaves its engines and gateways running."""
 
     def __init__(self, out: Path, *args: str) -> None:
         self.out = out
@@ -31,6 +38,7 @@ class SuiteRun:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            start_new_session=True,
         )
 
     def result(self, timeout: float = 120) -> dict[str, Any]:
@@ -45,8 +53,11 @@ class SuiteRun:
         return data
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            # The group outlives its leader: the suite's children are killed even when
+            # the suite itself has already ended.
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.proc.returncode is None:
             self.proc.communicate()
         for pipe in (self.proc.stdout, self.proc.stderr):
             if pipe is not None:
@@ -232,6 +243,40 @@ def test_scale_against_an_external_deployment(external_scale: dict[str, Any]) ->
             assert run["connections"] == int(level)
             assert run["requests"] > 0 and run["errors"] == 0
             assert run["p99_us"] >= run["p50_us"] > 0
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The live processes of process group `pgid` (field 5 of /proc/<pid>/stat)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+@pytest.mark.slow
+def test_a_stopped_suite_leaves_no_process_behind(tmp_path: Path) -> None:
+    # What a test's timeout does: the suite is stopped while its engines and gateway run.
+    run = SuiteRun(tmp_path / "overhead", "overhead", "--no-peers")
+    pgid = run.proc.pid
+    try:
+        deadline = time.monotonic() + 60
+        while len(_group_members(pgid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(_group_members(pgid)) >= 3, "the suite never started its servers"
+    finally:
+        run.kill()
+    deadline = time.monotonic() + 10
+    while _group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _group_members(pgid) == []
 
 
 def test_cli_refuses_half_an_external_deployment() -> None:
