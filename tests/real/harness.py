@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from bench.realvllm.launcher import Engine
-from tests.procs import Proc, gateway_proc, scrape, wait_for
+from tests.procs import Proc, gateway_proc, scrape, total, wait_for
 
 KEY = "sk-real-tier-0123456789abcdef"
 # A key whose scopes leave out inference: a chat request with it is a wrong-scope refusal.
@@ -65,27 +65,29 @@ def received(engine: Engine) -> list[tuple[str, str, int]]:
 
 def metric(engine: Engine, name: str, **labels: str) -> float:
     """Sum of a metric's samples whose labels include `labels`."""
-    total = 0.0
-    for (sample, sample_labels), value in scrape(engine.url + "/metrics").items():
-        if sample == name and labels.items() <= dict(sample_labels).items():
-            total += value
-    return total
+    return total(scrape(engine.url + "/metrics"), name, **labels)
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    """What an engine has seen: access-log entries and its own request counters."""
+    """What an engine has seen and is doing: its access-log entries and its own counters
+    (one scrape). Equal snapshots: nothing reached the engine in between."""
 
     requests: int
     finished: float
     prompt_tokens: float
+    generated: float
+    running: float
 
     @classmethod
     def of(cls, engine: Engine) -> Snapshot:
+        samples = scrape(engine.url + "/metrics")
         return cls(
             len(received(engine)),
-            metric(engine, "vllm:request_success_total"),
-            metric(engine, "vllm:prompt_tokens_total"),
+            total(samples, "vllm:request_success_total"),
+            total(samples, "vllm:prompt_tokens_total"),
+            total(samples, "vllm:generation_tokens_total"),
+            total(samples, "vllm:num_requests_running"),
         )
 
 

@@ -15,14 +15,13 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import httpx
 import pytest
 
 from bench.realvllm.launcher import Engine
 from tests.procs import Proc, wait_for
-from tests.real.harness import AUTH, chat_body, gateway, metric, raw_chat_request
+from tests.real.harness import AUTH, Snapshot, chat_body, gateway, raw_chat_request
 
 pytestmark = pytest.mark.real_vllm
 
@@ -35,32 +34,17 @@ def chat_gw(tmp_path_factory: pytest.TempPathFactory, real_chat_engine: Engine) 
         yield proc
 
 
-@dataclass(frozen=True)
-class Progress:
-    running: float
-    generated: float
-    finished: float
-
-    @classmethod
-    def of(cls, engine: Engine) -> Progress:
-        return cls(
-            metric(engine, "vllm:num_requests_running"),
-            metric(engine, "vllm:generation_tokens_total"),
-            metric(engine, "vllm:request_success_total"),
-        )
-
-
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "not streamed"])
 def test_client_disconnect_aborts_the_request_in_vllm(
     chat_gw: Proc, real_chat_engine: Engine, stream: bool
 ) -> None:
     engine = real_chat_engine
-    assert wait_for(lambda: Progress.of(engine).running == 0, timeout=30)
-    before = Progress.of(engine)
+    assert wait_for(lambda: Snapshot.of(engine).running == 0, timeout=30)
+    before = Snapshot.of(engine)
     body = chat_body(engine.name, "Count the trees.", max_tokens=MAX_TOKENS, ignore_eos=True)
 
     def at_work() -> bool:
-        now = Progress.of(engine)
+        now = Snapshot.of(engine)
         return now.running == 1 and now.generated > before.generated
 
     if stream:
@@ -72,18 +56,18 @@ def test_client_disconnect_aborts_the_request_in_vllm(
             # Keep the iterator: a discarded one is closed, and the response with it.
             chunks = r.iter_raw()
             next(chunks)
-            assert wait_for(at_work, timeout=10), Progress.of(engine)
+            assert wait_for(at_work, timeout=10), Snapshot.of(engine)
     else:
         # A raw connection: the request sent, no answer read, the socket closed while the
         # engine is at work on it.
         with socket.create_connection(("127.0.0.1", chat_gw.port)) as conn:
             conn.sendall(raw_chat_request(body, AUTH))
-            assert wait_for(at_work, timeout=10), Progress.of(engine)
+            assert wait_for(at_work, timeout=10), Snapshot.of(engine)
     # The client is gone: the request leaves the running set at once...
-    assert wait_for(lambda: Progress.of(engine).running == 0, timeout=5), Progress.of(engine)
+    assert wait_for(lambda: Snapshot.of(engine).running == 0, timeout=5), Snapshot.of(engine)
     time.sleep(1)
-    after = Progress.of(engine)
+    after = Snapshot.of(engine)
     # ...unfinished: not counted as finished, far fewer tokens than asked for, no more coming.
     assert after.finished == before.finished, after
     assert 0 < after.generated - before.generated < MAX_TOKENS / 2, after
-    assert Progress.of(engine).generated == after.generated
+    assert Snapshot.of(engine).generated == after.generated
