@@ -19,6 +19,7 @@ from typing import Any
 import orjson
 import structlog
 
+from gateway.allocator import tune_allocator
 from gateway.asgi import ASGIApp, Receive, Scope, Send
 from gateway.auth import KeyConfigError, KeyRing, build_keys, load_key_file
 from gateway.config import Settings, load_settings
@@ -223,6 +224,8 @@ class Gateway:
             await send({"type": "websocket.close", "code": 1008})
 
     async def startup(self) -> None:
+        # Before the first image buffer: freed ones then go back to the system.
+        tune_allocator()
         async with contextlib.AsyncExitStack() as stack:
             stack.callback(self.request_log.flush)
             stack.push_async_callback(self.upstream.aclose)
