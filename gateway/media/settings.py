@@ -71,8 +71,10 @@ class MediaSettings(BaseModel):
     # 336 MiB), or several smaller ones.
     decode_budget_bytes: int = Field(default=384 * 1024 * 1024, gt=0)
     # Seconds a decode may wait for its share of the budget before the request is
-    # refused with 503 media_busy (and Retry-After).
-    decode_wait: float = Field(default=10.0, gt=0)
+    # refused with 503 media_busy (and Retry-After). Generous: two requests of 8 images
+    # at the pixel cap wait ~2 s for their last decode on 2 idle cores, and several
+    # times that on busy ones.
+    decode_wait: float = Field(default=20.0, gt=0)
     max_frames: int = Field(default=64, gt=0)
     min_dimension: int = Field(default=1, ge=1)
     audio_formats: list[str] = Field(default_factory=lambda: ["wav", "mp3", "flac", "ogg"])
