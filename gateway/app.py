@@ -176,6 +176,10 @@ class Gateway:
         self.pool.extra_models = frozenset(settings.served_models)
         self.pool.models = self.pool.extra_models
         self.decoder = Decoder(settings.media)
+        budget = self.decoder.budget
+        self.metrics.watch_decodes(
+            lambda: budget.capacity - budget.available, lambda: budget.waiting
+        )
         self.inspector = PayloadInspector(settings.media, settings.payload, decoder=self.decoder)
         policy = make_policy(settings.routing)
         self.metrics.watch_pool(lambda: self.pool.engines, policy.name)
