@@ -1,19 +1,22 @@
 """`python -m bench.decode_memory`: the gateway's memory under decode-heavy requests.
 
-Issue 13's measurement: requests of `--images` solid-colour RGBA PNGs (as base64 `data:`
-URLs) just under the pixel cap, `--requests` of them at once, through the gateway in
+Issue 13's measurement: requests of `--images` solid-colour RGBA PNGs (or `--format`
+progressive JPEGs or WebPs, the costliest kinds to decode) as base64 `data:` URLs, just
+under the pixel cap, `--requests` of them at once, through the gateway in
 front of a simulated engine. Reports the gateway's peak RSS (VmHWM of /proc/<pid>/status),
 its RSS before and after, the statuses, and whether it still answers /healthz and a
 normal request. `--env NAME=VALUE` (repeatable) sets the gateway's environment
 (GATEWAY_MEDIA__..., MALLOC_ARENA_MAX...), so variants are compared in one run.
 
-    python -m bench.decode_memory --side 6324
-    python -m bench.decode_memory --env GATEWAY_MEDIA__DECODE_THREADS=1
+    python -m bench.decode_memory                    # defaults: 4095 x 4095 RGBA PNGs
+    python -m bench.decode_memory --format webp --repeat 2
+    python -m bench.decode_memory --env MALLOC_ARENA_MAX=2
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import struct
@@ -31,6 +34,7 @@ import httpx
 
 from bench.samples import data_url, encode
 from bench.stack import Server, clean_env, free_port
+from gateway.media.settings import MediaSettings
 
 KEY = "sk-decode-memory-0123456789abcdef"
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"
@@ -45,6 +49,28 @@ def solid_png(side: int, mode: str = "RGBA") -> bytes:
 
     colour = (10, 20, 30, 255) if mode == "RGBA" else (10, 20, 30)
     return encode(Image.new(mode, (side, side), colour), "PNG")
+
+
+def solid_images(side: int, fmt: str, count: int) -> list[tuple[str, bytes]]:
+    """`count` solid-colour images of distinct bytes: (MIME type, bytes). PNGs share one
+    encoding, told apart by a tEXt chunk; JPEG (progressive) and WebP are encoded once
+    per colour."""
+    from PIL import Image
+
+    if fmt == "png":
+        return [
+            ("image/png", tagged(solid_png(side), f"{i}-{time.time_ns()}")) for i in range(count)
+        ]
+    out = []
+    for i in range(count):
+        image = Image.new("RGB", (side, side), (i % 256, (i * 7 + time.time_ns()) % 256, 30))
+        if fmt == "jpeg":
+            buf = io.BytesIO()
+            image.save(buf, "JPEG", quality=90, progressive=True)
+            out.append(("image/jpeg", buf.getvalue()))
+        else:
+            out.append(("image/webp", encode(image, "WEBP")))
+    return out
 
 
 def tagged(png: bytes, tag: str) -> bytes:
@@ -62,9 +88,11 @@ def just_under(pixels: int) -> int:
     return side - 1 if side * side >= pixels else side
 
 
-def chat_body(images: Sequence[bytes]) -> dict[str, object]:
+def chat_body(images: Sequence[bytes | tuple[str, bytes]]) -> dict[str, object]:
+    """A chat request with these images (PNG bytes, or MIME type and bytes) as data URLs."""
+    typed = [img if isinstance(img, tuple) else ("image/png", img) for img in images]
     content: list[dict[str, object]] = [
-        {"type": "image_url", "image_url": {"url": data_url("image/png", img)}} for img in images
+        {"type": "image_url", "image_url": {"url": data_url(mime, img)}} for mime, img in typed
     ]
     content.append({"type": "text", "text": "What is in these images?"})
     return {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": content}]}
@@ -84,6 +112,7 @@ def status_kib(pid: int, field_name: str) -> int:
 @dataclass
 class Outcome:
     env: dict[str, str]
+    format: str
     side: int
     images: int
     requests: int
@@ -107,12 +136,11 @@ def post(url: str, body: dict[str, object]) -> tuple[int, str | None]:
     return resp.status_code, code
 
 
-def measure(side: int, images: int, requests: int, env: dict[str, str], workdir: Path) -> Outcome:
-    png = solid_png(side)
-    bodies = [
-        chat_body([tagged(png, f"{r}-{i}-{time.time_ns()}") for i in range(images)])
-        for r in range(requests)
-    ]
+def measure(
+    side: int, images: int, requests: int, env: dict[str, str], workdir: Path, fmt: str = "png"
+) -> Outcome:
+    made = solid_images(side, fmt, images * requests)
+    bodies = [chat_body(made[r * images : (r + 1) * images]) for r in range(requests)]
     size = len(json.dumps(bodies[0]))
     sim_port, gw_port = free_port(), free_port()
     sim = Server(
@@ -136,7 +164,7 @@ def measure(side: int, images: int, requests: int, env: dict[str, str], workdir:
         workdir / f"gateway-{gw_port}.log",
         env=clean_env(gw_env),
     )  # fmt: skip
-    out = Outcome(env, side, images, requests, size / 2**20)
+    out = Outcome(env, fmt, side, images, requests, size / 2**20)
     try:
         sim.start("/health")
         gateway.start("/readyz")
@@ -163,7 +191,14 @@ def measure(side: int, images: int, requests: int, env: dict[str, str], workdir:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.decode_memory", description=__doc__)
     p.add_argument("--side", type=int, help="image side (default: just under --pixels)")
-    p.add_argument("--pixels", type=int, default=40_000_000, help="the pixel cap to stay under")
+    p.add_argument(
+        "--pixels",
+        type=int,
+        default=MediaSettings().max_pixels,
+        help="the pixel cap to stay under (default: the gateway's default; 40000000 before)",
+    )
+    p.add_argument("--format", choices=("png", "jpeg", "webp"), default="png",
+                   help="RGBA PNG, progressive JPEG or WebP")  # fmt: skip
     p.add_argument("--images", type=int, default=8, help="images per request")
     p.add_argument("--requests", type=int, default=2, help="requests sent at once")
     p.add_argument("--repeat", type=int, default=1, help="runs per variant (fresh gateways)")
@@ -179,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = dict(item.split("=", 1) for item in args.env)
     with tempfile.TemporaryDirectory(prefix="decode-memory-") as tmp:
         for _ in range(args.repeat):
-            out = measure(side, args.images, args.requests, env, Path(tmp))
+            out = measure(side, args.images, args.requests, env, Path(tmp), args.format)
             print(json.dumps(asdict(out)), flush=True)
     return 0
 
