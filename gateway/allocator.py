@@ -21,9 +21,10 @@ page-fault round for every buffer between the two; 4 MiB kept the same 65 MiB bu
 leave images under a million pixels in the arenas. The price: a buffer over 1 MiB is
 mapped afresh each time. Handling a 1 MB image's body (parse, base64 decode and encode,
 serialize; /tmp microbench, 500 rounds, 3 runs) took 981 more minor page faults per
-round, 0.7-1.9 ms more system CPU and 0-4% more CPU in all (15.5-16.7 ms a round). malloc_trim after decodes
-had nothing left to win (5 MiB over the RSS before the requests). Pillow's own block
-cache is off by default (`PIL.Image.core.get_blocks_max()` is 0) and is left off.
+round, 0.7-1.9 ms more system CPU and 0-4% more CPU in all (15.5-16.7 ms a round).
+malloc_trim after decodes had nothing left to win (5 MiB over the RSS before the
+requests). Pillow's own block cache is off by default (`PIL.Image.core.get_blocks_max()`
+is 0) and is left off.
 """
 
 from __future__ import annotations
