@@ -19,6 +19,7 @@ from typing import Any
 import orjson
 import structlog
 
+from gateway.allocator import tune_allocator
 from gateway.asgi import ASGIApp, Receive, Scope, Send
 from gateway.auth import KeyConfigError, KeyRing, build_keys, load_key_file
 from gateway.config import Settings, load_settings
@@ -26,6 +27,7 @@ from gateway.endpoints import Action
 from gateway.errors import UnknownEndpoint
 from gateway.exchange import exchange_of
 from gateway.logging import RequestLog, configure_logging
+from gateway.media.decoder import Decoder
 from gateway.metrics import CONTENT_TYPE, Metrics
 from gateway.middleware import Authentication, EndpointGuard, InFlightLimit, RequestContext
 from gateway.payload import PayloadInspector
@@ -173,7 +175,12 @@ class Gateway:
         )
         self.pool.extra_models = frozenset(settings.served_models)
         self.pool.models = self.pool.extra_models
-        self.inspector = PayloadInspector(settings.media, settings.payload)
+        self.decoder = Decoder(settings.media)
+        budget = self.decoder.budget
+        self.metrics.watch_decodes(
+            lambda: budget.capacity - budget.available, lambda: budget.waiting
+        )
+        self.inspector = PayloadInspector(settings.media, settings.payload, decoder=self.decoder)
         policy = make_policy(settings.routing)
         self.metrics.watch_pool(lambda: self.pool.engines, policy.name)
         self.proxy = Proxy(settings, self.pool, policy, self.metrics, self.inspector, self.upstream)
@@ -221,9 +228,12 @@ class Gateway:
             await send({"type": "websocket.close", "code": 1008})
 
     async def startup(self) -> None:
+        # Before the first image buffer: freed ones then go back to the system.
+        tune_allocator()
         async with contextlib.AsyncExitStack() as stack:
             stack.callback(self.request_log.flush)
             stack.push_async_callback(self.upstream.aclose)
+            stack.push_async_callback(self.decoder.aclose)
             stack.push_async_callback(self.inspector.aclose)
             self.request_log.bind(asyncio.get_running_loop())
             await self.pool.start()

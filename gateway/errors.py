@@ -25,6 +25,8 @@ and URL parsers echo attacker input. Raised when:
   + MediaFetchFailed          422 media_fetch_failed: a media URL could not be fetched
   + Overloaded                503 overloaded: over limits.max_in_flight (middleware.py)
   | + NoEngineAvailable       503 no_engine_available: no engine, or no models known yet
+  | + MediaBusy               503 media_busy: no room in the media decode budget within
+  |                           media.decode_wait (media/decoder.py)
   + UpstreamUnavailable       502 upstream_unavailable: no engine took the request
   | + UpstreamBroken          502 upstream_broken: an answer broke off (forwarder.py)
   | + UpstreamInvalid         502 upstream_invalid: a model list not readable (relay.py)
@@ -186,6 +188,11 @@ class Overloaded(GatewayError):
 class NoEngineAvailable(Overloaded):
     code = "no_engine_available"
     default_message = "No healthy engine is available; retry shortly."
+
+
+class MediaBusy(Overloaded):
+    code = "media_busy"
+    default_message = "The gateway is decoding as many images as it can hold; retry shortly."
 
 
 class UpstreamUnavailable(GatewayError):

@@ -183,6 +183,19 @@ class Metrics:
         twice per request."""
         self.in_flight.set_function(current)
 
+    def watch_decodes(self, in_use: Callable[[], float], waiting: Callable[[], float]) -> None:
+        """Report the image decode budget (gateway/media/decoder.py) at scrape time."""
+        Gauge(
+            "gateway_media_decode_bytes",
+            "Bytes of media.decode_budget_bytes held by image decodes in progress.",
+            registry=self.registry,
+        ).set_function(in_use)
+        Gauge(
+            "gateway_media_decodes_waiting",
+            "Image decodes waiting for their share of the decode budget.",
+            registry=self.registry,
+        ).set_function(waiting)
+
     def watch_pool(self, engines: Callable[[], Sequence[EngineStats]], policy: str) -> None:
         """Report the engines returned by `engines` and the routing counts at scrape time."""
         self.registry.register(PoolCollector(engines, policy, self.routing))

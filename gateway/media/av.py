@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.errors import MediaInvalid, MediaTooLarge
-from gateway.media.images import base_type, validate_image
+from gateway.media.images import ImageHeader, base_type, decode_image, read_header
 from gateway.media.settings import MediaSettings
 
 AUDIO_TYPES: dict[str, frozenset[str]] = {
@@ -107,13 +107,26 @@ def validate_video(
     return _validate(data, declared, VIDEO_TYPES, settings.video_formats, settings)
 
 
-def validate_jpeg_frames(frames: Sequence[bytes], settings: MediaSettings) -> AvInfo:
-    """Frames of a `data:video/jpeg` URL; each must be a JPEG. Synchronous (Pillow)."""
+def read_jpeg_frames(frames: Sequence[bytes], settings: MediaSettings) -> list[ImageHeader]:
+    """The headers of a `data:video/jpeg` URL's frames, each checked as a JPEG's, and the
+    frame and size caps. Synchronous (Pillow)."""
     if not frames:
         raise MediaInvalid("The video has no frames.")
     if len(frames) > settings.max_frames:
         raise MediaTooLarge("The video has more frames than this gateway accepts.")
     if sum(len(f) for f in frames) > settings.max_bytes:
         raise MediaTooLarge("The media item is larger than this gateway accepts.")
-    checked = [validate_image(f, "image/jpeg", settings, formats=("JPEG",)).data for f in frames]
+    return [read_header(f, "image/jpeg", settings, formats=("JPEG",)) for f in frames]
+
+
+def decode_jpeg_frames(
+    frames: Sequence[bytes], headers: Sequence[ImageHeader], settings: MediaSettings
+) -> AvInfo:
+    """The frames decoded one after the other (one frame's buffer at a time)."""
+    checked = [decode_image(f, h, settings).data for f, h in zip(frames, headers, strict=True)]
     return AvInfo("jpeg", "video/jpeg", b"".join(checked), tuple(checked))
+
+
+def validate_jpeg_frames(frames: Sequence[bytes], settings: MediaSettings) -> AvInfo:
+    """Frames of a `data:video/jpeg` URL; each must be a JPEG. Synchronous (Pillow)."""
+    return decode_jpeg_frames(frames, read_jpeg_frames(frames, settings), settings)

@@ -1,17 +1,30 @@
 """Image validation with Pillow: an explicit format list, caps that are errors, and a
 declared type that must match the bytes.
 
-`validate_image` is synchronous and CPU-bound: call it with `asyncio.to_thread`.
-Depth (`MediaSettings.validation`): `header` reads only the header (size, format, frame
-count); `decode` (default) also decodes every frame, which catches truncated and corrupt
-files; `reencode` decodes and writes the image again, so the engine never sees the
-client's bytes (metadata and trailing polyglot payloads are dropped).
+Two steps, both synchronous (run them on the decode pool, gateway/media/decoder.py):
+`read_header` opens the image and checks type and caps from its header alone;
+`decode_image` then decodes it as deep as `MediaSettings.validation` says, and
+`decode_cost` is what that decode holds in memory, charged against the decode budget
+before it starts. `validate_image` is both in one call.
+
+Depth (`MediaSettings.validation`):
+- `header` reads only the header (size, format, frame count, mode).
+- `decode` (default) also decodes every frame, which catches truncated and corrupt
+  files. A single-frame JPEG is decoded at 1/8 scale (Pillow's `draft`): libjpeg still
+  reads and entropy-decodes every coefficient of the file, so a truncated or corrupt
+  scan fails as at full size; only the inverse DCT runs on fewer output pixels (a
+  4000 x 4000 JPEG held 4 MiB instead of 65). PNG, GIF and WebP have no reduced decode
+  in Pillow (`Image.reduce` works on an image already decoded), so they decode in full.
+- `reencode` decodes every frame in full and writes the image again, so the engine never
+  sees the client's bytes (metadata and trailing polyglot payloads are dropped).
 """
 
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from PIL import Image
@@ -30,6 +43,41 @@ FORMAT_TYPES: dict[str, frozenset[str]] = {
     "BMP": frozenset({"image/bmp", "image/x-ms-bmp"}),
     "TIFF": frozenset({"image/tiff"}),
 }
+
+
+# What a decode holds at its peak, in bytes per pixel of the image, measured on 4000 x
+# 4000 images (VmHWM before and after one decode in a fresh process, Pillow 13): PNG and
+# baseline JPEG 4.2 (Pillow keeps RGB and RGBA at 4 bytes a pixel; the rest is the
+# decoder's and the file's), progressive JPEG 7.2 (libjpeg keeps every coefficient, 2
+# bytes per sample, at any draft scale: 3 a pixel at 4:2:0, 6 at 4:4:4), WebP 16.5
+# (libwebp's canvas and output, then Pillow's copy), a 3-frame GIF 13.2 (frames after
+# the first become RGB, and the previous frame is kept for disposal). Re-encoding adds
+# the output buffer.
+_IMAGE = 5
+_PROGRESSIVE = 6
+_WEBP = 17
+_ANIMATION = 14
+_REENCODE = 4
+# `draft` asks for 1/8 of each side; libjpeg scales by 1/2, 1/4 or 1/8.
+_DRAFT = 8
+
+
+@dataclass(frozen=True)
+class ImageHeader:
+    """What the header says, checked against the caps; nothing decoded yet."""
+
+    format: str
+    mime: str
+    width: int
+    height: int
+    frames: int
+    progressive: bool
+    formats: tuple[str, ...]  # the formats the image was opened with
+
+    @property
+    def pixels(self) -> int:
+        """Pixels a full decode produces: every frame counts."""
+        return self.width * self.height * self.frames
 
 
 @dataclass(frozen=True)
@@ -58,21 +106,10 @@ def base_type(declared: str | None) -> str | None:
     return declared.split(";", 1)[0].strip().lower() or None
 
 
-def validate_image(
-    data: bytes,
-    declared: str | None,
-    settings: MediaSettings,
-    *,
-    formats: Sequence[str] | None = None,
-) -> ImageInfo:
-    allowed = tuple(f.upper() for f in (formats or settings.image_formats))
-    if len(data) > settings.max_bytes:
-        raise MediaTooLarge("The image is larger than this gateway accepts.")
-    mime = base_type(declared)
-    if mime is None or not any(mime in FORMAT_TYPES.get(f, ()) for f in allowed):
-        raise MediaInvalid("The declared media type is not an allowed image type.")
+@contextmanager
+def _translated() -> Iterator[None]:
     try:
-        return _inspect(data, mime, allowed, settings)
+        yield
     except (MediaInvalid, MediaTooLarge):
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
@@ -83,10 +120,21 @@ def validate_image(
         raise MediaInvalid("The image could not be read as an allowed format.") from None
 
 
-def _inspect(
-    data: bytes, mime: str, allowed: tuple[str, ...], settings: MediaSettings
-) -> ImageInfo:
-    with Image.open(io.BytesIO(data), formats=list(allowed)) as image:
+def read_header(
+    data: bytes,
+    declared: str | None,
+    settings: MediaSettings,
+    *,
+    formats: Sequence[str] | None = None,
+) -> ImageHeader:
+    """Type and caps checked from the header (MediaInvalid, MediaTooLarge)."""
+    allowed = tuple(f.upper() for f in (formats or settings.image_formats))
+    if len(data) > settings.max_bytes:
+        raise MediaTooLarge("The image is larger than this gateway accepts.")
+    mime = base_type(declared)
+    if mime is None or not any(mime in FORMAT_TYPES.get(f, ()) for f in allowed):
+        raise MediaInvalid("The declared media type is not an allowed image type.")
+    with _translated(), Image.open(io.BytesIO(data), formats=list(allowed)) as image:
         fmt = image.format or ""
         if mime not in FORMAT_TYPES.get(fmt, ()):
             raise MediaInvalid("The declared media type does not match the image's format.")
@@ -99,14 +147,83 @@ def _inspect(
         frames = int(getattr(image, "n_frames", 1))
         if frames > settings.max_frames:
             raise MediaTooLarge("The image has more frames than this gateway accepts.")
-        if settings.validation is ValidationDepth.header:
-            return ImageInfo(fmt, mime, width, height, frames, data)
-        for index in range(frames):
+        progressive = bool(image.info.get("progressive") or image.info.get("progression"))
+        return ImageHeader(fmt, mime, width, height, frames, progressive, allowed)
+
+
+def _draft_scale(header: ImageHeader) -> int:
+    """The scale `draft` will pick for a single-frame JPEG (Pillow's own rule), else 1."""
+    if header.format != "JPEG" or header.frames != 1:
+        return 1
+    w, h = header.width, header.height
+    fit = min(w // max(1, w // _DRAFT), h // max(1, h // _DRAFT))
+    return next(s for s in (8, 4, 2, 1) if s <= fit)
+
+
+def decode_cost(header: ImageHeader, depth: ValidationDepth) -> int:
+    """Bytes a decode of this image at `depth` holds at its peak (0 at `header`)."""
+    if depth is ValidationDepth.header:
+        return 0
+    w, h = header.width, header.height
+    scale = _draft_scale(header) if depth is ValidationDepth.decode else 1
+    out_w, out_h = -(-w // scale), -(-h // scale)
+    if header.format == "WEBP":
+        cost = _WEBP * w * h
+    elif header.frames > 1:
+        cost = _ANIMATION * w * h
+    else:
+        cost = _IMAGE * out_w * out_h
+        if header.format == "JPEG" and header.progressive:
+            cost += _PROGRESSIVE * w * h
+    if depth is ValidationDepth.reencode:
+        cost += _REENCODE * w * h
+    return cost
+
+
+def worst_cost(settings: MediaSettings) -> int:
+    """The most one item allowed by `settings` can be charged: a square image at
+    `max_pixels` in the costliest allowed format, frame count and JPEG kind."""
+    side = max(1, math.isqrt(settings.max_pixels))
+    frames = (1, 2) if settings.max_frames > 1 else (1,)
+    return max(
+        decode_cost(ImageHeader(f.upper(), "", side, side, n, progressive, ()), settings.validation)
+        for f in settings.image_formats
+        for n in frames
+        for progressive in (False, True)
+    )
+
+
+def decode_image(data: bytes, header: ImageHeader, settings: MediaSettings) -> ImageInfo:
+    """Decode `data` (whose header `read_header` passed) as deep as the settings say."""
+    depth = settings.validation
+    fmt, mime = header.format, header.mime
+    if depth is ValidationDepth.header:
+        return ImageInfo(fmt, mime, header.width, header.height, header.frames, data)
+    with _translated(), Image.open(io.BytesIO(data), formats=list(header.formats)) as image:
+        if image.format != fmt or image.size != (header.width, header.height):
+            raise MediaInvalid("The image could not be read as an allowed format.")
+        scale = _draft_scale(header) if depth is ValidationDepth.decode else 1
+        if scale > 1:
+            image.draft(image.mode, (header.width // scale, header.height // scale))
+        for index in range(header.frames):
             image.seek(index)
             image.load()
-        if settings.validation is ValidationDepth.decode:
-            return ImageInfo(fmt, mime, width, height, frames, data)
-        return ImageInfo(fmt, mime, width, height, frames, _reencode(image, fmt, frames))
+        if depth is ValidationDepth.decode:
+            return ImageInfo(fmt, mime, header.width, header.height, header.frames, data)
+        out = _reencode(image, fmt, header.frames)
+        return ImageInfo(fmt, mime, header.width, header.height, header.frames, out)
+
+
+def validate_image(
+    data: bytes,
+    declared: str | None,
+    settings: MediaSettings,
+    *,
+    formats: Sequence[str] | None = None,
+) -> ImageInfo:
+    """`read_header` and `decode_image` in one call, outside any budget."""
+    header = read_header(data, declared, settings, formats=formats)
+    return decode_image(data, header, settings)
 
 
 def _reencode(image: Image.Image, fmt: str, frames: int) -> bytes:

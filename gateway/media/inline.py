@@ -8,22 +8,33 @@
 
 Each result carries the sha256 of the validated bytes, the media identity for routing
 (in passthrough, of the canonical URL, since the gateway never sees the bytes).
+
+Two steps per item, so that a request is judged whole before anything is decoded:
+`prepare` fetches and reads headers (or finds the item cached) and says how many pixels
+the item holds; the caller sums them over the request (`media.max_request_pixels`), then
+calls each item's `finish`, which decodes on the `Decoder`'s pool under its budget.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import hashlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
 from gateway.errors import MediaInvalid
-from gateway.media.av import validate_audio, validate_video
+from gateway.media.av import (
+    AvInfo,
+    decode_jpeg_frames,
+    read_jpeg_frames,
+    validate_audio,
+    validate_video,
+)
 from gateway.media.cache import MediaCache
+from gateway.media.decoder import Decoder
 from gateway.media.fetch import MediaFetcher
-from gateway.media.images import validate_image
+from gateway.media.images import ImageHeader, decode_cost, decode_image, read_header
 from gateway.media.settings import MediaMode, MediaSettings
 from gateway.media.urls import DataUrl, RemoteUrl, data_url
 
@@ -40,71 +51,131 @@ class Resolved:
     mime: str | None
     data: bytes | None  # validated bytes (None in passthrough)
     digest: str  # sha256 hex
+    pixels: int = 0  # width x height x frames of an image or video/jpeg frames
 
     @property
     def base64(self) -> str:
         return base64.b64encode(self.data or b"").decode("ascii")
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """An item checked as far as it can be without decoding it."""
+
+    pixels: int  # what a full decode produces (every frame), for the per-request sum
+    finish: Callable[[], Awaitable[Resolved]]
+
+
 def _digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _ready(resolved: Resolved) -> Prepared:
+    async def finish() -> Resolved:
+        return resolved
+
+    return Prepared(resolved.pixels, finish)
+
+
+def _video_jpeg(video: AvInfo, pixels: int) -> Resolved:
+    url = "data:video/jpeg;base64," + ",".join(
+        base64.b64encode(f).decode("ascii") for f in video.frames
+    )
+    digest = _digest(b"".join(hashlib.sha256(f).digest() for f in video.frames))
+    return Resolved(url, video.mime, video.data, digest, pixels)
+
+
 class MediaInliner:
-    def __init__(self, settings: MediaSettings, fetcher: MediaFetcher) -> None:
+    def __init__(self, settings: MediaSettings, fetcher: MediaFetcher, decoder: Decoder) -> None:
         self._settings = settings
         self._fetcher = fetcher
+        self._decoder = decoder
         self._cache: MediaCache[Resolved] = MediaCache(settings.cache_bytes, settings.cache_ttl)
 
     async def resolve(self, ref: RemoteUrl | DataUrl, kind: MediaKind) -> Resolved:
-        if isinstance(ref, DataUrl):
-            if ref.frames:
-                return await self.validate(kind, ref.data, ref.mime, ref.frames)
-            # The same inline item sent again (a conversation re-sends its images every
-            # turn) is not decoded again: the verdict depends only on these bytes, the
-            # declared type and the settings. Hashing costs a fraction of a decode
-            # (bench reference: +3.6 ms per 448 image and +9.6 ms per 896 image before).
-            data_key = f"data\0{kind}\0{ref.mime}\0{_digest(ref.data)}"
-            return await self._cached(data_key, lambda: self.validate(kind, ref.data, ref.mime))
-        canonical = ref.canonical
-        if self._settings.mode is MediaMode.passthrough:
-            return Resolved(canonical, None, None, _digest(b"url\0" + canonical.encode()))
-        if self._settings.mode is not MediaMode.inline:
-            raise MediaInvalid("Remote media is not accepted by this gateway.")
-        return await self._cached(f"{kind}\0{canonical}", lambda: self._fetch(ref, kind))
-
-    async def _fetch(self, ref: RemoteUrl, kind: MediaKind) -> Resolved:
-        fetched = await self._fetcher.fetch(ref)
-        return await self.validate(kind, fetched.data, fetched.content_type)
-
-    async def _cached(self, key: str, produce: Callable[[], Awaitable[Resolved]]) -> Resolved:
-        """The cached result for `key`, else `produce()`'s, kept. Failures are not kept."""
-        hit = self._cache.get(key)
-        if hit is not None:
-            return hit
-        resolved = await produce()
-        self._cache.put(key, resolved, len(resolved.url))
-        return resolved
+        """`prepare` and `finish` in one call (no per-request sum)."""
+        return await (await self.prepare(ref, kind)).finish()
 
     async def validate(
         self, kind: MediaKind, data: bytes, declared: str | None, frames: tuple[bytes, ...] = ()
     ) -> Resolved:
         """Validate raw bytes declared as `declared` (a MIME type) for `kind`."""
-        if kind is MediaKind.image:
-            # Decoding is CPU-bound: keep it off the event loop (docs/facts.md).
-            image = await asyncio.to_thread(validate_image, data, declared, self._settings)
-            return Resolved(data_url(image.mime, image.data), image.mime, image.data,
-                            _digest(image.data))  # fmt: skip
-        if kind is MediaKind.audio:
-            audio = validate_audio(data, declared, self._settings)
-            return Resolved(data_url(audio.mime, audio.data), audio.mime, audio.data,
-                            _digest(audio.data))  # fmt: skip
-        video = await asyncio.to_thread(validate_video, data, declared, self._settings, frames)
-        if video.frames:
-            url = "data:video/jpeg;base64," + ",".join(
-                base64.b64encode(f).decode("ascii") for f in video.frames
+        return await (await self.prepare_bytes(kind, data, declared, frames)).finish()
+
+    async def prepare(self, ref: RemoteUrl | DataUrl, kind: MediaKind) -> Prepared:
+        if isinstance(ref, DataUrl):
+            if ref.frames:
+                return await self.prepare_bytes(kind, ref.data, ref.mime, ref.frames)
+            # The same inline item sent again (a conversation re-sends its images every
+            # turn) is not decoded again: the verdict depends only on these bytes, the
+            # declared type and the settings. Hashing costs a fraction of a decode
+            # (bench reference: +3.6 ms per 448 image and +9.6 ms per 896 image before).
+            data_key = f"data\0{kind}\0{ref.mime}\0{_digest(ref.data)}"
+            return await self._cached(
+                data_key, lambda: self.prepare_bytes(kind, ref.data, ref.mime)
             )
-            digest = _digest(b"".join(hashlib.sha256(f).digest() for f in video.frames))
-            return Resolved(url, video.mime, video.data, digest)
-        return Resolved(data_url(video.mime, video.data), video.mime, video.data,
-                        _digest(video.data))  # fmt: skip
+        canonical = ref.canonical
+        if self._settings.mode is MediaMode.passthrough:
+            return _ready(Resolved(canonical, None, None, _digest(b"url\0" + canonical.encode())))
+        if self._settings.mode is not MediaMode.inline:
+            raise MediaInvalid("Remote media is not accepted by this gateway.")
+        return await self._cached(f"{kind}\0{canonical}", lambda: self._fetch(ref, kind))
+
+    async def _fetch(self, ref: RemoteUrl, kind: MediaKind) -> Prepared:
+        fetched = await self._fetcher.fetch(ref)
+        return await self.prepare_bytes(kind, fetched.data, fetched.content_type)
+
+    async def _cached(self, key: str, produce: Callable[[], Awaitable[Prepared]]) -> Prepared:
+        """The cached result for `key`, else `produce()`'s, kept once finished. Failures
+        are not kept."""
+        hit = self._cache.get(key)
+        if hit is not None:
+            return _ready(hit)
+        prepared = await produce()
+
+        async def finish() -> Resolved:
+            resolved = await prepared.finish()
+            self._cache.put(key, resolved, len(resolved.url))
+            return resolved
+
+        return Prepared(prepared.pixels, finish)
+
+    async def prepare_bytes(
+        self, kind: MediaKind, data: bytes, declared: str | None, frames: Sequence[bytes] = ()
+    ) -> Prepared:
+        """Raw bytes declared as `declared` (a MIME type) for `kind`, checked up to their
+        headers; decoding is left to `finish`."""
+        settings = self._settings
+        if kind is MediaKind.image:
+            # Header reads run on the decode pool too: a hostile file can make even
+            # Image.open parse for a while, and the event loop must not wait for it.
+            header = await self._decoder.run(read_header, data, declared, settings)
+            return Prepared(header.pixels, lambda: self._decode_image(data, header))
+        if kind is MediaKind.audio:
+            audio = validate_audio(data, declared, settings)
+            return _ready(Resolved(data_url(audio.mime, audio.data), audio.mime, audio.data,
+                                   _digest(audio.data)))  # fmt: skip
+        if frames:
+            headers = await self._decoder.run(read_jpeg_frames, frames, settings)
+            pixels = sum(h.pixels for h in headers)
+            return Prepared(pixels, lambda: self._decode_frames(frames, headers, pixels))
+        # Containers are checked, not decoded (gateway/media/av.py): nothing to wait for.
+        video = validate_video(data, declared, settings)
+        return _ready(Resolved(data_url(video.mime, video.data), video.mime, video.data,
+                               _digest(video.data)))  # fmt: skip
+
+    async def _decode_image(self, data: bytes, header: ImageHeader) -> Resolved:
+        cost = decode_cost(header, self._settings.validation)
+        image = await self._decoder.decode(cost, decode_image, data, header, self._settings)
+        return Resolved(data_url(image.mime, image.data), image.mime, image.data,
+                        _digest(image.data), header.pixels)  # fmt: skip
+
+    async def _decode_frames(
+        self, frames: Sequence[bytes], headers: Sequence[ImageHeader], pixels: int
+    ) -> Resolved:
+        # Frames are decoded one after the other: the largest one is what is held.
+        cost = max(decode_cost(h, self._settings.validation) for h in headers)
+        video = await self._decoder.decode(
+            cost, decode_jpeg_frames, frames, headers, self._settings
+        )
+        return _video_jpeg(video, pixels)

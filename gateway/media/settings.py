@@ -7,8 +7,9 @@ no remote domains, https only, no non-public networks, no dangerous fields.
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Self
 
-from pydantic import BaseModel, Field, FilePath
+from pydantic import BaseModel, Field, FilePath, model_validator
 
 
 class MediaMode(StrEnum):
@@ -46,7 +47,34 @@ class MediaSettings(BaseModel):
     max_items: int = Field(default=32, gt=0)
     validation: ValidationDepth = ValidationDepth.decode
     image_formats: list[str] = Field(default_factory=lambda: ["PNG", "JPEG", "WEBP", "GIF"])
-    max_pixels: int = Field(default=40_000_000, gt=0)
+    # Pixels of one image (width x height, from the header, before decoding). 4096 x 4096:
+    # the largest image the common vision models' processors take before they downscale
+    # (Qwen3-VL's published preprocessor config: 16,777,216; Qwen2/2.5-VL's: 12,845,056;
+    # transformers' Qwen2-VL default: 1,003,520); more pixels only cost the gateway and
+    # the engine memory. Was 40 M: 160 MiB decoded per RGBA image (docs/media.md, "Media
+    # memory").
+    max_pixels: int = Field(default=4096 * 4096, gt=0)
+    # Decoded pixels one request may carry: width x height x frames summed over its
+    # images (and `data:video/jpeg` frames), from the headers, before anything is
+    # decoded (413 media_too_large). 8 images at the cap.
+    max_request_pixels: int = Field(default=8 * 4096 * 4096, gt=0)
+    # Threads that decode images: a pool of its own, so at most this many decodes (and
+    # their buffers) exist at once, whatever the host's core count.
+    decode_threads: int = Field(default=2, gt=0)
+    # Bytes of decoded image buffers the whole process may hold at once. Each decode is
+    # charged what it holds at its peak (gateway/media/images.py, `decode_cost`, measured:
+    # 5 bytes a pixel for PNG, 17 for WebP, more for progressive JPEG, animations and
+    # re-encoding; a JPEG at depth `decode` is decoded at 1/8 scale) and waits in line,
+    # first come first served, for its share. Must hold the costliest single item the
+    # other settings allow (checked at start). 384 MiB holds one 4096 x 4096 item of any
+    # allowed kind at any depth (a re-encoded WebP is the costliest: 21 bytes a pixel,
+    # 336 MiB), or several smaller ones.
+    decode_budget_bytes: int = Field(default=384 * 1024 * 1024, gt=0)
+    # Seconds a decode may wait for its share of the budget before the request is
+    # refused with 503 media_busy (and Retry-After). Generous: two requests of 8 images
+    # at the pixel cap wait ~2 s for their last decode on 2 idle cores, and several
+    # times that on busy ones.
+    decode_wait: float = Field(default=20.0, gt=0)
     max_frames: int = Field(default=64, gt=0)
     min_dimension: int = Field(default=1, ge=1)
     audio_formats: list[str] = Field(default_factory=lambda: ["wav", "mp3", "flac", "ogg"])
@@ -67,3 +95,16 @@ class MediaSettings(BaseModel):
     # Multipart audio uploads (/v1/audio/transcriptions, /translations).
     upload_max_parts: int = Field(default=16, gt=0)
     upload_max_field_bytes: int = Field(default=64 * 1024, gt=0)
+
+    @model_validator(mode="after")
+    def _budget_fits_an_item(self) -> Self:
+        # An item the budget can never hold would wait decode_wait, then fail, every time.
+        from gateway.media.images import worst_cost  # images.py imports this module
+
+        worst = worst_cost(self)
+        if self.decode_budget_bytes < worst:
+            raise ValueError(
+                f"media.decode_budget_bytes must hold the costliest item the other media "
+                f"settings allow: at least {worst}"
+            )
+        return self

@@ -10,24 +10,27 @@ The proxy calls this once per JSON request, after auth and the model check:
 `inspect` mutates `body` in place: media rewritten to validated `data:` URLs (or their
 canonical form in passthrough), client identifiers namespaced. It raises `GatewayError`
 subclasses (`FieldNotAllowed`, `InvalidRequest`, `MediaUrlNotAllowed`,
-`MediaFetchFailed`, `MediaInvalid`, `MediaTooLarge`). Every check that needs no I/O runs
-before the first fetch, so a refused request makes no outbound connection.
+`MediaFetchFailed`, `MediaInvalid`, `MediaTooLarge`, `MediaBusy`). Every check that needs
+no I/O runs before the first fetch, so a refused request makes no outbound connection;
+every header is read, and the request's pixels summed, before the first decode.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 import structlog
 
 from gateway.errors import MediaInvalid, MediaTooLarge
+from gateway.media.decoder import Decoder
 from gateway.media.fetch import MediaFetcher, Resolver
 from gateway.media.images import check_formats
-from gateway.media.inline import MediaInliner
+from gateway.media.inline import MediaInliner, Prepared
 from gateway.media.settings import MediaSettings
 from gateway.media.urls import UrlPolicy
 from gateway.payload.settings import PayloadSettings
@@ -37,6 +40,7 @@ if TYPE_CHECKING:
     from gateway.auth import ApiKey
 
 log = structlog.get_logger("gateway.payload")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +61,10 @@ _NOTHING = Inspection((), False)
 
 class PayloadInspector:
     """Built once per app from settings; owns the media fetcher (an `httpx.AsyncClient`
-    over `SafeTransport`). `transport` replaces the inner transport the safe one wraps
-    (tests), `resolver` the DNS resolver (tests simulate rebinding with it)."""
+    over `SafeTransport`). `decoder` is the image decode pool (the app's lifespan owns
+    it); without one the inspector builds and closes its own. `transport` replaces the
+    inner transport the safe one wraps (tests), `resolver` the DNS resolver (tests
+    simulate rebinding with it)."""
 
     def __init__(
         self,
@@ -67,6 +73,7 @@ class PayloadInspector:
         *,
         transport: httpx.AsyncBaseTransport | None = None,
         resolver: Resolver | None = None,
+        decoder: Decoder | None = None,
     ) -> None:
         check_formats(media.image_formats)
         self._media = media
@@ -82,7 +89,9 @@ class PayloadInspector:
             self._secret = secret.get_secret_value().encode()
         self._policy = UrlPolicy(media)
         self._fetcher = MediaFetcher(media, transport=transport, resolver=resolver)
-        self._inliner = MediaInliner(media, self._fetcher)
+        self._own_decoder = decoder is None
+        self._decoder = decoder or Decoder(media)
+        self._inliner = MediaInliner(media, self._fetcher, self._decoder)
 
     def identity(self, key: ApiKey | None) -> Identity:
         """Identifiers are namespaced by the key itself (its digest), not by its name:
@@ -97,26 +106,34 @@ class PayloadInspector:
         if not walk.items:
             # Most requests carry no media: no tasks, no gather (~1% of the hot path).
             return Inspection((), True) if walk.changed else _NOTHING
-        tasks = [asyncio.create_task(self._resolve(item)) for item in walk.items]
-        try:
-            digests = await asyncio.gather(*tasks)
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        prepared = await _all([self._prepare(item) for item in walk.items])
+        pixels = sum(p.pixels for p in prepared if isinstance(p, Prepared))
+        if pixels > self._media.max_request_pixels:
+            raise MediaTooLarge("The request's images have more pixels than this gateway accepts.")
+        digests = await _all(
+            [self._finish(item, p) for item, p in zip(walk.items, prepared, strict=True)]
+        )
         media = tuple((item.path, digest) for item, digest in zip(walk.items, digests, strict=True))
         return Inspection(media, True)
 
-    async def _resolve(self, item: MediaItem) -> str:
+    async def _prepare(self, item: MediaItem) -> Prepared | str:
+        """Fetched and checked as far as its header, or its digest when already known."""
         if item.fixed is not None:
             return item.fixed
         try:
             if item.ref is not None:
-                resolved = await self._inliner.resolve(item.ref, item.kind)
-            else:
-                assert item.raw is not None
-                resolved = await self._inliner.validate(item.kind, *item.raw)
+                return await self._inliner.prepare(item.ref, item.kind)
+            assert item.raw is not None
+            return await self._inliner.prepare_bytes(item.kind, *item.raw)
+        except (MediaInvalid, MediaTooLarge) as exc:
+            exc.param = exc.param or item.path
+            raise
+
+    async def _finish(self, item: MediaItem, prepared: Prepared | str) -> str:
+        if isinstance(prepared, str):
+            return prepared
+        try:
+            resolved = await prepared.finish()
         except (MediaInvalid, MediaTooLarge) as exc:
             exc.param = exc.param or item.path
             raise
@@ -126,3 +143,18 @@ class PayloadInspector:
 
     async def aclose(self) -> None:
         await self._fetcher.aclose()
+        if self._own_decoder:
+            await self._decoder.aclose()
+
+
+async def _all(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
+    """Every result, in order; on the first failure the rest are cancelled (and awaited)
+    and the failure raised."""
+    tasks = [asyncio.create_task(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

@@ -1,0 +1,168 @@
+"""Media memory through the running gateway (issue 13): decode-heavy requests keep the
+gateway's peak RSS under 512 MiB at default settings and leave it healthy; the decode
+budget answers 503 media_busy with Retry-After when it cannot be had in time; the
+per-request pixel cap refuses a request before anything is decoded. Nothing refused
+reaches the engine (the simulator's counters)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bench.decode_memory import SIM_CONTEXT, chat_body, just_under, solid_png, tagged
+from bench.samples import png
+from gateway.media.settings import MediaSettings
+from tests.procs import Proc, gateway_proc, running, sim_proc, sim_received
+
+KEY = "sk-media-memory-0123456789abcdef"
+PEAK_LIMIT_MIB = 512
+DEFAULTS = MediaSettings()
+
+
+def _status_kib(pid: int, name: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(name + ":"):
+            return int(line.split()[1])
+    raise KeyError(name)
+
+
+def _post(gateway: Proc, body: dict[str, object]) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {KEY}"}
+    return httpx.post(gateway.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+
+
+def _images(png_bytes: bytes, count: int, tag: str) -> list[bytes]:
+    """`count` copies of the image with distinct bytes (no cache hit in the gateway)."""
+    return [tagged(png_bytes, f"{tag}-{i}") for i in range(count)]
+
+
+def _normal() -> dict[str, object]:
+    body = chat_body([])
+    body["messages"] = [{"role": "user", "content": "Hello"}]
+    return body
+
+
+def _stack(tmp: Path, **media: str) -> tuple[Proc, Proc]:
+    # Context for 8 images at the simulator's 16,384 tokens each.
+    sim = sim_proc(
+        tmp, "--latency", "zero", "--max-model-len", str(SIM_CONTEXT),
+        "--kv-cache-tokens", str(4 * SIM_CONTEXT),
+    )  # fmt: skip
+    env = {
+        "GATEWAY_ENGINES": json.dumps([sim.url]),
+        "GATEWAY_API_KEYS": json.dumps([KEY]),
+        **{f"GATEWAY_MEDIA__{name.upper()}": value for name, value in media.items()},
+    }
+    return sim, gateway_proc(tmp, env)
+
+
+@pytest.fixture(scope="session")
+def heavy_png() -> bytes:
+    """A solid RGBA PNG just under the default pixel cap (4095 x 4095, ~70 KB; ~1 s to
+    make)."""
+    return solid_png(just_under(DEFAULTS.max_pixels + 1))
+
+
+def test_decode_heavy_requests_keep_peak_rss_under_512_mib(
+    tmp_path: Path, heavy_png: bytes
+) -> None:
+    """Two requests at once, each with 8 RGBA PNGs just under the default cap (64 MiB
+    decoded each, 1 GiB for all 16): the budget holds what decodes at once, so the
+    gateway peaks at ~190 MiB (bench/decode_memory.py). At default settings both fit the
+    per-request cap (8 x the pixel cap) and get their share of the budget well within
+    decode_wait: both are answered 200."""
+    side = just_under(DEFAULTS.max_pixels + 1)
+    assert 8 * side * side <= DEFAULTS.max_request_pixels
+    bodies = [chat_body(_images(heavy_png, 8, f"r{r}")) for r in range(2)]
+    sim, gateway = _stack(tmp_path)
+    with running(sim), running(gateway, ready_path="/readyz"):
+        assert gateway.pid is not None
+        assert _post(gateway, _normal()).status_code == 200
+        before = sim_received(sim.url)
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(lambda b: _post(gateway, b), bodies))
+        peak_mib = _status_kib(gateway.pid, "VmHWM") / 1024
+        assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+        assert sim_received(sim.url) - before == 2
+        assert peak_mib < PEAK_LIMIT_MIB, f"peak RSS {peak_mib:.0f} MiB"
+        # Healthy after: the liveness route and a normal request.
+        assert httpx.get(gateway.url + "/healthz", timeout=10).status_code == 200
+        assert _post(gateway, _normal()).status_code == 200
+
+
+# --- the budget and the per-request cap under tiny settings ------------------------------
+
+SIDE = 1000
+# One 1000 x 1000 PNG is charged 5 bytes a pixel (gateway/media/images.py): the budget
+# holds exactly one decode, and a second waits at most 1 ms, far less than a decode of a
+# million pixels takes, so it is refused.
+TINY = {
+    "max_pixels": str(SIDE * SIDE),
+    "image_formats": '["PNG"]',
+    "max_frames": "1",
+    "decode_budget_bytes": str(5 * SIDE * SIDE),
+    "decode_wait": "0.001",
+    "max_request_pixels": str(3 * SIDE * SIDE),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc]]:
+    sim, gateway = _stack(tmp_path_factory.mktemp("tiny-budget"), **TINY)
+    with running(sim), running(gateway, ready_path="/readyz"):
+        yield sim, gateway
+
+
+@pytest.fixture(scope="session")
+def noisy_png() -> bytes:
+    """1000 x 1000 RGBA: decoding takes tens of milliseconds."""
+    from PIL import Image
+
+    from bench.samples import encode
+
+    return encode(Image.effect_noise((SIDE, SIDE), 60).convert("RGBA"), "PNG")
+
+
+def _refused(gateway: Proc, sim: Proc, images: Sequence[bytes]) -> httpx.Response:
+    before = sim_received(sim.url)
+    resp = _post(gateway, chat_body(images))
+    assert sim_received(sim.url) == before  # nothing reached the engine
+    return resp
+
+
+def test_a_decode_that_cannot_get_budget_in_time_is_503_media_busy(
+    tiny: tuple[Proc, Proc], noisy_png: bytes
+) -> None:
+    sim, gateway = tiny
+    resp = _refused(gateway, sim, _images(noisy_png, 2, "busy"))
+    assert resp.status_code == 503
+    assert resp.json()["error"]["code"] == "media_busy"
+    assert resp.headers["retry-after"] == "1"
+    # One image at a time fits: the budget was given back, the request goes through.
+    before = sim_received(sim.url)
+    assert _post(gateway, chat_body(_images(noisy_png, 1, "one"))).status_code == 200
+    assert sim_received(sim.url) - before == 1
+
+
+def test_a_request_over_its_pixel_cap_is_413_before_decoding(
+    tiny: tuple[Proc, Proc], noisy_png: bytes
+) -> None:
+    """Four images of a million pixels against a cap of three million: refused as a
+    whole, with media_too_large and not media_busy, which the first two would get if
+    anything were decoded."""
+    sim, gateway = tiny
+    resp = _refused(gateway, sim, _images(noisy_png, 4, "cap"))
+    assert resp.status_code == 413
+    error = resp.json()["error"]
+    assert error["code"] == "media_too_large"
+    assert "pixels" in error["message"]
+    # Under the cap, small images decode one after another within the budget.
+    before = sim_received(sim.url)
+    small = [png(100 + i, 100) for i in range(3)]
+    assert _post(gateway, chat_body(small)).status_code == 200
+    assert sim_received(sim.url) - before == 1
