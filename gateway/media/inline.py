@@ -56,7 +56,8 @@ class MediaInliner:
         self._fetcher = fetcher
         self._cache: MediaCache[Resolved] = MediaCache(settings.cache_bytes, settings.cache_ttl)
 
-    async def resolve(self, ref: RemoteUrl | DataUrl, kind: MediaKind) -> Resolved:
+    async def resolve(self, ref: RemoteUrl | DataUrl, kind: MediaKind, owner: str = "") -> Resolved:
+        """`owner` (the key) shares the fetch slots fairly with other owners."""
         if isinstance(ref, DataUrl):
             if ref.frames:
                 return await self.validate(kind, ref.data, ref.mime, ref.frames)
@@ -71,10 +72,10 @@ class MediaInliner:
             return Resolved(canonical, None, None, _digest(b"url\0" + canonical.encode()))
         if self._settings.mode is not MediaMode.inline:
             raise MediaInvalid("Remote media is not accepted by this gateway.")
-        return await self._cached(f"{kind}\0{canonical}", lambda: self._fetch(ref, kind))
+        return await self._cached(f"{kind}\0{canonical}", lambda: self._fetch(ref, kind, owner))
 
-    async def _fetch(self, ref: RemoteUrl, kind: MediaKind) -> Resolved:
-        fetched = await self._fetcher.fetch(ref)
+    async def _fetch(self, ref: RemoteUrl, kind: MediaKind, owner: str) -> Resolved:
+        fetched = await self._fetcher.fetch(ref, owner)
         return await self.validate(kind, fetched.data, fetched.content_type)
 
     async def _cached(self, key: str, produce: Callable[[], Awaitable[Resolved]]) -> Resolved:

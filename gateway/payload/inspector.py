@@ -92,12 +92,14 @@ class PayloadInspector:
         return Identity(owner, tenant, self._secret)
 
     async def inspect(self, body: dict[str, Any], key: ApiKey | None) -> Inspection:
-        walk = Walk(self._media, self._payload, self._policy, self.identity(key))
+        identity = self.identity(key)
+        walk = Walk(self._media, self._payload, self._policy, identity)
         walk.run(body)  # every check that needs no I/O, before any fetch
         if not walk.items:
             # Most requests carry no media: no tasks, no gather (~1% of the hot path).
             return Inspection((), True) if walk.changed else _NOTHING
-        tasks = [asyncio.create_task(self._resolve(item)) for item in walk.items]
+        # Fetch slots are shared fairly between keys: the owner is the key's digest.
+        tasks = [asyncio.create_task(self._resolve(item, identity.owner)) for item in walk.items]
         try:
             digests = await asyncio.gather(*tasks)
         except BaseException:
@@ -108,12 +110,12 @@ class PayloadInspector:
         media = tuple((item.path, digest) for item, digest in zip(walk.items, digests, strict=True))
         return Inspection(media, True)
 
-    async def _resolve(self, item: MediaItem) -> str:
+    async def _resolve(self, item: MediaItem, owner: str) -> str:
         if item.fixed is not None:
             return item.fixed
         try:
             if item.ref is not None:
-                resolved = await self._inliner.resolve(item.ref, item.kind)
+                resolved = await self._inliner.resolve(item.ref, item.kind, owner)
             else:
                 assert item.raw is not None
                 resolved = await self._inliner.validate(item.kind, *item.raw)
