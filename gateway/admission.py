@@ -1,9 +1,12 @@
 """Admission: whether a request may go on now, in two stages.
 
-    with admission.key_slot(key):          # at authentication (middleware.KeyLimits)
+    admission.enter_key(key)               # at authentication (middleware.KeyLimits)
+    try:
         incoming = await read_incoming(...)
         with admission.slot():             # once the body is in (proxy.py)
             ...inspect, forward, relay...
+    finally:
+        admission.leave_key(key)
 
 Per key, from authentication on: a cap on the key's requests in flight, its body still
 arriving included, so one key's slow uploads hold a bounded number of connections; and
@@ -13,7 +16,9 @@ Globally, once the body is in: `limits.max_in_flight`; over it, 503 `overloaded`
 request whose body is still trickling in holds no global slot: one key that opened
 `max_in_flight` slow uploads locked every other tenant out (issue 13).
 
-Both are context managers, so a count is given back however the request ends.
+A count is given back however the request ends; a refusal takes nothing. (Not one
+context manager object per request: with one allocated for each stage, admission cost
+2.5 us per request against 0.7 us for the global counter before; now ~0.5 us.)
 """
 
 from __future__ import annotations
@@ -32,24 +37,28 @@ from gateway.metrics import Metrics
 class TokenBucket:
     """`limit.capacity` tokens, refilled at `limit.requests_per_second`; starts full."""
 
-    __slots__ = ("limit", "stamp", "tokens")
+    __slots__ = ("capacity", "limit", "rate", "stamp", "tokens")
 
     def __init__(self, limit: RateLimit, now: float) -> None:
         self.limit = limit
-        self.tokens = float(limit.capacity)
+        # Plain floats: reading them off the settings model cost a microsecond per take.
+        self.rate = limit.requests_per_second
+        self.capacity = float(limit.capacity)
+        self.tokens = self.capacity
         self.stamp = now
 
     def take(self, now: float) -> float:
         """Take a token: 0.0 if one was there, else the seconds until one will be
         (nothing is taken then)."""
-        rate = self.limit.requests_per_second
-        tokens = min(float(self.limit.capacity), self.tokens + (now - self.stamp) * rate)
+        tokens = self.tokens + (now - self.stamp) * self.rate
+        if tokens > self.capacity:
+            tokens = self.capacity
         self.stamp = now
         if tokens >= 1.0:
             self.tokens = tokens - 1.0
             return 0.0
         self.tokens = tokens
-        return (1.0 - tokens) / rate
+        return (1.0 - tokens) / self.rate
 
 
 def retry_after(wait: float) -> int:
@@ -80,19 +89,17 @@ class Admission:
         self._buckets: dict[bytes, TokenBucket] = {}
         self._clock = clock
         self._refused = metrics.rate_limited
+        self._slot = GlobalSlot(self)
         metrics.count_in_flight(lambda: self.current)
 
     def slot(self) -> GlobalSlot:
-        """A context manager holding one of `max_in_flight` slots; Overloaded when none
-        is free."""
-        return GlobalSlot(self)
-
-    def key_slot(self, key: ApiKey) -> KeySlot:
-        """A context manager holding one of `key`'s in-flight slots, after taking a
-        token from its bucket; RateLimited when either is out."""
-        return KeySlot(self, key)
+        """The context manager that holds one of `max_in_flight` slots while its block
+        runs (Overloaded when none is free); one object, entered by every request."""
+        return self._slot
 
     def enter_key(self, key: ApiKey) -> None:
+        """Count a request of `key`, after taking a token from its bucket; RateLimited
+        when either is out, with nothing taken. The caller must `leave_key` after."""
         held = self.keys.get(key.digest, 0)
         cap = key.max_in_flight if key.max_in_flight is not None else self.per_key
         if held >= cap:
@@ -123,7 +130,7 @@ class Admission:
 
     def _bucket(self, digest: bytes, rate: RateLimit) -> TokenBucket:
         bucket = self._buckets.get(digest)
-        if bucket is None or bucket.limit != rate:
+        if bucket is None or (bucket.limit is not rate and bucket.limit != rate):
             # New, or its limit changed with a key-file reload: a full bucket.
             bucket = self._buckets[digest] = TokenBucket(rate, self._clock())
         return bucket
@@ -148,22 +155,3 @@ class GlobalSlot:
         tb: TracebackType | None,
     ) -> None:
         self._admission.current -= 1
-
-
-class KeySlot:
-    __slots__ = ("_admission", "_key")
-
-    def __init__(self, admission: Admission, key: ApiKey) -> None:
-        self._admission = admission
-        self._key = key
-
-    def __enter__(self) -> None:
-        self._admission.enter_key(self._key)
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._admission.leave_key(self._key)

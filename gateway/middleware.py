@@ -223,5 +223,9 @@ class KeyLimits:
             # The gateway's own routes are not counted.
             await self.app(scope, receive, send)
             return
-        with self.admission.key_slot(key):
+        admission = self.admission
+        admission.enter_key(key)
+        try:
             await self.app(scope, receive, send)
+        finally:
+            admission.leave_key(key)

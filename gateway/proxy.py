@@ -48,7 +48,7 @@ class Proxy:
         admission: Admission,
     ) -> None:
         self.settings = settings
-        self.admission = admission
+        self._slot = admission.slot()
         self.inspector = inspector
         self.pool = pool
         self.policy = policy
@@ -77,12 +77,13 @@ class Proxy:
         incoming = await read_incoming(scope, receive, ex.route, self.settings)
         ex.bytes_in = incoming.size
         # Counted against max_in_flight from here: a body still arriving holds no slot.
-        with self.admission.slot():
+        with self._slot:
             await self._serve(scope, receive, send, ex, incoming)
 
     async def _serve(
         self, scope: Scope, receive: Receive, send: Send, ex: Exchange, incoming: Incoming
     ) -> None:
+        """Everything after the body, holding a global slot."""
         self.check_request(ex, incoming)
         data, media = await self._inspect(incoming, ex)
 
@@ -100,20 +101,7 @@ class Proxy:
         if query:
             target += "?" + query.decode("latin-1")
         headers = self._upstream_headers(scope, ex.engine_request_id, incoming.content_type)
-        await self._forward(scope, receive, send, ex, order, target, headers, data)
 
-    async def _forward(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        ex: Exchange,
-        order: Sequence[Engine],
-        target: str,
-        headers: list[tuple[bytes, bytes]],
-        data: bytes | None,
-    ) -> None:
-        """Forward with failover and relay the answer, aborting when the client leaves."""
         loop = self._loop or self._bind_loop()
         task = asyncio.current_task(loop)
         assert task is not None

@@ -6,13 +6,15 @@ test_gateway_fairness.py."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from gateway.admission import Admission, TokenBucket, retry_after
-from gateway.auth import ANONYMOUS, KeyConfigError, build_keys, load_key_file
+from gateway.auth import ANONYMOUS, ApiKey, KeyConfigError, build_keys, load_key_file
 from gateway.config import ApiKeyConfig, LimitsSettings, RateLimit, Settings
 from gateway.errors import Overloaded, RateLimited
 from gateway.metrics import Metrics
@@ -61,6 +63,16 @@ def test_default_burst_is_one_seconds_worth(rps: float, burst: int | None, capac
 # --- the slots ------------------------------------------------------------------------
 
 
+@contextmanager
+def key_slot(a: Admission, key: ApiKey) -> Iterator[None]:
+    """A request of `key` in flight, as middleware.KeyLimits holds one."""
+    a.enter_key(key)
+    try:
+        yield
+    finally:
+        a.leave_key(key)
+
+
 def admission(clock: list[float] | None = None, **limits: object) -> Admission:
     now = clock or [0.0]
     return Admission(LimitsSettings.model_validate(limits), Metrics(), clock=lambda: now[0])
@@ -83,15 +95,15 @@ def test_global_slot_caps_and_gives_back() -> None:
 def test_key_slots_are_per_key_and_held_by_digest() -> None:
     a = admission(max_in_flight_per_key=1)
     key, other = build_keys([PLAIN, OTHER])
-    with a.key_slot(key):
-        with pytest.raises(RateLimited) as info, a.key_slot(key):
+    with key_slot(a, key):
+        with pytest.raises(RateLimited) as info, key_slot(a, key):
             pass
         assert (info.value.status, info.value.code) == (429, "rate_limited")
         # The same key rebuilt (a key-file reload) is the same key.
         (reloaded,) = build_keys([PLAIN])
-        with pytest.raises(RateLimited), a.key_slot(reloaded):
+        with pytest.raises(RateLimited), key_slot(a, reloaded):
             pass
-        with a.key_slot(other), a.key_slot(ANONYMOUS):
+        with key_slot(a, other), key_slot(a, ANONYMOUS):
             assert len(a.keys) == 3
     assert a.keys == {}
 
@@ -102,15 +114,15 @@ def test_a_refused_request_takes_no_token_and_no_slot() -> None:
     a = admission(clock, max_in_flight_per_key=1, rate_per_key=rate)
     (key,) = build_keys([PLAIN])
     # Over the in-flight cap: refused before the bucket is asked.
-    with a.key_slot(key), pytest.raises(RateLimited), a.key_slot(key):
+    with key_slot(a, key), pytest.raises(RateLimited), key_slot(a, key):
         pass
-    with a.key_slot(key):  # the second token of the burst is still there
+    with key_slot(a, key):  # the second token of the burst is still there
         pass
-    with pytest.raises(RateLimited) as info, a.key_slot(key):
+    with pytest.raises(RateLimited) as info, key_slot(a, key):
         pass
     assert info.value.headers == {"Retry-After": "1"}
     clock[0] = 1.0  # a refusal by the bucket took nothing either
-    with a.key_slot(key):
+    with key_slot(a, key):
         pass
     assert a.keys == {}
 
@@ -118,13 +130,13 @@ def test_a_refused_request_takes_no_token_and_no_slot() -> None:
 def test_a_changed_rate_starts_a_full_bucket() -> None:
     a = admission(rate_per_key={"requests_per_second": 1})
     (key,) = build_keys([PLAIN])
-    with a.key_slot(key):
+    with key_slot(a, key):
         pass
-    with pytest.raises(RateLimited), a.key_slot(key):
+    with pytest.raises(RateLimited), key_slot(a, key):
         pass
     (faster,) = build_keys([ApiKeyConfig(key=PLAIN, rate=RateLimit(requests_per_second=5))])
     for _ in range(5):
-        with a.key_slot(faster):
+        with key_slot(a, faster):
             pass
 
 
