@@ -16,9 +16,10 @@ Globally, once the body is in: `limits.max_in_flight`; over it, 503 `overloaded`
 request whose body is still trickling in holds no global slot: one key that opened
 `max_in_flight` slow uploads locked every other tenant out (issue 13).
 
-A count is given back however the request ends; a refusal takes nothing. (Not one
-context manager object per request: with one allocated for each stage, admission cost
-2.5 us per request against 0.7 us for the global counter before; now ~0.5 us.)
+A count is given back however the request ends; a refusal takes nothing. No object is
+allocated per request: with a context manager made for each stage, the two stages cost
+2.5 us more per request than the single global counter before; as here, 1.1 us more
+(1.7 us with a rate limit; an in-process loop, the best of 40 runs).
 """
 
 from __future__ import annotations
