@@ -363,6 +363,9 @@ class Fleet:
         settings = {
             "GATEWAY_ENGINES": json.dumps(list(engines)),
             "GATEWAY_API_KEYS": json.dumps([BENCH_KEY]),
+            # One key is the whole load here: its share is the gateway's whole cap (the
+            # default, a quarter, would answer 429 at the scale bench's 1,024 connections).
+            "GATEWAY_LIMITS__MAX_IN_FLIGHT_PER_KEY": "1024",
             **(env or {}),
         }
         log = self.workdir / f"{name}-{port}.log"

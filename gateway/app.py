@@ -19,6 +19,7 @@ from typing import Any
 import orjson
 import structlog
 
+from gateway.admission import Admission
 from gateway.allocator import tune_allocator
 from gateway.asgi import ASGIApp, Receive, Scope, Send
 from gateway.auth import KeyConfigError, KeyRing, build_keys, load_key_file
@@ -29,7 +30,7 @@ from gateway.exchange import exchange_of
 from gateway.logging import RequestLog, configure_logging
 from gateway.media.decoder import Decoder
 from gateway.metrics import CONTENT_TYPE, Metrics
-from gateway.middleware import Authentication, EndpointGuard, InFlightLimit, RequestContext
+from gateway.middleware import Authentication, EndpointGuard, KeyLimits, RequestContext
 from gateway.payload import PayloadInspector
 from gateway.proxy import Proxy
 from gateway.routing.policy import make_policy
@@ -183,7 +184,18 @@ class Gateway:
         self.inspector = PayloadInspector(settings.media, settings.payload, decoder=self.decoder)
         policy = make_policy(settings.routing)
         self.metrics.watch_pool(lambda: self.pool.engines, policy.name)
-        self.proxy = Proxy(settings, self.pool, policy, self.metrics, self.inspector, self.upstream)
+        # Per-key limits from authentication on (KeyLimits), the global slot once the
+        # body is in (Proxy): one object, so the counts are the same ones.
+        self.admission = Admission(settings.limits, self.metrics)
+        self.proxy = Proxy(
+            settings,
+            self.pool,
+            policy,
+            self.metrics,
+            self.inspector,
+            self.upstream,
+            self.admission,
+        )
         self.watcher = (
             KeyFileWatcher(settings.api_keys_file, self.keyring, settings)
             if settings.api_keys_file is not None
@@ -206,7 +218,7 @@ class Gateway:
             ),
             (EndpointGuard, {"keyring": self.keyring}),
             (Authentication, {"keyring": self.keyring, "public_metrics": settings.public_metrics}),
-            (InFlightLimit, {"limit": settings.limits.max_in_flight, "metrics": self.metrics}),
+            (KeyLimits, {"admission": self.admission}),
         ]
         app: ASGIApp = Dispatch(LocalRoutes(self.pool, self.metrics), self.proxy)
         for cls, options in reversed(middleware):

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 from pydantic import SecretStr, TypeAdapter, ValidationError
 
-from gateway.config import ApiKeyConfig
+from gateway.config import ApiKeyConfig, RateLimit
 from gateway.endpoints import ALL_SCOPES, FORWARDED_GROUPS, Group
 from gateway.errors import InvalidApiKey
 
@@ -44,6 +44,9 @@ class ApiKey:
     models: frozenset[str] | None
     # Shares a prefix-cache salt with the keys of the same tenant; None: its own.
     tenant: str | None = None
+    # Its own in-flight cap and rate limit; None: the defaults in `limits`.
+    max_in_flight: int | None = None
+    rate: RateLimit | None = None
 
     def allows_model(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -104,7 +107,8 @@ def build_keys(entries: Iterable[SecretStr | ApiKeyConfig]) -> tuple[ApiKey, ...
             raise KeyConfigError(f"{label}: the same key is configured twice")
         seen.add(digest)
         models = frozenset(cfg.models) if cfg.models is not None else None
-        keys.append(ApiKey(label, digest, _scopes(cfg.scopes, label), models, cfg.tenant))
+        scopes = _scopes(cfg.scopes, label)
+        keys.append(ApiKey(label, digest, scopes, models, cfg.tenant, cfg.max_in_flight, cfg.rate))
     return tuple(keys)
 
 
@@ -123,13 +127,27 @@ def load_key_file(path: Path) -> tuple[ApiKey, ...]:
         data = []
     try:
         entries = _ENTRIES.validate_python(data)
-    except ValidationError:
-        # pydantic's message would quote the offending value, which may be a key.
-        raise KeyConfigError(
-            f"key file {path}: expected a list of keys, `sha256:<hex>` digests or "
-            "objects with key, name, scopes, models"
-        ) from None
+    except ValidationError as exc:
+        raise KeyConfigError(f"key file {path}: {_entry_errors(exc)}") from None
     return build_keys(entries)
+
+
+def _entry_errors(exc: ValidationError) -> str:
+    """What is wrong with a key file's entries, from pydantic's locations and messages
+    only: its full text would quote the offending value, which may be a key."""
+    found: list[str] = []
+    for error in exc.errors(include_input=False, include_url=False):
+        loc = error["loc"]
+        # (index, "ApiKeyConfig", field, ...): a field of an object entry.
+        if len(loc) > 2 and loc[1] == ApiKeyConfig.__name__:
+            field = ".".join(str(part) for part in loc[2:])
+            found.append(f"entry {int(loc[0]) + 1}: {field}: {error['msg']}")
+    if found:
+        return "; ".join(found)
+    return (
+        "expected a list of keys, `sha256:<hex>` digests or objects with key, name, "
+        "scopes, models, tenant, max_in_flight, rate"
+    )
 
 
 class KeyRing:

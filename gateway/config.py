@@ -6,6 +6,7 @@ the YAML file, defaults. Secrets are `SecretStr`, so they never show in a repr o
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,6 +32,20 @@ from gateway.payload.settings import PayloadSettings
 from gateway.routing.settings import RoutingSettings
 
 
+class RateLimit(BaseModel):
+    """A token bucket: `requests_per_second` refill, up to `burst` requests at once."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    requests_per_second: float = Field(gt=0)
+    # None: one second's worth of requests (at least 1).
+    burst: int | None = Field(default=None, ge=1)
+
+    @property
+    def capacity(self) -> int:
+        return self.burst if self.burst is not None else max(1, math.ceil(self.requests_per_second))
+
+
 class ApiKeyConfig(BaseModel):
     """One client key. `key` is the plain key or its `sha256:<hex>` digest."""
 
@@ -45,11 +60,22 @@ class ApiKeyConfig(BaseModel):
     models: list[str] | None = None
     # Keys with the same tenant share a prefix-cache salt (payload.cache_isolation: tenant).
     tenant: str | None = None
+    # This key's own limits, in place of limits.max_in_flight_per_key and
+    # limits.rate_per_key (gateway/admission.py).
+    max_in_flight: int | None = Field(default=None, gt=0)
+    rate: RateLimit | None = None
 
 
 class LimitsSettings(BaseModel):
     max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
+    # Requests whose body is in, across all keys (503 overloaded beyond).
     max_in_flight: int = Field(default=1024, gt=0)
+    # Requests of one key from authentication on, its body still arriving included (429
+    # rate_limited beyond). A quarter of max_in_flight: one key cannot take the gateway
+    # alone, and a key's slow uploads cannot hold unbounded connections.
+    max_in_flight_per_key: int = Field(default=256, gt=0)
+    # Requests per second with a burst, for every key without its own `rate`; None: off.
+    rate_per_key: RateLimit | None = None
     max_upload_bytes: int = Field(default=25 * 1024 * 1024, gt=0)
     # Header fields per request (431 beyond). uvicorn caps neither their number (httptools)
     # nor, with httptools, their total size; every header loop on the way is linear in it.

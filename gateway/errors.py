@@ -23,7 +23,9 @@ and URL parsers echo attacker input. Raised when:
   + TooManyHeaders            431 too_many_headers: over limits.max_headers
   + UnsupportedMediaType      415 unsupported_media_type: a Content-Type the route refuses
   + MediaFetchFailed          422 media_fetch_failed: a media URL could not be fetched
-  + Overloaded                503 overloaded: over limits.max_in_flight (middleware.py)
+  + RateLimited               429 rate_limited: over the key's in-flight cap or its rate
+                              limit (admission.py)
+  + Overloaded                503 overloaded: over limits.max_in_flight (admission.py)
   | + NoEngineAvailable       503 no_engine_available: no engine, or no models known yet
   | + MediaBusy               503 media_busy: no room in the media decode budget within
   |                           media.decode_wait (media/decoder.py)
@@ -170,6 +172,18 @@ class MediaFetchFailed(GatewayError):
     code = "media_fetch_failed"
     type = "invalid_request_error"
     default_message = "The media URL could not be fetched."
+
+
+class RateLimited(GatewayError):
+    """Carries Retry-After: whole seconds until the key may send again."""
+
+    status = 429
+    code = "rate_limited"
+    type = "rate_limit_error"
+    default_message = "This API key is over its limits; retry shortly."
+
+    def __init__(self, message: str | None = None, *, retry_after: int = 1) -> None:
+        super().__init__(message, headers={"Retry-After": str(retry_after)})
 
 
 # --- 5xx: the gateway or its engines could not answer ---------------------------------

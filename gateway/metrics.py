@@ -151,7 +151,14 @@ class Metrics:
         )
         self.in_flight = Gauge(
             "gateway_requests_in_flight",
-            "Requests being forwarded to engines.",
+            "Requests whose body is in, being inspected or forwarded to engines.",
+            registry=self.registry,
+        )
+        self.rate_limited = Counter(
+            "gateway_rate_limited",
+            "Requests refused with 429 rate_limited, by the limit they hit: `in_flight` "
+            "(the key's cap on requests in flight) or `rate` (its token bucket).",
+            ["reason"],
             registry=self.registry,
         )
         self.routing = RoutingCounts()

@@ -11,6 +11,7 @@ import re
 import time
 from typing import Any
 
+from gateway.admission import Admission
 from gateway.asgi import ASGIApp, Message, Receive, Scope, Send
 from gateway.auth import KeyRing
 from gateway.authorize import check_route
@@ -22,7 +23,6 @@ from gateway.errors import (
     EndpointBlocked,
     GatewayError,
     MethodNotAllowed,
-    Overloaded,
     TooManyHeaders,
     UnknownEndpoint,
     error_body,
@@ -207,24 +207,25 @@ class Authentication:
         await self.app(scope, receive, send)
 
 
-class InFlightLimit:
-    """Caps requests being forwarded; over the cap, 503 `overloaded` with Retry-After."""
+class KeyLimits:
+    """The key's share, from authentication on: its cap on requests in flight and its
+    rate limit (admission.py); over either, 429 `rate_limited` with Retry-After. The
+    global `max_in_flight` slot is taken later, by the proxy, once the body is in."""
 
-    def __init__(self, app: ASGIApp, *, limit: int, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, *, admission: Admission) -> None:
         self.app = app
-        self.limit = limit
-        self.current = 0
-        metrics.count_in_flight(lambda: self.current)
+        self.admission = admission
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ex = exchange_of(scope)
-        if ex.route.action is not Action.forward:
+        key = ex.key
+        if key is None or ex.route.action is not Action.forward:
+            # The gateway's own routes are not counted.
             await self.app(scope, receive, send)
             return
-        if self.current >= self.limit:
-            raise Overloaded(retry_after=1)
-        self.current += 1
+        admission = self.admission
+        admission.enter_key(key)
         try:
             await self.app(scope, receive, send)
         finally:
-            self.current -= 1
+            admission.leave_key(key)

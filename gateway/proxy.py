@@ -1,7 +1,8 @@
 """The innermost ASGI app: one forwarded request, from its body to the engine's answer.
 
-    read the body (body.py) -> check the model (authorize.py) -> inspect it (payload/)
-    -> choose engines (routing/) -> forward with failover (forwarder.py)
+    read the body (body.py) -> take a global slot (admission.py)
+    -> check the model (authorize.py) -> inspect it (payload/) -> choose engines
+    (routing/) -> forward with failover (forwarder.py)
     -> relay the answer (relay.py), watching for the client leaving (disconnect.py)
 
 Requests go out through an `UpstreamClient` (gateway/upstream.py; why not aiohttp or
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 
 import orjson
 
+from gateway.admission import Admission
 from gateway.asgi import Receive, Scope, Send
 from gateway.authorize import RequestCheck
 from gateway.body import ClientDisconnected, Incoming, header, read_incoming
@@ -43,8 +45,10 @@ class Proxy:
         metrics: Metrics,
         inspector: PayloadInspector,
         upstream: UpstreamClient,
+        admission: Admission,
     ) -> None:
         self.settings = settings
+        self._slot = admission.slot()
         self.inspector = inspector
         self.pool = pool
         self.policy = policy
@@ -72,6 +76,14 @@ class Proxy:
         self.check_request.route(ex)
         incoming = await read_incoming(scope, receive, ex.route, self.settings)
         ex.bytes_in = incoming.size
+        # Counted against max_in_flight from here: a body still arriving holds no slot.
+        with self._slot:
+            await self._serve(scope, receive, send, ex, incoming)
+
+    async def _serve(
+        self, scope: Scope, receive: Receive, send: Send, ex: Exchange, incoming: Incoming
+    ) -> None:
+        """Everything after the body, holding a global slot."""
         self.check_request(ex, incoming)
         data, media = await self._inspect(incoming, ex)
 

@@ -7,7 +7,8 @@ that changes between check and connect (rebinding) cannot move the connection.
 
 `MediaFetcher` owns the `httpx.AsyncClient`: no redirects (vLLM follows them unchecked,
 docs/facts.md), no proxy environment variables, identity encoding only, a byte cap
-enforced while streaming, a total time cap and a cap on concurrent fetches. Every
+enforced while streaming, a total time cap and a cap on concurrent fetches, its slots
+shared fairly between keys (slots.py). Every
 failure is a `MediaFetchFailed` naming its reason; library text never reaches a client.
 The caller must `await fetcher.aclose()`.
 """
@@ -26,6 +27,7 @@ import httpx
 from gateway.errors import MediaFetchFailed
 from gateway.media.addresses import Address, AddressPolicy
 from gateway.media.settings import MediaSettings
+from gateway.media.slots import FairSlots
 from gateway.media.urls import RemoteUrl
 
 # Resolves (host, port) to addresses. Injectable so tests can simulate DNS rebinding.
@@ -129,7 +131,7 @@ class MediaFetcher:
     ) -> None:
         self._max_bytes = settings.max_bytes
         self._timeout = settings.fetch_timeout
-        self._semaphore = asyncio.Semaphore(settings.max_concurrent_fetches)
+        self._slots = FairSlots(settings.max_concurrent_fetches)
         if transport is None:
             verify: ssl.SSLContext | bool = True
             if settings.ca_file is not None:
@@ -148,13 +150,19 @@ class MediaFetcher:
             headers={"Accept-Encoding": "identity", "User-Agent": "vllm-gateway"},
         )
 
-    async def fetch(self, url: RemoteUrl) -> Fetched:
+    async def fetch(self, url: RemoteUrl, owner: str = "") -> Fetched:
+        """GET `url` in one of the fetch slots, shared fairly between owners (keys)."""
         target = httpx.URL(
             scheme=url.scheme, host=url.host, port=url.port, raw_path=url.target.encode()
         )
         try:
-            async with asyncio.timeout(self._timeout), self._semaphore:
-                return await self._get(target)
+            # The time cap covers the wait for a slot.
+            async with asyncio.timeout(self._timeout):
+                await self._slots.acquire(owner)
+                try:
+                    return await self._get(target)
+                finally:
+                    self._slots.release(owner)
         except TimeoutError:
             raise _failed("timeout") from None
         except httpx.TimeoutException:

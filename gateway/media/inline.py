@@ -92,9 +92,9 @@ class MediaInliner:
         self._decoder = decoder
         self._cache: MediaCache[Resolved] = MediaCache(settings.cache_bytes, settings.cache_ttl)
 
-    async def resolve(self, ref: RemoteUrl | DataUrl, kind: MediaKind) -> Resolved:
+    async def resolve(self, ref: RemoteUrl | DataUrl, kind: MediaKind, owner: str = "") -> Resolved:
         """`prepare` and `finish` in one call (no per-request sum)."""
-        return await (await self.prepare(ref, kind)).finish()
+        return await (await self.prepare(ref, kind, owner)).finish()
 
     async def validate(
         self, kind: MediaKind, data: bytes, declared: str | None, frames: tuple[bytes, ...] = ()
@@ -102,7 +102,9 @@ class MediaInliner:
         """Validate raw bytes declared as `declared` (a MIME type) for `kind`."""
         return await (await self.prepare_bytes(kind, data, declared, frames)).finish()
 
-    async def prepare(self, ref: RemoteUrl | DataUrl, kind: MediaKind) -> Prepared:
+    async def prepare(self, ref: RemoteUrl | DataUrl, kind: MediaKind, owner: str = "") -> Prepared:
+        """`ref` checked as far as it can be without decoding it. `owner` (the key) shares
+        the fetch slots fairly with other owners."""
         if isinstance(ref, DataUrl):
             if ref.frames:
                 return await self.prepare_bytes(kind, ref.data, ref.mime, ref.frames)
@@ -119,10 +121,10 @@ class MediaInliner:
             return _ready(Resolved(canonical, None, None, _digest(b"url\0" + canonical.encode())))
         if self._settings.mode is not MediaMode.inline:
             raise MediaInvalid("Remote media is not accepted by this gateway.")
-        return await self._cached(f"{kind}\0{canonical}", lambda: self._fetch(ref, kind))
+        return await self._cached(f"{kind}\0{canonical}", lambda: self._fetch(ref, kind, owner))
 
-    async def _fetch(self, ref: RemoteUrl, kind: MediaKind) -> Prepared:
-        fetched = await self._fetcher.fetch(ref)
+    async def _fetch(self, ref: RemoteUrl, kind: MediaKind, owner: str) -> Prepared:
+        fetched = await self._fetcher.fetch(ref, owner)
         return await self.prepare_bytes(kind, fetched.data, fetched.content_type)
 
     async def _cached(self, key: str, produce: Callable[[], Awaitable[Prepared]]) -> Prepared:

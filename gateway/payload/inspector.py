@@ -101,12 +101,14 @@ class PayloadInspector:
         return Identity(owner, tenant, self._secret)
 
     async def inspect(self, body: dict[str, Any], key: ApiKey | None) -> Inspection:
-        walk = Walk(self._media, self._payload, self._policy, self.identity(key))
+        identity = self.identity(key)
+        walk = Walk(self._media, self._payload, self._policy, identity)
         walk.run(body)  # every check that needs no I/O, before any fetch
         if not walk.items:
             # Most requests carry no media: no tasks, no gather (~1% of the hot path).
             return Inspection((), True) if walk.changed else _NOTHING
-        prepared = await _all([self._prepare(item) for item in walk.items])
+        # Fetch slots are shared fairly between keys: the owner is the key's digest.
+        prepared = await _all([self._prepare(item, identity.owner) for item in walk.items])
         pixels = sum(p.pixels for p in prepared if isinstance(p, Prepared))
         if pixels > self._media.max_request_pixels:
             raise MediaTooLarge("The request's images have more pixels than this gateway accepts.")
@@ -116,13 +118,13 @@ class PayloadInspector:
         media = tuple((item.path, digest) for item, digest in zip(walk.items, digests, strict=True))
         return Inspection(media, True)
 
-    async def _prepare(self, item: MediaItem) -> Prepared | str:
+    async def _prepare(self, item: MediaItem, owner: str) -> Prepared | str:
         """Fetched and checked as far as its header, or its digest when already known."""
         if item.fixed is not None:
             return item.fixed
         try:
             if item.ref is not None:
-                return await self._inliner.prepare(item.ref, item.kind)
+                return await self._inliner.prepare(item.ref, item.kind, owner)
             assert item.raw is not None
             return await self._inliner.prepare_bytes(item.kind, *item.raw)
         except (MediaInvalid, MediaTooLarge) as exc:

@@ -55,7 +55,8 @@ def test_check_config_masks_every_secret(
     # Masked by their types (SecretStr), not by the command.
     assert data["api_keys"][0] == MASK
     assert data["api_keys"][1] == {
-        "key": MASK, "name": "tenant-a", "scopes": ["inference"], "models": None, "tenant": None
+        "key": MASK, "name": "tenant-a", "scopes": ["inference"], "models": None, "tenant": None,
+        "max_in_flight": None, "rate": None,
     }  # fmt: skip
     assert data["upstream_api_key"] == MASK
     assert SECRET not in out + err and UPSTREAM not in out + err

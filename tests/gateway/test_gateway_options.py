@@ -11,11 +11,12 @@ import orjson
 import pytest
 import structlog
 
+from gateway.admission import Admission
 from gateway.app import create_app
-from gateway.config import Settings
+from gateway.config import LimitsSettings, Settings
 from gateway.logging import RequestLog, configure_logging, redact
 from gateway.metrics import Metrics
-from gateway.middleware import InFlightLimit, RequestIds
+from gateway.middleware import RequestIds
 
 KEY = "sk-options-0123456789abcdef"
 
@@ -169,12 +170,8 @@ def test_request_ids_are_distinct_128_bit_hex() -> None:
     assert all(len(i) == 32 and int(i, 16) >= 0 for i in minted)
 
 
-def test_in_flight_gauge_reads_the_limiter() -> None:
+def test_in_flight_gauge_reads_the_admission_count() -> None:
     metrics = Metrics()
-
-    async def app(scope: Any, receive: Any, send: Any) -> None:
-        return None
-
-    limiter = InFlightLimit(app, limit=4, metrics=metrics)
-    limiter.current = 3
+    admission = Admission(LimitsSettings(max_in_flight=4), metrics)
+    admission.current = 3
     assert b"gateway_requests_in_flight 3.0" in metrics.render()

@@ -16,15 +16,16 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.admission import Admission
 from gateway.asgi import ASGIApp, Message, Receive, Scope, Send
 from gateway.auth import KeyRing, build_keys
 from gateway.body import ClientDisconnected
-from gateway.config import ApiKeyConfig
+from gateway.config import ApiKeyConfig, LimitsSettings, RateLimit
 from gateway.errors import InvalidJson
 from gateway.exchange import exchange_of
 from gateway.logging import RequestLog
 from gateway.metrics import Metrics
-from gateway.middleware import Authentication, EndpointGuard, InFlightLimit, RequestContext
+from gateway.middleware import Authentication, EndpointGuard, KeyLimits, RequestContext
 
 FULL = "sk-middleware-full-0123456789"
 POOLING = "sk-middleware-pooling-0123456789"
@@ -32,6 +33,8 @@ INFERENCE = "sk-middleware-inference-0123456789"
 BOTH = "sk-middleware-both-0123456789"
 METRICS = "sk-middleware-metrics-0123456789"
 WRONG = "sk-middleware-not-configured-0123456789"
+OWN_CAP = "sk-middleware-own-cap-0123456789"
+OWN_RATE = "sk-middleware-own-rate-0123456789"
 KEYS = build_keys(
     [
         ApiKeyConfig(key=FULL, name="full"),
@@ -39,6 +42,8 @@ KEYS = build_keys(
         ApiKeyConfig(key=INFERENCE, name="inference", scopes=["inference"]),
         ApiKeyConfig(key=BOTH, name="both", scopes=["inference", "pooling"]),
         ApiKeyConfig(key=METRICS, name="metrics", scopes=["metrics"]),
+        ApiKeyConfig(key=OWN_CAP, name="own-cap", max_in_flight=1),
+        ApiKeyConfig(key=OWN_RATE, name="own-rate", rate=RateLimit(requests_per_second=1)),
     ]
 )
 
@@ -94,7 +99,8 @@ class Stack:
     inner: Inner
     logger: Logger
     metrics: Metrics
-    limit: InFlightLimit
+    admission: Admission
+    clock: list[float]
 
 
 def stack(
@@ -102,13 +108,18 @@ def stack(
     public_metrics: bool = False,
     allow_unauthenticated: bool = False,
     max_headers: int = 64,
-    limit: int = 8,
+    per_key: int = 8,
+    rate: RateLimit | None = None,
 ) -> Stack:
-    """RequestContext, EndpointGuard, Authentication, InFlightLimit, as app.py lists them."""
+    """RequestContext, EndpointGuard, Authentication, KeyLimits, as app.py lists them;
+    the admission's clock is `Stack.clock[0]`, moved by hand."""
     inner, logger, metrics = Inner(), Logger(), Metrics()
     keyring = KeyRing(KEYS, allow_unauthenticated=allow_unauthenticated)
-    in_flight = InFlightLimit(inner, limit=limit, metrics=metrics)
-    auth = Authentication(in_flight, keyring=keyring, public_metrics=public_metrics)
+    clock = [1000.0]
+    limits = LimitsSettings(max_in_flight_per_key=per_key, rate_per_key=rate)
+    admission = Admission(limits, metrics, clock=lambda: clock[0])
+    key_limits = KeyLimits(inner, admission=admission)
+    auth = Authentication(key_limits, keyring=keyring, public_metrics=public_metrics)
     guard = EndpointGuard(auth, keyring=keyring)
     context = RequestContext(
         guard,
@@ -117,7 +128,7 @@ def stack(
         request_log=RequestLog(logger, fmt="console"),
         max_headers=max_headers,
     )
-    return Stack(context, inner, logger, metrics, in_flight)
+    return Stack(context, inner, logger, metrics, admission, clock)
 
 
 def scope(
@@ -301,7 +312,7 @@ async def test_authentication_without_keys_required(
     assert s.logger.lines[-1]["key_name"] == key_name
 
 
-# --- InFlightLimit ---------------------------------------------------------------------
+# --- KeyLimits: the per-key cap and rate limit ------------------------------------------
 
 
 class Held:
@@ -323,54 +334,87 @@ class Held:
         await send({"type": "http.response.body", "body": b"ok"})
 
 
-async def test_in_flight_limit_refuses_over_the_cap_and_frees_its_slots() -> None:
-    s = stack(limit=2)
+async def test_key_cap_refuses_that_key_only_and_frees_its_slots() -> None:
+    s = stack(per_key=2)
     held = s.inner.behaviour = Held(2)
     first = asyncio.create_task(call(s.app, scope(key=FULL)))
     second = asyncio.create_task(call(s.app, scope(key=FULL)))
     await held.arrived.wait()
     over = await call(s.app, scope(key=FULL))
-    assert (over.status, over.code) == (503, "overloaded")
+    assert (over.status, over.code) == (429, "rate_limited")
     assert over.headers[b"retry-after"] == b"1"
-    # Only forwarded routes count: the gateway's own still answer at the cap.
+    assert held.count == 2
+    # Another key, and the gateway's own routes, still go in.
     s.inner.behaviour = None
+    assert (await call(s.app, scope(key=INFERENCE))).status == 200
     assert (await call(s.app, scope("/healthz", "GET"))).status == 200
     s.inner.behaviour = held
     held.release.set()
     assert [(await first).status, (await second).status] == [200, 200]
-    assert s.limit.current == 0
+    assert s.admission.keys == {}
+    s.inner.behaviour = None
     assert (await call(s.app, scope(key=FULL))).status == 200
-    # A refusal by the limit is the gateway's own: counted as a rejection.
-    assert samples(s.metrics, "gateway_rejections_total") == {(("code", "overloaded"),): 1.0}
+    assert samples(s.metrics, "gateway_rejections_total") == {(("code", "rate_limited"),): 1.0}
+    assert samples(s.metrics, "gateway_rate_limited_total") == {(("reason", "in_flight"),): 1.0}
+
+
+async def test_a_key_of_its_own_cap_is_held_to_it() -> None:
+    s = stack(per_key=8)
+    held = s.inner.behaviour = Held(1)
+    first = asyncio.create_task(call(s.app, scope(key=OWN_CAP)))
+    await held.arrived.wait()
+    over = await call(s.app, scope(key=OWN_CAP))
+    assert (over.status, over.code) == (429, "rate_limited")
+    held.release.set()
+    assert (await first).status == 200
 
 
 @pytest.mark.parametrize(
     "failure", [InvalidJson("bad"), RuntimeError("boom"), ClientDisconnected()]
 )
-async def test_in_flight_limit_frees_the_slot_when_the_request_fails(
-    failure: BaseException,
-) -> None:
-    s = stack(limit=1)
+async def test_key_slot_is_freed_when_the_request_fails(failure: BaseException) -> None:
+    s = stack(per_key=1)
 
     async def fails(scope: Scope, receive: Receive, send: Send) -> None:
         raise failure
 
     s.inner.behaviour = fails
     await call(s.app, scope(key=FULL))
-    assert s.limit.current == 0
+    assert s.admission.keys == {}
     s.inner.behaviour = None
     assert (await call(s.app, scope(key=FULL))).status == 200
 
 
-async def test_in_flight_gauge_reads_the_current_count() -> None:
-    s = stack(limit=4)
-    held = s.inner.behaviour = Held(3)
-    tasks = [asyncio.create_task(call(s.app, scope(key=FULL))) for _ in range(3)]
-    await held.arrived.wait()
-    assert samples(s.metrics, "gateway_requests_in_flight") == {(): 3.0}
-    held.release.set()
-    await asyncio.gather(*tasks)
-    assert samples(s.metrics, "gateway_requests_in_flight") == {(): 0.0}
+async def test_rate_limit_per_key_with_burst_and_retry_after() -> None:
+    s = stack(rate=RateLimit(requests_per_second=0.5, burst=2))
+    statuses = [(await call(s.app, scope(key=FULL))).status for _ in range(2)]
+    over = await call(s.app, scope(key=FULL))
+    assert statuses == [200, 200]
+    assert (over.status, over.code) == (429, "rate_limited")
+    # One token every 2 s: the next one is 2 s away.
+    assert over.headers[b"retry-after"] == b"2"
+    assert len(s.inner.scopes) == 2
+    # Another key has its own bucket.
+    assert (await call(s.app, scope(key=INFERENCE))).status == 200
+    s.clock[0] += 1.5
+    early = await call(s.app, scope(key=FULL))
+    assert (early.status, early.headers[b"retry-after"]) == (429, b"1")
+    s.clock[0] += 0.5
+    assert (await call(s.app, scope(key=FULL))).status == 200
+    assert samples(s.metrics, "gateway_rate_limited_total") == {(("reason", "rate"),): 2.0}
+
+
+async def test_a_key_of_its_own_rate_replaces_the_default() -> None:
+    s = stack(rate=RateLimit(requests_per_second=100, burst=100))
+    assert (await call(s.app, scope(key=OWN_RATE))).status == 200
+    assert (await call(s.app, scope(key=OWN_RATE))).status == 429
+    assert (await call(s.app, scope(key=FULL))).status == 200
+
+
+async def test_unauthenticated_requests_share_one_bucket() -> None:
+    s = stack(allow_unauthenticated=True, rate=RateLimit(requests_per_second=1, burst=2))
+    statuses = [(await call(s.app, scope())).status for _ in range(3)]
+    assert statuses == [200, 200, 429]
 
 
 # --- RequestContext: ids, the error renderer, the log line -----------------------------
