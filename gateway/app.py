@@ -22,6 +22,7 @@ import structlog
 from gateway.asgi import ASGIApp, Receive, Scope, Send
 from gateway.auth import KeyConfigError, KeyRing, build_keys, load_key_file
 from gateway.config import Settings, load_settings
+from gateway.connections import CONNECTION_GUARD, ConnectionGuard
 from gateway.endpoints import Action
 from gateway.errors import UnknownEndpoint
 from gateway.exchange import exchange_of
@@ -176,6 +177,12 @@ class Gateway:
         self.inspector = PayloadInspector(settings.media, settings.payload)
         policy = make_policy(settings.routing)
         self.metrics.watch_pool(lambda: self.pool.engines, policy.name)
+        # The limits of the client connections themselves, for the connection protocol
+        # (gateway/server.py), which finds the guard in the lifespan state.
+        self.connections = ConnectionGuard(
+            settings.timeouts, settings.limits, self.metrics.connections
+        )
+        self.metrics.watch_connections(lambda: len(self.connections.open))
         self.proxy = Proxy(settings, self.pool, policy, self.metrics, self.inspector, self.upstream)
         self.watcher = (
             KeyFileWatcher(settings.api_keys_file, self.keyring, settings)
@@ -215,7 +222,7 @@ class Gateway:
         if kind == "http":
             await self.stack(scope, receive, send)
         elif kind == "lifespan":
-            await self._lifespan(receive, send)
+            await self._lifespan(scope, receive, send)
         else:
             # WebSocket routes (/v1/realtime) are not proxied: refuse the handshake.
             await send({"type": "websocket.close", "code": 1008})
@@ -223,6 +230,7 @@ class Gateway:
     async def startup(self) -> None:
         async with contextlib.AsyncExitStack() as stack:
             stack.callback(self.request_log.flush)
+            stack.callback(self.connections.stop)
             stack.push_async_callback(self.upstream.aclose)
             stack.push_async_callback(self.inspector.aclose)
             self.request_log.bind(asyncio.get_running_loop())
@@ -245,7 +253,10 @@ class Gateway:
         if exit_stack is not None:
             await exit_stack.aclose()
 
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = scope.get("state")
+        if state is not None:
+            state[CONNECTION_GUARD] = self.connections
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":

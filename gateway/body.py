@@ -5,11 +5,13 @@
 A JSON body is read whole and parsed once into an object; a multipart upload is read
 whole and validated (gateway/multipart.py); other routes take no body. The cap is
 enforced while reading, so a body sent without `Content-Length` (chunked) is cut off at
-the cap instead of being buffered whole first.
+the cap instead of being buffered whole first, and so is the pace (`BodyPace`): a body
+that stalls or trickles is cut with 408 before it reaches an engine.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +20,7 @@ import orjson
 from gateway.asgi import Receive, Scope
 from gateway.config import Settings
 from gateway.endpoints import BodyKind, Route
-from gateway.errors import InvalidJson, RequestTooLarge, UnsupportedMediaType
+from gateway.errors import InvalidJson, RequestTimeout, RequestTooLarge, UnsupportedMediaType
 from gateway.multipart import Upload, content_type, validate_upload
 
 # The Content-Type a JSON request is forwarded with: the media type that was checked,
@@ -53,22 +55,68 @@ def check_declared(headers: list[tuple[bytes, bytes]], limit: int) -> None:
         raise _too_large(limit)
 
 
-async def read_body(receive: Receive, limit: int) -> bytes:
-    """The whole body, or RequestTooLarge as soon as more than `limit` bytes arrived."""
+@dataclass(frozen=True, slots=True)
+class BodyPace:
+    """How fast a body must arrive, counted from the first read: whole within `deadline`
+    seconds, and from `grace` seconds on at `rate` bytes a second on average (counted
+    from the end of the grace; 0: no minimum). The rule: at `t` seconds at least
+    rate * (t - grace) bytes have arrived, and all of them by `deadline`."""
+
+    deadline: float
+    grace: float
+    rate: float
+
+    @classmethod
+    def of(cls, settings: Settings) -> BodyPace:
+        t = settings.timeouts
+        return cls(t.request_body, t.request_body_grace, settings.limits.min_body_rate)
+
+    def due(self, received: int) -> float:
+        """Seconds from the start by which more than `received` bytes must have arrived
+        (or the body ended): when the rate's requirement overtakes `received`."""
+        if self.rate <= 0:
+            return self.deadline
+        return min(self.deadline, self.grace + received / self.rate)
+
+
+def _too_slow(pace: BodyPace, received: int) -> RequestTimeout:
+    if pace.due(received) < pace.deadline:
+        return RequestTimeout(
+            f"The request body arrived slower than this gateway accepts "
+            f"({pace.rate:.0f} bytes a second on average after the first {pace.grace:g} s)."
+        )
+    return RequestTimeout(f"The request body did not arrive within {pace.deadline:g} s.")
+
+
+async def read_body(receive: Receive, limit: int, pace: BodyPace) -> bytes:
+    """The whole body; RequestTooLarge as soon as more than `limit` bytes arrived,
+    RequestTimeout as soon as it falls behind `pace`.
+
+    One timer for the whole read, moved on as each chunk arrives (a body that comes
+    with its head, the usual case, never waits on it)."""
     chunks: list[bytes] = []
     size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientDisconnected
-        chunk: bytes = message.get("body", b"")
-        if chunk:
-            size += len(chunk)
-            if size > limit:
-                raise _too_large(limit)
-            chunks.append(chunk)
-        if not message.get("more_body", False):
-            break
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    try:
+        async with asyncio.timeout_at(start + pace.due(0)) as timer:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientDisconnected
+                chunk: bytes = message.get("body", b"")
+                more = message.get("more_body", False)
+                if chunk:
+                    size += len(chunk)
+                    if size > limit:
+                        raise _too_large(limit)
+                    chunks.append(chunk)
+                    if more:
+                        timer.reschedule(start + pace.due(size))
+                if not more:
+                    break
+    except TimeoutError:
+        raise _too_slow(pace, size) from None
     if len(chunks) == 1:
         return chunks[0]
     return b"".join(chunks)
@@ -116,7 +164,7 @@ async def read_incoming(
         if not _is_json(header(scope, b"content-type")):
             raise UnsupportedMediaType("This endpoint takes 'Content-Type: application/json'.")
         check_declared(scope["headers"], limits.max_body_bytes)
-        raw = await read_body(receive, limits.max_body_bytes)
+        raw = await read_body(receive, limits.max_body_bytes, BodyPace.of(settings))
         try:
             loaded = orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -128,7 +176,7 @@ async def read_incoming(
         # Read whole (capped) and validated before anything reaches an engine: the
         # upload is forwarded only when it is one well-formed audio file.
         check_declared(scope["headers"], limits.max_upload_bytes)
-        raw = await read_body(receive, limits.max_upload_bytes)
+        raw = await read_body(receive, limits.max_upload_bytes, BodyPace.of(settings))
         declared = header(scope, b"content-type")
         upload = validate_upload(
             None if declared is None else declared.decode("latin-1"),
