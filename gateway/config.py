@@ -81,6 +81,10 @@ class TimeoutSettings(BaseModel):
     # From this long into the body on, it must have arrived at `limits.min_body_rate`
     # on average (counted from the end of the grace): a body that stalls is cut then.
     request_body_grace: float = Field(default=5.0, gt=0)
+    # Longest a response may wait on a client that does not read it (the connection's
+    # write buffer full); beyond it the connection is dropped, and the engine's request
+    # with it: an unread stream would hold its slot and the engine's KV blocks forever.
+    response_stall: float = Field(default=60.0, gt=0)
     # --- engine side ---
     connect: float = Field(default=3.0, gt=0)
     # Time allowed for the engine to start answering. Long: a queued engine is slow, not dead.

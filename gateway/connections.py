@@ -7,7 +7,8 @@ protocol (gateway/server.py) through the lifespan state, the dict uvicorn gives 
 connection it opens; each worker process builds its own.
 
 A connection keeps its deadline as one float, moved at most twice a request (the head
-complete: none; the response sent: the next head's). No timer is armed per request or
+complete: none; the response sent: the next head's), and a second one while the client
+leaves the answer unread. No timer is armed per request or
 per connection: a single timer per process sweeps the open connections a few times a
 second, so a deadline is kept to within `interval` (0.5 s at most).
 """
@@ -41,7 +42,8 @@ class Timed(Protocol):
     """A connection as the sweep sees it: a deadline (loop time; inf for none) and what
     to do when it has passed."""
 
-    deadline: float
+    @property
+    def deadline(self) -> float: ...
 
     def expire(self) -> None: ...
 
@@ -99,8 +101,9 @@ class ConnectionGuard:
         self.max_connections = fit_connections(
             limits.max_connections, limits.max_in_flight, fd_limit
         )
+        self.response_stall = timeouts.response_stall
         self.linger = min(LINGER, timeouts.request_head)
-        self.interval = min(SWEEP_INTERVAL, timeouts.request_head / 4)
+        self.interval = min(SWEEP_INTERVAL, timeouts.request_head / 4, self.response_stall / 4)
         self.counts = counts or ConnectionCounts()
         self.open: set[Timed] = set()
         self._loop: asyncio.AbstractEventLoop | None = None

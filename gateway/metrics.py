@@ -48,7 +48,13 @@ class ConnectionCounts:
     """Client connections the gateway closed itself, by reason (gateway/server.py):
     plain integer adds on the connection path, read at scrape time."""
 
-    __slots__ = ("head_timeout", "headers_too_large", "idle_timeout", "max_connections")
+    __slots__ = (
+        "head_timeout",
+        "headers_too_large",
+        "idle_timeout",
+        "max_connections",
+        "response_stall",
+    )
 
     def __init__(self) -> None:
         # Some bytes of a request head arrived, not all of it in `timeouts.request_head`.
@@ -60,6 +66,8 @@ class ConnectionCounts:
         self.max_connections = 0
         # A head over `limits.max_header_bytes`: 431, then closed.
         self.headers_too_large = 0
+        # A response left unread for `timeouts.response_stall`: dropped.
+        self.response_stall = 0
 
 
 class ConnectionCollector(Collector):
@@ -77,7 +85,7 @@ class ConnectionCollector(Collector):
         closed = CounterMetricFamily(
             "gateway_client_connections_closed",
             "Client connections the gateway closed itself, by reason: head_timeout, "
-            "idle_timeout, max_connections, headers_too_large.",
+            "idle_timeout, max_connections, headers_too_large, response_stall.",
             labels=["reason"],
         )
         for reason in ConnectionCounts.__slots__:

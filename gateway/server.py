@@ -16,6 +16,9 @@ protocol with limits on the connection itself, which uvicorn does not have.
   (pipelined) request is still being written, the connection is closed without one.
 - Keep-alive idle: uvicorn's own timer (`timeout_keep_alive`, from
   `timeouts.client_keepalive`).
+- Response stall: a client that leaves its answer unread (the write buffer full, so the
+  app waits to send) for `timeouts.response_stall` is dropped; the app sees a disconnect
+  and the engine's request is aborted.
 
 The request body's pace is the app's to enforce (gateway/body.py), where a 408 can be
 answered in the gateway's error format. The deadlines are enforced by the guard's
@@ -72,8 +75,10 @@ class GatewayProtocol(HttpToolsProtocol):
                 TimeoutSettings(), LimitsSettings()
             )
         self.guard: ConnectionGuard = guard
-        # Loop time by which the current wait must end; inf while a request is handled.
-        self.deadline = math.inf
+        # Loop time by which the next head must be complete; inf while a request is
+        # handled. And by which a full write buffer must have drained; inf when not full.
+        self._head_due = math.inf
+        self._write_due = math.inf
         self._refused = False
         # No byte arrived since the connection opened or the last response was sent.
         self._idle = True
@@ -100,7 +105,7 @@ class GatewayProtocol(HttpToolsProtocol):
             transport.abort()
             return
         super().connection_made(transport)
-        self.deadline = self.loop.time() + guard.request_head
+        self._head_due = self.loop.time() + guard.request_head
         guard.add(self, self.loop)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -109,19 +114,28 @@ class GatewayProtocol(HttpToolsProtocol):
         self.guard.discard(self)
         super().connection_lost(exc)
 
+    @property
+    def deadline(self) -> float:
+        """The loop time at which the guard's sweep calls `expire`."""
+        return min(self._head_due, self._write_due)
+
     def expire(self) -> None:
         """Called by the guard's sweep once `deadline` has passed: the head did not come
-        in time, or a 431's linger is over. Closed without an answer."""
-        self.deadline = math.inf
+        in time, a 431's linger is over, or the client left its answer unread. Closed
+        without an answer."""
         transport = self.transport
         if transport.is_closing():
+            self._head_due = self._write_due = math.inf
             return
-        if not self._lingering:
-            counts = self.guard.counts
+        counts = self.guard.counts
+        if self._write_due <= self.loop.time():
+            counts.response_stall += 1
+        elif not self._lingering:
             if self._idle:
                 counts.idle_timeout += 1
             else:
                 counts.head_timeout += 1
+        self._head_due = self._write_due = math.inf
         if transport.get_write_buffer_size():
             # The last response is still unread: a client that does not read is not
             # waited for.
@@ -174,7 +188,7 @@ class GatewayProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        self.deadline = math.inf
+        self._head_due = math.inf
         cap = self.guard.max_header_bytes
         # An upper bound first (the chunks the head came in), the exact size only when
         # that bound is over the cap: chunks are large when a body follows the head.
@@ -195,7 +209,7 @@ class GatewayProtocol(HttpToolsProtocol):
             transport.write_eof()
         self._lingering = True
         self.flow.resume_reading()
-        self.deadline = self.loop.time() + self.guard.linger
+        self._head_due = self.loop.time() + self.guard.linger
 
     # --- output ---------------------------------------------------------------------
 
@@ -206,4 +220,12 @@ class GatewayProtocol(HttpToolsProtocol):
             # The next head is due `request_head` after this response, not after the
             # client's next byte.
             self._idle = not self._in_head
-            self.deadline = self.loop.time() + self.guard.request_head
+            self._head_due = self.loop.time() + self.guard.request_head
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._write_due = self.loop.time() + self.guard.response_stall
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._write_due = math.inf

@@ -37,6 +37,7 @@ BODY_GRACE = 1.0
 MIN_RATE = 1000
 MAX_HEADER_BYTES = 8192
 MAX_CONNECTIONS = 8
+RESPONSE_STALL = 1.0
 CLOSED = "gateway_client_connections_closed_total"
 AUTH_JSON = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 
@@ -71,6 +72,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             GATEWAY_TIMEOUTS__REQUEST_BODY_GRACE=str(BODY_GRACE),
             GATEWAY_LIMITS__MIN_BODY_RATE=str(MIN_RATE),
             GATEWAY_LIMITS__MAX_HEADER_BYTES=str(MAX_HEADER_BYTES),
+            GATEWAY_TIMEOUTS__RESPONSE_STALL=str(RESPONSE_STALL),
         ),
     )
     c = gateway_proc(
@@ -349,6 +351,26 @@ def test_a_large_body_at_full_speed_is_unaffected(stack: Stack) -> None:
         timeout=30,
     )
     assert r.status_code == 200, r.text
+
+
+# --- the response ---------------------------------------------------------------------
+
+
+def test_a_client_that_does_not_read_is_dropped(stack: Stack) -> None:
+    """Its request leaves the gateway (the in-flight slot is free again) instead of
+    waiting on the client forever."""
+    stalled = closed_metric(stack.g, "response_stall")
+    body = json.dumps(
+        {**json.loads(chat_body()), "max_tokens": 30000, "ignore_eos": True, "stream": True}
+    ).encode()
+    with socket.socket() as sock:
+        # A small receive window, so the gateway's buffers fill soon.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", stack.g.port))
+        sock.sendall(chat_head(len(body)) + body)
+        # Never read; the gateway drops the connection once its buffer stayed full.
+        assert wait_for(lambda: closed_metric(stack.g, "response_stall") > stalled, timeout=30)
+        assert wait_for(lambda: metric(stack.g.url, "gateway_requests_in_flight") == 0)
 
 
 # --- the head's size --------------------------------------------------------------------
