@@ -220,6 +220,8 @@ class Gateway:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
+            # For the body reader: the guard's sweep keeps each body's pace (body.py).
+            scope[CONNECTION_GUARD] = self.connections
             await self.stack(scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(scope, receive, send)

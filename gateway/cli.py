@@ -67,9 +67,9 @@ def _serve(args: argparse.Namespace) -> int:
         "host": settings.host,
         "port": settings.port,
         "loop": "uvloop",
-        # httptools with the gateway's connection limits; a class, so workers import it.
+        # httptools with the gateway's connection limits (keep-alive included, from
+        # timeouts.client_keepalive); a class, so workers import it.
         "http": GatewayProtocol,
-        "timeout_keep_alive": settings.timeouts.client_keepalive,
         "access_log": False,
         "log_level": "warning",
         "server_header": False,

@@ -14,15 +14,16 @@ protocol with limits on the connection itself, which uvicorn does not have.
   and the connection closed, after a short linger that reads and drops what the client
   still sends, so the answer is not lost to a reset. When a response to an earlier
   (pipelined) request is still being written, the connection is closed without one.
-- Keep-alive idle: uvicorn's own timer (`timeout_keep_alive`, from
-  `timeouts.client_keepalive`).
+- Keep-alive idle: a keep-alive connection that sends nothing for
+  `timeouts.client_keepalive` after a response is closed (not counted: HTTP allows it).
+  This replaces uvicorn's keep-alive timer, one armed and cancelled per request.
 - Response stall: a client that leaves its answer unread (the write buffer full, so the
   app waits to send) for `timeouts.response_stall` is dropped; the app sees a disconnect
   and the engine's request is aborted.
 
 The request body's pace is the app's to enforce (gateway/body.py), where a 408 can be
-answered in the gateway's error format. The deadlines are enforced by the guard's
-sweep (gateway/connections.py); per request this adds a few attribute writes.
+answered in the gateway's error format. The deadlines are kept by the guard's sweep
+(gateway/connections.py); per request this costs a few attribute writes, and no timer.
 """
 
 from __future__ import annotations
@@ -75,9 +76,11 @@ class GatewayProtocol(HttpToolsProtocol):
                 TimeoutSettings(), LimitsSettings()
             )
         self.guard: ConnectionGuard = guard
-        # Loop time by which the next head must be complete; inf while a request is
-        # handled. And by which a full write buffer must have drained; inf when not full.
+        # Loop times (inf: none) by which the next head must be complete (none while a
+        # request is handled), the next request must begin (after a response), and a
+        # full write buffer must have drained.
         self._head_due = math.inf
+        self._idle_due = math.inf
         self._write_due = math.inf
         self._refused = False
         # No byte arrived since the connection opened or the last response was sent.
@@ -117,25 +120,27 @@ class GatewayProtocol(HttpToolsProtocol):
     @property
     def deadline(self) -> float:
         """The loop time at which the guard's sweep calls `expire`."""
-        return min(self._head_due, self._write_due)
+        return min(self._head_due, self._idle_due, self._write_due)
 
     def expire(self) -> None:
-        """Called by the guard's sweep once `deadline` has passed: the head did not come
-        in time, a 431's linger is over, or the client left its answer unread. Closed
-        without an answer."""
+        """Called by the guard's sweep once `deadline` has passed: the keep-alive wait
+        is over, the head did not come in time, a 431's linger is over, or the client
+        left its answer unread. Closed without an answer."""
+        now = self.loop.time()
+        stalled = self._write_due <= now
+        late = self._head_due <= now and not self._lingering
+        self._head_due = self._idle_due = self._write_due = math.inf
         transport = self.transport
         if transport.is_closing():
-            self._head_due = self._write_due = math.inf
             return
         counts = self.guard.counts
-        if self._write_due <= self.loop.time():
+        if stalled:
             counts.response_stall += 1
-        elif not self._lingering:
-            if self._idle:
-                counts.idle_timeout += 1
-            else:
-                counts.head_timeout += 1
-        self._head_due = self._write_due = math.inf
+        elif late and self._idle:
+            counts.idle_timeout += 1
+        elif late:
+            counts.head_timeout += 1
+        # Else the keep-alive wait or a 431's linger ended: not counted.
         if transport.get_write_buffer_size():
             # The last response is still unread: a client that does not read is not
             # waited for.
@@ -151,11 +156,13 @@ class GatewayProtocol(HttpToolsProtocol):
     # --- input ----------------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
-        # uvicorn's data_received, with the head's byte count and the 431.
+        # uvicorn's data_received, with the head's byte count and the 431, and the
+        # keep-alive wait a deadline instead of a timer.
         if self._lingering:
             return
-        self._unset_keepalive_if_required()
-        self._idle = False
+        if self._idle:
+            self._idle = False
+            self._idle_due = math.inf
         self._chunk = len(data)
         if self._in_head:
             self._head_seen += self._chunk
@@ -214,13 +221,22 @@ class GatewayProtocol(HttpToolsProtocol):
     # --- output ---------------------------------------------------------------------
 
     def on_response_complete(self) -> None:
-        pipelined = bool(self.pipeline)
-        super().on_response_complete()
-        if not pipelined:
-            # The next head is due `request_head` after this response, not after the
-            # client's next byte.
-            self._idle = not self._in_head
-            self._head_due = self.loop.time() + self.guard.request_head
+        # uvicorn's, with the keep-alive wait a deadline instead of a timer.
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+            return
+        # The next head is due `request_head` after this response, not after the
+        # client's next byte.
+        now = self.loop.time()
+        self._head_due = now + self.guard.request_head
+        if not self._in_head:
+            self._idle = True
+            self._idle_due = now + self.guard.keepalive
 
     def pause_writing(self) -> None:
         super().pause_writing()

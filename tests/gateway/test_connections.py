@@ -22,9 +22,9 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.body import BodyPace, read_body
+from gateway.body import read_body
 from gateway.config import LimitsSettings, TimeoutSettings
-from gateway.connections import FD_RESERVE, ConnectionGuard, fit_connections
+from gateway.connections import FD_RESERVE, BodyPace, ConnectionGuard, fit_connections
 from gateway.errors import HeadersTooLarge, RequestTimeout, raw_response
 from gateway.server import head_size
 from tests.procs import Proc, gateway_proc, metric, running, sim_proc, sim_received, wait_for
@@ -504,27 +504,36 @@ def _receive(script: list[tuple[float, bytes, bool]]) -> Any:
     return receive
 
 
-FAST = BodyPace(deadline=0.6, grace=0.2, rate=1000.0)
+def _guard() -> ConnectionGuard:
+    """Bodies whole within 1.2 s, at 1,000 bytes a second after 0.4 s; swept every 0.1 s
+    (a quarter of the grace)."""
+    timeouts = TimeoutSettings(request_body=1.2, request_body_grace=0.4)
+    return ConnectionGuard(timeouts, LimitsSettings(min_body_rate=1000))
 
 
 @pytest.mark.parametrize(
     ("script", "outcome"),
     [
         ([(0, b"x" * 10, False)], b"x" * 10),  # whole at once
-        ([(0.05, b"a", True), (0.05, b"b", False)], b"ab"),  # within the grace
-        # 100 bytes buy 0.1 s past the grace (until 0.3 s); the rest came at 0.25 s.
-        ([(0, b"a" * 100, True), (0.25, b"b", False)], b"a" * 100 + b"b"),
-        ([(0.4, b"a", False)], "rate"),  # nothing within the grace
-        ([(0, b"a" * 100, True), (0.4, b"b", False)], "rate"),  # behind at 0.3 s
-        # 400 bytes a second past the grace is behind 1,000 by 0.4 s
-        ([(0, b"a" * 50, True)] + [(0.1, b"a" * 40, True)] * 10, "rate"),
-        # Ahead of the rate, but not complete by the deadline.
-        ([(0, b"a" * 5000, True)] + [(0.2, b"a", True)] * 5, "deadline"),
+        ([(0.1, b"a", True), (0.1, b"b", False)], b"ab"),  # within the grace
+        # 200 bytes buy 0.2 s past the grace (until 0.6 s); the rest came at 0.45 s.
+        ([(0, b"a" * 200, True), (0.45, b"b", False)], b"a" * 200 + b"b"),
+        ([(0.9, b"a", False)], "rate"),  # nothing within the grace
+        ([(0, b"a" * 200, True), (1.0, b"b", False)], "rate"),  # behind from 0.6 s
+        # 400 bytes a second is behind 1,000 from about 0.73 s.
+        ([(0, b"a" * 50, True)] + [(0.1, b"a" * 40, True)] * 30, "rate"),
+        # Ahead of the rate, but not whole by the deadline.
+        ([(0, b"a" * 5000, True)] + [(0.2, b"a", True)] * 20, "deadline"),
     ],
 )
 def test_read_body_keeps_the_pace(script: list[tuple[float, bytes, bool]], outcome: Any) -> None:
     async def read() -> bytes:
-        return await read_body(_receive(script), 10**6, FAST)
+        guard = _guard()
+        try:
+            return await read_body(_receive(script), 10**6, guard)
+        finally:
+            assert not guard.bodies and not guard.late
+            guard.stop()
 
     if isinstance(outcome, bytes):
         assert asyncio.run(read()) == outcome
@@ -533,6 +542,20 @@ def test_read_body_keeps_the_pace(script: list[tuple[float, bytes, bool]], outco
         asyncio.run(read())
     assert caught.value.code == "request_timeout"
     assert ("bytes a second" in caught.value.message) == (outcome == "rate")
+
+
+def test_read_body_lets_other_cancellations_through() -> None:
+    async def scenario() -> None:
+        guard = _guard()
+        task = asyncio.create_task(read_body(_receive([(5, b"a", False)]), 100, guard))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not guard.bodies and not guard.late
+        guard.stop()
+
+    asyncio.run(scenario())
 
 
 @pytest.mark.parametrize(
