@@ -73,7 +73,8 @@ class TimeoutSettings(BaseModel):
     # connection's opening, and on a keep-alive connection from the end of the previous
     # response. Beyond it the connection is closed without an answer (slowloris).
     request_head: float = Field(default=10.0, gt=0)
-    # An idle keep-alive connection is closed after this (uvicorn's timeout_keep_alive).
+    # An idle keep-alive connection is closed after this (gateway/server.py; in place of
+    # uvicorn's timeout_keep_alive, whose timer was armed per request).
     client_keepalive: float = Field(default=5.0, gt=0)
     # Time a client has to send a whole request body, from when the gateway starts
     # reading it; 408 `request_timeout` beyond.
