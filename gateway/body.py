@@ -5,9 +5,10 @@
 A JSON body is read whole and parsed once into an object; a multipart upload is read
 whole and validated (gateway/multipart.py); other routes take no body. The cap is
 enforced while reading, so a body sent without `Content-Length` (chunked) is cut off at
-the cap instead of being buffered whole first, and so is the pace (`connections.BodyPace`): a body
-that stalls or trickles is cut with 408 before it reaches an engine. The app puts its
-`ConnectionGuard`, whose sweep keeps the pace, in every request's scope.
+the cap instead of being buffered whole first, and so is the pace
+(`connections.BodyPace`): a body that stalls or trickles is cut with 408 before it
+reaches an engine. The app puts its `ConnectionGuard`, whose sweep keeps the pace, in
+every request's scope.
 """
 
 from __future__ import annotations
