@@ -24,6 +24,7 @@ from gateway.allocator import tune_allocator
 from gateway.asgi import ASGIApp, Receive, Scope, Send
 from gateway.auth import KeyConfigError, KeyRing, build_keys, load_key_file
 from gateway.config import Settings, load_settings
+from gateway.connections import CONNECTION_GUARD, ConnectionGuard
 from gateway.endpoints import Action
 from gateway.errors import UnknownEndpoint
 from gateway.exchange import exchange_of
@@ -184,6 +185,12 @@ class Gateway:
         self.inspector = PayloadInspector(settings.media, settings.payload, decoder=self.decoder)
         policy = make_policy(settings.routing)
         self.metrics.watch_pool(lambda: self.pool.engines, policy.name)
+        # The limits of the client connections themselves, for the connection protocol
+        # (gateway/server.py), which finds the guard in the lifespan state.
+        self.connections = ConnectionGuard(
+            settings.timeouts, settings.limits, self.metrics.connections
+        )
+        self.metrics.watch_connections(lambda: len(self.connections.open))
         # Per-key limits from authentication on (KeyLimits), the global slot once the
         # body is in (Proxy): one object, so the counts are the same ones.
         self.admission = Admission(settings.limits, self.metrics)
@@ -232,9 +239,11 @@ class Gateway:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
+            # For the body reader: the guard's sweep keeps each body's pace (body.py).
+            scope[CONNECTION_GUARD] = self.connections
             await self.stack(scope, receive, send)
         elif kind == "lifespan":
-            await self._lifespan(receive, send)
+            await self._lifespan(scope, receive, send)
         else:
             # WebSocket routes (/v1/realtime) are not proxied: refuse the handshake.
             await send({"type": "websocket.close", "code": 1008})
@@ -244,6 +253,7 @@ class Gateway:
         tune_allocator()
         async with contextlib.AsyncExitStack() as stack:
             stack.callback(self.request_log.flush)
+            stack.callback(self.connections.stop)
             stack.push_async_callback(self.upstream.aclose)
             stack.push_async_callback(self.decoder.aclose)
             stack.push_async_callback(self.inspector.aclose)
@@ -267,7 +277,10 @@ class Gateway:
         if exit_stack is not None:
             await exit_stack.aclose()
 
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = scope.get("state")
+        if state is not None:
+            state[CONNECTION_GUARD] = self.connections
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":

@@ -5,11 +5,15 @@
 A JSON body is read whole and parsed once into an object; a multipart upload is read
 whole and validated (gateway/multipart.py); other routes take no body. The cap is
 enforced while reading, so a body sent without `Content-Length` (chunked) is cut off at
-the cap instead of being buffered whole first.
+the cap instead of being buffered whole first, and so is the pace
+(`connections.BodyPace`): a body that stalls or trickles is cut with 408 before it
+reaches an engine. The app puts its `ConnectionGuard`, whose sweep keeps the pace, in
+every request's scope.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,8 +21,9 @@ import orjson
 
 from gateway.asgi import Receive, Scope
 from gateway.config import Settings
+from gateway.connections import CONNECTION_GUARD, BodyPace, ConnectionGuard
 from gateway.endpoints import BodyKind, Route
-from gateway.errors import InvalidJson, RequestTooLarge, UnsupportedMediaType
+from gateway.errors import InvalidJson, RequestTimeout, RequestTooLarge, UnsupportedMediaType
 from gateway.multipart import Upload, content_type, validate_upload
 
 # The Content-Type a JSON request is forwarded with: the media type that was checked,
@@ -53,22 +58,56 @@ def check_declared(headers: list[tuple[bytes, bytes]], limit: int) -> None:
         raise _too_large(limit)
 
 
-async def read_body(receive: Receive, limit: int) -> bytes:
-    """The whole body, or RequestTooLarge as soon as more than `limit` bytes arrived."""
+def _too_slow(pace: BodyPace, received: int) -> RequestTimeout:
+    if pace.due(received) < pace.deadline:
+        return RequestTimeout(
+            f"The request body arrived slower than this gateway accepts "
+            f"({pace.rate:.0f} bytes a second on average after the first {pace.grace:g} s)."
+        )
+    return RequestTimeout(f"The request body did not arrive within {pace.deadline:g} s.")
+
+
+async def read_body(receive: Receive, limit: int, guard: ConnectionGuard) -> bytes:
+    """The whole body; RequestTooLarge as soon as more than `limit` bytes arrived,
+    RequestTimeout once it falls behind the guard's `body_pace`.
+
+    The pace is kept by the guard's sweep (gateway/connections.py), not by a timer: the
+    body's due time is a dict entry, moved as each chunk arrives; a body late by it is
+    cancelled by the sweep, within its interval."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    guard.start(loop)
+    pace = guard.body_pace
+    bodies = guard.bodies
+    start = loop.time()
+    bodies[task] = start + pace.due(0)
     chunks: list[bytes] = []
     size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientDisconnected
-        chunk: bytes = message.get("body", b"")
-        if chunk:
-            size += len(chunk)
-            if size > limit:
-                raise _too_large(limit)
-            chunks.append(chunk)
-        if not message.get("more_body", False):
-            break
+    try:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnected
+            chunk: bytes = message.get("body", b"")
+            more = message.get("more_body", False)
+            if chunk:
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(limit)
+                chunks.append(chunk)
+                if more:
+                    bodies[task] = start + pace.due(size)
+            if not more:
+                break
+    except asyncio.CancelledError:
+        if task not in guard.late:
+            raise
+        guard.late.discard(task)
+        task.uncancel()
+        raise _too_slow(pace, size) from None
+    finally:
+        bodies.pop(task, None)
     if len(chunks) == 1:
         return chunks[0]
     return b"".join(chunks)
@@ -116,7 +155,7 @@ async def read_incoming(
         if not _is_json(header(scope, b"content-type")):
             raise UnsupportedMediaType("This endpoint takes 'Content-Type: application/json'.")
         check_declared(scope["headers"], limits.max_body_bytes)
-        raw = await read_body(receive, limits.max_body_bytes)
+        raw = await read_body(receive, limits.max_body_bytes, scope[CONNECTION_GUARD])
         try:
             loaded = orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -128,7 +167,7 @@ async def read_incoming(
         # Read whole (capped) and validated before anything reaches an engine: the
         # upload is forwarded only when it is one well-formed audio file.
         check_declared(scope["headers"], limits.max_upload_bytes)
-        raw = await read_body(receive, limits.max_upload_bytes)
+        raw = await read_body(receive, limits.max_upload_bytes, scope[CONNECTION_GUARD])
         declared = header(scope, b"content-type")
         upload = validate_upload(
             None if declared is None else declared.decode("latin-1"),

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from gateway.app import CONFIG_ENV, create_app, tune_collector
 from gateway.auth import KeyConfigError, build_keys, hash_key, load_key_file
 from gateway.config import Settings, load_settings
+from gateway.connections import raise_fd_limit
 from gateway.logging import configure_logging
 
 
@@ -48,6 +49,8 @@ def _load(config: Path | None, **overrides: Any) -> Settings:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from gateway.server import GatewayProtocol
+
     overrides: dict[str, Any] = {}
     if args.host is not None:
         overrides["host"] = args.host
@@ -57,11 +60,16 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["log_format"] = args.log_format
     settings = _load(args.config, **overrides)
     configure_logging(settings.log_format, settings.log_level)
+    # Each client connection holds a descriptor: the soft limit up to the hard one
+    # (workers inherit it); the app lowers max_connections to fit what remains.
+    raise_fd_limit()
     options: dict[str, Any] = {
         "host": settings.host,
         "port": settings.port,
         "loop": "uvloop",
-        "http": "httptools",
+        # httptools with the gateway's connection limits (keep-alive included, from
+        # timeouts.client_keepalive); a class, so workers import it.
+        "http": GatewayProtocol,
         "access_log": False,
         "log_level": "warning",
         "server_header": False,

@@ -80,9 +80,39 @@ class LimitsSettings(BaseModel):
     # Header fields per request (431 beyond). uvicorn caps neither their number (httptools)
     # nor, with httptools, their total size; every header loop on the way is linear in it.
     max_headers: int = Field(default=100, gt=0)
+    # Bytes of a request head (request line and header lines), 431 `headers_too_large`
+    # beyond (gateway/server.py). httptools buffers a header value whole before handing
+    # it over, at any size: 2 MB of headers were accepted.
+    max_header_bytes: int = Field(default=64 * 1024, ge=1024)
+    # Open client connections per process; beyond it a new connection is closed at once
+    # (gateway/server.py). Each holds a file descriptor, as does each in-flight request's
+    # engine connection: lowered at start to fit RLIMIT_NOFILE (gateway/connections.py).
+    max_connections: int = Field(default=4096, gt=0)
+    # Slowest average a request body may arrive at once `timeouts.request_body_grace` has
+    # passed, in bytes per second (408 `request_timeout` below it); 0: no minimum.
+    min_body_rate: int = Field(default=16 * 1024, ge=0)
 
 
 class TimeoutSettings(BaseModel):
+    # --- client side (gateway/server.py, gateway/body.py) ---
+    # Time a client has to send a request's head (request line and headers): from the
+    # connection's opening, and on a keep-alive connection from the end of the previous
+    # response. Beyond it the connection is closed without an answer (slowloris).
+    request_head: float = Field(default=10.0, gt=0)
+    # An idle keep-alive connection is closed after this (gateway/server.py; in place of
+    # uvicorn's timeout_keep_alive, whose timer was armed per request).
+    client_keepalive: float = Field(default=5.0, gt=0)
+    # Time a client has to send a whole request body, from when the gateway starts
+    # reading it; 408 `request_timeout` beyond.
+    request_body: float = Field(default=60.0, gt=0)
+    # From this long into the body on, it must have arrived at `limits.min_body_rate`
+    # on average (counted from the end of the grace): a body that stalls is cut then.
+    request_body_grace: float = Field(default=5.0, gt=0)
+    # Longest a response may wait on a client that does not read it (the connection's
+    # write buffer full); beyond it the connection is dropped, and the engine's request
+    # with it: an unread stream would hold its slot and the engine's KV blocks forever.
+    response_stall: float = Field(default=60.0, gt=0)
+    # --- engine side ---
     connect: float = Field(default=3.0, gt=0)
     # Time allowed for the engine to start answering. Long: a queued engine is slow, not dead.
     first_byte: float = Field(default=600.0, gt=0)

@@ -18,9 +18,13 @@ and URL parsers echo attacker input. Raised when:
   | + ModelNotAllowed         403 model_not_allowed: a model not served or not the key's
   + UnknownEndpoint           404 unknown_endpoint: a path not in the table
   + MethodNotAllowed          405 method_not_allowed: the wrong method for a route
+  + RequestTimeout            408 request_timeout: a body too slow or past its deadline
+  |                           (body.py); the connection is closed
   + RequestTooLarge           413 request_too_large: a body over its cap (body.py)
   | + MediaTooLarge           413 media_too_large: a media item over its caps (media/)
   + TooManyHeaders            431 too_many_headers: over limits.max_headers
+  + HeadersTooLarge           431 headers_too_large: a head over limits.max_header_bytes,
+  |                           written by the connection (server.py), which then closes
   + UnsupportedMediaType      415 unsupported_media_type: a Content-Type the route refuses
   + MediaFetchFailed          422 media_fetch_failed: a media URL could not be fetched
   + RateLimited               429 rate_limited: over the key's in-flight cap or its rate
@@ -43,6 +47,7 @@ the last four in one place, `forwarder.gateway_error`.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from http import HTTPStatus
 
 import orjson
 
@@ -141,6 +146,18 @@ class MethodNotAllowed(GatewayError):
     default_message = "This method is not allowed on this endpoint."
 
 
+class RequestTimeout(GatewayError):
+    status = 408
+    code = "request_timeout"
+    type = "invalid_request_error"
+    default_message = "The request body did not arrive in time."
+
+    def __init__(self, message: str | None = None) -> None:
+        # The rest of a body that stalled may still come: the connection cannot carry
+        # another request.
+        super().__init__(message, headers={"Connection": "close"})
+
+
 class RequestTooLarge(GatewayError):
     status = 413
     code = "request_too_large"
@@ -158,6 +175,13 @@ class TooManyHeaders(GatewayError):
     code = "too_many_headers"
     type = "invalid_request_error"
     default_message = "The request has more header fields than this gateway accepts."
+
+
+class HeadersTooLarge(GatewayError):
+    status = 431
+    code = "headers_too_large"
+    type = "invalid_request_error"
+    default_message = "The request's header section is larger than this gateway accepts."
 
 
 class UnsupportedMediaType(GatewayError):
@@ -271,6 +295,17 @@ def error_body(exc: GatewayError) -> bytes:
 def sse_error_frame(exc: GatewayError) -> bytes:
     """A mid-stream error, framed the way vLLM frames one."""
     return b"data: " + error_body(exc) + b"\n\n"
+
+
+def raw_response(exc: GatewayError) -> bytes:
+    """`exc` as a whole HTTP/1.1 response that closes the connection, for the connection
+    protocol (gateway/server.py), which answers before there is an ASGI request."""
+    body = error_body(exc)
+    head = [f"HTTP/1.1 {exc.status} {HTTPStatus(exc.status).phrase}"]
+    head += ["content-type: application/json", f"content-length: {len(body)}"]
+    head += [f"{name.lower()}: {value}" for name, value in exc.headers.items()]
+    head += ["connection: close", "", ""]
+    return "\r\n".join(head).encode("latin-1") + body
 
 
 async def send_error(

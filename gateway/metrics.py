@@ -44,6 +44,55 @@ class RoutingCounts:
         self.failovers = 0
 
 
+class ConnectionCounts:
+    """Client connections the gateway closed itself, by reason (gateway/server.py):
+    plain integer adds on the connection path, read at scrape time."""
+
+    __slots__ = (
+        "head_timeout",
+        "headers_too_large",
+        "idle_timeout",
+        "max_connections",
+        "response_stall",
+    )
+
+    def __init__(self) -> None:
+        # Some bytes of a request head arrived, not all of it in `timeouts.request_head`.
+        self.head_timeout = 0
+        # Nothing arrived in `timeouts.request_head` (a new connection, or a keep-alive
+        # one when the head deadline is shorter than the keep-alive wait).
+        self.idle_timeout = 0
+        # Over `limits.max_connections`: closed as soon as accepted.
+        self.max_connections = 0
+        # A head over `limits.max_header_bytes`: 431, then closed.
+        self.headers_too_large = 0
+        # A response left unread for `timeouts.response_stall`: dropped.
+        self.response_stall = 0
+
+
+class ConnectionCollector(Collector):
+    """Open client connections and the closing counts, at scrape time."""
+
+    def __init__(self, counts: ConnectionCounts, open_connections: Callable[[], int]) -> None:
+        self._counts = counts
+        self._open = open_connections
+
+    def collect(self) -> Iterator[Metric]:
+        open_now = GaugeMetricFamily(
+            "gateway_client_connections", "Client connections open in this process."
+        )
+        open_now.add_metric([], float(self._open()))
+        closed = CounterMetricFamily(
+            "gateway_client_connections_closed",
+            "Client connections the gateway closed itself, by reason: head_timeout, "
+            "idle_timeout, max_connections, headers_too_large, response_stall.",
+            labels=["reason"],
+        )
+        for reason in ConnectionCounts.__slots__:
+            closed.add_metric([reason], float(getattr(self._counts, reason)))
+        yield from (open_now, closed)
+
+
 # The per-engine families: kind, name, help, and an engine's value (None: not reported,
 # as the queue and the cache of an engine whose metrics were never scraped).
 _PER_ENGINE: tuple[
@@ -162,6 +211,7 @@ class Metrics:
             registry=self.registry,
         )
         self.routing = RoutingCounts()
+        self.connections = ConnectionCounts()
         self._requests: dict[tuple[str, int, str], Counter] = {}
         self._durations: dict[str, Histogram] = {}
         self._ttfbs: dict[str, Histogram] = {}
@@ -206,6 +256,11 @@ class Metrics:
     def watch_pool(self, engines: Callable[[], Sequence[EngineStats]], policy: str) -> None:
         """Report the engines returned by `engines` and the routing counts at scrape time."""
         self.registry.register(PoolCollector(engines, policy, self.routing))
+
+    def watch_connections(self, open_connections: Callable[[], int]) -> None:
+        """Report the open client connections (`open_connections`) and the closing
+        counts at scrape time."""
+        self.registry.register(ConnectionCollector(self.connections, open_connections))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

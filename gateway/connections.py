@@ -1,0 +1,181 @@
+"""What every client connection of a process is held to, and the one sweep that keeps
+the deadlines: the head's, the keep-alive wait's, an unread answer's (gateway/server.py)
+and the request body's (gateway/body.py).
+
+The app builds one `ConnectionGuard` from settings and hands it to the connection
+protocol and to the body reader through the lifespan state, the dict uvicorn gives every
+connection it opens and copies into every request's scope; each worker process builds
+its own.
+
+A deadline is a float, moved a few times a request (the head complete, each body chunk,
+the response sent), never a timer: one timer per process sweeps the open connections and
+the bodies being read a few times a second, so a deadline is kept to within `interval`
+(0.5 s at most). An asyncio timer armed and cancelled per request cost ~8 us of CPU on
+this machine, a twentieth of the gateway's whole added latency; uvicorn's own keep-alive
+timer was one more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import structlog
+
+from gateway.config import LimitsSettings, TimeoutSettings
+from gateway.metrics import ConnectionCounts
+
+# The lifespan state key under which the app hands the guard to the protocol.
+CONNECTION_GUARD = "gateway.connection_guard"
+# Descriptors kept free besides client connections and one engine connection per request
+# in flight: the listening socket, media fetches, log and key files, DNS, health checks.
+FD_RESERVE = 256
+# Longest time between sweeps; shorter when the head deadline is short.
+SWEEP_INTERVAL = 0.5
+# After a 431 the connection stays open this long at most, its input read and dropped,
+# so the answer is not lost to a reset while the client is still sending its head.
+LINGER = 2.0
+
+log = structlog.get_logger("gateway.connections")
+
+
+class Timed(Protocol):
+    """A connection as the sweep sees it: a deadline (loop time; inf for none) and what
+    to do when it has passed."""
+
+    @property
+    def deadline(self) -> float: ...
+
+    def expire(self) -> None: ...
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit (children inherit it);
+    return the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # An unlimited hard limit still stops at the kernel's nr_open (2**20 by default).
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            return soft
+        return target
+    return soft
+
+
+def fit_connections(max_connections: int, max_in_flight: int, fd_limit: int) -> int:
+    """`max_connections`, lowered if need be so that as many client connections, one
+    engine connection per request in flight and `FD_RESERVE` fit in `fd_limit`: at the
+    file-descriptor limit accepting fails, for every client alike."""
+    room = fd_limit - max_in_flight - FD_RESERVE
+    if max_connections <= room:
+        return max_connections
+    fitted = max(room, fd_limit // 2)
+    log.warning(
+        "fd_limit_low",
+        fd_limit=fd_limit,
+        needed=max_connections + max_in_flight + FD_RESERVE,
+        max_connections=fitted,
+        hint="raise the open-files limit (ulimit -n, the container's nofile) or lower "
+        "limits.max_connections / limits.max_in_flight",
+    )
+    return fitted
+
+
+@dataclass(frozen=True, slots=True)
+class BodyPace:
+    """How fast a body must arrive, counted from the first read: whole within `deadline`
+    seconds, and from `grace` seconds on at `rate` bytes a second on average (counted
+    from the end of the grace; 0: no minimum). The rule: at `t` seconds at least
+    rate * (t - grace) bytes have arrived, and all of them by `deadline`."""
+
+    deadline: float
+    grace: float
+    rate: float
+
+    def due(self, received: int) -> float:
+        """Seconds from the start by which more than `received` bytes must have arrived
+        (or the body ended): when the rate's requirement overtakes `received`."""
+        if self.rate <= 0:
+            return self.deadline
+        return min(self.deadline, self.grace + received / self.rate)
+
+
+class ConnectionGuard:
+    """The connection limits of one process, the open connections and the sweep."""
+
+    def __init__(
+        self,
+        timeouts: TimeoutSettings,
+        limits: LimitsSettings,
+        counts: ConnectionCounts | None = None,
+        fd_limit: int | None = None,
+    ) -> None:
+        if fd_limit is None:
+            fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            if fd_limit == resource.RLIM_INFINITY:
+                fd_limit = 1 << 20
+        self.request_head = timeouts.request_head
+        self.keepalive = timeouts.client_keepalive
+        self.response_stall = timeouts.response_stall
+        self.max_header_bytes = limits.max_header_bytes
+        self.max_connections = fit_connections(
+            limits.max_connections, limits.max_in_flight, fd_limit
+        )
+        self.linger = min(LINGER, timeouts.request_head)
+        self.body_pace = BodyPace(
+            timeouts.request_body, timeouts.request_body_grace, limits.min_body_rate
+        )
+        shortest = min(
+            timeouts.request_head,
+            timeouts.client_keepalive,
+            timeouts.response_stall,
+            timeouts.request_body_grace,
+        )
+        self.interval = min(SWEEP_INTERVAL, shortest / 4)
+        self.counts = counts or ConnectionCounts()
+        self.open: set[Timed] = set()
+        # Tasks reading a request body, and the loop time by which their next chunk is
+        # due by `body_pace` (body.read_body); those the sweep cancelled for being late.
+        self.bodies: dict[asyncio.Task[Any], float] = {}
+        self.late: set[asyncio.Task[Any]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def add(self, conn: Timed, loop: asyncio.AbstractEventLoop) -> None:
+        """Watch `conn` until `discard`."""
+        self.open.add(conn)
+        if self._timer is None:
+            self.start(loop)
+
+    def discard(self, conn: Timed) -> None:
+        self.open.discard(conn)
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the sweep on `loop` (the first connection or body does)."""
+        if self._timer is None:
+            self._loop = loop
+            self._timer = loop.call_later(self.interval, self._sweep)
+
+    def _sweep(self) -> None:
+        assert self._loop is not None
+        now = self._loop.time()
+        # Collected first: expiring closes transports, and their connection_lost (which
+        # discards them) may come within the loop.
+        for conn in [c for c in self.open if c.deadline <= now]:
+            conn.expire()
+        if self.bodies:
+            for task in [t for t, due in self.bodies.items() if due <= now]:
+                # read_body turns this cancellation into a 408.
+                del self.bodies[task]
+                self.late.add(task)
+                task.cancel()
+        self._timer = self._loop.call_later(self.interval, self._sweep)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None

@@ -1,0 +1,593 @@
+"""Limits on client connections, through the gateway under uvicorn on loopback: the head
+deadline (slowloris), idle and keep-alive connections, the body's pace (408), the header
+bytes cap (431) and the connection cap; and the rules behind them, in process.
+
+Gateway G has short limits (head 2 s, body 3 s with 1 s of grace at 1,000 bytes a
+second, 8 KiB of head); gateway C has a cap of 8 connections and a 1 s keep-alive.
+Times are asserted with wide margins: the machine running the tests is loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.body import read_body
+from gateway.config import LimitsSettings, TimeoutSettings
+from gateway.connections import FD_RESERVE, BodyPace, ConnectionGuard, fit_connections
+from gateway.errors import HeadersTooLarge, RequestTimeout, raw_response
+from gateway.server import head_size
+from tests.procs import Proc, gateway_proc, metric, running, sim_proc, sim_received, wait_for
+
+MODEL = "Qwen/Qwen3-VL-2B-Instruct"
+KEY = "sk-conn-0123456789abcdef-SECRET"
+REQUEST_HEAD = 2.0
+BODY_DEADLINE = 3.0
+BODY_GRACE = 1.0
+MIN_RATE = 1000
+MAX_HEADER_BYTES = 8192
+MAX_CONNECTIONS = 8
+RESPONSE_STALL = 1.0
+CLOSED = "gateway_client_connections_closed_total"
+AUTH_JSON = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+
+
+@dataclass
+class Stack:
+    sim: Proc
+    g: Proc
+    c: Proc
+
+
+def _env(sim: Proc, **extra: str) -> dict[str, str]:
+    return {
+        "GATEWAY_ENGINES": json.dumps([sim.url]),
+        "GATEWAY_API_KEYS": json.dumps([KEY]),
+        "GATEWAY_PUBLIC_METRICS": "true",
+        "GATEWAY_ROUTING__HEALTH_INTERVAL": "30",
+        **extra,
+    }
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("connections")
+    sim = sim_proc(tmp, "--latency", "zero")
+    g = gateway_proc(
+        tmp,
+        _env(
+            sim,
+            GATEWAY_TIMEOUTS__REQUEST_HEAD=str(REQUEST_HEAD),
+            GATEWAY_TIMEOUTS__REQUEST_BODY=str(BODY_DEADLINE),
+            GATEWAY_TIMEOUTS__REQUEST_BODY_GRACE=str(BODY_GRACE),
+            GATEWAY_LIMITS__MIN_BODY_RATE=str(MIN_RATE),
+            GATEWAY_LIMITS__MAX_HEADER_BYTES=str(MAX_HEADER_BYTES),
+            GATEWAY_TIMEOUTS__RESPONSE_STALL=str(RESPONSE_STALL),
+        ),
+    )
+    c = gateway_proc(
+        tmp,
+        _env(
+            sim,
+            GATEWAY_LIMITS__MAX_CONNECTIONS=str(MAX_CONNECTIONS),
+            GATEWAY_TIMEOUTS__CLIENT_KEEPALIVE="1",
+        ),
+    )
+    with running(sim, ready_path="/health"), running(g, c, ready_path="/healthz"):
+        for gw in (g, c):
+            assert wait_for(lambda gw=gw: httpx.get(gw.url + "/readyz").status_code == 200)
+        yield Stack(sim, g, c)
+
+
+# --- raw connections ------------------------------------------------------------------
+
+
+def connect(port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=10)
+
+
+def wait_closed(sock: socket.socket, timeout: float = 15.0) -> tuple[float, bytes]:
+    """Seconds until the peer closed `sock` (EOF or reset), and what it sent before."""
+    started = time.monotonic()
+    sock.settimeout(timeout)
+    got = b""
+    try:
+        while chunk := sock.recv(65536):
+            got += chunk
+    except ConnectionResetError:
+        pass
+    return time.monotonic() - started, got
+
+
+class Reader:
+    """Responses with a Content-Length body, one after another, from `sock`."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.data = b""
+
+    def _more(self) -> None:
+        chunk = self.sock.recv(65536)
+        assert chunk, f"closed before a whole response: {self.data!r}"
+        self.data += chunk
+
+    def response(self) -> tuple[int, dict[str, str], bytes]:
+        while b"\r\n\r\n" not in self.data:
+            self._more()
+        head, _, self.data = self.data.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+        length = int(headers["content-length"])
+        while len(self.data) < length:
+            self._more()
+        body, self.data = self.data[:length], self.data[length:]
+        return int(lines[0].split()[1]), headers, body
+
+
+def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """The one response expected on `sock`."""
+    return Reader(sock).response()
+
+
+def chat_body(pad: int = 0) -> bytes:
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi" + " " * pad}],
+        "max_tokens": 1,
+    }
+    return json.dumps(body).encode()
+
+
+def chat_head(length: int, path: str = "/v1/chat/completions", extra: str = "") -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {length}\r\n{extra}\r\n"
+    ).encode()
+
+
+def get(path: str = "/healthz", extra: str = "") -> bytes:
+    return f"GET {path} HTTP/1.1\r\nHost: gw\r\n{extra}\r\n".encode()
+
+
+def error_code(body: bytes) -> str:
+    return str(json.loads(body)["error"]["code"])
+
+
+class Dribbler(threading.Thread):
+    """Sends `parts` on `sock`, one every `every` seconds, until the peer closes."""
+
+    def __init__(self, sock: socket.socket, parts: list[bytes], every: float) -> None:
+        super().__init__(daemon=True)
+        self.sock, self.parts, self.every = sock, parts, every
+
+    def run(self) -> None:
+        for part in self.parts:
+            try:
+                self.sock.sendall(part)
+            except OSError:
+                return
+            time.sleep(self.every)
+
+
+def closed_metric(gw: Proc, reason: str) -> float:
+    return metric(gw.url, CLOSED, reason=reason)
+
+
+# --- the request head -------------------------------------------------------------------
+
+
+def test_head_dribble_is_closed_at_the_deadline_while_others_are_served(stack: Stack) -> None:
+    before = closed_metric(stack.g, "head_timeout")
+    with connect(stack.g.port) as sock:
+        lines = [b"GET /healthz HTTP/1.1\r\n"] + [b"X-Slow-%d: 1\r\n" % i for i in range(40)]
+        dribbler = Dribbler(sock, lines, 0.5)
+        dribbler.start()
+        # Meanwhile, a normal request on another connection.
+        time.sleep(0.5)
+        r = httpx.post(
+            stack.g.url + "/v1/chat/completions", headers=AUTH_JSON, content=chat_body(), timeout=5
+        )
+        assert r.status_code == 200
+        elapsed, got = wait_closed(sock)
+        elapsed += 0.5  # the sleep above
+    # Counted from the connection's opening, not from the last byte: never later.
+    assert REQUEST_HEAD * 0.5 <= elapsed <= REQUEST_HEAD + 3, elapsed
+    assert got == b""  # a silent close: no answer to a request that never came
+    dribbler.join(5)
+    assert closed_metric(stack.g, "head_timeout") == before + 1
+
+
+def test_silent_connection_is_closed(stack: Stack) -> None:
+    before = closed_metric(stack.g, "idle_timeout")
+    with connect(stack.g.port) as sock:
+        elapsed, got = wait_closed(sock)
+    assert REQUEST_HEAD * 0.5 <= elapsed <= REQUEST_HEAD + 3, elapsed
+    assert got == b""
+    assert closed_metric(stack.g, "idle_timeout") == before + 1
+
+
+def test_keepalive_head_deadline_counts_from_the_end_of_the_response(stack: Stack) -> None:
+    """On a keep-alive connection the next head is due `request_head` after the previous
+    response: starting it late does not buy time."""
+    with connect(stack.g.port) as sock:
+        sock.sendall(get())
+        assert read_response(sock)[0] == 200
+        answered = time.monotonic()
+        time.sleep(REQUEST_HEAD * 0.9)
+        Dribbler(sock, [b"GET /healthz HTTP/1.1\r\n", b"X-A: 1\r\n", b"X-B: 1\r\n"], 0.5).start()
+        _, got = wait_closed(sock)
+        elapsed = time.monotonic() - answered
+        # From the first byte it would be 0.9 + 1 request_head.
+        assert REQUEST_HEAD * 0.5 <= elapsed < REQUEST_HEAD * 1.9 - 0.3, elapsed
+        assert got == b""
+
+
+def test_keepalive_idle_connection_is_closed(stack: Stack) -> None:
+    """Gateway C: 1 s keep-alive, the head deadline (10 s) far away."""
+    with connect(stack.c.port) as sock:
+        sock.sendall(get())
+        assert read_response(sock)[0] == 200
+        elapsed, got = wait_closed(sock)
+        assert 0.5 <= elapsed <= 5, elapsed
+        assert got == b""
+
+
+def test_keepalive_and_pipelined_requests_still_work(stack: Stack) -> None:
+    before = sim_received(stack.sim.url)
+    body = chat_body()
+    with connect(stack.g.port) as sock:
+        reader = Reader(sock)
+        # One after another on one connection.
+        for _ in range(3):
+            sock.sendall(chat_head(len(body)) + body)
+            status, _, answer = reader.response()
+            assert status == 200, answer
+        # Pipelined: three requests in one write, answered in order.
+        sock.sendall((chat_head(len(body)) + body) * 2 + get("/readyz"))
+        answers = [reader.response() for _ in range(3)]
+        assert [a[0] for a in answers] == [200, 200, 200]
+        assert b"ready" in answers[2][2]
+        # Within the head deadline of the last response, the connection still serves.
+        time.sleep(REQUEST_HEAD * 0.4)
+        sock.sendall(get())
+        assert reader.response()[0] == 200
+    assert sim_received(stack.sim.url) == before + 5
+
+
+# --- the request body -------------------------------------------------------------------
+
+
+def _slow_body(
+    stack: Stack, head: bytes, parts: list[bytes], every: float
+) -> tuple[float, int, dict[str, str], bytes, bytes]:
+    """Send `head`, then `parts` one every `every` s; the time to the answer, the
+    answer, and what followed it until the connection closed."""
+    before = sim_received(stack.sim.url)
+    with connect(stack.g.port) as sock:
+        sock.sendall(head)
+        started = time.monotonic()
+        Dribbler(sock, parts, every).start()
+        status, headers, body = read_response(sock)
+        elapsed = time.monotonic() - started
+        _, after = wait_closed(sock, timeout=5)
+    assert sim_received(stack.sim.url) == before  # nothing reached the engine
+    return elapsed, status, headers, body, after
+
+
+def test_a_stalled_body_is_cut_with_408(stack: Stack) -> None:
+    """Headers and one byte of body, then nothing."""
+    elapsed, status, headers, body, after = _slow_body(stack, chat_head(100) + b"{", [], 1)
+    assert (status, error_code(body)) == (408, "request_timeout")
+    assert headers["connection"] == "close"
+    assert after == b""  # and the connection closed
+    assert BODY_GRACE * 0.5 <= elapsed <= BODY_DEADLINE + 3, elapsed
+
+
+def test_a_body_below_the_minimum_rate_is_cut_with_408(stack: Stack) -> None:
+    """20 bytes every 0.25 s: 80 bytes a second against a minimum of 1,000."""
+    body = chat_body(pad=5000)
+    parts = [body[i : i + 20] for i in range(0, len(body), 20)]
+    elapsed, status, _, answer, _ = _slow_body(stack, chat_head(len(body)), parts, 0.25)
+    assert (status, error_code(answer)) == (408, "request_timeout")
+    assert b"bytes a second" in answer
+    # Cut at the rate's point, well before the deadline.
+    assert BODY_GRACE * 0.5 <= elapsed <= BODY_DEADLINE + 2, elapsed
+
+
+def test_a_body_over_the_deadline_is_cut_with_408(stack: Stack) -> None:
+    """1,500 bytes a second, above the minimum rate, but 6 KB take longer than 3 s."""
+    body = chat_body(pad=6000)
+    parts = [body[i : i + 300] for i in range(0, len(body), 300)]
+    elapsed, status, _, answer, _ = _slow_body(stack, chat_head(len(body)), parts, 0.2)
+    assert (status, error_code(answer)) == (408, "request_timeout")
+    assert b"within 3 s" in answer
+    assert BODY_DEADLINE * 0.8 <= elapsed <= BODY_DEADLINE + 3, elapsed
+
+
+def test_a_slow_upload_is_cut_with_408(stack: Stack) -> None:
+    """Multipart uploads are read by the same rule."""
+    boundary = "b0undary"
+    head = (
+        f"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer {KEY}"
+        f"\r\nContent-Type: multipart/form-data; boundary={boundary}\r\n"
+        f"Content-Length: 50000\r\n\r\n--{boundary}\r\n"
+    ).encode()
+    elapsed, status, _, answer, _ = _slow_body(stack, head, [], 1)
+    assert (status, error_code(answer)) == (408, "request_timeout")
+    assert elapsed <= BODY_DEADLINE + 3
+
+
+def test_a_body_at_a_legitimate_pace_is_forwarded(stack: Stack) -> None:
+    """About 2,500 bytes a second, after a pause within the grace: 4.5 KB in ~2 s."""
+    before = sim_received(stack.sim.url)
+    body = chat_body(pad=4500)
+    parts = [body[i : i + 250] for i in range(0, len(body), 250)]
+    with connect(stack.g.port) as sock:
+        sock.sendall(chat_head(len(body)))
+        time.sleep(BODY_GRACE * 0.5)
+        Dribbler(sock, parts, 0.1).start()
+        status, _, answer = read_response(sock)
+    assert status == 200, answer
+    assert sim_received(stack.sim.url) == before + 1
+
+
+def test_a_large_body_at_full_speed_is_unaffected(stack: Stack) -> None:
+    # An unknown field: the padding costs no tokens at the engine.
+    body = json.dumps({**json.loads(chat_body()), "pad": "x" * 24 * 1024 * 1024}).encode()
+    r = httpx.post(
+        stack.g.url + "/v1/chat/completions",
+        headers=AUTH_JSON,
+        content=body,
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+
+
+# --- the response ---------------------------------------------------------------------
+
+
+def test_a_client_that_does_not_read_is_dropped(stack: Stack) -> None:
+    """Its request leaves the gateway (the in-flight slot is free again) instead of
+    waiting on the client forever."""
+    stalled = closed_metric(stack.g, "response_stall")
+    body = json.dumps(
+        {**json.loads(chat_body()), "max_tokens": 30000, "ignore_eos": True, "stream": True}
+    ).encode()
+    with socket.socket() as sock:
+        # A small receive window, so the gateway's buffers fill soon.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", stack.g.port))
+        sock.sendall(chat_head(len(body)) + body)
+        # Never read; the gateway drops the connection once its buffer stayed full.
+        assert wait_for(lambda: closed_metric(stack.g, "response_stall") > stalled, timeout=30)
+        assert wait_for(lambda: metric(stack.g.url, "gateway_requests_in_flight") == 0)
+
+
+# --- the head's size --------------------------------------------------------------------
+
+
+def test_a_head_over_the_byte_cap_is_431_and_closed(stack: Stack) -> None:
+    before = sim_received(stack.sim.url)
+    closed_before = closed_metric(stack.g, "headers_too_large")
+    body = chat_body()
+    big = "X-Big: " + "a" * MAX_HEADER_BYTES + "\r\n"
+    with connect(stack.g.port) as sock:
+        sock.sendall(chat_head(len(body), extra=big) + body)
+        status, headers, answer = read_response(sock)
+        assert (status, error_code(answer)) == (431, "headers_too_large")
+        assert headers["connection"] == "close"
+        assert wait_closed(sock, timeout=5)[1] == b""
+    # Many small headers over the cap, sent in pieces, the head never finished: the
+    # answer comes once the cap is passed.
+    many = "".join(f"X-Field-{i}: {'v' * 90}\r\n" for i in range(120))
+    with connect(stack.g.port) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\n")
+        data = many.encode()
+        for i in range(0, len(data), 1000):
+            sock.sendall(data[i : i + 1000])
+            time.sleep(0.01)
+        status, _, answer = read_response(sock)
+        assert (status, error_code(answer)) == (431, "headers_too_large")
+        assert wait_closed(sock, timeout=5)[1] == b""
+    # One endless header value: httptools would buffer it whole.
+    with connect(stack.g.port) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nX-Endless: ")
+        try:
+            for _ in range(100):
+                sock.sendall(b"v" * 4096)
+        except OSError:
+            pass
+        status, _, answer = read_response(sock)
+        assert (status, error_code(answer)) == (431, "headers_too_large")
+    assert sim_received(stack.sim.url) == before
+    assert closed_metric(stack.g, "headers_too_large") == closed_before + 3
+    # Just under the cap passes.
+    fine = "X-Fine: " + "a" * (MAX_HEADER_BYTES - 400) + "\r\n"
+    with connect(stack.g.port) as sock:
+        sock.sendall(chat_head(len(body), extra=fine) + body)
+        assert read_response(sock)[0] == 200
+
+
+# --- the connection cap -----------------------------------------------------------------
+
+
+def test_connections_over_the_cap_are_closed_at_once(stack: Stack) -> None:
+    """Gateway C holds at most 8 connections: the 9th is closed without an answer while
+    the 8 work; once some close, new ones are accepted again."""
+    before = closed_metric(stack.c, "max_connections")
+    # Let the scrape's connection close (1 s keep-alive) so the count starts at zero.
+    time.sleep(1.5)
+    held = [connect(stack.c.port) for _ in range(MAX_CONNECTIONS)]
+    try:
+        time.sleep(0.3)
+        extra = connect(stack.c.port)
+        elapsed, got = wait_closed(extra, timeout=5)
+        assert elapsed < 2 and got == b""
+        extra.close()
+        # The held connections are served.
+        held[0].sendall(get())
+        assert read_response(held[0])[0] == 200
+        # Room again after some close.
+        for sock in held[-3:]:
+            sock.close()
+        del held[-3:]
+        time.sleep(0.3)
+        with connect(stack.c.port) as sock:
+            sock.sendall(get())
+            assert read_response(sock)[0] == 200
+    finally:
+        for sock in held:
+            sock.close()
+    time.sleep(0.3)
+    assert closed_metric(stack.c, "max_connections") >= before + 1
+
+
+# --- both serving paths -----------------------------------------------------------------
+
+
+def test_limits_hold_under_workers(tmp_path: Path, stack: Stack) -> None:
+    """`--workers N` runs the same protocol in every worker."""
+    gw = gateway_proc(
+        tmp_path, _env(stack.sim, GATEWAY_TIMEOUTS__REQUEST_HEAD="1"), "--workers", "2"
+    )
+    with running(gw, ready_path="/healthz"):
+        socks = [connect(gw.port) for _ in range(4)]
+        for sock in socks:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\n")
+        assert httpx.get(gw.url + "/healthz").status_code == 200
+        for sock in socks:
+            elapsed, got = wait_closed(sock)
+            assert elapsed <= 4 and got == b""
+            sock.close()
+
+
+# --- the rules, in process --------------------------------------------------------------
+
+PACE = BodyPace(deadline=60.0, grace=5.0, rate=1000.0)
+
+
+@pytest.mark.parametrize(
+    ("pace", "received", "due"),
+    [
+        (PACE, 0, 5.0),  # nothing yet: the grace
+        (PACE, 1000, 6.0),  # 1,000 bytes buy a second after the grace
+        (PACE, 25_000, 30.0),
+        (PACE, 55_000, 60.0),  # never past the deadline
+        (PACE, 10**9, 60.0),
+        (BodyPace(deadline=60.0, grace=5.0, rate=0), 0, 60.0),  # no minimum rate
+        (BodyPace(deadline=60.0, grace=5.0, rate=0), 10**9, 60.0),
+    ],
+)
+def test_body_pace_due(pace: BodyPace, received: int, due: float) -> None:
+    assert pace.due(received) == pytest.approx(due)
+
+
+def _receive(script: list[tuple[float, bytes, bool]]) -> Any:
+    """An ASGI receive that waits, then returns each (delay, body, more_body) in turn."""
+    steps = iter(script)
+
+    async def receive() -> dict[str, Any]:
+        delay, body, more = next(steps)
+        await asyncio.sleep(delay)
+        return {"type": "http.request", "body": body, "more_body": more}
+
+    return receive
+
+
+def _guard() -> ConnectionGuard:
+    """Bodies whole within 1.2 s, at 1,000 bytes a second after 0.4 s; swept every 0.1 s
+    (a quarter of the grace)."""
+    timeouts = TimeoutSettings(request_body=1.2, request_body_grace=0.4)
+    return ConnectionGuard(timeouts, LimitsSettings(min_body_rate=1000))
+
+
+@pytest.mark.parametrize(
+    ("script", "outcome"),
+    [
+        ([(0, b"x" * 10, False)], b"x" * 10),  # whole at once
+        ([(0.1, b"a", True), (0.1, b"b", False)], b"ab"),  # within the grace
+        # 200 bytes buy 0.2 s past the grace (until 0.6 s); the rest came at 0.45 s.
+        ([(0, b"a" * 200, True), (0.45, b"b", False)], b"a" * 200 + b"b"),
+        ([(0.9, b"a", False)], "rate"),  # nothing within the grace
+        ([(0, b"a" * 200, True), (1.0, b"b", False)], "rate"),  # behind from 0.6 s
+        # 400 bytes a second is behind 1,000 from about 0.73 s.
+        ([(0, b"a" * 50, True)] + [(0.1, b"a" * 40, True)] * 30, "rate"),
+        # Ahead of the rate, but not whole by the deadline.
+        ([(0, b"a" * 5000, True)] + [(0.2, b"a", True)] * 20, "deadline"),
+    ],
+)
+def test_read_body_keeps_the_pace(script: list[tuple[float, bytes, bool]], outcome: Any) -> None:
+    async def read() -> bytes:
+        guard = _guard()
+        try:
+            return await read_body(_receive(script), 10**6, guard)
+        finally:
+            assert not guard.bodies and not guard.late
+            guard.stop()
+
+    if isinstance(outcome, bytes):
+        assert asyncio.run(read()) == outcome
+        return
+    with pytest.raises(RequestTimeout) as caught:
+        asyncio.run(read())
+    assert caught.value.code == "request_timeout"
+    assert ("bytes a second" in caught.value.message) == (outcome == "rate")
+
+
+def test_read_body_lets_other_cancellations_through() -> None:
+    async def scenario() -> None:
+        guard = _guard()
+        task = asyncio.create_task(read_body(_receive([(5, b"a", False)]), 100, guard))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not guard.bodies and not guard.late
+        guard.stop()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("max_connections", "max_in_flight", "fd_limit", "fitted"),
+    [
+        (4096, 1024, 20_000, 4096),  # fits
+        (4096, 1024, 1 << 20, 4096),
+        (4096, 1024, 4096, 4096 - 1024 - FD_RESERVE),  # lowered to what remains
+        (4096, 1024, 1024, 512),  # nothing remains: half the descriptors
+    ],
+)
+def test_max_connections_fit_the_descriptor_limit(
+    max_connections: int, max_in_flight: int, fd_limit: int, fitted: int
+) -> None:
+    assert fit_connections(max_connections, max_in_flight, fd_limit) == fitted
+    limits = LimitsSettings(max_connections=max_connections, max_in_flight=max_in_flight)
+    guard = ConnectionGuard(TimeoutSettings(), limits, fd_limit=fd_limit)
+    assert guard.max_connections == fitted
+
+
+def test_head_size_counts_the_head_as_sent() -> None:
+    url = b"/v1/chat/completions"
+    headers = [(b"host", b"gw"), (b"content-length", b"12")]
+    sent = b"POST " + url + b" HTTP/1.1\r\nhost: gw\r\ncontent-length: 12\r\n\r\n"
+    assert abs(head_size(url, headers) - len(sent)) <= 2
+
+
+def test_raw_response_is_the_rendered_error() -> None:
+    raw = raw_response(HeadersTooLarge())
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"HTTP/1.1 431 Request Header Fields Too Large"
+    assert b"connection: close" in lines
+    assert f"content-length: {len(body)}".encode() in lines
+    assert json.loads(body)["error"]["code"] == "headers_too_large"
