@@ -166,6 +166,19 @@ def media_gateway_env(
     }
 
 
+def auth(key: str) -> dict[str, str]:
+    """The header that presents `key` to the gateway."""
+    return {"Authorization": f"Bearer {key}"}
+
+
+def error_code(resp: httpx.Response) -> str | None:
+    """The stable `code` of a gateway's error answer; None when `resp` is not one."""
+    try:
+        return str(resp.json()["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def ask_about_image(gateway: str, key: str, image_url: str) -> httpx.Response:
     """A chat request about one image given by URL, as a client sends it."""
     content = [

@@ -293,25 +293,30 @@ def test_a_stalled_body_is_cut_with_408(stack: Stack) -> None:
     assert BODY_GRACE * 0.5 <= elapsed <= BODY_DEADLINE + 3, elapsed
 
 
-def test_a_body_below_the_minimum_rate_is_cut_with_408(stack: Stack) -> None:
-    """20 bytes every 0.25 s: 80 bytes a second against a minimum of 1,000."""
-    body = chat_body(pad=5000)
-    parts = [body[i : i + 20] for i in range(0, len(body), 20)]
-    elapsed, status, _, answer, _ = _slow_body(stack, chat_head(len(body)), parts, 0.25)
+@pytest.mark.parametrize(
+    ("pad", "piece", "every", "says", "earliest", "latest"),
+    [
+        # 80 bytes a second against a minimum of 1,000: cut at the rate's point, well
+        # before the deadline.
+        pytest.param(
+            5000, 20, 0.25, b"bytes a second", BODY_GRACE * 0.5, BODY_DEADLINE + 2, id="rate"
+        ),
+        # 1,500 bytes a second, above the minimum rate, but 6 KB take longer than 3 s.
+        pytest.param(
+            6000, 300, 0.2, b"within 3 s", BODY_DEADLINE * 0.8, BODY_DEADLINE + 3, id="deadline"
+        ),
+    ],
+)
+def test_a_dripped_body_is_cut_with_408(
+    stack: Stack, pad: int, piece: int, every: float, says: bytes, earliest: float, latest: float
+) -> None:
+    """`piece` bytes every `every` seconds."""
+    body = chat_body(pad=pad)
+    parts = [body[i : i + piece] for i in range(0, len(body), piece)]
+    elapsed, status, _, answer, _ = _slow_body(stack, chat_head(len(body)), parts, every)
     assert (status, error_code(answer)) == (408, "request_timeout")
-    assert b"bytes a second" in answer
-    # Cut at the rate's point, well before the deadline.
-    assert BODY_GRACE * 0.5 <= elapsed <= BODY_DEADLINE + 2, elapsed
-
-
-def test_a_body_over_the_deadline_is_cut_with_408(stack: Stack) -> None:
-    """1,500 bytes a second, above the minimum rate, but 6 KB take longer than 3 s."""
-    body = chat_body(pad=6000)
-    parts = [body[i : i + 300] for i in range(0, len(body), 300)]
-    elapsed, status, _, answer, _ = _slow_body(stack, chat_head(len(body)), parts, 0.2)
-    assert (status, error_code(answer)) == (408, "request_timeout")
-    assert b"within 3 s" in answer
-    assert BODY_DEADLINE * 0.8 <= elapsed <= BODY_DEADLINE + 3, elapsed
+    assert says in answer
+    assert earliest <= elapsed <= latest, elapsed
 
 
 def test_a_slow_upload_is_cut_with_408(stack: Stack) -> None:

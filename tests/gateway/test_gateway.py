@@ -22,7 +22,16 @@ import pytest
 
 from bench.samples import wav
 from gateway.endpoints import TABLE, Action, BodyKind, Group
-from tests.procs import Proc, client_request_id, gateway_proc, scrape, sim_proc, wait_for
+from tests.procs import (
+    Proc,
+    auth,
+    client_request_id,
+    error_code,
+    gateway_proc,
+    scrape,
+    sim_proc,
+    wait_for,
+)
 
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 EXTRA_MODEL = "configured/extra-model"
@@ -118,10 +127,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             proc.stop()
 
 
-def auth(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
-
-
 def received(sims: list[Proc]) -> dict[str, float]:
     """Requests per path the engines received, minus scrapes of /metrics."""
     out: dict[str, float] = {}
@@ -152,13 +157,6 @@ def recorded(sims: list[Proc]) -> list[dict[str, Any]]:
 def clear_records(sims: list[Proc]) -> None:
     for sim in sims:
         httpx.delete(sim.url + "/sim/requests")
-
-
-def error_code(resp: httpx.Response) -> str | None:
-    try:
-        return str(resp.json()["error"]["code"])
-    except (ValueError, KeyError, TypeError):
-        return None
 
 
 # --- the route matrix ------------------------------------------------------------------

@@ -20,7 +20,16 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from tests.procs import Proc, gateway_proc, metric, running, sim_proc, sim_received
+from tests.procs import (
+    Proc,
+    auth,
+    error_code,
+    gateway_proc,
+    metric,
+    running,
+    sim_proc,
+    sim_received,
+)
 
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 UPSTREAM = "upstream-fairness-0123456789"
@@ -78,17 +87,6 @@ def _wait_ready(gw: Proc) -> bool:
             return True
         time.sleep(0.1)
     return False
-
-
-def auth(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
-
-
-def error_code(resp: httpx.Response) -> str | None:
-    try:
-        return str(resp.json()["error"]["code"])
-    except (ValueError, KeyError, TypeError):
-        return None
 
 
 BODY = json.dumps(CHAT).encode()

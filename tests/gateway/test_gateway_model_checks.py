@@ -15,7 +15,9 @@ import pytest
 from bench.samples import wav
 from tests.procs import (
     Proc,
+    auth,
     client_request_id,
+    error_code,
     gateway_proc,
     metric,
     sim_proc,
@@ -68,17 +70,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             proc.stop()
 
 
-def auth(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
-
-
-def code_of(r: httpx.Response) -> str | None:
-    try:
-        return str(r.json()["error"]["code"])
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
 # --- the multipart `model` field ----------------------------------------------------------
 
 
@@ -107,7 +98,7 @@ def transcribe(stack: Stack, key: str, model: str | None) -> httpx.Response:
 def test_upload_model_field_is_checked(stack: Stack, key: str, model: str | None) -> None:
     before = stack.received()
     r = transcribe(stack, key, model)
-    assert (r.status_code, code_of(r)) == (403, "model_not_allowed")
+    assert (r.status_code, error_code(r)) == (403, "model_not_allowed")
     assert "evil" not in r.text
     assert stack.received() == before
 
@@ -122,7 +113,7 @@ def test_upload_with_vllm_xargs_is_refused(stack: Stack) -> None:
         data={"model": MODEL, "vllm_xargs": '{"kv_transfer_params": {"remote_host": "x"}}'},
         timeout=30,
     )
-    assert (r.status_code, code_of(r)) == (400, "field_not_allowed")
+    assert (r.status_code, error_code(r)) == (400, "field_not_allowed")
     assert stack.received() == before
 
 
@@ -165,7 +156,7 @@ def test_invocations_refusals(
 ) -> None:
     before = stack.received()
     r = httpx.post(stack.gateway.url + "/invocations", json=body, headers={**auth(key), **headers})
-    assert (r.status_code, code_of(r)) == (status, code)
+    assert (r.status_code, error_code(r)) == (status, code)
     assert stack.received() == before
 
 
@@ -230,7 +221,7 @@ ODD = [
 def test_odd_shapes_are_answered_never_500(stack: Stack, body: dict[str, Any], path: str) -> None:
     r = httpx.post(stack.gateway.url + path, json=body, headers=auth(FULL), timeout=30)
     assert r.status_code < 500, r.text
-    assert code_of(r) != "internal_error"
+    assert error_code(r) != "internal_error"
 
 
 def test_no_unhandled_error_was_logged(stack: Stack) -> None:

@@ -116,9 +116,9 @@ def test_an_adapters_base_model_and_path_are_shown_only_as_far_as_the_key_may_se
     assert httpx.post(stack.sim.url + "/v1/load_lora_adapter", json=load).status_code == 200
     try:
         direct = httpx.get(stack.sim.url + "/v1/models", timeout=10).json()["data"]
-        assert {
-            m["id"]: (m["root"], m["parent"]) for m in direct if m["id"] == "adapter-x"
-        } == {"adapter-x": ("/srv/adapters/secret-x", "model-a")}
+        assert {m["id"]: (m["root"], m["parent"]) for m in direct if m["id"] == "adapter-x"} == {
+            "adapter-x": ("/srv/adapters/secret-x", "model-a")
+        }
         limited = _models(stack.gateway.url, ADAPTER)
         assert limited.json()["data"] == [
             {**next(m for m in direct if m["id"] == "adapter-x"),

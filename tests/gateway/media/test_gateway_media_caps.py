@@ -1,8 +1,10 @@
 """The fetch time and concurrency caps through the gateway under uvicorn: a slow media
-origin on loopback, and one that counts how many fetches it serves at once."""
+origin on loopback, and one that counts how many fetches it serves at once; and the
+fetch slots shared fairly between keys."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -17,12 +19,15 @@ import pytest
 from bench.samples import png
 from tests.procs import (
     Proc,
+    RecordingServer,
+    Route,
     ask_about_image,
     gateway_proc,
     media_gateway_env,
     running,
     sim_proc,
     sim_received,
+    wait_for,
 )
 
 KEY = "sk-media-caps-0123456789abcdef"
@@ -141,3 +146,69 @@ def test_fetches_run_at_most_the_cap_at_once(stack: Stack) -> None:
     assert stack.origin.served - served == 6
     assert stack.origin.most == MAX_CONCURRENT
     assert sim_received(stack.sim.url) - before == 6
+
+
+# Fairness: one key floods a slow origin, another key's single image is not queued
+# behind it.
+A = "sk-fetch-fair-a-0123456789abcdef"
+B = "sk-fetch-fair-b-0123456789abcdef"
+DELAY = 1.0  # the origin's answer time for every image
+SLOTS = 2
+FLOOD = 12
+
+
+def test_one_keys_flood_does_not_queue_another_keys_image(tmp_path: Path) -> None:
+    """Fetch slots shared fairly between keys, through the gateway under uvicorn: one key
+    floods a slow loopback origin, another key's single image is not queued behind it.
+
+    With one FIFO semaphore of two slots, key B's image waited for the ten of A's fetches
+    queued before it: five rounds of the origin's delay (an attacker measured ~3 s with
+    twelve requests). A freed slot now goes to the waiting key holding the fewest, so B
+    waits for one slot to free up, then for its own fetch.
+    """
+    png_route = Route(body=png(16, 16), headers={"Content-Type": "image/png"}, delay=DELAY)
+    with RecordingServer({"/img.png": png_route}) as origin:
+        sim = sim_proc(tmp_path, "--latency", "zero")
+        env = media_gateway_env(
+            sim.url,
+            A,
+            f"127.0.0.1:{origin.port}",
+            "http",
+            GATEWAY_API_KEYS=json.dumps([A, B]),
+            GATEWAY_MEDIA__MAX_CONCURRENT_FETCHES=str(SLOTS),
+            # Long enough for A's whole flood: nothing here is cut by the time cap.
+            GATEWAY_MEDIA__FETCH_TIMEOUT="60",
+        )
+        gateway = gateway_proc(tmp_path, env)
+        with running(sim), running(gateway, ready_path="/readyz"):
+            before = sim_received(sim.url)
+            a_done: list[float] = []
+
+            def ask(key: str, n: int) -> httpx.Response:
+                # A distinct URL each time: nothing is answered from the media cache.
+                return ask_about_image(gateway.url, key, f"{origin.url}/img.png?n={n}")
+
+            def flood_one(n: int) -> httpx.Response:
+                resp = ask(A, n)
+                a_done.append(time.monotonic())
+                return resp
+
+            with ThreadPoolExecutor(FLOOD) as pool:
+                flood = [pool.submit(flood_one, n) for n in range(FLOOD)]
+                # A's first fetches hold both slots, the rest of its flood is queued.
+                assert wait_for(lambda: len(origin.hits) >= SLOTS, timeout=10)
+                time.sleep(0.3)
+                started = time.monotonic()
+                answer = ask(B, 1000)
+                b_elapsed = time.monotonic() - started
+                a_done_by_then = len(a_done)
+                statuses = [f.result().status_code for f in flood]
+            assert answer.status_code == 200, answer.text
+            assert statuses == [200] * FLOOD
+            # Fair: one slot to free (at most DELAY) and B's own fetch (DELAY), with
+            # room for a loaded machine. FIFO: (FLOOD - SLOTS) / SLOTS more rounds of
+            # DELAY, 5 s here, plus B's own fetch.
+            assert b_elapsed < 3.5 * DELAY
+            # A's flood was still queued when B was answered.
+            assert a_done_by_then <= FLOOD // 2
+            assert sim_received(sim.url) - before == FLOOD + 1
