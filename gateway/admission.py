@@ -14,7 +14,7 @@ an optional token bucket. Over either: 429 `rate_limited` with Retry-After.
 
 Globally, once the body is in: `limits.max_in_flight`; over it, 503 `overloaded`. A
 request whose body is still trickling in holds no global slot: one key that opened
-`max_in_flight` slow uploads locked every other tenant out (issue 13).
+`max_in_flight` slow uploads locked every other tenant out.
 
 A count is given back however the request ends; a refusal takes nothing. No object is
 allocated per request: with a context manager made for each stage, the two stages cost

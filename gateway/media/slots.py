@@ -1,7 +1,7 @@
 """Fetch slots shared fairly between keys.
 
 With one FIFO semaphore, one tenant's twelve requests to a slow origin queued ahead of
-another tenant's single image and delayed it by ~3 s (issue 13). Here a freed slot goes
+another tenant's single image and delayed it by ~3 s (measured). Here a freed slot goes
 to the waiting owner holding the fewest slots (ties: the one that has waited longest,
 and owners served in turn), so a newcomer waits for at most one slot to free up,
 however deep another owner's queue is. Slots are never left idle while anyone waits.

@@ -1,7 +1,7 @@
 """Per-key fairness through the gateway under uvicorn, in front of a simulated engine.
 
 - Slow uploads hold no global slot: one key holding `max_in_flight` uploads that sent
-  their headers and one byte of body does not lock another key out (issue 13).
+  their headers and one byte of body does not lock another key out.
 - A key's requests in flight are capped from authentication on, slow uploads included.
 - A key's token bucket: the burst passes, then 429 with a Retry-After that is enough.
 Every refusal: status, code, Retry-After, and nothing reached the engine.

@@ -1,4 +1,4 @@
-"""Media memory through the running gateway (issue 13): decode-heavy requests keep the
+"""Media memory through the running gateway: decode-heavy requests keep the
 gateway's peak RSS under 512 MiB at default settings and leave it healthy; the decode
 budget answers 503 media_busy with Retry-After when it cannot be had in time; the
 per-request pixel cap refuses a request before anything is decoded. Nothing refused
