@@ -43,6 +43,8 @@ from bench.soak.payloads import (
 REOPEN_PAUSE = 0.5
 # Bytes of a slow body's declared Content-Length: never reached at one byte a drip.
 SLOW_BODY_LENGTH = 100_000
+# The kinds SIGUSR1 stops (SIGUSR2 stops all): what costs the gateway memory.
+HEAVY = ("decode-heavy media", "oversized media, bytes", "oversized body, chunked")
 
 
 @dataclass
@@ -111,6 +113,8 @@ class Abuse:
     def __init__(self, cfg: AbuseConfig) -> None:
         self.cfg = cfg
         self.stop = asyncio.Event()
+        self.stop_heavy = asyncio.Event()
+        self.heavy_stopped_after: float | None = None
         self.tallies: dict[str, Tally] = {}
         auth = f"Authorization: Bearer {cfg.key}\r\n"
         self.host_line = f"Host: {cfg.host}:{cfg.port}\r\n"
@@ -277,7 +281,7 @@ class Abuse:
         self, kind: str, what: str, interval: float, make: Callable[[Tally], Awaitable[None]]
     ) -> None:
         t = self.tally(kind, what)
-        while not self.stop.is_set():
+        while not self.stop.is_set() and not (kind in HEAVY and self.stop_heavy.is_set()):
             started = time.monotonic()
             await make(t)
             await self._pause(interval - (time.monotonic() - started))
@@ -375,7 +379,7 @@ class Abuse:
                 heavy,
             ),
         ]
-        jobs = []
+        jobs: list[Awaitable[None]] = []
         for kind, what, workers, interval, make in specs:
             if kind in cfg.skip:
                 continue
@@ -384,9 +388,17 @@ class Abuse:
         return jobs
 
     async def run(self) -> dict[str, Any]:
-        # SIGUSR1 ends the abuse early (the suite's guard against a runaway gateway).
-        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, self.stop.set)
+        # The suite's guard against a runaway gateway: SIGUSR1 stops the kinds that cost
+        # memory, SIGUSR2 all of them.
         started = time.monotonic()
+
+        def stop_heavy() -> None:
+            self.stop_heavy.set()
+            self.heavy_stopped_after = round(time.monotonic() - started, 2)
+
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGUSR1, stop_heavy)
+        loop.add_signal_handler(signal.SIGUSR2, self.stop.set)
         tasks = [asyncio.ensure_future(j) for j in [*self.held(), *self.requests()]]
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.stop.wait(), self.cfg.duration)
@@ -401,6 +413,7 @@ class Abuse:
         return {
             "config": asdict(self.cfg),
             "ran_s": round(ran, 2),
+            "heavy_stopped_after_s": self.heavy_stopped_after,
             "kinds": {k: t.as_dict() for k, t in self.tallies.items()},
             "errors": errors[:10],
         }
