@@ -117,6 +117,25 @@ def gateway_defaults() -> dict[str, int]:
     }
 
 
+def pinned_defaults() -> dict[str, str]:
+    """Environment that sets every number and flag of the gateway's `limits`, `timeouts`
+    and `media` sections to its default. The bench's gateways may carry bench-wide
+    overrides (bench/stack.py's Fleet.gateway); the soak runs the defaults, whatever
+    settings the branch has."""
+    from pydantic import BaseModel
+
+    from gateway.config import Settings
+
+    env: dict[str, str] = {}
+    for section in ("limits", "timeouts", "media"):
+        model = Settings.model_fields[section].annotation
+        assert isinstance(model, type) and issubclass(model, BaseModel)
+        for name, value in model().model_dump(mode="json").items():
+            if isinstance(value, bool | int | float):
+                env[f"GATEWAY_{section.upper()}__{name.upper()}"] = json.dumps(value)
+    return env
+
+
 class AbuseProcess:
     """bench/soak/abuse.py in a child process (same process group as this one)."""
 
@@ -189,13 +208,18 @@ def run(cfg: RunConfig, report: Report) -> None:
     report.meta["phases_s"] = {n: [round(a, 1), round(b, 1)] for n, a, b in timeline.bounds}
     report.meta["legit_rate_per_s"] = RATE
     report.meta["gateway_defaults"] = defaults
+    report.meta["gateway_settings"] = (
+        "defaults: every number and flag of limits, timeouts and media set to its default "
+        "(over any bench-wide override), client keys tenant-a, tenant-b, abuser"
+    )
 
     keys = [{"key": k, "name": n} for n, k in [*LEGIT_KEYS.items(), ABUSE_KEY]]
     with Fleet(cfg.workdir, cfg.cpus) as fleet:
         progress("starting a simulated engine and the gateway")
         sim = fleet.sim(name="sim")
         model = cfg.model or discover_model(cfg.direct_target(sim.url))
-        gw = fleet.gateway([sim.url], env={"GATEWAY_API_KEYS": json.dumps(keys)})
+        env = {**pinned_defaults(), "GATEWAY_API_KEYS": json.dumps(keys)}
+        gw = fleet.gateway([sim.url], env=env)
         assert gw.pid is not None
         abuse_start, abuse_end = timeline.span("abuse")
         abuse_cfg = AbuseConfig(

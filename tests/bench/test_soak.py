@@ -23,7 +23,15 @@ from PIL import Image
 from bench.__main__ import parse_args
 from bench.soak.legit import Outcome
 from bench.soak.payloads import HeavyPng
-from bench.soak.suite import PHASES, QUICK_DURATION, RATE, Timeline, legit_stats
+from bench.soak.suite import (
+    PHASES,
+    QUICK_DURATION,
+    RATE,
+    Timeline,
+    legit_stats,
+    pinned_defaults,
+)
+from gateway.config import Settings
 from gateway.errors import MediaInvalid
 from gateway.media.images import validate_image
 from gateway.media.settings import MediaSettings
@@ -174,6 +182,19 @@ def test_heavy_png_is_decoded_whole_then_refused() -> None:
     # Whole, the same pixels are a valid image within the cap.
     whole = HeavyPng(max_pixels=10_000, cut=0).copy(1)
     assert validate_image(whole, "image/png", settings).width == 100
+
+
+def test_pinned_defaults_are_the_gateways_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    env = pinned_defaults()
+    defaults = Settings.model_construct()  # the declared defaults, no environment read
+    assert env["GATEWAY_LIMITS__MAX_IN_FLIGHT"] == str(defaults.limits.max_in_flight)
+    # An override such as a bench-wide one is undone: the gateway reads the defaults.
+    monkeypatch.setenv("GATEWAY_LIMITS__MAX_IN_FLIGHT", "7")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    pinned = Settings(api_keys=["k" * 20])
+    for section in ("limits", "timeouts", "media"):
+        assert getattr(pinned, section) == getattr(defaults, section), section
 
 
 def test_legit_stats_count_errors_and_latency_of_successes() -> None:
