@@ -23,7 +23,7 @@ import signal
 import sys
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,7 +51,10 @@ HEAVY = ("decode-heavy media", "oversized media, bytes", "oversized body, chunke
 class AbuseConfig:
     host: str
     port: int
-    key: str
+    # Abuse keys by role: "slow" (slow bodies), "media" (oversized and decode-heavy
+    # media), "misc" (oversized bodies, bad JSON). Separate keys, so that a per-key cap
+    # filled by one kind does not shield the gateway from the others.
+    keys: dict[str, str]
     model: str
     duration: float
     # What the gateway's defaults are (read by the suite from gateway.config).
@@ -116,9 +119,7 @@ class Abuse:
         self.stop_heavy = asyncio.Event()
         self.heavy_stopped_after: float | None = None
         self.tallies: dict[str, Tally] = {}
-        auth = f"Authorization: Bearer {cfg.key}\r\n"
         self.host_line = f"Host: {cfg.host}:{cfg.port}\r\n"
-        self.auth = auth
         heavy = HeavyPng(cfg.max_pixels)
         self.heavy = heavy
         self.nonce = itertools.count()
@@ -130,8 +131,9 @@ class Abuse:
     def tally(self, kind: str, what: str) -> Tally:
         return self.tallies.setdefault(kind, Tally(what))
 
-    def head(self, path: str, extra: str = "", key: bool = True) -> bytes:
-        auth = self.auth if key else ""
+    def head(self, path: str, extra: str = "", role: str | None = "misc") -> bytes:
+        """A request head with the key of `role` (None: no key)."""
+        auth = "" if role is None else f"Authorization: Bearer {self.cfg.keys[role]}\r\n"
         return f"POST {path} HTTP/1.1\r\n{self.host_line}{auth}{extra}".encode()
 
     # --- held connections ---------------------------------------------------------------
@@ -192,7 +194,7 @@ class Abuse:
     def held(self) -> list[Awaitable[None]]:
         cfg = self.cfg
         jobs: list[tuple[str, str, bytes, Callable[[int], bytes], float]] = []
-        dribble = self.head(CHAT, key=False)
+        dribble = self.head(CHAT, role=None)
         for _ in range(cfg.head_dribblers):
             jobs.append(
                 (
@@ -208,14 +210,16 @@ class Abuse:
                 ("idle connection", "no key; connects and sends nothing", b"", lambda n: b"", 0.0)
             )
         slow = self.head(
-            CHAT, f"Content-Type: application/json\r\nContent-Length: {SLOW_BODY_LENGTH}\r\n\r\n{{"
+            CHAT,
+            f"Content-Type: application/json\r\nContent-Length: {SLOW_BODY_LENGTH}\r\n\r\n{{",
+            role="slow",
         )
         count = cfg.slow_bodies or cfg.max_in_flight
         for _ in range(count):
             jobs.append(
                 (
                     "slow body",
-                    f"abuse key; headers and 1 byte, then a byte every "
+                    f"key abuser-slow; headers and 1 byte, then a byte every "
                     f"{cfg.drip_interval:g} s ({count} at once)",
                     slow,
                     lambda n: b" ",
@@ -235,9 +239,9 @@ class Abuse:
 
     # --- requests -----------------------------------------------------------------------
 
-    async def request(self, t: Tally, opening: bytes, body: Callable[[], Any]) -> None:
-        """One request on a fresh connection; `body()` yields the bytes to send after
-        `opening`. Records the status line, or how it ended without one."""
+    async def request(self, t: Tally, opening: bytes, body: Iterable[bytes]) -> None:
+        """One request on a fresh connection: `opening`, then `body` (a generator, made as
+        it is sent). Records the status line, or how it ended without one."""
         try:
             reader, writer = await asyncio.open_connection(self.cfg.host, self.cfg.port)
         except OSError:
@@ -252,7 +256,7 @@ class Abuse:
             # need not read the rest, and a drain would then wait forever.
             with contextlib.suppress(ConnectionError, OSError):
                 writer.write(opening)
-                for chunk in body():
+                for chunk in body:
                     writer.write(chunk)
                     await writer.drain()
 
@@ -273,9 +277,11 @@ class Abuse:
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-    def json_request(self, body: bytes, content_type: bytes = b"application/json") -> bytes:
+    def json_request(
+        self, body: bytes, content_type: bytes = b"application/json", role: str = "misc"
+    ) -> bytes:
         extra = f"Content-Type: {content_type.decode()}\r\nContent-Length: {len(body)}\r\n"
-        return self.head(CHAT, extra + "Connection: close\r\n\r\n") + body
+        return self.head(CHAT, extra + "Connection: close\r\n\r\n", role) + body
 
     async def loop(
         self, kind: str, what: str, interval: float, make: Callable[[Tally], Awaitable[None]]
@@ -293,7 +299,7 @@ class Abuse:
 
         def bad_json(t: Tally) -> Awaitable[None]:
             ctype, body = next(self.bad_json)
-            return self.request(t, self.json_request(body, ctype), lambda: ())
+            return self.request(t, self.json_request(body, ctype), ())
 
         def declared(t: Tally) -> Awaitable[None]:
             length = cfg.max_body_bytes + 1
@@ -303,7 +309,7 @@ class Abuse:
                 f"Content-Length: {length}\r\nConnection: close\r\n\r\n",
             )
             sizes = [mib] * (length // mib) + [length % mib]
-            return self.request(t, head, lambda: (chunk[:n] for n in sizes))
+            return self.request(t, head, (chunk[:n] for n in sizes))
 
         def chunked(t: Tally) -> Awaitable[None]:
             head = self.head(
@@ -313,35 +319,35 @@ class Abuse:
             )
             frame = f"{mib:x}\r\n".encode() + chunk + b"\r\n"
             count = cfg.max_body_bytes // mib + 2
-            return self.request(
-                t, head, lambda: itertools.chain(itertools.repeat(frame, count), [b"0\r\n\r\n"])
-            )
+            frames = itertools.chain(itertools.repeat(frame, count), [b"0\r\n\r\n"])
+            return self.request(t, head, frames)
 
         def media_bytes(t: Tally) -> Awaitable[None]:
-            return self.request(t, self.json_request(self.oversized_media), lambda: ())
+            return self.request(t, self.json_request(self.oversized_media, role="media"), ())
 
         def media_pixels(t: Tally) -> Awaitable[None]:
-            return self.request(t, self.json_request(self.bomb), lambda: ())
+            return self.request(t, self.json_request(self.bomb, role="media"), ())
 
         def heavy(t: Tally) -> Awaitable[None]:
             urls = [
                 data_url("image/png", self.heavy.copy(next(self.nonce)))
                 for _ in range(cfg.images_per_request)
             ]
-            return self.request(t, self.json_request(images_chat(cfg.model, urls)), lambda: ())
+            body = images_chat(cfg.model, urls)
+            return self.request(t, self.json_request(body, role="media"), ())
 
         mp = self.heavy_pixels / 1e6
         specs: list[tuple[str, str, int, float, Callable[[Tally], Awaitable[None]]]] = [
             (
                 "bad JSON",
-                "abuse key; 8 kinds of malformed body, 4 loops, 5/s each",
+                "key abuser-misc; 8 kinds of malformed body, 4 loops, 5/s each",
                 4,
                 0.2,
                 bad_json,
             ),
             (
                 "oversized body, declared",
-                f"Content-Length {cfg.max_body_bytes + 1} "
+                f"key abuser-misc; Content-Length {cfg.max_body_bytes + 1} "
                 "(limits.max_body_bytes + 1), body sent until refused; 1/s",
                 1,
                 1.0,
@@ -349,14 +355,15 @@ class Abuse:
             ),
             (
                 "oversized body, chunked",
-                "no Content-Length, 1 MiB chunks past limits.max_body_bytes; 1 every 2 s",
+                "key abuser-misc; no Content-Length, 1 MiB chunks past "
+                "limits.max_body_bytes; 1 every 2 s",
                 1,
                 2.0,
                 chunked,
             ),
             (
                 "oversized media, bytes",
-                f"a data: image of media.max_bytes + 1 "
+                f"key abuser-media; a data: image of media.max_bytes + 1 "
                 f"({cfg.media_max_bytes + 1} bytes); 1 every 2 s",
                 1,
                 2.0,
@@ -364,14 +371,14 @@ class Abuse:
             ),
             (
                 "oversized media, pixels",
-                "a PNG header claiming 100,000 x 100,000; 2/s",
+                "key abuser-media; a PNG header claiming 100,000 x 100,000; 2/s",
                 1,
                 0.5,
                 media_pixels,
             ),
             (
                 "decode-heavy media",
-                f"{cfg.images_per_request} PNGs of {mp:.1f} MP RGBA "
+                f"key abuser-media; {cfg.images_per_request} PNGs of {mp:.1f} MP RGBA "
                 f"(~{len(self.heavy.copy(0)) // 1024} KB each, cut short of their last rows) "
                 f"per request, {cfg.decode_workers} at a time",
                 cfg.decode_workers,

@@ -40,7 +40,12 @@ LEGIT_KEYS = {
     "tenant-a": "soak-tenant-a-key-0123456789",
     "tenant-b": "soak-tenant-b-key-0123456789",
 }
-ABUSE_KEY = ("abuser", "soak-abuser-key-0123456789")
+# Abuse keys by role (abuse.AbuseConfig.keys); slowloris and idle connections have none.
+ABUSE_KEYS = {
+    "slow": "soak-abuser-slow-key-0123456789",
+    "media": "soak-abuser-media-key-0123456789",
+    "misc": "soak-abuser-misc-key-0123456789",
+}
 
 # What "flat" means (see bench/README.md, "soak").
 ERROR_RATE_MARGIN = 0.01  # abuse-phase error rate at most baseline's + 1 point
@@ -210,10 +215,12 @@ def run(cfg: RunConfig, report: Report) -> None:
     report.meta["gateway_defaults"] = defaults
     report.meta["gateway_settings"] = (
         "defaults: every number and flag of limits, timeouts and media set to its default "
-        "(over any bench-wide override), client keys tenant-a, tenant-b, abuser"
+        "(over any bench-wide override); client keys tenant-a, tenant-b, abuser-slow, "
+        "abuser-media, abuser-misc"
     )
 
-    keys = [{"key": k, "name": n} for n, k in [*LEGIT_KEYS.items(), ABUSE_KEY]]
+    abusers = {f"abuser-{role}": key for role, key in ABUSE_KEYS.items()}
+    keys = [{"key": k, "name": n} for n, k in [*LEGIT_KEYS.items(), *abusers.items()]]
     with Fleet(cfg.workdir, cfg.cpus) as fleet:
         progress("starting a simulated engine and the gateway")
         sim = fleet.sim(name="sim")
@@ -225,7 +232,7 @@ def run(cfg: RunConfig, report: Report) -> None:
         abuse_cfg = AbuseConfig(
             host="127.0.0.1",
             port=gw.port,
-            key=ABUSE_KEY[1],
+            keys=ABUSE_KEYS,
             model=model,
             duration=abuse_end - abuse_start,
             answer_timeout=timeout,
