@@ -1,7 +1,7 @@
 """Suite `soak`: legitimate traffic alone, then the same traffic under abuse.
 
-A simulated engine and the gateway with its default settings
-(only the keys set) on loopback. Timeline, as shares of `--duration`: warm-up 10%,
+A simulated engine and the gateway with its default settings (only the keys set) on
+loopback. Timeline, as shares of `--duration`: warm-up 10%,
 baseline 35% (legitimate traffic alone), abuse 35% (the same traffic and every kind of
 abuse at once, from a separate process: bench/soak/abuse.py), recovery 20% (the traffic
 alone again). The gateway's RSS, open descriptors and CPU time are sampled every second
@@ -10,6 +10,7 @@ throughout.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import selectors
@@ -289,7 +290,8 @@ def run(cfg: RunConfig, report: Report) -> None:
 
 
 def _drive(legit: LegitTraffic, abuser: AbuseProcess, timeline: Timeline, t0: float) -> None:
-    import asyncio
+    """The legitimate traffic for the whole timeline; the abuse process told to start at
+    the abuse phase (it stops by itself at its end)."""
 
     async def abuse_on_time() -> None:
         start, end = timeline.span("abuse")
