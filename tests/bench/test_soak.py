@@ -118,10 +118,16 @@ def test_soak_sends_every_kind_of_abuse(soak: dict[str, Any]) -> None:
         assert tally["sent"] > 0, name
         # Each connection or request is accounted for exactly once.
         assert sum(outcomes.values()) - outcomes.get("connect failed", 0) == tally["sent"], name
+    ends = {"closed by gateway", "no answer in time", "unfinished at end", "connect failed"}
+    answered = 0
     for name in REQUESTS:
-        # The gateway answered them (whatever it answered: the soak reports it).
-        answered = sum(n for k, n in kinds[name]["outcomes"].items() if k.startswith("status"))
-        assert answered > 0, (name, kinds[name])
+        outcomes = kinds[name]["outcomes"]
+        # An HTTP status read from the gateway, or how the request ended without one (a
+        # stalled gateway leaves some unanswered in the quick form's 10 s: reported).
+        assert all(k.startswith("status ") or k in ends for k in outcomes), (name, outcomes)
+        answered += sum(n for k, n in outcomes.items() if k.startswith("status 4"))
+    # Refusals read from the gateway (4xx), even from a gateway stalled by the abuse.
+    assert answered >= 3, kinds
     defaults = soak["meta"]["gateway_defaults"]
     assert kinds["slow body"]["sent"] >= defaults["max_in_flight"]
     assert kinds["slowloris head"]["sent"] >= 200 and kinds["idle connection"]["sent"] >= 100
