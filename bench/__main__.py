@@ -23,7 +23,7 @@ from bench.realvllm.models import EMBED, MULTIMODAL
 from bench.report import RESULTS, Report, progress
 from bench.stack import CpuPlan, RunConfig
 
-SUITES = ("overhead", "reference", "scale", "routing")
+SUITES = ("overhead", "reference", "scale", "routing", "soak")
 REAL_SUITES = ("overhead", "reference")
 
 
@@ -51,6 +51,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run in seconds")
     p.add_argument("--no-peers", action="store_true", help="skip nginx and vllm-router")
     p.add_argument("--loadgen", choices=("auto", "wrk", "python"), default="auto")
+    p.add_argument(
+        "--duration",
+        type=float,
+        help="soak: seconds of traffic (default 600; 30 with --quick)",
+    )
     p.add_argument("--out", type=Path, help="results folder (default: bench/results/<timestamp>)")
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
     p.add_argument(
@@ -62,6 +67,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.real_vllm and (args.engine_url or args.suite not in REAL_SUITES):
         p.error(f"--real-vllm runs {', '.join(REAL_SUITES)} on engines it starts itself")
+    if args.suite == "soak" and (args.engine_url or args.gateway_url):
+        p.error("soak starts its own gateway: it samples the gateway's process")
+    if args.duration is not None and (args.suite != "soak" or args.duration <= 0):
+        p.error("--duration takes a positive number of seconds, for soak")
     if args.engine_url and not args.gateway_url and args.suite != "routing":
         p.error("--engine-url needs --gateway-url (the gateway in front of those engines)")
     if args.gateway_url and not args.engine_url:
@@ -118,6 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "quick": args.quick,
             "peers": not args.no_peers,
             "loadgen": args.loadgen,
+            "duration": args.duration,
         }
         cfg = RunConfig(**fields) if real is None else RealRunConfig(**fields, real=real)
         if real is not None:

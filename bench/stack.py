@@ -463,6 +463,8 @@ class RunConfig:
     quick: bool = False
     peers: bool = True
     loadgen: str = "auto"
+    # soak: seconds of traffic (None: the suite's default).
+    duration: float | None = None
 
     @property
     def external(self) -> bool:
