@@ -16,8 +16,9 @@ import pytest
 
 from bench.decode_memory import SIM_CONTEXT, chat_body, just_under, solid_png, tagged
 from bench.samples import png
+from bench.soak.payloads import HeavyPng
 from gateway.media.settings import MediaSettings
-from tests.procs import Proc, gateway_proc, running, sim_proc, sim_received
+from tests.procs import Proc, error_code, gateway_proc, running, sim_proc, sim_received
 
 KEY = "sk-media-memory-0123456789abcdef"
 PEAK_LIMIT_MIB = 512
@@ -92,6 +93,25 @@ def test_decode_heavy_requests_keep_peak_rss_under_512_mib(
         assert peak_mib < PEAK_LIMIT_MIB, f"peak RSS {peak_mib:.0f} MiB"
         # Healthy after: the liveness route and a normal request.
         assert httpx.get(gateway.url + "/healthz", timeout=10).status_code == 200
+        assert _post(gateway, _normal()).status_code == 200
+
+
+def test_refused_images_do_not_keep_their_pixels(tmp_path: Path) -> None:
+    """Truncated PNGs just under the pixel cap: the gateway decodes nearly every pixel
+    (64 MiB each), then refuses the file. 32 such refusals once kept their pixels alive
+    through the refusal's context and traceback until the cyclic collector ran: the RSS
+    climbed past 2 GiB. Now the pixels go when the decode ends."""
+    heavy = HeavyPng(DEFAULTS.max_pixels)
+    sim, gateway = _stack(tmp_path)
+    with running(sim), running(gateway, ready_path="/readyz"):
+        assert gateway.pid is not None
+        before = sim_received(sim.url)
+        for r in range(4):
+            resp = _post(gateway, chat_body([heavy.copy(8 * r + i) for i in range(8)]))
+            assert (resp.status_code, error_code(resp)) == (400, "media_invalid"), resp.text
+        assert sim_received(sim.url) == before
+        peak_mib = _status_kib(gateway.pid, "VmHWM") / 1024
+        assert peak_mib < PEAK_LIMIT_MIB, f"peak RSS {peak_mib:.0f} MiB"
         assert _post(gateway, _normal()).status_code == 200
 
 
