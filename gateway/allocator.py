@@ -1,4 +1,5 @@
-"""`tune_allocator()`: give large freed blocks back to the system (glibc only).
+"""`tune_allocator()`: give large freed blocks back to the system (glibc only);
+`trim_periodically()`: and the free memory left in the arenas, every few seconds.
 
 glibc serves an allocation above its mmap threshold with its own mmap and unmaps it when
 freed; below, from an arena, which keeps freed memory. The threshold starts at 128 KiB
@@ -25,13 +26,22 @@ round, 0.7-1.9 ms more system CPU and 0-4% more CPU in all (15.5-16.7 ms a round
 malloc_trim after decodes had nothing left to win (5 MiB over the RSS before the
 requests). Pillow's own block cache is off by default (`PIL.Image.core.get_blocks_max()`
 is 0) and is left off.
+
+What stays below the threshold still piles up in the arenas: request bodies arrive in
+chunks of up to 64 KiB, and twelve chunked bodies over the 32 MiB cap at once left the
+gateway at 166 MiB of RSS, from 60, for good; `malloc_trim(0)` took it back to 60. The
+gateway calls it every `TRIM_INTERVAL` seconds: one call walks the arenas and returns
+their free pages, 5.4 ms with ~106 MiB to give back and about a microsecond with
+nothing (in process, this machine).
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import os
 import platform
+from collections.abc import Callable
 
 import structlog
 
@@ -39,6 +49,7 @@ log = structlog.get_logger("gateway.allocator")
 
 M_MMAP_THRESHOLD = -3  # malloc.h
 MMAP_THRESHOLD = 1024 * 1024
+TRIM_INTERVAL = 10.0
 
 
 def tune_allocator(threshold: int = MMAP_THRESHOLD) -> bool:
@@ -54,3 +65,25 @@ def tune_allocator(threshold: int = MMAP_THRESHOLD) -> bool:
     if not done:
         log.warning("mallopt_failed", parameter="M_MMAP_THRESHOLD")
     return done
+
+
+def malloc_trim() -> Callable[[], object] | None:
+    """glibc's `malloc_trim(0)`, or None on any other C library."""
+    if platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        trim: Callable[[int], object] = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+    return lambda: trim(0)
+
+
+async def trim_periodically(interval: float = TRIM_INTERVAL) -> None:
+    """Give the arenas' free pages back every `interval` seconds, until cancelled; on
+    a C library other than glibc, nothing."""
+    trim = malloc_trim()
+    if trim is None:
+        return
+    while True:
+        await asyncio.sleep(interval)
+        trim()

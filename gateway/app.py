@@ -20,7 +20,7 @@ import orjson
 import structlog
 
 from gateway.admission import Admission
-from gateway.allocator import tune_allocator
+from gateway.allocator import trim_periodically, tune_allocator
 from gateway.asgi import ASGIApp, Receive, Scope, Send
 from gateway.auth import KeyConfigError, KeyRing, build_keys, load_key_file
 from gateway.config import Settings, load_settings
@@ -263,6 +263,8 @@ class Gateway:
             if self.watcher is not None:
                 task = asyncio.create_task(self.watcher.run(), name="key-file")
                 stack.push_async_callback(_cancel, task)
+            trimmer = asyncio.create_task(trim_periodically(), name="malloc-trim")
+            stack.push_async_callback(_cancel, trimmer)
             # Started whole: from here the stack is closed by `shutdown`.
             self._exit = stack.pop_all()
         log.info(
