@@ -16,9 +16,18 @@ import pytest
 
 from bench.decode_memory import SIM_CONTEXT, chat_body, just_under, solid_png, tagged
 from bench.samples import png
-from bench.soak.payloads import HeavyPng
+from bench.soak.payloads import HeavyPng, oversized_media_chat
+from gateway.allocator import TRIM_INTERVAL
 from gateway.media.settings import MediaSettings
-from tests.procs import Proc, error_code, gateway_proc, running, sim_proc, sim_received
+from tests.procs import (
+    Proc,
+    error_code,
+    gateway_proc,
+    running,
+    sim_proc,
+    sim_received,
+    wait_for,
+)
 
 KEY = "sk-media-memory-0123456789abcdef"
 PEAK_LIMIT_MIB = 512
@@ -113,6 +122,31 @@ def test_refused_images_do_not_keep_their_pixels(tmp_path: Path) -> None:
         peak_mib = _status_kib(gateway.pid, "VmHWM") / 1024
         assert peak_mib < PEAK_LIMIT_MIB, f"peak RSS {peak_mib:.0f} MiB"
         assert _post(gateway, _normal()).status_code == 200
+
+
+def test_refused_requests_do_not_keep_their_bodies(tmp_path: Path) -> None:
+    """Eight chats, each with one data: image just over media.max_bytes (a 28 MB body).
+    A refused item's task held its exception, whose traceback held the frames that
+    gathered the request's items: the cycle kept each request's body, parsed JSON and
+    decoded image (~75 MiB) until a full collection, which the gateway's collector
+    settings make rare (ten such requests: 794 MiB, kept)."""
+    body = oversized_media_chat(chat_body([])["model"], DEFAULTS.max_bytes)
+    sim, gateway = _stack(tmp_path)
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    with running(sim), running(gateway, ready_path="/readyz"):
+        assert gateway.pid is not None
+        pid = gateway.pid
+        start = _status_kib(pid, "VmRSS") / 1024
+        with httpx.Client(base_url=gateway.url, headers=headers, timeout=60) as client:
+            for _ in range(8):
+                resp = client.post("/v1/chat/completions", content=body)
+                assert (resp.status_code, error_code(resp)) == (413, "media_too_large")
+        assert sim_received(sim.url) == 0
+
+        def returned() -> bool:
+            return _status_kib(pid, "VmRSS") / 1024 < start + 40
+
+        assert wait_for(returned, timeout=TRIM_INTERVAL + 10), _status_kib(pid, "VmRSS")
 
 
 # --- the budget and the per-request cap under tiny settings ------------------------------
