@@ -137,6 +137,27 @@ def test_soak_sends_every_kind_of_abuse(soak: dict[str, Any]) -> None:
     assert soak["raw"]["abuse"]["errors"] == []
 
 
+# What the quick form can show of the defences on a loaded 2-core machine: latency
+# ratios and the 10 s head deadline need the longer runs (bench/README.md, "Soak").
+HOLDS = (
+    "legitimate error rate under abuse",
+    "RSS peak",
+    "descriptors back after the abuse",
+    "gateway alive at the end",
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(130)
+def test_the_gateway_holds_under_the_quick_soak(soak: dict[str, Any]) -> None:
+    """Legitimate requests fail no more under abuse than without (slow bodies once held
+    every slot: 94.7% of them failed), the RSS stays under 512 MiB (it reached 3.6 GiB),
+    descriptors go back, the gateway survives."""
+    goals = {g["name"]: g for g in soak["goals"]}
+    missed = {name: goals[name]["measured"] for name in HOLDS if not goals[name]["met"]}
+    assert missed == {}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(130)
 def test_soak_samples_the_gateway_throughout(soak: dict[str, Any]) -> None:
@@ -147,7 +168,7 @@ def test_soak_samples_the_gateway_throughout(soak: dict[str, Any]) -> None:
     assert max(b - a for a, b in itertools.pairwise(times)) < 3.0
     assert all(r[1] > 10 * 2**20 and r[2] > 0 for r in rows)
     res = soak["raw"]["resources"]
-    for key in ("rss_after_warmup", "rss_end_of_abuse", "rss_at_rest_after", "rss_peak"):
+    for key in ("rss_mid_abuse", "rss_end_of_abuse", "rss_at_rest_after", "rss_peak"):
         assert res[key] > 0, key
     assert {g["name"] for g in soak["goals"]} == set(GOALS)
     assert all(g["met"] is not None for g in soak["goals"])
