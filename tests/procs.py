@@ -13,10 +13,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 import httpx
 
@@ -177,6 +177,20 @@ def error_code(resp: httpx.Response) -> str | None:
         return str(resp.json()["error"]["code"])
     except (ValueError, KeyError, TypeError):
         return None
+
+
+@asynccontextmanager
+async def held_streams(
+    client: httpx.AsyncClient, count: int, key: str, body: Mapping[str, Any]
+) -> AsyncIterator[None]:
+    """`count` streamed chat completions of `key`, each answered 200 and held open (a
+    slot taken) until the block ends."""
+    async with AsyncExitStack() as streams:
+        for _ in range(count):
+            request = client.stream("POST", "/v1/chat/completions", headers=auth(key), json=body)
+            resp = await streams.enter_async_context(request)
+            assert resp.status_code == 200
+        yield
 
 
 def ask_about_image(gateway: str, key: str, image_url: str) -> httpx.Response:

@@ -28,6 +28,7 @@ from tests.procs import (
     client_request_id,
     error_code,
     gateway_proc,
+    held_streams,
     scrape,
     sim_proc,
     wait_for,
@@ -493,19 +494,13 @@ def test_client_disconnect_aborts_the_engine_request(stack: Stack, stream: bool)
 def test_in_flight_cap_answers_503(stack: Stack) -> None:
     async def scenario() -> tuple[httpx.Response, float]:
         body = {**CHAT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
-        async with httpx.AsyncClient(base_url=stack.g.url, timeout=30) as client:
-            streams = []
-            for _ in range(MAX_IN_FLIGHT):
-                cm = client.stream("POST", "/v1/chat/completions", headers=auth(FULL), json=body)
-                r = await cm.__aenter__()
-                assert r.status_code == 200
-                streams.append(cm)
+        async with (
+            httpx.AsyncClient(base_url=stack.g.url, timeout=30) as client,
+            held_streams(client, MAX_IN_FLIGHT, FULL, body),
+        ):
             before = total(received(stack.gen_sims))
             over = await client.post("/v1/chat/completions", headers=auth(FULL), json=CHAT)
-            delta = total(received(stack.gen_sims)) - before
-            for cm in streams:
-                await cm.__aexit__(None, None, None)
-            return over, delta
+            return over, total(received(stack.gen_sims)) - before
 
     over, delta = asyncio.run(scenario())
     assert (over.status_code, error_code(over)) == (503, "overloaded")

@@ -25,6 +25,7 @@ from tests.procs import (
     auth,
     error_code,
     gateway_proc,
+    held_streams,
     metric,
     running,
     sim_proc,
@@ -162,19 +163,14 @@ def test_key_cap_on_requests_in_flight(stack: Stack) -> None:
     url = stack.limited.url
 
     async def scenario() -> tuple[httpx.Response, httpx.Response, float]:
-        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-            streams = []
-            for _ in range(KEY_CAP):
-                cm = client.stream("POST", "/v1/chat/completions", headers=auth(CAPPED), json=LONG)
-                r = await cm.__aenter__()
-                assert r.status_code == 200
-                streams.append(cm)
+        async with (
+            httpx.AsyncClient(base_url=url, timeout=30) as client,
+            held_streams(client, KEY_CAP, CAPPED, LONG),
+        ):
             before = sim_received(stack.sim.url)
             over = await client.post("/v1/chat/completions", headers=auth(CAPPED), json=CHAT)
             delta = sim_received(stack.sim.url) - before
             other = await client.post("/v1/chat/completions", headers=auth(A), json=CHAT)
-            for cm in streams:
-                await cm.__aexit__(None, None, None)
             return over, other, delta
 
     refused_before = metric(url, "gateway_rate_limited_total", reason="in_flight")
