@@ -53,6 +53,7 @@ class ConnectionCounts:
         "headers_too_large",
         "idle_timeout",
         "max_connections",
+        "pipeline_full",
         "response_stall",
     )
 
@@ -68,6 +69,9 @@ class ConnectionCounts:
         self.headers_too_large = 0
         # A response left unread for `timeouts.response_stall`: dropped.
         self.response_stall = 0
+        # A request pipelined beyond server.MAX_PIPELINED: the queued ones answered,
+        # then closed.
+        self.pipeline_full = 0
 
 
 class ConnectionCollector(Collector):
@@ -85,7 +89,7 @@ class ConnectionCollector(Collector):
         closed = CounterMetricFamily(
             "gateway_client_connections_closed",
             "Client connections the gateway closed itself, by reason: head_timeout, "
-            "idle_timeout, max_connections, headers_too_large, response_stall.",
+            "idle_timeout, max_connections, headers_too_large, response_stall, pipeline_full.",
             labels=["reason"],
         )
         for reason in ConnectionCounts.__slots__:

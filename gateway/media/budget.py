@@ -4,12 +4,14 @@ A decode takes its cost from the budget before it starts and gives it back when 
 Waiters are served strictly in arrival order: a large decode at the head of the line is
 not overtaken by smaller ones behind it (which would starve it). A waiter that is
 cancelled (a timeout is a cancellation) leaves the line, and one whose share was
-granted before it resumed gives the share back: no path loses budget.
+granted before it resumed gives the share back, and one cancelled before a release
+reaches it is skipped by that release: no path loses budget.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 
 
@@ -51,7 +53,9 @@ class Budget:
             if waiter.granted.done() and not waiter.granted.cancelled():
                 self.release(amount)  # granted while we were being cancelled
             else:
-                self._line.remove(waiter)
+                # Still in line, unless a release in between skipped it (`_serve`).
+                with contextlib.suppress(ValueError):
+                    self._line.remove(waiter)
                 self._serve()  # it may have been the head that held others back
             raise
 
@@ -62,7 +66,18 @@ class Budget:
         self._serve()
 
     def _serve(self) -> None:
-        while self._line and self._line[0].amount <= self.available:
-            waiter = self._line.popleft()
+        line = self._line
+        while line:
+            waiter = line[0]
+            if waiter.granted.done():
+                # Cancelled (its timeout, its client gone) but not yet resumed to leave
+                # the line: it takes nothing. Granting it raised InvalidStateError in the
+                # middle of a release, and the share it had been counted was lost for
+                # good (a 500, then 503 media_busy for everyone once enough had leaked).
+                line.popleft()
+                continue
+            if waiter.amount > self.available:
+                return
+            line.popleft()
             self.available -= waiter.amount
             waiter.granted.set_result(None)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from gateway.errors import MediaFetchFailed
+from gateway.errors import MediaFetchFailed, MediaTooLarge
 from gateway.media.addresses import Address, AddressPolicy
 from gateway.media.settings import MediaSettings
 from gateway.media.slots import FairSlots
@@ -42,6 +42,21 @@ async def system_resolver(host: str, port: int) -> list[Address]:
         if address not in out:
             out.append(address)
     return out
+
+
+class FetchAllowance:
+    """The bytes one request's media URLs may still bring in (`max_request_fetch_bytes`),
+    charged as they stream in; MediaTooLarge once they are spent."""
+
+    __slots__ = ("remaining",)
+
+    def __init__(self, limit: int) -> None:
+        self.remaining = limit
+
+    def take(self, amount: int) -> None:
+        self.remaining -= amount
+        if self.remaining < 0:
+            raise MediaTooLarge("The request's media are larger than this gateway accepts.")
 
 
 def _failed(reason: str) -> MediaFetchFailed:
@@ -150,8 +165,11 @@ class MediaFetcher:
             headers={"Accept-Encoding": "identity", "User-Agent": "vllm-gateway"},
         )
 
-    async def fetch(self, url: RemoteUrl, owner: str = "") -> Fetched:
-        """GET `url` in one of the fetch slots, shared fairly between owners (keys)."""
+    async def fetch(
+        self, url: RemoteUrl, owner: str = "", allowance: FetchAllowance | None = None
+    ) -> Fetched:
+        """GET `url` in one of the fetch slots, shared fairly between owners (keys); its
+        bytes are charged to `allowance` (the request's) as they arrive."""
         target = httpx.URL(
             scheme=url.scheme, host=url.host, port=url.port, raw_path=url.target.encode()
         )
@@ -160,7 +178,7 @@ class MediaFetcher:
             async with asyncio.timeout(self._timeout):
                 await self._slots.acquire(owner)
                 try:
-                    return await self._get(target)
+                    return await self._get(target, allowance)
                 finally:
                     self._slots.release(owner)
         except TimeoutError:
@@ -170,7 +188,7 @@ class MediaFetcher:
         except httpx.HTTPError:
             raise _failed("connection") from None
 
-    async def _get(self, target: httpx.URL) -> Fetched:
+    async def _get(self, target: httpx.URL, allowance: FetchAllowance | None) -> Fetched:
         async with self._client.stream("GET", target) as response:
             if 300 <= response.status_code < 400:
                 raise _failed("redirect")
@@ -182,8 +200,13 @@ class MediaFetcher:
             length = response.headers.get("content-length")
             if length is not None and (not length.isdigit() or int(length) > self._max_bytes):
                 raise _failed("size")
+            if allowance is not None and length is not None:
+                allowance.take(int(length))
+                allowance = None  # charged whole; the stream is capped at that length
             body = bytearray()
             async for chunk in response.aiter_raw():
+                if allowance is not None:
+                    allowance.take(len(chunk))
                 body += chunk
                 if len(body) > self._max_bytes:
                     raise _failed("size")

@@ -33,7 +33,7 @@ from gateway.media.av import (
 )
 from gateway.media.cache import MediaCache
 from gateway.media.decoder import Decoder
-from gateway.media.fetch import MediaFetcher
+from gateway.media.fetch import FetchAllowance, MediaFetcher
 from gateway.media.images import ImageHeader, decode_cost, decode_image, read_header
 from gateway.media.settings import MediaMode, MediaSettings
 from gateway.media.urls import DataUrl, RemoteUrl, data_url
@@ -102,9 +102,16 @@ class MediaInliner:
         """Validate raw bytes declared as `declared` (a MIME type) for `kind`."""
         return await (await self.prepare_bytes(kind, data, declared, frames)).finish()
 
-    async def prepare(self, ref: RemoteUrl | DataUrl, kind: MediaKind, owner: str = "") -> Prepared:
+    async def prepare(
+        self,
+        ref: RemoteUrl | DataUrl,
+        kind: MediaKind,
+        owner: str = "",
+        allowance: FetchAllowance | None = None,
+    ) -> Prepared:
         """`ref` checked as far as it can be without decoding it. `owner` (the key) shares
-        the fetch slots fairly with other owners."""
+        the fetch slots fairly with other owners; a remote item's bytes, fetched or
+        cached, are charged to `allowance` (the request's)."""
         if isinstance(ref, DataUrl):
             if ref.frames:
                 return await self.prepare_bytes(kind, ref.data, ref.mime, ref.frames)
@@ -121,17 +128,29 @@ class MediaInliner:
             return _ready(Resolved(canonical, None, None, _digest(b"url\0" + canonical.encode())))
         if self._settings.mode is not MediaMode.inline:
             raise MediaInvalid("Remote media is not accepted by this gateway.")
-        return await self._cached(f"{kind}\0{canonical}", lambda: self._fetch(ref, kind, owner))
+        return await self._cached(
+            f"{kind}\0{canonical}", lambda: self._fetch(ref, kind, owner, allowance), allowance
+        )
 
-    async def _fetch(self, ref: RemoteUrl, kind: MediaKind, owner: str) -> Prepared:
-        fetched = await self._fetcher.fetch(ref, owner)
+    async def _fetch(
+        self, ref: RemoteUrl, kind: MediaKind, owner: str, allowance: FetchAllowance | None
+    ) -> Prepared:
+        fetched = await self._fetcher.fetch(ref, owner, allowance)
         return await self.prepare_bytes(kind, fetched.data, fetched.content_type)
 
-    async def _cached(self, key: str, produce: Callable[[], Awaitable[Prepared]]) -> Prepared:
+    async def _cached(
+        self,
+        key: str,
+        produce: Callable[[], Awaitable[Prepared]],
+        allowance: FetchAllowance | None = None,
+    ) -> Prepared:
         """The cached result for `key`, else `produce()`'s, kept once finished. Failures
-        are not kept."""
+        are not kept. A hit is charged to `allowance` as a fetch would be: it is inlined
+        into the body all the same."""
         hit = self._cache.get(key)
         if hit is not None:
+            if allowance is not None and hit.data is not None:
+                allowance.take(len(hit.data))
             return _ready(hit)
         prepared = await produce()
 

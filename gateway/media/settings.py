@@ -38,6 +38,11 @@ class MediaSettings(BaseModel):
     allowed_networks: list[str] = Field(default_factory=list)
     max_url_length: int = Field(default=4096, gt=0)
     max_bytes: int = Field(default=20 * 1024 * 1024, gt=0)
+    # Bytes one request's media URLs may bring in, summed over its items as they stream
+    # in (a cached item counts its size too); 413 media_too_large beyond. Each is
+    # inlined into the forwarded body: 32 URLs of 19 MiB files took the gateway to
+    # 1.8 GB for one request. As much as a whole request body (limits.max_body_bytes).
+    max_request_fetch_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
     fetch_timeout: float = Field(default=10.0, gt=0)
     max_concurrent_fetches: int = Field(default=16, gt=0)
     # PEM file of the CAs trusted for https media origins, instead of the default trust

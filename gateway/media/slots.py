@@ -17,8 +17,8 @@ class FairSlots:
     """`limit` slots; `acquire(owner)` waits for one, `release(owner)` gives it back.
 
     The caller must call `release` once for every `acquire` that returned. A waiter
-    cancelled (by its timeout) leaves the queue; one cancelled just after being handed
-    a slot passes it on.
+    cancelled (by its timeout) leaves the queue, or is skipped by a release that comes
+    first; one cancelled just after being handed a slot passes it on.
     """
 
     def __init__(self, limit: int) -> None:
@@ -70,6 +70,11 @@ class FairSlots:
             waiter = queue.popleft()
             if queue:
                 self._waiting[owner] = queue  # to the back: equals take turns
+            if waiter.done():
+                # Cancelled (its timeout) but not yet resumed to leave the queue: it
+                # takes nothing. Handing it the slot raised InvalidStateError in the
+                # releaser and left the slot counted to it for good.
+                continue
             self._take(owner)
             waiter.set_result(None)
 

@@ -28,7 +28,7 @@ import structlog
 
 from gateway.errors import MediaInvalid, MediaTooLarge
 from gateway.media.decoder import Decoder
-from gateway.media.fetch import MediaFetcher, Resolver
+from gateway.media.fetch import FetchAllowance, MediaFetcher, Resolver
 from gateway.media.images import check_formats
 from gateway.media.inline import MediaInliner, Prepared
 from gateway.media.settings import MediaSettings
@@ -108,7 +108,11 @@ class PayloadInspector:
             # Most requests carry no media: no tasks, no gather (~1% of the hot path).
             return Inspection((), True) if walk.changed else _NOTHING
         # Fetch slots are shared fairly between keys: the owner is the key's digest.
-        prepared = await _all([self._prepare(item, identity.owner) for item in walk.items])
+        # What the request's URLs may bring in, together (media.max_request_fetch_bytes).
+        allowance = FetchAllowance(self._media.max_request_fetch_bytes)
+        prepared = await _all(
+            [self._prepare(item, identity.owner, allowance) for item in walk.items]
+        )
         pixels = sum(p.pixels for p in prepared if isinstance(p, Prepared))
         if pixels > self._media.max_request_pixels:
             raise MediaTooLarge("The request's images have more pixels than this gateway accepts.")
@@ -118,13 +122,15 @@ class PayloadInspector:
         media = tuple((item.path, digest) for item, digest in zip(walk.items, digests, strict=True))
         return Inspection(media, True)
 
-    async def _prepare(self, item: MediaItem, owner: str) -> Prepared | str:
+    async def _prepare(
+        self, item: MediaItem, owner: str, allowance: FetchAllowance
+    ) -> Prepared | str:
         """Fetched and checked as far as its header, or its digest when already known."""
         if item.fixed is not None:
             return item.fixed
         try:
             if item.ref is not None:
-                return await self._inliner.prepare(item.ref, item.kind, owner)
+                return await self._inliner.prepare(item.ref, item.kind, owner, allowance)
             assert item.raw is not None
             return await self._inliner.prepare_bytes(item.kind, *item.raw)
         except (MediaInvalid, MediaTooLarge) as exc:

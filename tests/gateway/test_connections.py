@@ -26,7 +26,7 @@ from gateway.body import read_body
 from gateway.config import LimitsSettings, TimeoutSettings
 from gateway.connections import FD_RESERVE, BodyPace, ConnectionGuard, fit_connections
 from gateway.errors import HeadersTooLarge, RequestTimeout, raw_response
-from gateway.server import head_size
+from gateway.server import MAX_PIPELINED, head_size
 from tests.procs import Proc, gateway_proc, metric, running, sim_proc, sim_received, wait_for
 
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"
@@ -262,6 +262,32 @@ def test_keepalive_and_pipelined_requests_still_work(stack: Stack) -> None:
         sock.sendall(get())
         assert reader.response()[0] == 200
     assert sim_received(stack.sim.url) == before + 5
+
+
+def test_a_deep_pipeline_is_answered_in_part_then_closed(stack: Stack) -> None:
+    # uvicorn queued every request of a read: 60 connections writing 256 KiB of pipelined
+    # GETs (no key) took the gateway to 1.2 GB and blocked it for 8 s.
+    before = sim_received(stack.sim.url)
+    closed_before = closed_metric(stack.g, "pipeline_full")
+    body = chat_body()
+    sent = 200
+    with connect(stack.g.port) as sock:
+        sock.sendall((chat_head(len(body)) + body) * sent)
+        reader = Reader(sock)
+        answers = []
+        while True:
+            status, headers, _ = reader.response()
+            answers.append(status)
+            if headers.get("connection") == "close":
+                break
+        elapsed, rest = wait_closed(sock)
+    # The one being answered and the queue (a second read may add to it), not all.
+    assert MAX_PIPELINED + 1 <= len(answers) <= 2 * MAX_PIPELINED + 1, len(answers)
+    assert set(answers) == {200}
+    assert rest == b"" and elapsed < 5
+    # The requests beyond the queue never reached the engine.
+    assert sim_received(stack.sim.url) == before + len(answers)
+    assert closed_metric(stack.g, "pipeline_full") == closed_before + 1
 
 
 # --- the request body -------------------------------------------------------------------

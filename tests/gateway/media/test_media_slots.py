@@ -100,6 +100,25 @@ async def test_a_waiter_cancelled_once_handed_a_slot_passes_it_on() -> None:
     assert (slots.used, slots.held) == (1, {"c": 1})
 
 
+async def test_a_release_skips_a_waiter_cancelled_before_it_resumed() -> None:
+    # A timeout cancels the waiter's future at once; a release in the same loop
+    # iteration handed it the slot: InvalidStateError in the releaser, and the slot
+    # counted to the cancelled owner for good.
+    slots = FairSlots(1)
+    await slots.acquire("a")
+    cancelled = asyncio.create_task(slots.acquire("b"))
+    behind = asyncio.create_task(slots.acquire("c"))
+    await settle()
+    cancelled.cancel()
+    slots.release("a")
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    await asyncio.wait_for(behind, 1)
+    assert (slots.used, slots.held, slots.waiting("b")) == (1, {"c": 1}, 0)
+    slots.release("c")
+    assert (slots.used, slots.held) == (0, {})
+
+
 async def test_timeouts_on_the_wait_never_leak_slots() -> None:
     slots = FairSlots(2)
 

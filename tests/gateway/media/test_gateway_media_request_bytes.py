@@ -1,0 +1,109 @@
+"""The bytes one request's media URLs may bring in (`media.max_request_fetch_bytes`),
+through the gateway under uvicorn: every fetched item is inlined into the forwarded
+body, and 32 URLs of 19 MiB files took the gateway to 1.8 GB for one request."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from bench.samples import png
+from tests.procs import (
+    Proc,
+    RecordingServer,
+    Route,
+    gateway_proc,
+    media_gateway_env,
+    running,
+    sim_proc,
+    sim_received,
+)
+
+KEY = "sk-media-bytes-0123456789abcdef"
+MODEL = "Qwen/Qwen3-VL-2B-Instruct"
+ITEM_BYTES = 40_000
+# Two items fit, a third does not.
+LIMIT = 2 * ITEM_BYTES + ITEM_BYTES // 2
+
+
+def padded_png(size: int) -> bytes:
+    """A small valid PNG made `size` bytes long by a text chunk after its header."""
+    image = png(8, 8)
+    pad = size - len(image) - 12 - len(b"Comment\x00")
+    data = b"Comment\x00" + b"z" * pad
+    chunk = struct.pack(">I", len(data)) + b"tEXt" + data
+    chunk += struct.pack(">I", zlib.crc32(b"tEXt" + data) & 0xFFFFFFFF)
+    return image[:33] + chunk + image[33:]
+
+
+@dataclass
+class Stack:
+    sim: Proc
+    gateway: Proc
+    origin: RecordingServer
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("media-bytes")
+    image = padded_png(ITEM_BYTES)
+    assert len(image) == ITEM_BYTES
+    route = Route(body=image, headers={"Content-Type": "image/png"})
+    with RecordingServer({f"/{n}.png": route for n in "abcd"}) as origin:
+        host = origin.url.split("//", 1)[1]
+        sim = sim_proc(tmp, "--latency", "zero")
+        env = media_gateway_env(
+            sim.url, KEY, host, "http", GATEWAY_MEDIA__MAX_REQUEST_FETCH_BYTES=str(LIMIT)
+        )
+        gw = gateway_proc(tmp, env)
+        with running(sim, ready_path="/health"), running(gw, ready_path="/readyz"):
+            yield Stack(sim, gw, origin)
+
+
+def ask(stack: Stack, names: str) -> httpx.Response:
+    content: list[dict[str, Any]] = [
+        {"type": "image_url", "image_url": {"url": f"{stack.origin.url}/{n}.png"}} for n in names
+    ]
+    body = {
+        "model": MODEL,
+        "max_tokens": 1,
+        "messages": [{"role": "user", "content": [*content, {"type": "text", "text": "?"}]}],
+    }
+    headers = {"Authorization": f"Bearer {KEY}"}
+    return httpx.post(
+        stack.gateway.url + "/v1/chat/completions", json=body, headers=headers, timeout=30
+    )
+
+
+def test_media_urls_over_the_request_allowance_are_refused(stack: Stack) -> None:
+    before = sim_received(stack.sim.url)
+    resp = ask(stack, "abc")
+    assert resp.status_code == 413, resp.text
+    assert resp.json()["error"]["code"] == "media_too_large"
+    assert sim_received(stack.sim.url) == before
+
+
+def test_media_urls_within_the_allowance_are_forwarded(stack: Stack) -> None:
+    before = sim_received(stack.sim.url)
+    resp = ask(stack, "ab")
+    assert resp.status_code == 200, resp.text
+    assert sim_received(stack.sim.url) == before + 1
+
+
+def test_cached_items_count_against_the_allowance(stack: Stack) -> None:
+    # a and b are cached now (the previous test); with d they are over the allowance.
+    assert ask(stack, "ab").status_code == 200
+    fetched = len(stack.origin.hits)
+    before = sim_received(stack.sim.url)
+    resp = ask(stack, "abd")
+    assert resp.status_code == 413, resp.text
+    assert resp.json()["error"]["code"] == "media_too_large"
+    assert sim_received(stack.sim.url) == before
+    # a and b came from the cache: at most d was fetched.
+    assert len(stack.origin.hits) <= fetched + 1
