@@ -107,7 +107,8 @@ class PayloadInspector:
         if not walk.items:
             # Most requests carry no media: no tasks, no gather (~1% of the hot path).
             return Inspection((), True) if walk.changed else _NOTHING
-        # Fetch slots are shared fairly between keys: the owner is the key's digest.
+        # Fetch slots and the decode line are shared fairly between keys: the owner is the
+        # key's digest.
         prepared = await _all([self._prepare(item, identity.owner) for item in walk.items])
         pixels = sum(p.pixels for p in prepared if isinstance(p, Prepared))
         if pixels > self._media.max_request_pixels:
@@ -126,7 +127,7 @@ class PayloadInspector:
             if item.ref is not None:
                 return await self._inliner.prepare(item.ref, item.kind, owner)
             assert item.raw is not None
-            return await self._inliner.prepare_bytes(item.kind, *item.raw)
+            return await self._inliner.prepare_bytes(item.kind, *item.raw, owner=owner)
         except (MediaInvalid, MediaTooLarge) as exc:
             exc.param = exc.param or item.path
             raise
