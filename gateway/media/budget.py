@@ -12,10 +12,11 @@ with its pixels, so the owner holding least is the one using least of the line.
 
 No starvation: if the chosen waiter does not fit yet (too few bytes free), nobody is
 served until it does, not even a waiter that would fit; otherwise a stream of small
-decodes would keep a large one waiting forever. The choice is made again at each release,
-so an owner whose holdings drop below the chosen one's may go first; but once the large
-decode's owner holds nothing, each other owner goes before it at most once (served, it
-holds something, and moves behind it among equals).
+decodes would keep a large one waiting forever. The choice is made again at each release
+and arrival, so an owner holding less than the chosen one's (a newcomer, or one whose
+decodes ended) may go first; but once the large decode's owner holds nothing, each owner
+ahead of it among equals goes before it at most once (served, it holds something, and
+moves behind it), and no other does.
 
 A waiter that is cancelled (a timeout is a cancellation) leaves the line, and one whose
 share was granted before it resumed gives the share back: no path loses budget.
@@ -65,6 +66,7 @@ class Budget:
             return
         waiter = _Waiter(amount, asyncio.get_running_loop().create_future())
         self._waiting.setdefault(owner, deque()).append(waiter)
+        self._serve()  # an owner holding less than the one blocking the line goes first
         try:
             await waiter.granted
         except BaseException:
@@ -101,6 +103,10 @@ class Budget:
             # min() keeps the first of equals: the owner waiting longest.
             owner = min(self._waiting, key=lambda o: held.get(o, 0))
             queue = self._waiting[owner]
+            if queue[0].granted.done():
+                # Cancelled, and its task has not yet run to leave the line.
+                self._forget(owner, queue[0])
+                continue
             if not self._fits(queue[0].amount):
                 return  # nobody is served out of turn (no starvation)
             del self._waiting[owner]
