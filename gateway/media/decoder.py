@@ -54,7 +54,8 @@ class Decoder:
 
         Raises MediaBusy when they are not had within `decode_wait` seconds. The cost is
         given back when `fn` has finished on its thread, not when the caller stops
-        waiting: a cancelled request's decode still holds its memory until it ends.
+        waiting: a cancelled request's decode still holds its memory until it ends. A
+        cost of 0 (depth `header`: nothing is decoded) runs as `run` does.
         """
         if cost <= 0:
             return await self.run(fn, *args, **kwargs)
