@@ -70,10 +70,10 @@ class MediaSettings(BaseModel):
     # 384 MiB holds one 4096 x 4096 item of any allowed kind at any depth (a re-encoded
     # WebP is the costliest: 21 bytes a pixel, 336 MiB), or several smaller ones.
     decode_budget_bytes: int = Field(default=384 * 1024 * 1024, gt=0)
-    # Seconds a decode may wait for its share of the budget before the request is
-    # refused with 503 media_busy (and Retry-After). Generous: two requests of 8 images
-    # at the pixel cap wait ~2 s for their last decode on 2 idle cores, and several
-    # times that on busy ones.
+    # Seconds a decode may wait for its share of the budget and a thread before the
+    # request is refused with 503 media_busy (and Retry-After). Generous: two requests of
+    # 8 images at the pixel cap wait ~2 s for their last decode on 2 idle cores, and
+    # several times that on busy ones.
     decode_wait: float = Field(default=20.0, gt=0)
     max_frames: int = Field(default=64, gt=0)
     min_dimension: int = Field(default=1, ge=1)

@@ -187,13 +187,15 @@ def test_one_keys_heavy_decodes_do_not_queue_another_keys_image(
 SIDE = 1000
 # One 1000 x 1000 PNG is charged 5 bytes a pixel (gateway/media/images.py): the budget
 # holds exactly one decode, and a second waits at most 1 ms, far less than a decode of a
-# million pixels takes, so it is refused.
+# million pixels takes, so it is refused. Three threads: three small images decode at
+# once (a third waiting 1 ms for one of two threads would be refused too).
 TINY = {
     "max_pixels": str(SIDE * SIDE),
     "image_formats": '["PNG"]',
     "max_frames": "1",
     "decode_budget_bytes": str(5 * SIDE * SIDE),
     "decode_wait": "0.001",
+    "decode_threads": "3",
     "max_request_pixels": str(3 * SIDE * SIDE),
 }
 
