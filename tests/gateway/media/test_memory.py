@@ -143,7 +143,7 @@ def test_one_keys_heavy_decodes_do_not_queue_another_keys_image(
     then next, however many of A's decodes are queued.
 
     Measured on 2 shared cores: B answered in 4.3-5.0 s with one first-come-first-served
-    line and the pool's own queue, 0.26-0.55 s with the fair line."""
+    line and the pool's own queue, 0.20-0.69 s with the fair line."""
     bodies = [chat_body(_images(heavy_png, 8, f"a{r}")) for r in range(HEAVY_REQUESTS)]
     extra = {
         "GATEWAY_API_KEYS": json.dumps([KEY, OTHER_KEY]),
