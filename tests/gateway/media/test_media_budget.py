@@ -186,6 +186,23 @@ async def test_a_waiter_cancelled_after_its_grant_gives_back_bytes_and_thread() 
     assert (budget.available, budget.running, budget.held, budget.waiting) == (10, 0, {}, 0)
 
 
+async def test_a_release_between_a_cancel_and_its_resumption_skips_the_waiter() -> None:
+    """`cancel()` cancels the waiter's future at once; its task leaves the line only
+    when it next runs. A release in between granted the cancelled waiter, raised
+    InvalidStateError and lost its share of the budget for good (main before the fair
+    line)."""
+    budget = Budget(10, THREADS)
+    await budget.acquire(10, "a")
+    cancelled = asyncio.create_task(budget.acquire(4, "b"))
+    behind = asyncio.create_task(budget.acquire(4, "c"))
+    await _settle()
+    cancelled.cancel()
+    budget.release(10, "a")  # before `cancelled` has run again
+    await asyncio.wait_for(behind, 1)
+    assert cancelled.cancelled()
+    assert (budget.available, budget.running, budget.held, budget.waiting) == (6, 1, {"c": 4}, 0)
+
+
 async def test_timeouts_on_the_wait_never_leak_budget() -> None:
     budget = Budget(10, 2)
 
