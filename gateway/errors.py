@@ -31,8 +31,8 @@ and URL parsers echo attacker input. Raised when:
                               limit (admission.py)
   + Overloaded                503 overloaded: over limits.max_in_flight (admission.py)
   | + NoEngineAvailable       503 no_engine_available: no engine, or no models known yet
-  | + MediaBusy               503 media_busy: no room in the media decode budget within
-  |                           media.decode_wait (media/decoder.py)
+  | + MediaBusy               503 media_busy: no room in the media decode budget (or no
+  |                           decode thread) within media.decode_wait (media/decoder.py)
   + UpstreamUnavailable       502 upstream_unavailable: no engine took the request
   | + UpstreamBroken          502 upstream_broken: an answer broke off (forwarder.py)
   | + UpstreamInvalid         502 upstream_invalid: a model list not readable (relay.py)

@@ -110,18 +110,18 @@ class MediaInliner:
         allowance: FetchAllowance | None = None,
     ) -> Prepared:
         """`ref` checked as far as it can be without decoding it. `owner` (the key) shares
-        the fetch slots fairly with other owners; a remote item's bytes, fetched or
-        cached, are charged to `allowance` (the request's)."""
+        the fetch slots and the decode line fairly with other owners; a remote item's
+        bytes, fetched or cached, are charged to `allowance` (the request's)."""
         if isinstance(ref, DataUrl):
             if ref.frames:
-                return await self.prepare_bytes(kind, ref.data, ref.mime, ref.frames)
+                return await self.prepare_bytes(kind, ref.data, ref.mime, ref.frames, owner)
             # The same inline item sent again (a conversation re-sends its images every
             # turn) is not decoded again: the verdict depends only on these bytes, the
             # declared type and the settings. Hashing costs a fraction of a decode
             # (bench reference: +3.6 ms per 448 image and +9.6 ms per 896 image before).
             data_key = f"data\0{kind}\0{ref.mime}\0{_digest(ref.data)}"
             return await self._cached(
-                data_key, lambda: self.prepare_bytes(kind, ref.data, ref.mime)
+                data_key, lambda: self.prepare_bytes(kind, ref.data, ref.mime, owner=owner)
             )
         canonical = ref.canonical
         if self._settings.mode is MediaMode.passthrough:
@@ -136,7 +136,7 @@ class MediaInliner:
         self, ref: RemoteUrl, kind: MediaKind, owner: str, allowance: FetchAllowance | None
     ) -> Prepared:
         fetched = await self._fetcher.fetch(ref, owner, allowance)
-        return await self.prepare_bytes(kind, fetched.data, fetched.content_type)
+        return await self.prepare_bytes(kind, fetched.data, fetched.content_type, owner=owner)
 
     async def _cached(
         self,
@@ -162,16 +162,21 @@ class MediaInliner:
         return Prepared(prepared.pixels, finish)
 
     async def prepare_bytes(
-        self, kind: MediaKind, data: bytes, declared: str | None, frames: Sequence[bytes] = ()
+        self,
+        kind: MediaKind,
+        data: bytes,
+        declared: str | None,
+        frames: Sequence[bytes] = (),
+        owner: str = "",
     ) -> Prepared:
         """Raw bytes declared as `declared` (a MIME type) for `kind`, checked up to their
-        headers; decoding is left to `finish`."""
+        headers; decoding is left to `finish`, in `owner`'s turn of the decode line."""
         settings = self._settings
         if kind is MediaKind.image:
             # Header reads run on the decode pool too: a hostile file can make even
             # Image.open parse for a while, and the event loop must not wait for it.
             header = await self._decoder.run(read_header, data, declared, settings)
-            return Prepared(header.pixels, lambda: self._decode_image(data, header))
+            return Prepared(header.pixels, lambda: self._decode_image(data, header, owner))
         if kind is MediaKind.audio:
             audio = validate_audio(data, declared, settings)
             return _ready(Resolved(data_url(audio.mime, audio.data), audio.mime, audio.data,
@@ -179,24 +184,24 @@ class MediaInliner:
         if frames:
             headers = await self._decoder.run(read_jpeg_frames, frames, settings)
             pixels = sum(h.pixels for h in headers)
-            return Prepared(pixels, lambda: self._decode_frames(frames, headers, pixels))
+            return Prepared(pixels, lambda: self._decode_frames(frames, headers, pixels, owner))
         # Containers are checked, not decoded (gateway/media/av.py): nothing to wait for.
         video = validate_video(data, declared, settings)
         return _ready(Resolved(data_url(video.mime, video.data), video.mime, video.data,
                                _digest(video.data)))  # fmt: skip
 
-    async def _decode_image(self, data: bytes, header: ImageHeader) -> Resolved:
+    async def _decode_image(self, data: bytes, header: ImageHeader, owner: str) -> Resolved:
         cost = decode_cost(header, self._settings.validation)
-        image = await self._decoder.decode(cost, decode_image, data, header, self._settings)
+        image = await self._decoder.decode(cost, owner, decode_image, data, header, self._settings)
         return Resolved(data_url(image.mime, image.data), image.mime, image.data,
                         _digest(image.data), header.pixels)  # fmt: skip
 
     async def _decode_frames(
-        self, frames: Sequence[bytes], headers: Sequence[ImageHeader], pixels: int
+        self, frames: Sequence[bytes], headers: Sequence[ImageHeader], pixels: int, owner: str
     ) -> Resolved:
         # Frames are decoded one after the other: the largest one is what is held.
         cost = max(decode_cost(h, self._settings.validation) for h in headers)
         video = await self._decoder.decode(
-            cost, decode_jpeg_frames, frames, headers, self._settings
+            cost, owner, decode_jpeg_frames, frames, headers, self._settings
         )
         return _video_jpeg(video, pixels)

@@ -69,16 +69,16 @@ class MediaSettings(BaseModel):
     # Bytes of decoded image buffers the whole process may hold at once. Each decode is
     # charged what it holds at its peak (gateway/media/images.py, `decode_cost`, measured:
     # 5 bytes a pixel for PNG, 17 for WebP, more for progressive JPEG, animations and
-    # re-encoding; a JPEG at depth `decode` is decoded at 1/8 scale) and waits in line,
-    # first come first served, for its share. Must hold the costliest single item the
-    # other settings allow (checked at start). 384 MiB holds one 4096 x 4096 item of any
-    # allowed kind at any depth (a re-encoded WebP is the costliest: 21 bytes a pixel,
-    # 336 MiB), or several smaller ones.
+    # re-encoding; a JPEG at depth `decode` is decoded at 1/8 scale) and waits for its
+    # share and a thread in a line shared fairly between keys (gateway/media/budget.py).
+    # Must hold the costliest single item the other settings allow (checked at start).
+    # 384 MiB holds one 4096 x 4096 item of any allowed kind at any depth (a re-encoded
+    # WebP is the costliest: 21 bytes a pixel, 336 MiB), or several smaller ones.
     decode_budget_bytes: int = Field(default=384 * 1024 * 1024, gt=0)
-    # Seconds a decode may wait for its share of the budget before the request is
-    # refused with 503 media_busy (and Retry-After). Generous: two requests of 8 images
-    # at the pixel cap wait ~2 s for their last decode on 2 idle cores, and several
-    # times that on busy ones.
+    # Seconds a decode may wait for its share of the budget and a thread before the
+    # request is refused with 503 media_busy (and Retry-After). Generous: two requests of
+    # 8 images at the pixel cap wait ~2 s for their last decode on 2 idle cores, and
+    # several times that on busy ones.
     decode_wait: float = Field(default=20.0, gt=0)
     max_frames: int = Field(default=64, gt=0)
     min_dimension: int = Field(default=1, ge=1)

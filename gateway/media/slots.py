@@ -66,8 +66,15 @@ class FairSlots:
         while self.used < self.limit and self._waiting:
             # min() keeps the first of equals: the owner waiting longest.
             owner = min(self._waiting, key=lambda o: held.get(o, 0))
-            queue = self._waiting.pop(owner)
+            queue = self._waiting[owner]
             waiter = queue.popleft()
+            if waiter.done():
+                # Cancelled, and its task has not yet run to leave the queue: handing it
+                # the slot would raise and leave the slot taken for good.
+                if not queue:
+                    del self._waiting[owner]
+                continue
+            del self._waiting[owner]
             if queue:
                 self._waiting[owner] = queue  # to the back: equals take turns
             if waiter.done():

@@ -107,8 +107,9 @@ class PayloadInspector:
         if not walk.items:
             # Most requests carry no media: no tasks, no gather (~1% of the hot path).
             return Inspection((), True) if walk.changed else _NOTHING
-        # Fetch slots are shared fairly between keys: the owner is the key's digest.
-        # What the request's URLs may bring in, together (media.max_request_fetch_bytes).
+        # Fetch slots and the decode line are shared fairly between keys: the owner is the
+        # key's digest. What the request's URLs may bring in, together
+        # (media.max_request_fetch_bytes).
         allowance = FetchAllowance(self._media.max_request_fetch_bytes)
         prepared = await _all(
             [self._prepare(item, identity.owner, allowance) for item in walk.items]
@@ -132,7 +133,7 @@ class PayloadInspector:
             if item.ref is not None:
                 return await self._inliner.prepare(item.ref, item.kind, owner, allowance)
             assert item.raw is not None
-            return await self._inliner.prepare_bytes(item.kind, *item.raw)
+            return await self._inliner.prepare_bytes(item.kind, *item.raw, owner=owner)
         except (MediaInvalid, MediaTooLarge) as exc:
             exc.param = exc.param or item.path
             raise

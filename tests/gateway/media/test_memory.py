@@ -1,12 +1,14 @@
 """Media memory through the running gateway: decode-heavy requests keep the
-gateway's peak RSS under 512 MiB at default settings and leave it healthy; the decode
-budget answers 503 media_busy with Retry-After when it cannot be had in time; the
-per-request pixel cap refuses a request before anything is decoded. Nothing refused
-reaches the engine (the simulator's counters)."""
+gateway's peak RSS under 512 MiB at default settings and leave it healthy; one key's
+decode-heavy requests do not queue another key's small image; the decode budget answers
+503 media_busy with Retry-After when it cannot be had in time; the per-request pixel cap
+refuses a request before anything is decoded. Nothing refused reaches the engine (the
+simulator's counters)."""
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,8 +23,10 @@ from gateway.allocator import TRIM_INTERVAL
 from gateway.media.settings import MediaSettings
 from tests.procs import (
     Proc,
+    auth,
     error_code,
     gateway_proc,
+    metric,
     running,
     sim_proc,
     sim_received,
@@ -30,6 +34,7 @@ from tests.procs import (
 )
 
 KEY = "sk-media-memory-0123456789abcdef"
+OTHER_KEY = "sk-media-memory-other-0123456789"
 PEAK_LIMIT_MIB = 512
 DEFAULTS = MediaSettings()
 
@@ -41,9 +46,10 @@ def _status_kib(pid: int, name: str) -> int:
     raise KeyError(name)
 
 
-def _post(gateway: Proc, body: dict[str, object]) -> httpx.Response:
-    headers = {"Authorization": f"Bearer {KEY}"}
-    return httpx.post(gateway.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+def _post(gateway: Proc, body: dict[str, object], key: str = KEY) -> httpx.Response:
+    return httpx.post(
+        gateway.url + "/v1/chat/completions", json=body, headers=auth(key), timeout=60
+    )
 
 
 def _images(png_bytes: bytes, count: int, tag: str) -> list[bytes]:
@@ -57,7 +63,7 @@ def _normal() -> dict[str, object]:
     return body
 
 
-def _stack(tmp: Path, **media: str) -> tuple[Proc, Proc]:
+def _stack(tmp: Path, *, extra: dict[str, str] | None = None, **media: str) -> tuple[Proc, Proc]:
     # Context for 8 images at the simulator's 16,384 tokens each.
     sim = sim_proc(
         tmp, "--latency", "zero", "--max-model-len", str(SIM_CONTEXT),
@@ -67,6 +73,7 @@ def _stack(tmp: Path, **media: str) -> tuple[Proc, Proc]:
         "GATEWAY_ENGINES": json.dumps([sim.url]),
         "GATEWAY_API_KEYS": json.dumps([KEY]),
         **{f"GATEWAY_MEDIA__{name.upper()}": value for name, value in media.items()},
+        **(extra or {}),
     }
     return sim, gateway_proc(tmp, env)
 
@@ -149,18 +156,72 @@ def test_refused_requests_do_not_keep_their_bodies(tmp_path: Path) -> None:
         assert wait_for(returned, timeout=TRIM_INTERVAL + 10), _status_kib(pid, "VmRSS")
 
 
+HEAVY_REQUESTS = 3
+
+
+def test_one_keys_heavy_decodes_do_not_queue_another_keys_image(
+    tmp_path: Path, heavy_png: bytes
+) -> None:
+    """The decode line is shared fairly between keys and caps decodes at decode_threads
+    (gateway/media/budget.py): key A sends three requests of 8 PNGs just under the pixel
+    cap (24 decodes of ~0.23 s each on 2 threads, ~2.8 s of decoding), and while they
+    decode, key B's request with one small image waits for a thread to free up and is
+    then next, however many of A's decodes are queued.
+
+    Measured on 2 shared cores: B answered in 4.3-5.0 s with one first-come-first-served
+    line and the pool's own queue, 0.20-0.69 s with the fair line."""
+    bodies = [chat_body(_images(heavy_png, 8, f"a{r}")) for r in range(HEAVY_REQUESTS)]
+    extra = {
+        "GATEWAY_API_KEYS": json.dumps([KEY, OTHER_KEY]),
+        "GATEWAY_PUBLIC_METRICS": "true",
+    }
+    sim, gateway = _stack(tmp_path, extra=extra)
+    with running(sim), running(gateway, ready_path="/readyz"):
+        assert _post(gateway, _normal()).status_code == 200
+        before = sim_received(sim.url)
+        a_done: list[float] = []
+
+        def heavy(body: dict[str, object]) -> httpx.Response:
+            resp = _post(gateway, body)
+            a_done.append(time.monotonic())
+            return resp
+
+        with ThreadPoolExecutor(HEAVY_REQUESTS) as pool:
+            flood = [pool.submit(heavy, b) for b in bodies]
+            # A's decodes are under way and most of them are queued.
+            waiting = lambda: metric(gateway.url, "gateway_media_decodes_waiting")  # noqa: E731
+            assert wait_for(lambda: waiting() >= 16, timeout=15)
+            started = time.monotonic()
+            answer = _post(gateway, chat_body([png(64, 64)]), OTHER_KEY)
+            b_elapsed = time.monotonic() - started
+            a_waiting = waiting()
+            statuses = [f.result().status_code for f in flood]
+        print(f"B answered in {b_elapsed:.2f} s, {a_waiting:.0f} of A's decodes waiting")
+        assert answer.status_code == 200, answer.text
+        assert statuses == [200] * HEAVY_REQUESTS
+        # The order: B went before most of A's queued decodes (first come first served,
+        # none of them was left).
+        assert a_waiting >= 8
+        # The time: fair, two decodes to finish (the one ahead of B's header read, then
+        # the one ahead of its decode); first come first served, nearly all 24.
+        assert b_elapsed < 2.5
+        assert sim_received(sim.url) - before == HEAVY_REQUESTS + 1
+
+
 # --- the budget and the per-request cap under tiny settings ------------------------------
 
 SIDE = 1000
 # One 1000 x 1000 PNG is charged 5 bytes a pixel (gateway/media/images.py): the budget
 # holds exactly one decode, and a second waits at most 1 ms, far less than a decode of a
-# million pixels takes, so it is refused.
+# million pixels takes, so it is refused. Three threads: three small images decode at
+# once (a third waiting 1 ms for one of two threads would be refused too).
 TINY = {
     "max_pixels": str(SIDE * SIDE),
     "image_formats": '["PNG"]',
     "max_frames": "1",
     "decode_budget_bytes": str(5 * SIDE * SIDE),
     "decode_wait": "0.001",
+    "decode_threads": "3",
     "max_request_pixels": str(3 * SIDE * SIDE),
 }
 
