@@ -14,6 +14,7 @@ every request's scope.
 from __future__ import annotations
 
 import asyncio
+import gc
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,6 +146,45 @@ def _is_json(content_type: bytes | None) -> bool:
     return content_type.split(b";", 1)[0].strip().lower() == b"application/json"
 
 
+# Bodies up to this size are parsed without counting their values: the densest of them
+# (arrays nested 500 deep) parse into ~160 MiB, in ~0.2 s.
+COUNT_VALUES_OVER = 4 * 1024 * 1024
+# Bodies over this size are parsed with the cyclic collector paused.
+PAUSE_COLLECTOR_OVER = 64 * 1024
+# Bytes that open a value, but for the body's first: an array's first element follows
+# `[`, every other element and object member follows `,`, an object's first member `{`.
+_VALUE_OPENERS = b",[{"
+
+
+def parse_json(raw: bytes, max_values: int) -> Any:
+    """`raw` parsed; InvalidJson, or RequestTooLarge for a large body with more than
+    `max_values` values.
+
+    The count is an upper bound (the bytes count inside strings too) taken in one pass
+    (1.3 ms a MiB), only over `COUNT_VALUES_OVER`: an image's body is mostly base64,
+    which has none of them. A body over `PAUSE_COLLECTOR_OVER` is parsed with the cyclic
+    collector paused: the containers a dense one makes each count towards a collection,
+    and collections walked them again and again (32 MiB of `[],`: 7.6 s, 1.1 s paused;
+    4 MiB: 1.0 s, 0.1 s paused).
+    """
+    if len(raw) > COUNT_VALUES_OVER:
+        values = len(raw) - len(raw.translate(None, _VALUE_OPENERS))
+        if values > max_values:
+            raise RequestTooLarge(
+                f"The request body has more JSON values than this gateway accepts ({max_values})."
+            )
+    paused = len(raw) > PAUSE_COLLECTOR_OVER and gc.isenabled()
+    if paused:
+        gc.disable()
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise InvalidJson("The request body is not valid JSON.") from None
+    finally:
+        if paused:
+            gc.enable()
+
+
 async def read_incoming(
     scope: Scope, receive: Receive, route: Route, settings: Settings
 ) -> Incoming:
@@ -156,10 +196,7 @@ async def read_incoming(
             raise UnsupportedMediaType("This endpoint takes 'Content-Type: application/json'.")
         check_declared(scope["headers"], limits.max_body_bytes)
         raw = await read_body(receive, limits.max_body_bytes, scope[CONNECTION_GUARD])
-        try:
-            loaded = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            raise InvalidJson("The request body is not valid JSON.") from None
+        loaded = parse_json(raw, limits.max_json_values)
         if not isinstance(loaded, dict):
             raise InvalidJson("The request body must be a JSON object.")
         return Incoming(raw, loaded, None, _JSON_CONTENT_TYPE)

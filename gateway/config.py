@@ -77,6 +77,12 @@ class LimitsSettings(BaseModel):
     # Requests per second with a burst, for every key without its own `rate`; None: off.
     rate_per_key: RateLimit | None = None
     max_upload_bytes: int = Field(default=25 * 1024 * 1024, gt=0)
+    # Array elements and object members of a JSON body over 4 MiB (413 beyond; smaller
+    # bodies are not counted: ~160 MiB parsed at most). Parsed, a value costs up to ~180
+    # bytes: 32 MiB of
+    # `[],` were 11 million lists, 1 GiB and seconds of the event loop; at this cap a
+    # body parses into at most ~180 MiB, in ~0.3 s (gateway/body.py parse_json).
+    max_json_values: int = Field(default=2_000_000, gt=0)
     # Header fields per request (431 beyond). uvicorn caps neither their number (httptools)
     # nor, with httptools, their total size; every header loop on the way is linear in it.
     max_headers: int = Field(default=100, gt=0)

@@ -1,0 +1,84 @@
+"""JSON bodies that cost more to parse than their size says, through the gateway under
+uvicorn: a large body with too many values is refused before it is parsed, and one
+under the cap is parsed without the collector walking it again and again."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.body import COUNT_VALUES_OVER
+from gateway.config import LimitsSettings
+from tests.procs import Proc, auth, error_code, gateway_proc, running, sim_proc, sim_received
+
+MODEL = "Qwen/Qwen3-VL-2B-Instruct"
+KEY = "sk-json-bodies-0123456789abcdef"
+OTHER = "sk-json-bodies-other-0123456789abcdef"
+MAX_VALUES = LimitsSettings().max_json_values
+
+
+def _status_mib(pid: int, field: str) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise KeyError(field)
+
+
+def _chat_with(filler: bytes) -> bytes:
+    """A chat request carrying `filler` (a JSON array's elements) in a tool's schema."""
+    head = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    return json.dumps(head)[:-1].encode() + b', "metadata_filler": [' + filler + b"0]}"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc]]:
+    tmp = tmp_path_factory.mktemp("json-bodies")
+    sim = sim_proc(tmp, "--latency", "zero")
+    env = {"GATEWAY_ENGINES": json.dumps([sim.url]), "GATEWAY_API_KEYS": json.dumps([KEY, OTHER])}
+    gateway = gateway_proc(tmp, env)
+    with running(sim), running(gateway, ready_path="/readyz"):
+        yield sim, gateway
+
+
+def test_a_large_body_of_too_many_values_is_refused_before_parsing(
+    stack: tuple[Proc, Proc],
+) -> None:
+    """32 MiB of `[],`: 11 million lists, which took the gateway to 1 GiB and held its
+    event loop for seconds (7.6 s in the parser alone), then went to the engine."""
+    sim, gateway = stack
+    assert gateway.pid is not None
+    body = _chat_with(b"[]," * 11_000_000)
+    before = sim_received(sim.url)
+    started = time.monotonic()
+    resp = httpx.post(
+        gateway.url + "/v1/chat/completions",
+        content=body,
+        headers={**auth(KEY), "Content-Type": "application/json"},
+        timeout=60,
+    )
+    elapsed = time.monotonic() - started
+    assert (resp.status_code, error_code(resp)) == (413, "request_too_large")
+    assert str(MAX_VALUES) in resp.json()["error"]["message"]
+    assert sim_received(sim.url) == before
+    assert elapsed < 10, elapsed
+    assert _status_mib(gateway.pid, "VmHWM") < 512
+
+
+def test_a_dense_body_under_the_cap_is_served(stack: tuple[Proc, Proc]) -> None:
+    """Just under the size that is counted: a million lists, parsed (collector paused),
+    walked and forwarded; another key is served after it."""
+    sim, gateway = stack
+    body = _chat_with(b"[]," * ((COUNT_VALUES_OVER - 200) // 3))
+    assert len(body) <= COUNT_VALUES_OVER
+    before = sim_received(sim.url)
+    headers = {**auth(KEY), "Content-Type": "application/json"}
+    url = gateway.url + "/v1/chat/completions"
+    assert httpx.post(url, content=body, headers=headers, timeout=60).status_code == 200
+    chat = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    assert httpx.post(url, json=chat, headers=auth(OTHER), timeout=30).status_code == 200
+    assert sim_received(sim.url) == before + 2
