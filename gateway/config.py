@@ -83,6 +83,10 @@ class LimitsSettings(BaseModel):
     # `[],` were 11 million lists, 1 GiB and seconds of the event loop; at this cap a
     # body parses into at most ~180 MiB, in ~0.3 s (gateway/body.py parse_json).
     max_json_values: int = Field(default=2_000_000, gt=0)
+    # Bytes of request bodies still arriving, held in memory, in all; one key may hold
+    # half (503 overloaded beyond). 40 bodies of 32 MiB held a byte short of their end
+    # kept 1.3 GiB for the minute of their deadline.
+    max_buffered_body_bytes: int = Field(default=256 * 1024 * 1024, gt=0)
     # Header fields per request (431 beyond). uvicorn caps neither their number (httptools)
     # nor, with httptools, their total size; every header loop on the way is linear in it.
     max_headers: int = Field(default=100, gt=0)

@@ -1,10 +1,12 @@
-"""JSON bodies that cost more to parse than their size says, through the gateway under
-uvicorn: a large body with too many values is refused before it is parsed, and one
-under the cap is parsed without the collector walking it again and again."""
+"""Request bodies that cost more than their size says, through the gateway under
+uvicorn: a large JSON body with too many values is refused before it is parsed, one
+under the cap is parsed without the collector walking it again and again; bodies held
+a byte short of their end are bounded in bytes, in all and per key."""
 
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,11 +37,17 @@ def _chat_with(filler: bytes) -> bytes:
     return json.dumps(head)[:-1].encode() + b', "metadata_filler": [' + filler + b"0]}"
 
 
+HELD_LIMIT = 2_000_000  # limits.max_buffered_body_bytes here; a key may hold half
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc]]:
     tmp = tmp_path_factory.mktemp("json-bodies")
     sim = sim_proc(tmp, "--latency", "zero")
-    env = {"GATEWAY_ENGINES": json.dumps([sim.url]), "GATEWAY_API_KEYS": json.dumps([KEY, OTHER])}
+    env = {
+        "GATEWAY_ENGINES": json.dumps([sim.url]),
+        "GATEWAY_API_KEYS": json.dumps([KEY, OTHER]),
+    }
     gateway = gateway_proc(tmp, env)
     with running(sim), running(gateway, ready_path="/readyz"):
         yield sim, gateway
@@ -81,4 +89,64 @@ def test_a_dense_body_under_the_cap_is_served(stack: tuple[Proc, Proc]) -> None:
     assert httpx.post(url, content=body, headers=headers, timeout=60).status_code == 200
     chat = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
     assert httpx.post(url, json=chat, headers=auth(OTHER), timeout=30).status_code == 200
+    assert sim_received(sim.url) == before + 2
+
+
+def _held_body(gateway: Proc, key: str, sent: int, declared: int) -> socket.socket:
+    """A chat body of `declared` bytes of which `sent` are sent, the rest held back."""
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n"
+        f"Authorization: {auth(key)['Authorization']}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {declared}\r\n\r\n"
+    )
+    conn = socket.create_connection(("127.0.0.1", gateway.port))
+    conn.sendall(head.encode() + b'{"model": "' + b"m" * (sent - 11))
+    return conn
+
+
+def _answer(conn: socket.socket) -> bytes:
+    conn.settimeout(10)
+    data = b""
+    while b"\r\n\r\n" not in data or not data.endswith(b"}"):
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+@pytest.fixture(scope="module")
+def held(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc]]:
+    tmp = tmp_path_factory.mktemp("held-bodies")
+    sim = sim_proc(tmp, "--latency", "zero")
+    env = {
+        "GATEWAY_ENGINES": json.dumps([sim.url]),
+        "GATEWAY_API_KEYS": json.dumps([KEY, OTHER]),
+        "GATEWAY_LIMITS__MAX_BUFFERED_BODY_BYTES": str(HELD_LIMIT),
+    }
+    gateway = gateway_proc(tmp, env)
+    with running(sim), running(gateway, ready_path="/readyz"):
+        yield sim, gateway
+
+
+def test_bodies_held_short_of_their_end_are_bounded_per_key(held: tuple[Proc, Proc]) -> None:
+    """Key A holds one body of 600 kB a byte short of its end, then starts another: that
+    one would take A past half of the 2 MB limit and is refused 503 overloaded; key B's
+    body is served meanwhile; once A's first body is gone, A is served again."""
+    sim, gateway = held
+    before = sim_received(sim.url)
+    first = _held_body(gateway, KEY, 600_000, 900_000)
+    time.sleep(0.5)
+    second = _held_body(gateway, KEY, 600_000, 900_000)
+    answer = _answer(second)
+    second.close()
+    assert answer.startswith(b"HTTP/1.1 503"), answer[:200]
+    assert b'"code":"overloaded"' in answer and b"retry-after: 1" in answer.lower()
+    chat = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    url = gateway.url + "/v1/chat/completions"
+    padded = {**chat, "user": "b" * 500_000}
+    assert httpx.post(url, json=padded, headers=auth(OTHER), timeout=30).status_code == 200
+    first.close()
+    time.sleep(0.5)
+    assert httpx.post(url, json=padded, headers=auth(KEY), timeout=30).status_code == 200
     assert sim_received(sim.url) == before + 2
