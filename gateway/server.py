@@ -3,8 +3,12 @@ protocol with limits on the connection itself, which uvicorn does not have.
 
     uvicorn.run(app, http=GatewayProtocol, ...)      # gateway/cli.py, every worker
 
-- Connection cap: beyond `limits.max_connections` open connections (this process), a
-  new connection is closed as soon as it is accepted, before anything is read from it.
+- Connection cap: at `limits.max_connections` open connections (this process), a new
+  connection makes room by closing the one that has waited longest for a head (none
+  sent yet, or incomplete; a connection with a request in progress is never closed for
+  this), so clients that send their head at once displace those that do not. When every
+  connection has a request in progress, the new one is closed as soon as it is
+  accepted, before anything is read from it.
 - Head deadline (slowloris): a request's head must be complete `timeouts.request_head`
   seconds after the connection opened or, on a keep-alive connection, after the
   previous response was sent; the clock does not restart with each byte. Past it the
@@ -117,7 +121,7 @@ class GatewayProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         guard = self.guard
-        if len(self.connections) >= guard.max_connections:
+        if len(self.connections) >= guard.max_connections and not guard.make_room():
             # Refused before anything is read or allocated for it; the descriptor goes
             # at once (abort: no lingering FIN handshake on our side).
             self._refused = True
@@ -127,6 +131,7 @@ class GatewayProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         self._head_due = self.loop.time() + guard.request_head
         guard.add(self, self.loop)
+        guard.waiting[self] = None
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._refused:
@@ -164,6 +169,13 @@ class GatewayProtocol(HttpToolsProtocol):
             transport.abort()
         else:
             transport.close()
+
+    def evict(self) -> None:
+        """Called by the guard to make room for a new connection: this one is waiting
+        for a head. Closed without an answer, as at the head deadline."""
+        self._head_due = self._idle_due = math.inf
+        if not self.transport.is_closing():
+            self.transport.close()
 
     def handle_websocket_upgrade(self) -> None:
         # The connection now belongs to the WebSocket protocol (the app refuses it).
@@ -225,6 +237,8 @@ class GatewayProtocol(HttpToolsProtocol):
         if len(self.pipeline) >= MAX_PIPELINED:
             self._pipeline_full = True
             raise _PipelineFull
+        # A request in progress: not to be evicted until its response is sent.
+        self.guard.waiting.pop(self, None)
         super().on_headers_complete()
 
     def _end_pipeline(self) -> None:
@@ -262,6 +276,7 @@ class GatewayProtocol(HttpToolsProtocol):
         # client's next byte.
         now = self.loop.time()
         self._head_due = now + self.guard.request_head
+        self.guard.waiting[self] = None
         if not self._in_head:
             self._idle = True
             self._idle_due = now + self.guard.keepalive
