@@ -384,6 +384,59 @@ def test_a_large_body_at_full_speed_is_unaffected(stack: Stack) -> None:
     assert r.status_code == 200, r.text
 
 
+def _chunked(data: bytes, sizes: list[int], rest: int) -> bytes:
+    """`data` in chunked framing: chunks of `sizes` first, then of `rest` bytes."""
+    out, at = [], 0
+    for size in sizes:
+        out.append(b"%x\r\n%s\r\n" % (size, data[at : at + size]))
+        at += size
+    while at < len(data):
+        piece = data[at : at + rest]
+        out.append(b"%x\r\n%s\r\n" % (len(piece), piece))
+        at += rest
+    return b"".join(out) + b"0\r\n\r\n"
+
+
+def chunked_head(extra: str = "") -> bytes:
+    return chat_head(0).replace(
+        b"Content-Length: 0", b"Transfer-Encoding: chunked" + extra.encode()
+    )
+
+
+def test_a_body_in_tiny_chunks_is_refused(stack: Stack) -> None:
+    """1-byte chunks cost the gateway a Python call each: refused once 64 of them came
+    in, 400 and closed, and nothing reaches the engine."""
+    before = sim_received(stack.sim.url)
+    closed = closed_metric(stack.g, "body_chunks_too_small")
+    body = chat_body(pad=2000)
+    with connect(stack.g.port) as sock:
+        started = time.monotonic()
+        # Not ended: the answer comes while the client is still sending.
+        sock.sendall(chunked_head() + _chunked(body, [], 1)[:-5])
+        status, headers, answer = read_response(sock)
+        assert time.monotonic() - started < 2
+        assert (status, error_code(answer)) == (400, "body_chunks_too_small")
+        assert headers["connection"] == "close"
+        assert wait_closed(sock, timeout=5)[1] == b""
+    # Spelled otherwise, the same.
+    with connect(stack.g.port) as sock:
+        sock.sendall(chunked_head().replace(b"chunked", b"CHUNKED") + _chunked(body, [], 8))
+        status, _, answer = read_response(sock)
+        assert (status, error_code(answer)) == (400, "body_chunks_too_small")
+    assert closed_metric(stack.g, "body_chunks_too_small") == closed + 2
+    assert sim_received(stack.sim.url) == before
+
+
+def test_a_chunked_body_in_usual_chunks_is_forwarded(stack: Stack) -> None:
+    """8 KiB chunks, after a few dozen small ones at the start, pass."""
+    before = sim_received(stack.sim.url)
+    body = chat_body(pad=60_000)
+    with connect(stack.g.port) as sock:
+        sock.sendall(chunked_head() + _chunked(body, [1] * 40, 8192))
+        assert read_response(sock)[0] == 200
+    assert sim_received(stack.sim.url) == before + 1
+
+
 # --- the response ---------------------------------------------------------------------
 
 
