@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import resource
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -50,6 +51,9 @@ class Timed(Protocol):
     def deadline(self) -> float: ...
 
     def expire(self) -> None: ...
+
+    def evict(self) -> None:
+        """Close the connection to make room for a new one (it is waiting for a head)."""
 
 
 def raise_fd_limit() -> int:
@@ -171,6 +175,11 @@ class ConnectionGuard:
         self.interval = min(SWEEP_INTERVAL, shortest / 4)
         self.counts = counts or ConnectionCounts()
         self.open: set[Timed] = set()
+        # The open connections waiting for a head (none arrived yet, or it is incomplete),
+        # longest waiting first: at the cap the first makes room for a new connection.
+        # A connection leaves when its head completes and comes back, last, when its
+        # response is sent; one with a request in progress is never here.
+        self.waiting: OrderedDict[Timed, None] = OrderedDict()
         # Tasks reading a request body, and the loop time by which their next chunk is
         # due by `body_pace` (body.read_body); those the sweep cancelled for being late.
         self.bodies: dict[asyncio.Task[Any], float] = {}
@@ -187,6 +196,18 @@ class ConnectionGuard:
 
     def discard(self, conn: Timed) -> None:
         self.open.discard(conn)
+        self.waiting.pop(conn, None)
+
+    def make_room(self) -> bool:
+        """At the cap: close the connection that has waited longest for a head, so a
+        client that sends its head at once displaces one that does not. False when every
+        connection has a request in progress (the new one is refused then)."""
+        if not self.waiting:
+            return False
+        conn, _ = self.waiting.popitem(last=False)
+        self.counts.evicted += 1
+        conn.evict()
+        return True
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start the sweep on `loop` (the first connection or body does)."""

@@ -9,6 +9,9 @@ and URL parsers echo attacker input. Raised when:
 * GatewayError                500 internal_error: an unexpected failure (middleware.py)
   + InvalidRequest            400 invalid_request: a body the rules refuse (payload/)
   | + InvalidJson             400 invalid_json: a body not JSON, or not an object (body.py)
+  | + BodyChunksTooSmall      400 body_chunks_too_small: a chunked body in chunks too small
+  | |                         on average, written by the connection (server.py), which
+  | |                         then closes
   | + FieldNotAllowed         400 field_not_allowed: a field or form field refused (payload/)
   | + MediaUrlNotAllowed      400 media_url_not_allowed: a media URL off policy (media/)
   | + MediaInvalid            400 media_invalid: a media item not valid (media/, payload/)
@@ -88,6 +91,11 @@ class InvalidRequest(GatewayError):
 class InvalidJson(InvalidRequest):
     code = "invalid_json"
     default_message = "The request body is not a valid JSON object."
+
+
+class BodyChunksTooSmall(InvalidRequest):
+    code = "body_chunks_too_small"
+    default_message = "The request body's chunks are too small; send larger chunks."
 
 
 class FieldNotAllowed(InvalidRequest):

@@ -49,6 +49,8 @@ class ConnectionCounts:
     plain integer adds on the connection path, read at scrape time."""
 
     __slots__ = (
+        "body_chunks_too_small",
+        "evicted",
         "head_timeout",
         "headers_too_large",
         "idle_timeout",
@@ -63,8 +65,15 @@ class ConnectionCounts:
         # Nothing arrived in `timeouts.request_head` (a new connection, or a keep-alive
         # one when the head deadline is shorter than the keep-alive wait).
         self.idle_timeout = 0
-        # Over `limits.max_connections`: closed as soon as accepted.
+        # Over `limits.max_connections` with every connection's request in progress:
+        # closed as soon as accepted.
         self.max_connections = 0
+        # Waiting longest for a head when a new connection came at the cap: closed to
+        # make room for it.
+        self.evicted = 0
+        # A chunked body in chunks too small on average (server.MIN_CHUNK_BYTES): 400,
+        # then closed.
+        self.body_chunks_too_small = 0
         # A head over `limits.max_header_bytes`: 431, then closed.
         self.headers_too_large = 0
         # A response left unread for `timeouts.response_stall`: dropped.
@@ -89,7 +98,8 @@ class ConnectionCollector(Collector):
         closed = CounterMetricFamily(
             "gateway_client_connections_closed",
             "Client connections the gateway closed itself, by reason: head_timeout, "
-            "idle_timeout, max_connections, headers_too_large, response_stall, pipeline_full.",
+            "idle_timeout, max_connections, evicted, headers_too_large, response_stall, "
+            "pipeline_full, body_chunks_too_small.",
             labels=["reason"],
         )
         for reason in ConnectionCounts.__slots__:

@@ -3,8 +3,12 @@ protocol with limits on the connection itself, which uvicorn does not have.
 
     uvicorn.run(app, http=GatewayProtocol, ...)      # gateway/cli.py, every worker
 
-- Connection cap: beyond `limits.max_connections` open connections (this process), a
-  new connection is closed as soon as it is accepted, before anything is read from it.
+- Connection cap: at `limits.max_connections` open connections (this process), a new
+  connection makes room by closing the one that has waited longest for a head (none
+  sent yet, or incomplete; a connection with a request in progress is never closed for
+  this), so clients that send their head at once displace those that do not. When every
+  connection has a request in progress, the new one is closed as soon as it is
+  accepted, before anything is read from it.
 - Head deadline (slowloris): a request's head must be complete `timeouts.request_head`
   seconds after the connection opened or, on a keep-alive connection, after the
   previous response was sent; the clock does not restart with each byte. Past it the
@@ -14,6 +18,10 @@ protocol with limits on the connection itself, which uvicorn does not have.
   and the connection closed, after a short linger that reads and drops what the client
   still sends, so the answer is not lost to a reset. When a response to an earlier
   (pipelined) request is still being written, the connection is closed without one.
+- Body chunks: a chunked body whose pieces average under `MIN_CHUNK_BYTES` once
+  there are `MIN_CHUNKS` of them is answered 400 `body_chunks_too_small` and the
+  connection closed after the same linger; the app sees the client gone (nothing is
+  forwarded: the body is read whole first).
 - Pipelining: at most `MAX_PIPELINED` requests wait behind the one being answered. A
   request beyond them ends the connection once those are answered (the last answer
   says `Connection: close`; what follows is dropped, the client retries it on a new
@@ -43,9 +51,10 @@ from uvicorn.server import ServerState
 
 from gateway.config import LimitsSettings, TimeoutSettings
 from gateway.connections import CONNECTION_GUARD, ConnectionGuard
-from gateway.errors import HeadersTooLarge, raw_response
+from gateway.errors import BodyChunksTooSmall, HeadersTooLarge, raw_response
 
 _HEADERS_TOO_LARGE = raw_response(HeadersTooLarge())
+_CHUNKS_TOO_SMALL = raw_response(BodyChunksTooSmall())
 # The request line's fixed parts ("GET " and " HTTP/1.1\r\n") and the blank line, and
 # each header line's ": " and "\r\n": a head's size as sent, whitespace aside.
 _LINE_BYTES = 16
@@ -55,10 +64,21 @@ _FIELD_BYTES = 4
 # writing 256 KiB of pipelined `GET /healthz` (no key) took the gateway from 60 MiB to
 # 1,197 MiB (~2.2 KiB per queued request) and blocked its loop for 8 s.
 MAX_PIPELINED = 16
+# A chunked body's pieces as the parser hands them over (one per chunk, or per read of a
+# larger chunk) must average MIN_CHUNK_BYTES once there are MIN_CHUNKS of them: each is a
+# Python call into uvicorn, and 1-byte chunks (`1\r\n \r\n`) cost ~100 times the CPU per
+# byte of a plain body: 4 connections sending them held the gateway's core and another
+# key's median latency went from 5 ms to 0.39 s.
+MIN_CHUNKS = 64
+MIN_CHUNK_BYTES = 1024
 
 
 class _HeadTooLarge(Exception):
     """Raised from the parser's callback to stop parsing a head over the cap."""
+
+
+class _ChunksTooSmall(Exception):
+    """Raised from the parser's callback to stop parsing a body in chunks too small."""
 
 
 class _PipelineFull(Exception):
@@ -110,6 +130,11 @@ class GatewayProtocol(HttpToolsProtocol):
         # Parsing stopped at a request beyond MAX_PIPELINED: the queued ones are
         # answered, the rest of the input dropped.
         self._pipeline_full = False
+        # The current body's pieces from the parser and their bytes; set off (None) once
+        # a body with small pieces turned out not to be chunked.
+        self._pieces: int | None = 0
+        self._piece_bytes = 0
+        self._chunks_refused = False
         # After a 431: input read and dropped until the client closes or the linger ends.
         self._lingering = False
 
@@ -117,7 +142,7 @@ class GatewayProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         guard = self.guard
-        if len(self.connections) >= guard.max_connections:
+        if len(self.connections) >= guard.max_connections and not guard.make_room():
             # Refused before anything is read or allocated for it; the descriptor goes
             # at once (abort: no lingering FIN handshake on our side).
             self._refused = True
@@ -127,6 +152,7 @@ class GatewayProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         self._head_due = self.loop.time() + guard.request_head
         guard.add(self, self.loop)
+        guard.waiting[self] = None
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._refused:
@@ -165,6 +191,13 @@ class GatewayProtocol(HttpToolsProtocol):
         else:
             transport.close()
 
+    def evict(self) -> None:
+        """Called by the guard to make room for a new connection: this one is waiting
+        for a head. Closed without an answer, as at the head deadline."""
+        self._head_due = self._idle_due = math.inf
+        if not self.transport.is_closing():
+            self.transport.close()
+
     def handle_websocket_upgrade(self) -> None:
         # The connection now belongs to the WebSocket protocol (the app refuses it).
         self.guard.discard(self)
@@ -192,6 +225,9 @@ class GatewayProtocol(HttpToolsProtocol):
             if self._pipeline_full:
                 self._end_pipeline()
                 return
+            if self._chunks_refused:
+                self._refuse_chunks()
+                return
             msg = "Invalid HTTP request received."
             self.logger.warning(msg)
             self.send_400_response(msg)
@@ -212,6 +248,8 @@ class GatewayProtocol(HttpToolsProtocol):
         self._in_head = True
         self._head_seen = 0
         self._head_first = self._chunk
+        self._pieces = 0
+        self._piece_bytes = 0
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -225,7 +263,36 @@ class GatewayProtocol(HttpToolsProtocol):
         if len(self.pipeline) >= MAX_PIPELINED:
             self._pipeline_full = True
             raise _PipelineFull
+        # A request in progress: not to be evicted until its response is sent.
+        self.guard.waiting.pop(self, None)
         super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if self._pieces is not None:
+            self._pieces += 1
+            self._piece_bytes += len(body)
+            if self._pieces >= MIN_CHUNKS and self._piece_bytes < self._pieces * MIN_CHUNK_BYTES:
+                # Small reads of a Content-Length body are the client's pace, kept by
+                # the body's minimum rate; only chunk framing multiplies the pieces.
+                if any(
+                    n == b"transfer-encoding" and b"chunked" in v.lower() for n, v in self.headers
+                ):
+                    self._chunks_refused = True
+                    raise _ChunksTooSmall
+                self._pieces = None
+        super().on_body(body)
+
+    def _refuse_chunks(self) -> None:
+        self.guard.counts.body_chunks_too_small += 1
+        cycle = self.cycle
+        if cycle is not None:
+            # The app, still reading the body, sees the client gone.
+            cycle.disconnected = True
+            cycle.message_event.set()
+            if cycle.response_started:
+                self.transport.abort()
+                return
+        self._answer_and_linger(_CHUNKS_TOO_SMALL)
 
     def _end_pipeline(self) -> None:
         """The last request queued is the connection's last: its answer closes it."""
@@ -239,7 +306,13 @@ class GatewayProtocol(HttpToolsProtocol):
             # A response is being written: an answer now would land inside it.
             transport.abort()
             return
-        transport.write(_HEADERS_TOO_LARGE)
+        self._answer_and_linger(_HEADERS_TOO_LARGE)
+
+    def _answer_and_linger(self, answer: bytes) -> None:
+        """Write `answer`, then read and drop input until the client closes or the
+        linger ends, so the answer is not lost to a reset."""
+        transport = self.transport
+        transport.write(answer)
         if transport.can_write_eof():
             transport.write_eof()
         self._lingering = True
@@ -262,6 +335,7 @@ class GatewayProtocol(HttpToolsProtocol):
         # client's next byte.
         now = self.loop.time()
         self._head_due = now + self.guard.request_head
+        self.guard.waiting[self] = None
         if not self._in_head:
             self._idle = True
             self._idle_due = now + self.guard.keepalive

@@ -384,6 +384,59 @@ def test_a_large_body_at_full_speed_is_unaffected(stack: Stack) -> None:
     assert r.status_code == 200, r.text
 
 
+def _chunked(data: bytes, sizes: list[int], rest: int) -> bytes:
+    """`data` in chunked framing: chunks of `sizes` first, then of `rest` bytes."""
+    out, at = [], 0
+    for size in sizes:
+        out.append(b"%x\r\n%s\r\n" % (size, data[at : at + size]))
+        at += size
+    while at < len(data):
+        piece = data[at : at + rest]
+        out.append(b"%x\r\n%s\r\n" % (len(piece), piece))
+        at += rest
+    return b"".join(out) + b"0\r\n\r\n"
+
+
+def chunked_head(extra: str = "") -> bytes:
+    return chat_head(0).replace(
+        b"Content-Length: 0", b"Transfer-Encoding: chunked" + extra.encode()
+    )
+
+
+def test_a_body_in_tiny_chunks_is_refused(stack: Stack) -> None:
+    """1-byte chunks cost the gateway a Python call each: refused once 64 of them came
+    in, 400 and closed, and nothing reaches the engine."""
+    before = sim_received(stack.sim.url)
+    closed = closed_metric(stack.g, "body_chunks_too_small")
+    body = chat_body(pad=2000)
+    with connect(stack.g.port) as sock:
+        started = time.monotonic()
+        # Not ended: the answer comes while the client is still sending.
+        sock.sendall(chunked_head() + _chunked(body, [], 1)[:-5])
+        status, headers, answer = read_response(sock)
+        assert time.monotonic() - started < 2
+        assert (status, error_code(answer)) == (400, "body_chunks_too_small")
+        assert headers["connection"] == "close"
+        assert wait_closed(sock, timeout=5)[1] == b""
+    # Spelled otherwise, the same.
+    with connect(stack.g.port) as sock:
+        sock.sendall(chunked_head().replace(b"chunked", b"CHUNKED") + _chunked(body, [], 8))
+        status, _, answer = read_response(sock)
+        assert (status, error_code(answer)) == (400, "body_chunks_too_small")
+    assert closed_metric(stack.g, "body_chunks_too_small") == closed + 2
+    assert sim_received(stack.sim.url) == before
+
+
+def test_a_chunked_body_in_usual_chunks_is_forwarded(stack: Stack) -> None:
+    """8 KiB chunks, after a few dozen small ones at the start, pass."""
+    before = sim_received(stack.sim.url)
+    body = chat_body(pad=60_000)
+    with connect(stack.g.port) as sock:
+        sock.sendall(chunked_head() + _chunked(body, [1] * 40, 8192))
+        assert read_response(sock)[0] == 200
+    assert sim_received(stack.sim.url) == before + 1
+
+
 # --- the response ---------------------------------------------------------------------
 
 
@@ -452,35 +505,75 @@ def test_a_head_over_the_byte_cap_is_431_and_closed(stack: Stack) -> None:
 # --- the connection cap -----------------------------------------------------------------
 
 
-def test_connections_over_the_cap_are_closed_at_once(stack: Stack) -> None:
-    """Gateway C holds at most 8 connections: the 9th is closed without an answer while
-    the 8 work; once some close, new ones are accepted again."""
-    before = closed_metric(stack.c, "max_connections")
+def _streaming(port: int) -> socket.socket:
+    """A connection with a streamed chat completion in progress: the answer's head has
+    come, the rest is left unread (the gateway's writes pause, the request stays)."""
+    body = json.dumps(
+        {**json.loads(chat_body()), "max_tokens": 30000, "ignore_eos": True, "stream": True}
+    ).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(10)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(chat_head(len(body)) + body)
+    got = b""
+    while b"\r\n\r\n" not in got:
+        chunk = sock.recv(1024)
+        assert chunk, f"closed before the answer's head: {got!r}"
+        got += chunk
+    assert got.startswith(b"HTTP/1.1 200 "), got[:100]
+    return sock
+
+
+def test_at_the_cap_the_longest_waiting_for_a_head_makes_room(stack: Stack) -> None:
+    """Gateway C holds at most 8 connections. At the cap a new connection closes the one
+    that has waited longest for a head (oldest first), so a client that sends its head
+    at once is served while 8 silent connections are held; a connection with a request
+    in progress is never closed for this: with all 8 streaming answers, a 9th connection
+    is closed at once, without an answer."""
+    evicted = closed_metric(stack.c, "evicted")
+    refused = closed_metric(stack.c, "max_connections")
     # Let the scrape's connection close (1 s keep-alive) so the count starts at zero.
     time.sleep(1.5)
-    held = [connect(stack.c.port) for _ in range(MAX_CONNECTIONS)]
+    silent = [connect(stack.c.port) for _ in range(MAX_CONNECTIONS)]
+    streams: list[socket.socket] = []
     try:
-        time.sleep(0.3)
-        extra = connect(stack.c.port)
-        elapsed, got = wait_closed(extra, timeout=5)
-        assert elapsed < 2 and got == b""
-        extra.close()
-        # The held connections are served.
-        held[0].sendall(get())
-        assert read_response(held[0])[0] == 200
-        # Room again after some close.
-        for sock in held[-3:]:
-            sock.close()
-        del held[-3:]
         time.sleep(0.3)
         with connect(stack.c.port) as sock:
             sock.sendall(get())
             assert read_response(sock)[0] == 200
+        # The oldest silent connection made room; the next one is still open.
+        elapsed, got = wait_closed(silent[0], timeout=5)
+        assert elapsed < 2 and got == b""
+        silent[1].sendall(get())
+        assert read_response(silent[1])[0] == 200
+        time.sleep(0.3)
+        # Streams take the places of the silent ones, the oldest first (silent[1] went
+        # back to waiting after its answer: the last in line, unless its keep-alive
+        # ended first).
+        for _ in range(MAX_CONNECTIONS):
+            streams.append(_streaming(stack.c.port))
+        for sock in silent[1:]:
+            elapsed, got = wait_closed(sock, timeout=5)
+            assert elapsed < 5
+        # Every connection has a request in progress: a new one is refused.
+        extra = connect(stack.c.port)
+        elapsed, got = wait_closed(extra, timeout=5)
+        assert elapsed < 2 and got == b""
+        extra.close()
+        # Room again once one closes.
+        streams.pop().close()
+        time.sleep(0.5)
+        with connect(stack.c.port) as sock:
+            sock.sendall(get())
+            assert read_response(sock)[0] == 200
     finally:
-        for sock in held:
+        for sock in silent + streams:
             sock.close()
-    time.sleep(0.3)
-    assert closed_metric(stack.c, "max_connections") >= before + 1
+    time.sleep(0.5)
+    # silent[0], and silent[2:] (silent[1] may have reached its 1 s keep-alive first).
+    assert closed_metric(stack.c, "evicted") >= evicted + MAX_CONNECTIONS - 1
+    assert closed_metric(stack.c, "max_connections") >= refused + 1
 
 
 # --- both serving paths -----------------------------------------------------------------
