@@ -15,13 +15,16 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Generic, Self, TypeVar
 
 import httpx
 
 from bench.origin import Hit, RecordingServer, Route
 from bench.stack import ROOT, Server, clean_env, free_port, scrape, total
+
+OriginT = TypeVar("OriginT")
 
 __all__ = ["ROOT", "Hit", "RecordingServer", "Route", "free_port", "scrape", "total"]
 
@@ -31,6 +34,15 @@ class Proc(Server):
 
     def start(self, ready_path: str | None = None, timeout: float = 20.0) -> Self:
         return super().start(ready_path, timeout)
+
+
+@dataclass
+class MediaStack(Generic[OriginT]):
+    """A simulated engine, a gateway in front of it, and the media origin it fetches from."""
+
+    sim: Proc
+    gateway: Proc
+    origin: OriginT
 
 
 def sim_proc(tmp: Path, *opts: str, port: int | None = None) -> Proc:

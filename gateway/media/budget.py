@@ -27,6 +27,8 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
+from gateway.media.slots import leave
+
 
 class _Waiter:
     __slots__ = ("amount", "granted")
@@ -73,7 +75,7 @@ class Budget:
             if waiter.granted.done() and not waiter.granted.cancelled():
                 self.release(amount, owner)  # granted while we were being cancelled
             else:
-                self._forget(owner, waiter)
+                leave(self._waiting, owner, waiter)
                 self._serve()  # it may have been the one that held others back
             raise
 
@@ -105,7 +107,7 @@ class Budget:
             queue = self._waiting[owner]
             if queue[0].granted.done():
                 # Cancelled, and its task has not yet run to leave the line.
-                self._forget(owner, queue[0])
+                leave(self._waiting, owner, queue[0])
                 continue
             if not self._fits(queue[0].amount):
                 return  # nobody is served out of turn (no starvation)
@@ -115,14 +117,3 @@ class Budget:
                 self._waiting[owner] = queue  # to the back: equals take turns
             self._take(waiter.amount, owner)
             waiter.granted.set_result(None)
-
-    def _forget(self, owner: str, waiter: _Waiter) -> None:
-        queue = self._waiting.get(owner)
-        if queue is None:
-            return
-        try:
-            queue.remove(waiter)
-        except ValueError:
-            return
-        if not queue:
-            del self._waiting[owner]

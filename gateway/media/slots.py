@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from typing import TypeVar
+
+W = TypeVar("W")
 
 
 class FairSlots:
@@ -41,7 +44,7 @@ class FairSlots:
             if waiter.done() and not waiter.cancelled():
                 self.release(owner)  # handed a slot, but no longer wanted
             else:
-                self._forget(owner, waiter)
+                leave(self._waiting, owner, waiter)
             raise
 
     def release(self, owner: str) -> None:
@@ -85,13 +88,16 @@ class FairSlots:
             self._take(owner)
             waiter.set_result(None)
 
-    def _forget(self, owner: str, waiter: asyncio.Future[None]) -> None:
-        queue = self._waiting.get(owner)
-        if queue is None:
-            return
-        try:
-            queue.remove(waiter)
-        except ValueError:
-            return
-        if not queue:
-            del self._waiting[owner]
+
+def leave(queues: dict[str, deque[W]], owner: str, waiter: W) -> None:
+    """Take `waiter` out of `owner`'s queue in `queues` if it is still there (a release
+    may have skipped it already), and the queue out of `queues` once empty."""
+    queue = queues.get(owner)
+    if queue is None:
+        return
+    try:
+        queue.remove(waiter)
+    except ValueError:
+        return
+    if not queue:
+        del queues[owner]

@@ -9,6 +9,7 @@ import json
 import socket
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -40,17 +41,24 @@ def _chat_with(filler: bytes) -> bytes:
 HELD_LIMIT = 2_000_000  # limits.max_buffered_body_bytes here; a key may hold half
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc]]:
-    tmp = tmp_path_factory.mktemp("json-bodies")
+@contextmanager
+def _gateway(tmp: Path, **env: str) -> Iterator[tuple[Proc, Proc]]:
+    """A simulated engine and the gateway in front of it, with `env` added."""
     sim = sim_proc(tmp, "--latency", "zero")
     env = {
         "GATEWAY_ENGINES": json.dumps([sim.url]),
         "GATEWAY_API_KEYS": json.dumps([KEY, OTHER]),
+        **env,
     }
     gateway = gateway_proc(tmp, env)
     with running(sim), running(gateway, ready_path="/readyz"):
         yield sim, gateway
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc]]:
+    with _gateway(tmp_path_factory.mktemp("json-bodies")) as procs:
+        yield procs
 
 
 def test_a_large_body_of_too_many_values_is_refused_before_parsing(
@@ -118,15 +126,8 @@ def _answer(conn: socket.socket) -> bytes:
 @pytest.fixture(scope="module")
 def held(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc]]:
     tmp = tmp_path_factory.mktemp("held-bodies")
-    sim = sim_proc(tmp, "--latency", "zero")
-    env = {
-        "GATEWAY_ENGINES": json.dumps([sim.url]),
-        "GATEWAY_API_KEYS": json.dumps([KEY, OTHER]),
-        "GATEWAY_LIMITS__MAX_BUFFERED_BODY_BYTES": str(HELD_LIMIT),
-    }
-    gateway = gateway_proc(tmp, env)
-    with running(sim), running(gateway, ready_path="/readyz"):
-        yield sim, gateway
+    with _gateway(tmp, GATEWAY_LIMITS__MAX_BUFFERED_BODY_BYTES=str(HELD_LIMIT)) as procs:
+        yield procs
 
 
 def test_bodies_held_short_of_their_end_are_bounded_per_key(held: tuple[Proc, Proc]) -> None:

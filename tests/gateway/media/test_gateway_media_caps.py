@@ -9,7 +9,6 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import pytest
 
 from bench.samples import png
 from tests.procs import (
-    Proc,
+    MediaStack,
     RecordingServer,
     Route,
     ask_about_image,
@@ -85,11 +84,7 @@ class CountingOrigin:
         self.server.server_close()
 
 
-@dataclass
-class Stack:
-    sim: Proc
-    gateway: Proc
-    origin: CountingOrigin
+Stack = MediaStack[CountingOrigin]
 
 
 @pytest.fixture(scope="module")

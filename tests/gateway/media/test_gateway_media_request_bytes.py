@@ -7,7 +7,6 @@ from __future__ import annotations
 import struct
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -15,7 +14,7 @@ import pytest
 
 from bench.samples import png
 from tests.procs import (
-    Proc,
+    MediaStack,
     RecordingServer,
     Route,
     gateway_proc,
@@ -42,11 +41,7 @@ def padded_png(size: int) -> bytes:
     return image[:33] + chunk + image[33:]
 
 
-@dataclass
-class Stack:
-    sim: Proc
-    gateway: Proc
-    origin: RecordingServer
+Stack = MediaStack[RecordingServer]
 
 
 @pytest.fixture(scope="module")
