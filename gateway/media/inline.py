@@ -92,16 +92,6 @@ class MediaInliner:
         self._decoder = decoder
         self._cache: MediaCache[Resolved] = MediaCache(settings.cache_bytes, settings.cache_ttl)
 
-    async def resolve(self, ref: RemoteUrl | DataUrl, kind: MediaKind, owner: str = "") -> Resolved:
-        """`prepare` and `finish` in one call (no per-request sum)."""
-        return await (await self.prepare(ref, kind, owner)).finish()
-
-    async def validate(
-        self, kind: MediaKind, data: bytes, declared: str | None, frames: tuple[bytes, ...] = ()
-    ) -> Resolved:
-        """Validate raw bytes declared as `declared` (a MIME type) for `kind`."""
-        return await (await self.prepare_bytes(kind, data, declared, frames)).finish()
-
     async def prepare(
         self,
         ref: RemoteUrl | DataUrl,
