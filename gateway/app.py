@@ -202,6 +202,7 @@ class Gateway:
             self.inspector,
             self.upstream,
             self.admission,
+            self.connections,
         )
         self.watcher = (
             KeyFileWatcher(settings.api_keys_file, self.keyring, settings)
@@ -239,8 +240,6 @@ class Gateway:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
-            # For the body reader: the guard's sweep keeps each body's pace (body.py).
-            scope[CONNECTION_GUARD] = self.connections
             await self.stack(scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(scope, receive, send)

@@ -1,14 +1,14 @@
 """Reading a request's body as its route declares it, under a size cap.
 
-    incoming = await read_incoming(scope, receive, route, settings)
+    incoming = await read_incoming(scope, receive, ex, settings, guard)
 
 A JSON body is read whole and parsed once into an object; a multipart upload is read
 whole and validated (gateway/multipart.py); other routes take no body. The cap is
 enforced while reading, so a body sent without `Content-Length` (chunked) is cut off at
 the cap instead of being buffered whole first, and so is the pace
 (`connections.BodyPace`): a body that stalls or trickles is cut with 408 before it
-reaches an engine. The app puts its `ConnectionGuard`, whose sweep keeps the pace, in
-every request's scope.
+reaches an engine. The app's `ConnectionGuard`, whose sweep keeps the pace, is handed
+in by the proxy.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import orjson
 
 from gateway.asgi import Receive, Scope
 from gateway.config import Settings
-from gateway.connections import CONNECTION_GUARD, BodyPace, ConnectionGuard
-from gateway.endpoints import BodyKind, Route
+from gateway.connections import BodyPace, ConnectionGuard
+from gateway.endpoints import BodyKind
 from gateway.errors import InvalidJson, RequestTimeout, RequestTooLarge, UnsupportedMediaType
-from gateway.exchange import exchange_of
+from gateway.exchange import Exchange
 from gateway.multipart import Upload, content_type, validate_upload
 
 # The Content-Type a JSON request is forwarded with: the media type that was checked,
@@ -196,24 +196,21 @@ def parse_json(raw: bytes, max_values: int) -> Any:
             gc.enable()
 
 
-def _owner(scope: Scope) -> bytes:
-    key = exchange_of(scope).key
-    return b"" if key is None else key.digest
-
-
 async def read_incoming(
-    scope: Scope, receive: Receive, route: Route, settings: Settings
+    scope: Scope, receive: Receive, ex: Exchange, settings: Settings, guard: ConnectionGuard
 ) -> Incoming:
-    """The request's body as `route` declares it. Raises UnsupportedMediaType,
-    RequestTooLarge, InvalidJson, ClientDisconnected and the upload's refusals."""
+    """The request's body as `ex.route` declares it, held to `guard`'s pace and to its
+    bytes still arriving for `ex.key`. Raises UnsupportedMediaType, RequestTooLarge,
+    RequestTimeout, Overloaded, InvalidJson, ClientDisconnected and the upload's
+    refusals."""
+    route = ex.route
+    owner = b"" if ex.key is None else ex.key.digest
     limits = settings.limits
     if route.body is BodyKind.json:
         if not _is_json(header(scope, b"content-type")):
             raise UnsupportedMediaType("This endpoint takes 'Content-Type: application/json'.")
         check_declared(scope["headers"], limits.max_body_bytes)
-        raw = await read_body(
-            receive, limits.max_body_bytes, scope[CONNECTION_GUARD], _owner(scope)
-        )
+        raw = await read_body(receive, limits.max_body_bytes, guard, owner)
         loaded = parse_json(raw, limits.max_json_values)
         if not isinstance(loaded, dict):
             raise InvalidJson("The request body must be a JSON object.")
@@ -222,9 +219,7 @@ async def read_incoming(
         # Read whole (capped) and validated before anything reaches an engine: the
         # upload is forwarded only when it is one well-formed audio file.
         check_declared(scope["headers"], limits.max_upload_bytes)
-        raw = await read_body(
-            receive, limits.max_upload_bytes, scope[CONNECTION_GUARD], _owner(scope)
-        )
+        raw = await read_body(receive, limits.max_upload_bytes, guard, owner)
         declared = header(scope, b"content-type")
         upload = validate_upload(
             None if declared is None else declared.decode("latin-1"),

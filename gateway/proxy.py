@@ -21,6 +21,7 @@ from gateway.asgi import Receive, Scope, Send
 from gateway.authorize import RequestCheck
 from gateway.body import ClientDisconnected, Incoming, header, read_incoming
 from gateway.config import Settings
+from gateway.connections import ConnectionGuard
 from gateway.disconnect import DisconnectWatch
 from gateway.errors import NoEngineAvailable
 from gateway.exchange import Exchange, exchange_of
@@ -46,8 +47,10 @@ class Proxy:
         inspector: PayloadInspector,
         upstream: UpstreamClient,
         admission: Admission,
+        connections: ConnectionGuard,
     ) -> None:
         self.settings = settings
+        self.connections = connections
         self._slot = admission.slot()
         self.inspector = inspector
         self.pool = pool
@@ -74,7 +77,7 @@ class Proxy:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ex = exchange_of(scope)
         self.check_request.route(ex)
-        incoming = await read_incoming(scope, receive, ex.route, self.settings)
+        incoming = await read_incoming(scope, receive, ex, self.settings, self.connections)
         ex.bytes_in = incoming.size
         # Counted against max_in_flight from here: a body still arriving holds no slot.
         with self._slot:
