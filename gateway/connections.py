@@ -3,9 +3,8 @@ the deadlines: the head's, the keep-alive wait's, an unread answer's (gateway/se
 and the request body's (gateway/body.py).
 
 The app builds one `ConnectionGuard` from settings and hands it to the connection
-protocol and to the body reader through the lifespan state, the dict uvicorn gives every
-connection it opens and copies into every request's scope; each worker process builds
-its own.
+protocol through the lifespan state (the dict uvicorn gives every connection it opens)
+and to the body reader through the proxy; each worker process builds its own.
 
 A deadline is a float, moved a few times a request (the head complete, each body chunk,
 the response sent), never a timer: one timer per process sweeps the open connections and
