@@ -72,7 +72,10 @@ def _digest(secret: str) -> bytes:
             raise KeyConfigError("a sha256: key must be followed by 64 hex digits")
         return raw
     if len(secret) < 16:
-        raise KeyConfigError("a plain API key must be at least 16 characters long")
+        raise KeyConfigError(
+            "a plain API key must be at least 16 characters long "
+            "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(24))'`)"
+        )
     return hashlib.sha256(secret.encode("utf-8")).digest()
 
 
@@ -82,7 +85,8 @@ def _scopes(names: list[str] | None, label: str) -> frozenset[Group]:
     unknown = sorted(set(names) - {g.value for g in ALL_SCOPES})
     if unknown:
         raise KeyConfigError(
-            f"key {label!r} has unknown scopes {unknown}; known: {sorted(ALL_SCOPES)}"
+            f"key {label!r} has unknown scopes {', '.join(unknown)}; "
+            f"known: {', '.join(sorted(g.value for g in ALL_SCOPES))}"
         )
     return frozenset(Group(n) for n in names)
 
@@ -119,8 +123,14 @@ def load_key_file(path: Path) -> tuple[ApiKey, ...]:
     """Keys from a YAML (or JSON) file: a list of entries, or `{api_keys: [...]}`."""
     try:
         data: Any = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        raise KeyConfigError(f"key file {path} cannot be read as YAML") from None
+    except FileNotFoundError:
+        raise KeyConfigError(f"key file {path} not found") from None
+    except (OSError, UnicodeDecodeError):
+        raise KeyConfigError(f"key file {path} cannot be read") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        raise KeyConfigError(f"key file {where} is not valid YAML") from None
     if isinstance(data, dict) and set(data) == {"api_keys"}:
         data = data["api_keys"]
     if data is None:

@@ -1,49 +1,90 @@
-"""`vllm-gateway`: serve, check-config, hash-key."""
+"""`vllm-gateway`: serve, check-config, hash-key.
+
+A configuration mistake ends the command with one line per mistake on stderr, naming
+its source (`file:line`, the `GATEWAY_*` variable, or the option), and exit code 2;
+never a traceback. `check-config` builds the gateway exactly as `serve` does, so a
+configuration it accepts is one `serve` starts with.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import orjson
-from pydantic import ValidationError
+import structlog
 
-from gateway.app import CONFIG_ENV, create_app, tune_collector
-from gateway.auth import KeyConfigError, build_keys, hash_key, load_key_file
+from gateway.app import CONFIG_ENV, Gateway, create_app, tune_collector
+from gateway.auth import KeyConfigError, hash_key
 from gateway.config import Settings, load_settings
 from gateway.connections import raise_fd_limit
 from gateway.logging import configure_logging
+from gateway.sources import ConfigError
 
+# uvicorn's exit code when the server could not start (the port taken, say).
+STARTUP_FAILURE = 3
 
-class ConfigError(Exception):
-    """Settings that cannot be used; the message is safe to print (no values)."""
+ENVIRONMENT = """\
+settings:
+  Every setting is read, highest precedence first, from the options above, from
+  GATEWAY_<NAME> environment variables (GATEWAY_<SECTION>__<NAME> for nested ones,
+  e.g. GATEWAY_MEDIA__MODE=data_only; lists and objects as JSON, e.g.
+  GATEWAY_ENGINES='["http://127.0.0.1:8001"]'), then from the --config file. An
+  unknown GATEWAY_* variable or file key is refused. Every setting, with its default:
+  deploy/gateway.example.yaml; the table: docs/gateway.md, "Settings".
 
-
-def _describe(exc: ValidationError) -> str:
-    # Without the inputs: a rejected value may be a key.
-    lines = []
-    for err in exc.errors(include_input=False, include_url=False):
-        where = ".".join(str(p) for p in err["loc"]) or "settings"
-        lines.append(f"  {where}: {err['msg']}")
-    return "invalid settings:\n" + "\n".join(lines)
+  GATEWAY_ENGINES          engine URLs: http://, https://, dns+http:// or dns+https://
+  GATEWAY_API_KEYS         client keys: plain (16+ characters) or sha256:<hex> digests
+  GATEWAY_API_KEYS_FILE    a key file, reloaded when it changes
+  GATEWAY_UPSTREAM_API_KEY the key vLLM was started with (--api-key)
+"""
 
 
 def _load(config: Path | None, **overrides: Any) -> Settings:
     try:
-        settings = load_settings(config, **overrides)
-        # Build the keys once, so unusable keys fail here and not at the first request.
-        build_keys(settings.api_keys)
-        if settings.api_keys_file is not None:
-            load_key_file(settings.api_keys_file)
-    except ValidationError as exc:
-        raise ConfigError(_describe(exc)) from None
-    except (KeyConfigError, ValueError) as exc:
+        return load_settings(config, **overrides)
+    except KeyConfigError as exc:  # raised outside a validator: no source to name
+        raise ConfigError(str(exc)) from None
+
+
+def _build(settings: Settings) -> Gateway:
+    """The gateway `serve` runs; a setting only the app's parts can judge fails here."""
+    try:
+        return create_app(settings)
+    except ValueError as exc:
         raise ConfigError(f"invalid settings: {exc}") from None
-    return settings
+
+
+def _public(url: str) -> str:
+    """An engine URL without credentials, for the log."""
+    parts = urlsplit(url)
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return parts._replace(netloc=host, query="", fragment="").geturl()
+
+
+def _log_serving(settings: Settings, listen: Sequence[str], workers: int) -> None:
+    structlog.get_logger("gateway.serve").info(
+        "gateway_serving",
+        listen=list(listen),
+        engines=[_public(e) for e in settings.engines],
+        policy=settings.routing.policy.value,
+        media_mode=settings.media.mode.value,
+        workers=workers,
+        keys_file=str(settings.api_keys_file) if settings.api_keys_file else None,
+        unauthenticated=settings.allow_unauthenticated,
+    )
+
+
+def _address(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{port}"
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -58,7 +99,12 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["port"] = args.port
     if args.log_format is not None:
         overrides["log_format"] = args.log_format
+    if args.workers < 1:
+        raise ConfigError(f"--workers: must be at least 1, not {args.workers}")
     settings = _load(args.config, **overrides)
+    # Built here even for workers, which build their own: the parent refuses settings
+    # the app cannot use before any worker starts.
+    app = _build(settings)
     configure_logging(settings.log_format, settings.log_level)
     # Each client connection holds a descriptor: the soft limit up to the hard one
     # (workers inherit it); the app lowers max_connections to fit what remains.
@@ -83,16 +129,28 @@ def _serve(args: argparse.Namespace) -> int:
             os.environ[CONFIG_ENV] = str(args.config.resolve())
         for name, value in overrides.items():
             os.environ[f"GATEWAY_{name.upper()}"] = str(value)
+        host = f"[{settings.host}]" if ":" in settings.host else settings.host
+        _log_serving(settings, [f"http://{host}:{settings.port}"], args.workers)
         uvicorn.run("gateway.app:app_from_env", factory=True, workers=args.workers, **options)
-    else:
-        app = create_app(settings)
-        tune_collector()
-        uvicorn.run(app, **options)
-    return 0
+        return 0
+    tune_collector()
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                # The bound address: with port 0, the one the system chose.
+                bound = [_address(s) for srv in self.servers for s in srv.sockets]
+                _log_serving(settings, bound, 1)
+
+    server = Server(uvicorn.Config(app, **options))
+    server.run()
+    return 0 if server.started else STARTUP_FAILURE
 
 
 def _check_config(args: argparse.Namespace) -> int:
     settings = _load(args.config)
+    _build(settings)
     # Every secret is typed SecretStr: the dump shows it as `**********`.
     data = settings.model_dump(mode="json")
     sys.stdout.write(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode() + "\n")
@@ -109,20 +167,61 @@ def _hash_key(args: argparse.Namespace) -> int:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="vllm-gateway", description="A security gateway in front of vLLM engines."
+        prog="vllm-gateway",
+        description="A security gateway in front of vLLM engines.",
+        epilog="`vllm-gateway <command> --help` describes each command's options.",
     )
-    sub = p.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the gateway")
-    serve.add_argument("--config", type=Path, help="YAML settings file")
-    serve.add_argument("--host")
-    serve.add_argument("--port", type=int)
-    serve.add_argument("--workers", type=int, default=1)
-    serve.add_argument("--log-format", choices=["json", "console"])
+    sub = p.add_subparsers(dest="command", required=True, metavar="command")
+    config_help = "YAML settings file (default: none; settings from the environment only)"
+    serve = sub.add_parser(
+        "serve",
+        help="run the gateway",
+        description="Run the gateway. Logs one `gateway_serving` line once it listens.",
+        epilog=ENVIRONMENT,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve.add_argument("--config", type=Path, metavar="FILE", help=config_help)
+    serve.add_argument(
+        "--host", help="address to listen on (default: GATEWAY_HOST, else 127.0.0.1)"
+    )
+    serve.add_argument(
+        "--port",
+        type=int,
+        help="port to listen on; 0: any free port (default: GATEWAY_PORT, else 8080)",
+    )
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="worker processes, each with the same settings (default: 1)",
+    )
+    serve.add_argument(
+        "--log-format",
+        choices=["json", "console"],
+        help="log line format (default: GATEWAY_LOG_FORMAT, else json)",
+    )
     serve.set_defaults(func=_serve)
-    check = sub.add_parser("check-config", help="validate and print the effective settings")
-    check.add_argument("--config", type=Path, help="YAML settings file")
+    check = sub.add_parser(
+        "check-config",
+        help="validate and print the effective settings",
+        description=(
+            "Load the settings and build the gateway as `serve` would, then print the "
+            "effective settings as JSON, secrets masked. Exit code 0: `serve` starts "
+            "with them; 2: one line on stderr per mistake, naming its source."
+        ),
+        epilog=ENVIRONMENT,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    check.add_argument("--config", type=Path, metavar="FILE", help=config_help)
     check.set_defaults(func=_check_config)
-    hashk = sub.add_parser("hash-key", help="read a key on stdin, print its sha256: form")
+    hashk = sub.add_parser(
+        "hash-key",
+        help="read a key on stdin, print its sha256: form",
+        description=(
+            "Read one key on stdin and print its `sha256:<hex>` form, to configure in "
+            "place of the plain key."
+        ),
+    )
     hashk.set_defaults(func=_hash_key)
     return p
 
@@ -132,7 +231,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code: int = args.func(args)
     except ConfigError as exc:
-        sys.stderr.write(f"vllm-gateway: {exc}\n")
+        for line in str(exc).splitlines():
+            sys.stderr.write(f"vllm-gateway: {line}\n")
         return 2
     return code
 

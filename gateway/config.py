@@ -2,20 +2,29 @@
 
 Precedence, highest first: values passed to `load_settings`, environment variables,
 the YAML file, defaults. Secrets are `SecretStr`, so they never show in a repr or a log.
+
+Strict at every depth: every model refuses keys it does not declare, `load_settings`
+refuses `GATEWAY_*` variables that name no setting, and each value is checked here with
+the code that later uses it (engine URLs, keys, the key file, media rules), so settings
+that load are settings `serve` starts with (gateway/sources.py explains the mistakes).
 """
 
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
     FilePath,
     SecretStr,
+    ValidationError,
     field_validator,
     model_validator,
 )
@@ -23,13 +32,16 @@ from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
-    YamlConfigSettingsSource,
 )
 
 from gateway.headers import forwardable
 from gateway.media.settings import MediaSettings
 from gateway.payload.settings import PayloadSettings
 from gateway.routing.settings import RoutingSettings
+from gateway.sources import Sources, YamlFile, check_environment, explain, read_yaml
+
+# The schemes an engine entry may have: a URL, or a DNS name resolved to every address.
+ENGINE_SCHEMES = ("http", "https", "dns+http", "dns+https")
 
 
 class RateLimit(BaseModel):
@@ -67,6 +79,8 @@ class ApiKeyConfig(BaseModel):
 
 
 class LimitsSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
     # Requests whose body is in, across all keys (503 overloaded beyond).
     max_in_flight: int = Field(default=1024, gt=0)
@@ -104,6 +118,8 @@ class LimitsSettings(BaseModel):
 
 
 class TimeoutSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     # --- client side (gateway/server.py, gateway/body.py) ---
     # Time a client has to send a request's head (request line and headers): from the
     # connection's opening, and on a keep-alive connection from the end of the previous
@@ -133,17 +149,35 @@ class TimeoutSettings(BaseModel):
     upstream_keepalive: float = Field(default=4.0, gt=0, lt=5.0)
 
 
+def check_engine(entry: str) -> str:
+    """Raise ValueError unless `entry` is an engine the pool can use (the same parsers)."""
+    from gateway.routing.dns import DnsEntry, is_dns_entry
+    from gateway.upstream import Origin
+
+    scheme, sep, _ = entry.partition("://")
+    if not sep or scheme.lower() not in ENGINE_SCHEMES:
+        raise ValueError(
+            "an engine needs a scheme: http://, https://, dns+http:// or dns+https:// "
+            "(e.g. http://127.0.0.1:8000)"
+        )
+    if is_dns_entry(entry):
+        DnsEntry(entry)
+    else:
+        Origin(entry.rstrip("/"))
+    return entry
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="GATEWAY_",
         env_nested_delimiter="__",
         extra="forbid",
-        yaml_file=None,
     )
 
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
-    engines: list[str] = Field(default_factory=list)
+    # Each checked by the parsers the pool uses (`check_engine`).
+    engines: list[Annotated[str, AfterValidator(check_engine)]] = Field(default_factory=list)
     # The CA (PEM) that signs engines' certificates, for https:// and dns+https://
     # engines; None: the system's trust store. Forwarding and health checks alike.
     engine_ca_file: FilePath | None = None
@@ -173,6 +207,23 @@ class Settings(BaseSettings):
     def _check_forward_headers(cls, names: list[str]) -> list[str]:
         return forwardable(names)
 
+    @field_validator("api_keys")
+    @classmethod
+    def _check_keys(cls, entries: list[SecretStr | ApiKeyConfig]) -> list[SecretStr | ApiKeyConfig]:
+        from gateway.auth import build_keys  # auth.py imports this module
+
+        build_keys(entries)
+        return entries
+
+    @field_validator("api_keys_file")
+    @classmethod
+    def _check_key_file(cls, path: Path | None) -> Path | None:
+        from gateway.auth import load_key_file  # auth.py imports this module
+
+        if path is not None:
+            load_key_file(path)
+        return path
+
     @model_validator(mode="after")
     def _require_keys(self) -> Settings:
         if not (self.api_keys or self.api_keys_file or self.allow_unauthenticated):
@@ -191,17 +242,51 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, YamlConfigSettingsSource(settings_cls))
+        return (init_settings, env_settings)
 
 
-def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
-    """Build settings from overrides, the environment and, if given, a YAML file."""
-    if config_file is None:
-        return Settings(**overrides)
-    if not config_file.is_file():
-        raise ValueError(f"config file not found: {config_file}")
+def load_settings(
+    config_file: Path | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> Settings:
+    """Build settings from overrides, the environment and, if given, a YAML file.
+
+    Raises ConfigError (a ValueError) with one line per mistake, naming its source:
+    `file:line`, the variable, or the override as a command-line option (`--port`)."""
+    env = os.environ if environ is None else environ
+    check_environment(Settings, env)
+    file = read_yaml(config_file) if config_file is not None else None
+    sources = Sources({name: "--" + name.replace("_", "-") for name in overrides}, env, file)
+    try:
+        if file is None:
+            return Settings(**overrides)
+        return _from_file(file)(**overrides)
+    except ValidationError as exc:
+        raise explain(exc, Settings, sources) from None
+
+
+def _from_file(file: YamlFile) -> type[Settings]:
+    data = file.data
+
+    class _FileSource(PydanticBaseSettingsSource):
+        def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+            return data.get(field_name), field_name, False
+
+        def __call__(self) -> dict[str, Any]:
+            return dict(data)
 
     class _FileSettings(Settings):
-        model_config = SettingsConfigDict(yaml_file=config_file)
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            return (init_settings, env_settings, _FileSource(settings_cls))
 
-    return _FileSettings(**overrides)
+    return _FileSettings

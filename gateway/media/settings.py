@@ -7,9 +7,18 @@ no remote domains, https only, no non-public networks, no dangerous fields.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Self
+from typing import Annotated, Self
 
-from pydantic import BaseModel, Field, FilePath, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    FilePath,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 
 class MediaMode(StrEnum):
@@ -31,9 +40,30 @@ class UuidPolicy(StrEnum):
     drop = "drop"
 
 
+def check_domain(entry: str) -> str:
+    """Raise ValueError unless `entry` is an allowed_domains entry the URL policy reads."""
+    from gateway.errors import MediaUrlNotAllowed
+    from gateway.media.urls import parse_domain_rule  # urls.py imports this module
+
+    try:
+        parse_domain_rule(entry)
+    except MediaUrlNotAllowed as exc:
+        # The message names the rule that refused it (rule: scheme, port, host, ...).
+        reason = exc.message.removeprefix("Media URL refused").rstrip(".")
+        raise ValueError(
+            f"not a domain entry{reason}; an entry is `host`, `*.host`, `host:port` or `[v6]:port`"
+        ) from None
+    return entry
+
+
 class MediaSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     mode: MediaMode = MediaMode.inline
-    allowed_domains: list[str] = Field(default_factory=list)
+    # Each read by the parser the URL policy uses (`check_domain`).
+    allowed_domains: list[Annotated[str, AfterValidator(check_domain)]] = Field(
+        default_factory=list
+    )
     allowed_schemes: list[str] = Field(default_factory=lambda: ["https"])
     allowed_networks: list[str] = Field(default_factory=list)
     max_url_length: int = Field(default=4096, gt=0)
@@ -100,6 +130,54 @@ class MediaSettings(BaseModel):
     # Multipart audio uploads (/v1/audio/transcriptions, /translations).
     upload_max_parts: int = Field(default=16, gt=0)
     upload_max_field_bytes: int = Field(default=64 * 1024, gt=0)
+
+    # Each list is read here by the code that uses it at serving time, so an entry it
+    # cannot use is refused when the settings load, not when the gateway starts.
+    # (The media modules import this one: imported inside the checks.)
+
+    @field_validator("allowed_schemes")
+    @classmethod
+    def _check_schemes(cls, schemes: list[str]) -> list[str]:
+        unknown = sorted({s.lower() for s in schemes} - {"http", "https"})
+        if unknown:
+            raise ValueError(f"only http and https can be fetched, not {', '.join(unknown)}")
+        return schemes
+
+    @field_validator("allowed_networks")
+    @classmethod
+    def _check_networks(cls, entries: list[str]) -> list[str]:
+        from gateway.media.addresses import parse_networks
+
+        for entry in entries:
+            try:
+                parse_networks([entry])
+            except ValueError:
+                raise ValueError(
+                    f"{entry.strip()!r} is not a network such as 10.0.0.0/8 or fd00::/8 "
+                    "(no host bits set)"
+                ) from None
+        return entries
+
+    @field_validator("image_formats")
+    @classmethod
+    def _check_image_formats(cls, formats: list[str]) -> list[str]:
+        from gateway.media.images import check_formats
+
+        check_formats(formats)
+        return formats
+
+    @field_validator("audio_formats", "video_formats")
+    @classmethod
+    def _check_av_formats(cls, formats: list[str], info: ValidationInfo) -> list[str]:
+        from gateway.media.av import AUDIO_TYPES, VIDEO_TYPES
+
+        table = AUDIO_TYPES if info.field_name == "audio_formats" else VIDEO_TYPES
+        unknown = [f for f in formats if f not in table]
+        if unknown:
+            raise ValueError(
+                f"unknown formats {', '.join(unknown)}; known: {', '.join(sorted(table))}"
+            )
+        return formats
 
     @model_validator(mode="after")
     def _budget_fits_an_item(self) -> Self:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import BaseModel, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 
 class CacheIsolation(StrEnum):
@@ -27,6 +27,8 @@ ENGINE_XARGS = frozenset({"kv_transfer_params", "ec_transfer_params", "kv_cache_
 
 
 class PayloadSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     # Key of the HMAC that namespaces client-chosen identifiers (media uuids, response
     # ids, cache salts). Generated at start when unset: then identifiers differ across
     # restarts and replicas, so set it when several replicas serve the same engines.

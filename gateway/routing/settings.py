@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class RoutingPolicy(StrEnum):
@@ -14,6 +14,8 @@ class RoutingPolicy(StrEnum):
 
 
 class RoutingSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     policy: RoutingPolicy = RoutingPolicy.affinity
     health_interval: float = Field(default=2.0, gt=0.0)
     health_timeout: float = Field(default=1.0, gt=0.0)
