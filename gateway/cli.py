@@ -9,6 +9,7 @@ configuration it accepts is one `serve` starts with.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import sys
@@ -102,10 +103,10 @@ def _serve(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise ConfigError(f"--workers: must be at least 1, not {args.workers}")
     settings = _load(args.config, **overrides)
+    configure_logging(settings.log_format, settings.log_level)
     # Built here even for workers, which build their own: the parent refuses settings
     # the app cannot use before any worker starts.
     app = _build(settings)
-    configure_logging(settings.log_format, settings.log_level)
     # Each client connection holds a descriptor: the soft limit up to the hard one
     # (workers inherit it); the app lowers max_connections to fit what remains.
     raise_fd_limit()
@@ -150,7 +151,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _check_config(args: argparse.Namespace) -> int:
     settings = _load(args.config)
-    _build(settings)
+    # What building the app logs (a generated secret, a lowered limit) goes to stderr:
+    # stdout is the settings' JSON.
+    with contextlib.redirect_stdout(sys.stderr):
+        configure_logging("console", settings.log_level)
+        _build(settings)
     # Every secret is typed SecretStr: the dump shows it as `**********`.
     data = settings.model_dump(mode="json")
     sys.stdout.write(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode() + "\n")

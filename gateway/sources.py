@@ -319,6 +319,10 @@ def _model_at(root: type[BaseModel], loc: Sequence[str | int]) -> type[BaseModel
     return None
 
 
+# Errors of a value that should have been a word (an enum member, a literal, a string).
+_WORD_EXPECTED = frozenset({"enum", "literal_error", "string_type"})
+
+
 def _message(error: Mapping[str, Any], root: type[BaseModel], loc: Sequence[str | int]) -> str:
     if error["type"] == "extra_forbidden" and loc and isinstance(loc[-1], str):
         model = _model_at(root, loc)
@@ -327,12 +331,15 @@ def _message(error: Mapping[str, Any], root: type[BaseModel], loc: Sequence[str 
     msg = str(error["msg"])
     for prefix in ("Value error, ", "Assertion failed, "):
         msg = msg.removeprefix(prefix)
+    if isinstance(error.get("input"), bool) and error["type"] in _WORD_EXPECTED:
+        # The input is only looked at when it is a bool: a value may be a key.
+        msg += "; YAML reads an unquoted off, on, yes or no as false or true: quote it"
     return msg
 
 
 def explain(exc: ValidationError, root: type[BaseModel], sources: Sources) -> ConfigError:
     """One line per mistake: `<source>: <setting>: <problem>`."""
-    errors = exc.errors(include_input=False, include_url=False)
+    errors = exc.errors(include_url=False)
     # A value that matches no branch of a union gets one error per branch. When one
     # branch got further into the value (an object with a misspelt key), its errors
     # are the ones that say what is wrong; else the branches' messages are joined.

@@ -39,32 +39,110 @@ class SimConfig:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[str, int, SimConfig]:
-    p = argparse.ArgumentParser(prog="python -m bench.sim", description=__doc__)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8001)
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--served-model-name", nargs="+", default=[])
-    p.add_argument("--runner", choices=("generate", "pooling"), default="generate")
-    p.add_argument("--max-model-len", type=int, default=32768)
-    p.add_argument("--kv-cache-tokens", type=int, default=131072)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--allowed-media-domains", nargs="*", default=[])
-    p.add_argument("--allowed-local-media-path", default=None)
-    p.add_argument("--enable-runtime-lora", action="store_true")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.sim",
+        description=(
+            "A simulated vLLM engine: vLLM's routes, errors and metrics, with a latency "
+            "model and a prefix cache, without a GPU (docs/sim.md). Named like vLLM's "
+            "own flags. It reads no environment variables (GATEWAY_* are the gateway's)."
+        ),
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: %(default)s)"
+    )
+    p.add_argument(
+        "--port", type=int, default=8001, help="port to listen on (default: %(default)s)"
+    )
+    p.add_argument(
+        "--model", default=DEFAULT_MODEL, help="the served model's name (default: %(default)s)"
+    )
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="names to serve the model under instead of --model (default: --model)",
+    )
+    p.add_argument(
+        "--runner",
+        choices=("generate", "pooling"),
+        default="generate",
+        help="which routes exist, as vLLM registers them by task (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=32768,
+        metavar="N",
+        help="context limit: prompt + max_tokens beyond it is a 400 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=131072,
+        metavar="N",
+        help="prefix cache capacity in tokens, LRU over N / block-size blocks "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        metavar="N",
+        help="prefix cache block size in tokens (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=64,
+        metavar="N",
+        help="requests running at once; the rest wait (default: %(default)s)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="require `Authorization: Bearer KEY` on paths under /v1, /v2, /inference and "
+        "/cohere, as vLLM (default: none)",
+    )
+    p.add_argument(
+        "--allowed-media-domains",
+        nargs="*",
+        default=[],
+        metavar="HOST",
+        help="hosts media URLs may name (default: any host, on loopback addresses only)",
+    )
+    p.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        metavar="DIR",
+        help="allow file: media URLs under DIR (default: none)",
+    )
+    p.add_argument(
+        "--enable-runtime-lora",
+        action="store_true",
+        help="mount vLLM's LoRA adapter loading routes (default: off)",
+    )
     p.add_argument(
         "--allow-remote-media",
         action="store_true",
-        help="let media URLs reach addresses outside loopback (no test or benchmark does)",
+        help="let media URLs reach addresses outside loopback; no test or benchmark does "
+        "(default: off)",
     )
-    p.add_argument("--latency", choices=("calibrated", "zero"), default="calibrated")
+    p.add_argument(
+        "--latency",
+        choices=("calibrated", "zero"),
+        default="calibrated",
+        help="calibrated: a GPU's timings, modelled; zero: answer at once, for overhead "
+        "benchmarks (default: %(default)s)",
+    )
     p.add_argument(
         "--record-requests",
         type=int,
         default=0,
         metavar="N",
-        help="keep the last N requests and serve them at GET/DELETE /sim/requests",
+        help="keep the last N requests and serve them at GET/DELETE /sim/requests "
+        "(default: 0, off)",
     )
     a = p.parse_args(argv)
     if a.block_size < 1 or a.max_model_len < 1 or a.max_num_seqs < 1:
