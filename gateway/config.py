@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -245,17 +244,12 @@ class Settings(BaseSettings):
         return (init_settings, env_settings)
 
 
-def load_settings(
-    config_file: Path | None = None,
-    *,
-    environ: Mapping[str, str] | None = None,
-    **overrides: Any,
-) -> Settings:
+def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
     """Build settings from overrides, the environment and, if given, a YAML file.
 
     Raises ConfigError (a ValueError) with one line per mistake, naming its source:
     `file:line`, the variable, or the override as a command-line option (`--port`)."""
-    env = os.environ if environ is None else environ
+    env = os.environ
     check_environment(Settings, env)
     file = read_yaml(config_file) if config_file is not None else None
     sources = Sources({name: "--" + name.replace("_", "-") for name in overrides}, env, file)

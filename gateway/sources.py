@@ -86,8 +86,8 @@ def _kind(annotation: Any) -> str:
     for tp in _members(annotation):
         origin = typing.get_origin(tp) or tp
         if isinstance(origin, type) and issubclass(origin, list | tuple | set):
-            return "list"
-    return "object"
+            return "a list"
+    return "an object"
 
 
 def models(root: type[BaseModel]) -> Iterator[type[BaseModel]]:
@@ -174,7 +174,7 @@ def check_environment(root: type[BaseModel], environ: Mapping[str, str]) -> None
             kind = _kind(annotation)
             example = '["first", "second"]' if kind == "list" else '{"name": "value"}'
             problems.append(
-                f"{var}: not valid JSON; {'.'.join(path)} is a {kind}, given as JSON: "
+                f"{var}: not valid JSON; {'.'.join(path)} is {kind}, given as JSON: "
                 f"{var}='{example}'"
             )
     if problems:

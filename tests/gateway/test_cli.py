@@ -1,44 +1,39 @@
-"""`vllm-gateway` check-config and hash-key (in-process: they only read settings)."""
+"""`vllm-gateway` serve, check-config and hash-key, run as an operator runs them (a
+subprocess each: the commands configure the process's logging)."""
 
 from __future__ import annotations
 
-import io
+import argparse
 import json
-import os
+import socket
+import subprocess
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 
 from gateway.auth import hash_key
-from gateway.cli import main
-from tests.procs import Proc, gateway_proc, run_cli, running, wait_for
+from gateway.cli import parser
+from tests.procs import ROOT, Proc, clean_env, gateway_proc, run_cli, running, wait_for
 
 SECRET = "sk-cli-secret-0123456789abcdef"
 UPSTREAM = "upstream-secret-0123456789"
 
 
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("GATEWAY_") or name == "VLLM_GATEWAY_CONFIG":
-            monkeypatch.delenv(name)
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
+def check_config(*argv: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """`vllm-gateway check-config` in a subprocess, with only the given GATEWAY_ variables."""
+    result = run_cli("check-config", *argv, env=clean_env(env))
+    return result.returncode, result.stdout, result.stderr
 
 
 MASK = "**********"  # how pydantic dumps a SecretStr
 
 
-def test_check_config_masks_every_secret(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_check_config_masks_every_secret(tmp_path: Path) -> None:
     config = tmp_path / "gateway.yaml"
     config.write_text(
         "engines: [http://127.0.0.1:8001]\n"
@@ -46,8 +41,7 @@ def test_check_config_masks_every_secret(
         f"  - key: {SECRET}x\n    name: tenant-a\n    scopes: [inference]\n"
         f"upstream_api_key: {UPSTREAM}\n"
     )
-    monkeypatch.setenv("GATEWAY_PORT", "9123")
-    code, out, err = run(capsys, "check-config", "--config", str(config))
+    code, out, err = check_config("--config", str(config), env={"GATEWAY_PORT": "9123"})
     assert code == 0, err
     data = json.loads(out)
     assert data["port"] == 9123  # the environment overrides the file
@@ -62,12 +56,12 @@ def test_check_config_masks_every_secret(
     assert SECRET not in out + err and UPSTREAM not in out + err
 
 
-def test_check_config_masks_keys_from_the_environment(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.setenv("GATEWAY_API_KEYS", json.dumps([SECRET, {"key": SECRET + "y"}]))
-    monkeypatch.setenv("GATEWAY_UPSTREAM_API_KEY", UPSTREAM)
-    code, out, err = run(capsys, "check-config")
+def test_check_config_masks_keys_from_the_environment() -> None:
+    env = {
+        "GATEWAY_API_KEYS": json.dumps([SECRET, {"key": SECRET + "y"}]),
+        "GATEWAY_UPSTREAM_API_KEY": UPSTREAM,
+    }
+    code, out, err = check_config(env=env)
     assert code == 0, err
     data = json.loads(out)
     assert data["api_keys"][0] == data["api_keys"][1]["key"] == data["upstream_api_key"] == MASK
@@ -97,43 +91,29 @@ def test_check_config_masks_keys_from_the_environment(
         ({"GATEWAY_API_KEYS": f'["{SECRET}"]', "GATEWAY_LIMITS__MAX_HEADERS": "0"}, "max_headers"),
     ],
 )
-def test_check_config_refuses_invalid_settings(
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-    env: dict[str, str],
-    message: str,
-) -> None:
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    code, out, err = run(capsys, "check-config")
+def test_check_config_refuses_invalid_settings(env: dict[str, str], message: str) -> None:
+    code, out, err = check_config(env=env)
     assert code == 2
-    assert message in err
+    assert message in err and "Traceback" not in err
     assert SECRET not in out + err
 
 
-def test_check_config_missing_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    code, _, err = run(capsys, "check-config", "--config", str(tmp_path / "nope.yaml"))
+def test_check_config_missing_file(tmp_path: Path) -> None:
+    code, _, err = check_config("--config", str(tmp_path / "nope.yaml"))
     assert code == 2 and "not found" in err
 
 
-def test_check_config_bad_key_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_check_config_bad_key_file(tmp_path: Path) -> None:
     keys = tmp_path / "keys.yaml"
     keys.write_text(f"- key: {SECRET}\n  scopez: [inference]\n")
-    monkeypatch.setenv("GATEWAY_API_KEYS_FILE", str(keys))
-    code, out, err = run(capsys, "check-config")
+    code, out, err = check_config(env={"GATEWAY_API_KEYS_FILE": str(keys)})
     assert code == 2 and "key file" in err
     assert SECRET not in out + err
 
 
-def test_hash_key(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(sys, "stdin", io.StringIO(SECRET + "\n"))
-    code, out, _ = run(capsys, "hash-key")
-    assert code == 0 and out.strip() == hash_key(SECRET)
-    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
-    code, _, err = run(capsys, "hash-key")
-    assert code == 2 and "no key" in err
+def test_hash_key() -> None:
+    result = run_cli("hash-key", stdin="")
+    assert result.returncode == 2 and "no key" in result.stderr
 
 
 def test_console_script_entry_point() -> None:
@@ -162,3 +142,101 @@ def test_serve_with_a_config_file_and_two_workers(
         r = httpx.get(gw.url + "/v1/models")
         assert r.status_code == 401
     assert "request" in gw.log() and SECRET not in gw.log()
+
+
+def _subcommand(name: str) -> argparse.ArgumentParser:
+    for action in parser()._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            sub: argparse.ArgumentParser = action.choices[name]
+            return sub
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("command", ["serve", "check-config"])
+def test_help_describes_every_option_with_its_default(command: str) -> None:
+    options = [a for a in _subcommand(command)._actions if a.dest != "help"]
+    assert options
+    for action in options:
+        assert action.help and "default" in action.help, action.option_strings
+    result = run_cli(command, "--help")
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())
+    for action in options:
+        assert action.option_strings[0] in text
+    # The variables an operator sets first, and how nesting and lists are written.
+    for name in ("GATEWAY_ENGINES", "GATEWAY_API_KEYS", "GATEWAY_<SECTION>__<NAME>", "JSON"):
+        assert name in text
+    assert "deploy/gateway.example.yaml" in text
+
+
+def test_sim_help_describes_every_option_with_its_default() -> None:
+    from bench.sim.config import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.sim", "--help"],
+        cwd=ROOT, capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0
+    entries = result.stdout.split("options:", 1)[1]
+    # One entry per option: its flags on a line of their own or followed by the help.
+    blocks = [b for b in entries.split("\n  -") if b.strip() and not b.startswith("h, --help")]
+    assert len(blocks) >= 14
+    for block in blocks:
+        assert "(default:" in " ".join(block.split()), block
+
+
+def test_serve_logs_where_it_listens(tmp_path: Path) -> None:
+    """One line at start: the bound address (port 0: the one chosen), the engines
+    without credentials, the policy and the media mode."""
+    env = clean_env(
+        {
+            "GATEWAY_API_KEYS": json.dumps([SECRET]),
+            "GATEWAY_ENGINES": json.dumps(["http://user:pw@127.0.0.1:9/v1"]),
+            "GATEWAY_ROUTING__POLICY": "round_robin",
+            "GATEWAY_MEDIA__MODE": "data_only",
+        }
+    )
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "serve", "--port", "0"],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        line = None
+        deadline = time.monotonic() + 60
+        while line is None and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+            for raw in log.read_text().splitlines():
+                if '"gateway_serving"' in raw:
+                    line = json.loads(raw)
+        assert line is not None, log.read_text()
+        assert line["policy"] == "round_robin" and line["media_mode"] == "data_only"
+        assert line["engines"] == ["http://127.0.0.1:9/v1"]
+        (listen,) = line["listen"]
+        assert listen.startswith("http://127.0.0.1:") and not listen.endswith(":0")
+        assert httpx.get(listen + "/healthz").status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert "pw@" not in log.read_text() and SECRET not in log.read_text()
+
+
+@contextmanager
+def socket_bound() -> Iterator[int]:
+    """A loopback port held by a listening socket."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_serve_exits_with_a_line_when_the_port_is_taken(tmp_path: Path) -> None:
+    env = clean_env({"GATEWAY_API_KEYS": json.dumps([SECRET])})
+    with socket_bound() as port:
+        result = run_cli("serve", "--port", str(port), env=env)
+    assert result.returncode == 3
+    assert "Traceback" not in result.stdout + result.stderr
+    assert "address already in use" in (result.stdout + result.stderr).lower()

@@ -1,0 +1,246 @@
+"""Every configuration mistake: `vllm-gateway check-config` (and `serve`) run as an
+operator runs them, in a subprocess. Each ends with exit code 2 and one line on stderr
+that names the problem and its source (the file and line, or the variable), without a
+traceback and without the rejected value."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.procs import clean_env, free_port, run_cli
+
+SECRET = "sk-cfg-secret-0123456789abcdef"
+KEYS = json.dumps([SECRET])
+
+
+@dataclass
+class Mistake:
+    """A configuration: the file (`gateway.yaml`, when given), a key file
+    (`keys.yaml`), the environment; and what the one error line must say."""
+
+    file: str | None = None
+    keys: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    source: str = ""  # `gateway.yaml:N`, `keys.yaml...`, or a variable's name
+    says: tuple[str, ...] = ()
+
+
+MISTAKES: dict[str, Mistake] = {
+    "unknown nested key": Mistake(
+        file=f"api_keys: [{SECRET}]\nmedia:\n  mode: inline\n  allowed_domain: [example.com]\n",
+        source="{dir}/gateway.yaml:4",
+        says=("media.allowed_domain: unknown setting; did you mean allowed_domains?",),
+    ),
+    "unknown top-level key": Mistake(
+        file=f"api_keys: [{SECRET}]\nengine: [http://127.0.0.1:8001]\n",
+        source="{dir}/gateway.yaml:2",
+        says=("engine: unknown setting; did you mean engines?",),
+    ),
+    "unknown key of a key entry": Mistake(
+        file=f"api_keys:\n  - key: {SECRET}\n    scope: [inference]\n",
+        source="{dir}/gateway.yaml:3",
+        says=("api_keys.0.scope: unknown setting; did you mean scopes?",),
+    ),
+    "misspelt variable": Mistake(
+        env={"GATEWAY_API_KEYS": KEYS, "GATEWAY_ENGINE": '["http://127.0.0.1:8001"]'},
+        source="GATEWAY_ENGINE",
+        says=("unknown setting; did you mean GATEWAY_ENGINES?",),
+    ),
+    "misspelt nested variable": Mistake(
+        env={"GATEWAY_API_KEYS": KEYS, "GATEWAY_MEDIA__ALLOWED_DOMAIN": '["example.com"]'},
+        source="GATEWAY_MEDIA__ALLOWED_DOMAIN",
+        says=("did you mean GATEWAY_MEDIA__ALLOWED_DOMAINS?",),
+    ),
+    "unknown key in a JSON object variable": Mistake(
+        env={"GATEWAY_API_KEYS": KEYS, "GATEWAY_ROUTING": '{"polcy": "round_robin"}'},
+        source="GATEWAY_ROUTING",
+        says=("routing.polcy: unknown setting; did you mean policy?",),
+    ),
+    "a URL in allowed_domains": Mistake(
+        file=f'api_keys: [{SECRET}]\nmedia:\n  allowed_domains: ["https://example.com"]\n',
+        source="{dir}/gateway.yaml:3",
+        says=("media.allowed_domains.0", "rule: scheme"),
+    ),
+    "a bad network": Mistake(
+        env={"GATEWAY_API_KEYS": KEYS, "GATEWAY_MEDIA__ALLOWED_NETWORKS": '["10.0.0.1/8"]'},
+        source="GATEWAY_MEDIA__ALLOWED_NETWORKS",
+        says=("media.allowed_networks", "not a network"),
+    ),
+    "an unknown audio format": Mistake(
+        env={"GATEWAY_API_KEYS": KEYS, "GATEWAY_MEDIA__AUDIO_FORMATS": '["wav", "aiff"]'},
+        source="GATEWAY_MEDIA__AUDIO_FORMATS",
+        says=("media.audio_formats", "unknown formats aiff"),
+    ),
+    "a scheme media cannot be fetched with": Mistake(
+        env={"GATEWAY_API_KEYS": KEYS, "GATEWAY_MEDIA__ALLOWED_SCHEMES": '["ftp"]'},
+        source="GATEWAY_MEDIA__ALLOWED_SCHEMES",
+        says=("media.allowed_schemes", "only http and https"),
+    ),
+    "an engine without a scheme": Mistake(
+        file=f"api_keys: [{SECRET}]\nengines:\n  - http://127.0.0.1:8001\n  - 127.0.0.1:8002\n",
+        source="{dir}/gateway.yaml:4",
+        says=("engines.1: an engine needs a scheme", "dns+http://"),
+    ),
+    "an engine of another scheme": Mistake(
+        env={"GATEWAY_API_KEYS": KEYS, "GATEWAY_ENGINES": '["ftp://127.0.0.1:8001"]'},
+        source="GATEWAY_ENGINES",
+        says=("engines.0: an engine needs a scheme",),
+    ),
+    "engines not a JSON list": Mistake(
+        env={"GATEWAY_API_KEYS": KEYS, "GATEWAY_ENGINES": "http://127.0.0.1:8001"},
+        source="GATEWAY_ENGINES",
+        says=("not valid JSON; engines is a list", "GATEWAY_ENGINES='["),
+    ),
+    "YAML syntax error": Mistake(
+        file=f"api_keys: [{SECRET}]\nengines: [http://127.0.0.1:8001\nport: 80\n",
+        source="{dir}/gateway.yaml:3",
+        says=("not valid YAML",),
+    ),
+    "a key given twice": Mistake(
+        file=f"api_keys: [{SECRET}]\nmedia:\n  mode: inline\nmedia:\n  max_items: 4\n",
+        source="{dir}/gateway.yaml:4",
+        says=("media: given twice (first on line 2)",),
+    ),
+    "not a mapping": Mistake(
+        file="- engines\n", source="{dir}/gateway.yaml:1", says=("expected a mapping of settings",)
+    ),
+    "an unquoted off": Mistake(
+        file=f"api_keys: [{SECRET}]\npayload:\n  cache_isolation: off\n",
+        source="{dir}/gateway.yaml:3",
+        says=("payload.cache_isolation", "'off', 'key' or 'tenant'", "quote it"),
+    ),
+    "an unknown scope": Mistake(
+        file=f"api_keys:\n  - key: {SECRET}\n    scopes: [inference, audios]\n",
+        source="{dir}/gateway.yaml:1",
+        says=("unknown scopes audios; known: audio, inference",),
+    ),
+    "an unknown routing policy": Mistake(
+        env={"GATEWAY_API_KEYS": KEYS, "GATEWAY_ROUTING__POLICY": "fastest"},
+        source="GATEWAY_ROUTING__POLICY",
+        says=("routing.policy: Input should be 'affinity', 'round_robin' or 'least_loaded'",),
+    ),
+    "a short plain key": Mistake(
+        env={"GATEWAY_API_KEYS": '["my-client-key"]'},
+        source="GATEWAY_API_KEYS",
+        says=("a plain API key must be at least 16 characters", "secrets.token_urlsafe"),
+    ),
+    "a key that is neither a string nor an object": Mistake(
+        env={"GATEWAY_API_KEYS": "[5]"},
+        source="GATEWAY_API_KEYS",
+        says=("api_keys.0: matches no accepted form",),
+    ),
+    "a value out of range": Mistake(
+        env={"GATEWAY_API_KEYS": KEYS, "GATEWAY_TIMEOUTS__UPSTREAM_KEEPALIVE": "6"},
+        source="GATEWAY_TIMEOUTS__UPSTREAM_KEEPALIVE",
+        says=("timeouts.upstream_keepalive", "less than 5"),
+    ),
+    "no keys at all": Mistake(env={}, says=("no API keys configured",)),
+    "a missing key file": Mistake(
+        file="api_keys_file: {dir}/nowhere.yaml\n",
+        source="{dir}/gateway.yaml:1",
+        says=("api_keys_file: key file {dir}/nowhere.yaml not found",),
+    ),
+    "a key file that is not YAML": Mistake(
+        file="api_keys_file: {dir}/keys.yaml\n",
+        keys=f"- key: {SECRET}\n- key: : :\n",
+        source="{dir}/gateway.yaml:1",
+        says=("key file {dir}/keys.yaml:2 is not valid YAML",),
+    ),
+    "a key file entry with a misspelt field": Mistake(
+        env={"GATEWAY_API_KEYS_FILE": "{dir}/keys.yaml"},
+        keys=f"- key: {SECRET}\n  scopez: [inference]\n",
+        source="GATEWAY_API_KEYS_FILE",
+        says=("key file {dir}/keys.yaml: entry 1: scopez",),
+    ),
+    "a CA file that does not exist": Mistake(
+        env={"GATEWAY_API_KEYS": KEYS, "GATEWAY_ENGINE_CA_FILE": "{dir}/nowhere.pem"},
+        source="GATEWAY_ENGINE_CA_FILE",
+        says=("engine_ca_file",),
+    ),
+}
+
+
+def check(tmp_path: Path, mistake: Mistake, *argv: str) -> str:
+    """Run the command on `mistake`; return its one error line. `{dir}` in the
+    mistake's texts stands for the directory of its files."""
+
+    def here(text: str) -> str:
+        return text.replace("{dir}", str(tmp_path))
+
+    if mistake.file is not None:
+        (tmp_path / "gateway.yaml").write_text(here(mistake.file))
+        argv = (*argv, "--config", str(tmp_path / "gateway.yaml"))
+    if mistake.keys is not None:
+        (tmp_path / "keys.yaml").write_text(mistake.keys)
+    env = clean_env({name: here(value) for name, value in mistake.env.items()})
+    result = run_cli(*argv, env=env)
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    assert "Traceback" not in result.stderr
+    assert SECRET not in result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, lines
+    (line,) = lines
+    assert line.startswith(f"vllm-gateway: {here(mistake.source)}")
+    for text in mistake.says:
+        assert here(text) in line
+    return line
+
+
+@pytest.mark.parametrize("name", list(MISTAKES))
+def test_check_config_names_the_mistake_and_its_source(tmp_path: Path, name: str) -> None:
+    check(tmp_path, MISTAKES[name], "check-config")
+
+
+@pytest.mark.parametrize(
+    "name", ["a URL in allowed_domains", "misspelt variable", "YAML syntax error"]
+)
+def test_serve_refuses_the_same_mistakes_the_same_way(tmp_path: Path, name: str) -> None:
+    """`serve` loads settings with the same code: it exits before listening."""
+    check(tmp_path, MISTAKES[name], "serve", "--port", str(free_port()))
+
+
+def test_every_mistake_is_reported_at_once(tmp_path: Path) -> None:
+    (tmp_path / "gateway.yaml").write_text(
+        f"api_keys: [{SECRET}]\nengines: [localhost:8001]\nrouting: {{policy: fast}}\n"
+    )
+    config = str(tmp_path / "gateway.yaml")
+    result = run_cli("check-config", "--config", config, env=clean_env())
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        f"vllm-gateway: {config}:2: engines.0: an engine needs a scheme: http://, https://, "
+        "dns+http:// or dns+https:// (e.g. http://127.0.0.1:8000)",
+        f"vllm-gateway: {config}:3: routing.policy: Input should be 'affinity', "
+        "'round_robin' or 'least_loaded'",
+    ]
+
+
+def test_a_documented_variable_that_is_not_a_setting_is_let_through(tmp_path: Path) -> None:
+    """compose.yaml reads GATEWAY_BIND on the host: an operator's shell may export it."""
+    env = clean_env({"GATEWAY_API_KEYS": KEYS, "GATEWAY_BIND": "0.0.0.0"})
+    result = run_cli("check-config", env=env)
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_environment_wins_over_the_file_and_is_named_as_the_source(tmp_path: Path) -> None:
+    (tmp_path / "gateway.yaml").write_text(f"api_keys: [{SECRET}]\nrouting: {{policy: affinity}}\n")
+    config = str(tmp_path / "gateway.yaml")
+    env = clean_env({"GATEWAY_ROUTING__POLICY": "fastest"})
+    result = run_cli("check-config", "--config", config, env=env)
+    assert result.returncode == 2
+    assert result.stderr.startswith("vllm-gateway: GATEWAY_ROUTING__POLICY: routing.policy:")
+    env = clean_env({"GATEWAY_ROUTING__POLICY": "round_robin"})
+    result = run_cli("check-config", "--config", config, env=env)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["routing"]["policy"] == "round_robin"
+
+
+def test_a_command_line_option_is_named_as_the_source() -> None:
+    env = clean_env({"GATEWAY_API_KEYS": KEYS})
+    result = run_cli("serve", "--port", "70000", env=env)
+    assert result.returncode == 2
+    assert result.stderr.startswith("vllm-gateway: --port: port: Input should be less than")
