@@ -1,0 +1,57 @@
+"""The README's first run, run as written: an engine, the gateway, one request with curl
+and one with the `openai` client. Only the ports (free ones, not 8001 and 8080, which
+another run may hold) and the `.venv` (this interpreter's) are substituted; the setup
+line is skipped (the tests run inside the environment it makes)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.procs import ROOT, clean_env, free_port
+
+
+def first_run_block() -> str:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Running it", 1)[1]
+    match = re.search(r"```bash\n(.*?)```", section, re.S)
+    assert match is not None
+    return match.group(1)
+
+
+def test_the_readme_first_run_works_as_written() -> None:
+    block = first_run_block()
+    lines = [line for line in block.splitlines() if not line.startswith("bash scripts/setup.sh")]
+    script = "\n".join(lines)
+    assert "8001" in script and "8080" in script and ".venv/bin/" in script
+    engine, gateway = free_port(), free_port()
+    script = script.replace("8001", str(engine)).replace("8080", str(gateway))
+    script = script.replace(".venv/bin/", str(Path(sys.executable).parent) + "/")
+    # This checkout's code, whichever checkout the interpreter was installed from.
+    env = clean_env({"PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen(
+        ["bash", "-c", "set -euo pipefail\n" + script],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        # The script stops its engine and gateway; if it failed before, they go here.
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+    assert proc.returncode == 0, err
+    lines = out.splitlines()
+    # The gateway logs to the same terminal: the replies are found among its lines.
+    (curl_reply,) = [line for line in lines if '"object":"chat.completion"' in line]
+    assert '"role":"assistant"' in curl_reply
+    (client_reply,) = [line for line in lines if line.startswith("openai client:")]
+    assert client_reply.removeprefix("openai client:").strip()
+    assert "Traceback" not in err
