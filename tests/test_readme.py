@@ -5,6 +5,7 @@ line is skipped (the tests run inside the environment it makes)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -42,10 +43,8 @@ def test_the_readme_first_run_works_as_written() -> None:
         out, err = proc.communicate(timeout=120)
     finally:
         # The script stops its engine and gateway; if it failed before, they go here.
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
         proc.wait(timeout=30)
     assert proc.returncode == 0, err
     lines = out.splitlines()
