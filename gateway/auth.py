@@ -21,6 +21,7 @@ from pydantic import SecretStr, TypeAdapter, ValidationError
 from gateway.config import ApiKeyConfig, RateLimit
 from gateway.endpoints import ALL_SCOPES, FORWARDED_GROUPS, Group
 from gateway.errors import InvalidApiKey
+from gateway.sources import suggest
 
 _DIGEST_PREFIX = "sha256:"
 _BEARER = b"bearer "
@@ -151,7 +152,10 @@ def _entry_errors(exc: ValidationError) -> str:
         # (index, "ApiKeyConfig", field, ...): a field of an object entry.
         if len(loc) > 2 and loc[1] == ApiKeyConfig.__name__:
             field = ".".join(str(part) for part in loc[2:])
-            found.append(f"entry {int(loc[0]) + 1}: {field}: {error['msg']}")
+            msg = error["msg"]
+            if error["type"] == "extra_forbidden":
+                msg = f"unknown field{suggest(field, list(ApiKeyConfig.model_fields))}"
+            found.append(f"entry {int(loc[0]) + 1}: {field}: {msg}")
     if found:
         return "; ".join(found)
     return (

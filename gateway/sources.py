@@ -143,7 +143,19 @@ def _field_annotation(root: type[BaseModel], path: Sequence[str]) -> Any:
     return annotation
 
 
-def _suggest(name: str, candidates: Sequence[str]) -> str:
+def _holds_secret(annotation: Any) -> bool:
+    """Whether a value of this type may hold a secret (a SecretStr at any depth)."""
+    if "SecretStr" in repr(annotation):
+        return True
+    return any(
+        _holds_secret(info.annotation)
+        for model in _models_in(annotation)
+        for info in model.model_fields.values()
+    )
+
+
+def suggest(name: str, candidates: Sequence[str]) -> str:
+    """`; did you mean <nearest>?`, or nothing when no candidate is near."""
     close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
     return f"; did you mean {close[0]}?" if close else ""
 
@@ -163,7 +175,7 @@ def check_environment(root: type[BaseModel], environ: Mapping[str, str]) -> None
             continue
         path = known.get(upper)
         if path is None:
-            problems.append(f"{var}: unknown setting{_suggest(upper, list(known))}")
+            problems.append(f"{var}: unknown setting{suggest(upper, list(known))}")
             continue
         annotation = _field_annotation(root, path)
         if not _is_complex(annotation):
@@ -172,7 +184,14 @@ def check_environment(root: type[BaseModel], environ: Mapping[str, str]) -> None
             json.loads(environ[var])
         except ValueError:
             kind = _kind(annotation)
-            example = '["first", "second"]' if kind == "list" else '{"name": "value"}'
+            if kind == "an object":
+                example = '{"name": "value"}'
+            elif _holds_secret(annotation):
+                example = '["first", "second"]'
+            else:
+                # Not a secret: the value as the JSON list it was probably meant to be.
+                items = [item.strip() for item in environ[var].split(",") if item.strip()]
+                example = json.dumps(items or ["first", "second"])
             problems.append(
                 f"{var}: not valid JSON; {'.'.join(path)} is {kind}, given as JSON: "
                 f"{var}='{example}'"
@@ -327,7 +346,7 @@ def _message(error: Mapping[str, Any], root: type[BaseModel], loc: Sequence[str 
     if error["type"] == "extra_forbidden" and loc and isinstance(loc[-1], str):
         model = _model_at(root, loc)
         names = list(model.model_fields) if model is not None else []
-        return f"unknown setting{_suggest(loc[-1], names)}"
+        return f"unknown setting{suggest(loc[-1], names)}"
     msg = str(error["msg"])
     for prefix in ("Value error, ", "Assertion failed, "):
         msg = msg.removeprefix(prefix)

@@ -91,9 +91,21 @@ MISTAKES: dict[str, Mistake] = {
         says=("engines.0: an engine needs a scheme",),
     ),
     "engines not a JSON list": Mistake(
-        env={"GATEWAY_API_KEYS": KEYS, "GATEWAY_ENGINES": "http://127.0.0.1:8001"},
+        env={
+            "GATEWAY_API_KEYS": KEYS,
+            "GATEWAY_ENGINES": "http://127.0.0.1:8001, http://[::1]:8002",
+        },
         source="GATEWAY_ENGINES",
-        says=("not valid JSON; engines is a list", "GATEWAY_ENGINES='["),
+        says=(
+            "not valid JSON; engines is a list, given as JSON: "
+            """GATEWAY_ENGINES='["http://127.0.0.1:8001", "http://[::1]:8002"]'""",
+        ),
+    ),
+    # The value of a setting that holds secrets is never shown, even reshaped.
+    "keys not a JSON list": Mistake(
+        env={"GATEWAY_API_KEYS": f"{SECRET},{SECRET}x"},
+        source="GATEWAY_API_KEYS",
+        says=("""api_keys is a list, given as JSON: GATEWAY_API_KEYS='["first", "second"]'""",),
     ),
     "YAML syntax error": Mistake(
         file=f"api_keys: [{SECRET}]\nengines: [http://127.0.0.1:8001\nport: 80\n",
@@ -154,7 +166,7 @@ MISTAKES: dict[str, Mistake] = {
         env={"GATEWAY_API_KEYS_FILE": "{dir}/keys.yaml"},
         keys=f"- key: {SECRET}\n  scopez: [inference]\n",
         source="GATEWAY_API_KEYS_FILE",
-        says=("key file {dir}/keys.yaml: entry 1: scopez",),
+        says=("key file {dir}/keys.yaml: entry 1: scopez: unknown field; did you mean scopes?",),
     ),
     "a CA file that does not exist": Mistake(
         env={"GATEWAY_API_KEYS": KEYS, "GATEWAY_ENGINE_CA_FILE": "{dir}/nowhere.pem"},
