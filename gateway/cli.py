@@ -22,7 +22,7 @@ import orjson
 import structlog
 
 from gateway.app import CONFIG_ENV, Gateway, create_app, tune_collector
-from gateway.auth import KeyConfigError, hash_key
+from gateway.auth import hash_key
 from gateway.config import Settings, load_settings
 from gateway.connections import raise_fd_limit
 from gateway.logging import configure_logging
@@ -47,18 +47,12 @@ settings:
 """
 
 
-def _load(config: Path | None, **overrides: Any) -> Settings:
-    try:
-        return load_settings(config, **overrides)
-    except KeyConfigError as exc:  # raised outside a validator: no source to name
-        raise ConfigError(str(exc)) from None
-
-
 def _build(settings: Settings) -> Gateway:
-    """The gateway `serve` runs; a setting only the app's parts can judge fails here."""
+    """The gateway `serve` runs. Settings that load are checked by the code that uses
+    them; should a part of the app still refuse one, that is one line here too."""
     try:
         return create_app(settings)
-    except ValueError as exc:
+    except ValueError as exc:  # KeyConfigError included
         raise ConfigError(f"invalid settings: {exc}") from None
 
 
@@ -102,7 +96,7 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["log_format"] = args.log_format
     if args.workers < 1:
         raise ConfigError(f"--workers: must be at least 1, not {args.workers}")
-    settings = _load(args.config, **overrides)
+    settings = load_settings(args.config, **overrides)
     configure_logging(settings.log_format, settings.log_level)
     # Built here even for workers, which build their own: the parent refuses settings
     # the app cannot use before any worker starts.
@@ -150,7 +144,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    settings = _load(args.config)
+    settings = load_settings(args.config)
     # What building the app logs (a generated secret, a lowered limit) goes to stderr:
     # stdout is the settings' JSON.
     with contextlib.redirect_stdout(sys.stderr):

@@ -312,19 +312,24 @@ class Sources:
         return None
 
 
-def _is_tag(part: str | int) -> bool:
-    # Union branches appear in pydantic's locations by name: `ApiKeyConfig`,
-    # `function-after[...]`. Settings' own names are snake_case.
-    return isinstance(part, str) and (part[:1].isupper() or "[" in part or "-" in part)
+def _tags(root: type[BaseModel]) -> frozenset[str]:
+    # Union branches appear in pydantic's locations by name: a model's (`ApiKeyConfig`)
+    # or a validator's (`function-after[...]`). Anything else is a key someone wrote.
+    return frozenset(model.__name__ for model in models(root))
+
+
+def _is_tag(part: str | int, tags: frozenset[str]) -> bool:
+    return isinstance(part, str) and ("[" in part or part in tags)
 
 
 def _model_at(root: type[BaseModel], loc: Sequence[str | int]) -> type[BaseModel] | None:
     """The model whose field the last part of `loc` names."""
+    tags = _tags(root)
     current: list[Any] = [root]
     for part in loc[:-1]:
         if isinstance(part, int):
             current = [a for tp in current for a in typing.get_args(tp)[:1]]
-        elif _is_tag(part):
+        elif _is_tag(part, tags):
             current = [tp for tp in current if getattr(tp, "__name__", None) == part] or current
         else:
             holders = [tp for tp in current if _is_model(tp) and part in tp.model_fields]
@@ -359,6 +364,7 @@ def _message(error: Mapping[str, Any], root: type[BaseModel], loc: Sequence[str 
 def explain(exc: ValidationError, root: type[BaseModel], sources: Sources) -> ConfigError:
     """One line per mistake: `<source>: <setting>: <problem>`."""
     errors = exc.errors(include_url=False)
+    tags = _tags(root)
     # A value that matches no branch of a union gets one error per branch. When one
     # branch got further into the value (an object with a misspelt key), its errors
     # are the ones that say what is wrong; else the branches' messages are joined.
@@ -366,7 +372,7 @@ def explain(exc: ValidationError, root: type[BaseModel], sources: Sources) -> Co
     plain: list[tuple[tuple[str | int, ...], Any]] = []
     for error in errors:
         loc = tuple(error["loc"])
-        tag = next((i for i, part in enumerate(loc) if _is_tag(part)), None)
+        tag = next((i for i, part in enumerate(loc) if _is_tag(part, tags)), None)
         if tag is None:
             plain.append((loc, error))
         else:
@@ -383,7 +389,7 @@ def explain(exc: ValidationError, root: type[BaseModel], sources: Sources) -> Co
             joined = "; or ".join(dict.fromkeys(_message(e, root, loc) for loc, e in branch_errors))
             chosen.append((prefix, branch_errors[0][1], f"matches no accepted form: {joined}"))
     for loc, error, text in chosen:
-        clean = tuple(part for part in loc if not _is_tag(part))
+        clean = tuple(part for part in loc if not _is_tag(part, tags))
         fields = tuple(part for part in clean if isinstance(part, str))
         message = text or _message(error, root, loc)
         setting = ".".join(str(part) for part in clean)

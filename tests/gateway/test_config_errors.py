@@ -40,6 +40,11 @@ MISTAKES: dict[str, Mistake] = {
         source="{dir}/gateway.yaml:2",
         says=("engine: unknown setting; did you mean engines?",),
     ),
+    "a key in kebab case": Mistake(
+        file=f"api_keys: [{SECRET}]\nmedia:\n  allowed-domains: [example.com]\n",
+        source="{dir}/gateway.yaml:3",
+        says=("media.allowed-domains: unknown setting; did you mean allowed_domains?",),
+    ),
     "unknown key of a key entry": Mistake(
         file=f"api_keys:\n  - key: {SECRET}\n    scope: [inference]\n",
         source="{dir}/gateway.yaml:3",
