@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import ssl
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -148,6 +149,17 @@ class TimeoutSettings(BaseModel):
     upstream_keepalive: float = Field(default=4.0, gt=0, lt=5.0)
 
 
+def check_ca_file(path: Path | None) -> Path | None:
+    """Raise ValueError unless `path` holds CA certificates TLS can load, read as the
+    gateway reads it when it starts (engine_ca_file, media.ca_file)."""
+    if path is not None:
+        try:
+            ssl.create_default_context(cafile=path)
+        except (ssl.SSLError, OSError):
+            raise ValueError("the file holds no PEM certificate TLS can load") from None
+    return path
+
+
 def check_engine(entry: str) -> str:
     """Raise ValueError unless `entry` is an engine the pool can use (the same parsers)."""
     from gateway.routing.dns import DnsEntry, is_dns_entry
@@ -205,6 +217,11 @@ class Settings(BaseSettings):
     @classmethod
     def _check_forward_headers(cls, names: list[str]) -> list[str]:
         return forwardable(names)
+
+    @field_validator("engine_ca_file")
+    @classmethod
+    def _check_engine_ca(cls, path: Path | None) -> Path | None:
+        return check_ca_file(path)
 
     @field_validator("api_keys")
     @classmethod

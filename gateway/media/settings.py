@@ -7,6 +7,7 @@ no remote domains, https only, no non-public networks, no dangerous fields.
 from __future__ import annotations
 
 from enum import StrEnum
+from pathlib import Path
 from typing import Annotated, Self
 
 from pydantic import (
@@ -134,6 +135,13 @@ class MediaSettings(BaseModel):
     # Each list is read here by the code that uses it at serving time, so an entry it
     # cannot use is refused when the settings load, not when the gateway starts.
     # (The media modules import this one: imported inside the checks.)
+
+    @field_validator("ca_file")
+    @classmethod
+    def _check_ca(cls, path: Path | None) -> Path | None:
+        from gateway.config import check_ca_file  # config.py imports this module
+
+        return check_ca_file(path)
 
     @field_validator("allowed_schemes")
     @classmethod

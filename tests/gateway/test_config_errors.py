@@ -173,6 +173,18 @@ MISTAKES: dict[str, Mistake] = {
         source="GATEWAY_API_KEYS_FILE",
         says=("key file {dir}/keys.yaml: entry 1: scopez: unknown field; did you mean scopes?",),
     ),
+    "a CA file that is not PEM": Mistake(
+        env={"GATEWAY_API_KEYS": KEYS, "GATEWAY_MEDIA__CA_FILE": "{dir}/keys.yaml"},
+        keys="not a certificate\n",
+        source="GATEWAY_MEDIA__CA_FILE",
+        says=("media.ca_file: the file holds no PEM certificate TLS can load",),
+    ),
+    "an engine CA file that is not PEM": Mistake(
+        file="api_keys: [" + SECRET + "]\nengine_ca_file: {dir}/keys.yaml\n",
+        keys="not a certificate\n",
+        source="{dir}/gateway.yaml:2",
+        says=("engine_ca_file: the file holds no PEM certificate TLS can load",),
+    ),
     "a CA file that does not exist": Mistake(
         env={"GATEWAY_API_KEYS": KEYS, "GATEWAY_ENGINE_CA_FILE": "{dir}/nowhere.pem"},
         source="GATEWAY_ENGINE_CA_FILE",
