@@ -38,7 +38,9 @@ def load_all(path: Path) -> list[Any]:
 
 def strategic_merge(base: Any, patch: Any) -> Any:
     """Enough of Kubernetes' strategic merge for our patches: lists of named objects
-    (containers, env) merge by name, other lists are replaced, mappings merge."""
+    (containers, env) merge by name, the patch's items first in its order and then the
+    base's other items (as kustomize orders them), other lists are replaced, mappings
+    merge."""
     if isinstance(base, dict) and isinstance(patch, dict):
         out = dict(base)
         for k, v in patch.items():
@@ -47,15 +49,13 @@ def strategic_merge(base: Any, patch: Any) -> Any:
     if isinstance(base, list) and isinstance(patch, list):
         named = all(isinstance(x, dict) and "name" in x for x in base + patch)
         if named and patch:
-            merged = [copy.deepcopy(x) for x in base]
-            for item in patch:
-                for i, old in enumerate(merged):
-                    if old["name"] == item["name"]:
-                        merged[i] = strategic_merge(old, item)
-                        break
-                else:
-                    merged.insert(0, copy.deepcopy(item))
-            return merged
+            by_name = {x["name"]: x for x in base}
+            merged = [
+                strategic_merge(by_name[x["name"]], x) if x["name"] in by_name else copy.deepcopy(x)
+                for x in patch
+            ]
+            patched = {x["name"] for x in patch}
+            return merged + [copy.deepcopy(x) for x in base if x["name"] not in patched]
     return copy.deepcopy(patch)
 
 
