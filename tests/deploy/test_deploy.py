@@ -9,6 +9,7 @@ HEALTHCHECK and the engine's probe commands).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -310,6 +311,60 @@ def test_compose_gateway_is_hardened_and_reads_keys_from_a_read_only_file() -> N
     assert compose()["secrets"]["gateway_keys"]["file"] == "./keys.yaml"
     assert "keys.yaml" in (DEPLOY / ".gitignore").read_text().split()
     assert "GATEWAY_API_KEYS" not in compose_env("gateway")  # no plain keys in the env
+
+
+# The one service that keeps its image's root user: it writes into a fresh named volume,
+# which Docker creates owned by root (deploy/README.md, "Compose").
+COMPOSE_ROOT_ALLOWED = {"model-download"}
+
+
+def check_compose_non_root(doc: dict[str, Any]) -> None:
+    """Every service but the download runs as a numeric non-root user on a read-only
+    root; all drop every capability and cannot escalate. vLLM's home is a tmpfs and its
+    weights a read-only mount."""
+    for name, service in doc["services"].items():
+        assert service.get("cap_drop") == ["ALL"], name
+        assert "no-new-privileges:true" in service.get("security_opt", []), name
+        if name in COMPOSE_ROOT_ALLOWED:
+            continue
+        uid, _, gid = str(service.get("user", "")).partition(":")
+        assert uid.isdigit() and int(uid) > 0 and gid.isdigit() and int(gid) > 0, name
+        assert service.get("read_only") is True, name
+    engine = doc["services"]["engine"]
+    env = engine["environment"]
+    tmpfs = [t.split(":")[0] for t in engine.get("tmpfs", [])]
+    assert env["HOME"] in tmpfs and "/tmp" in tmpfs
+    assert env["HF_HOME"].startswith(env["HOME"] + "/") and env.get("USER")
+    (volume,) = engine["volumes"]
+    source, target, *mode = volume.split(":")
+    assert env["HF_HUB_CACHE"].startswith(target + "/") and mode == ["ro"]
+    download = doc["services"]["model-download"]
+    # The download fills the same volume, at the path the engine reads snapshots from.
+    assert download["volumes"] == [f"{source}:{target}"]
+    assert download["environment"]["HF_HOME"] + "/hub" == env["HF_HUB_CACHE"]
+
+
+def test_compose_services_run_non_root() -> None:
+    check_compose_non_root(copy.deepcopy(compose()))
+
+
+@pytest.mark.parametrize(
+    "breaks",
+    [
+        lambda d: d["services"]["engine"].pop("user"),
+        lambda d: d["services"]["engine"].update(user="0:0"),
+        lambda d: d["services"]["engine-sim"].update(read_only=False),
+        lambda d: d["services"]["model-download"].pop("cap_drop"),
+        lambda d: d["services"]["engine"]["environment"].update(HOME="/root"),
+        lambda d: d["services"]["engine"].update(volumes=["hf-cache:/models"]),
+    ],
+    ids=["no user", "root", "writable root", "capabilities", "home", "writable weights"],
+)
+def test_compose_non_root_check_catches(breaks: Any) -> None:
+    doc = copy.deepcopy(compose())
+    breaks(doc)
+    with pytest.raises(AssertionError):
+        check_compose_non_root(doc)
 
 
 def test_compose_engine_flags() -> None:
