@@ -335,6 +335,16 @@ def check_gateway_scaling(docs: Docs) -> None:
     assert container_port(c, service["spec"]["ports"][0]["targetPort"]) == GATEWAY_PORT
 
 
+def check_gateway_probes(docs: Docs) -> None:
+    """Ready only with a healthy engine (/readyz); alive while it serves (/healthz). The
+    process test below checks that the gateway answers both."""
+    for _, c in gateway_containers(docs):
+        assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+        assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert container_port(c, c[probe]["httpGet"]["port"]) == GATEWAY_PORT, probe
+
+
 def check_namespace_is_restricted(docs: Docs) -> None:
     (ns,) = of_kind(docs, "Namespace")
     assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
@@ -348,6 +358,7 @@ TIER_CHECKS: dict[str, Callable[[Docs], None]] = {
     "engine_fence": check_engine_fence,
     "discovery": check_discovery,
     "gateway_scaling": check_gateway_scaling,
+    "gateway_probes": check_gateway_probes,
     "namespace_is_restricted": check_namespace_is_restricted,
 }
 
@@ -574,6 +585,12 @@ BREAKAGES: dict[str, tuple[str, Callable[[Docs], None], Callable[[Docs], None]]]
             {"app.kubernetes.io/component": "engine"})),
     "no CPU request": (TIER, check_gateway_scaling,
         lambda d: _container(d, "vllm-gateway", "gateway")["resources"]["requests"].pop("cpu")),
+    "readiness on /healthz": (TIER, check_gateway_probes,
+        lambda d: _container(d, "vllm-gateway", "gateway")["readinessProbe"]["httpGet"].update(
+            path="/healthz")),
+    "liveness on the engine port": (TIER, check_gateway_probes,
+        lambda d: _container(d, "vllm-gateway", "gateway")["livenessProbe"]["httpGet"].update(
+            port=8000)),
     "namespace not restricted": (TIER, check_namespace_is_restricted,
         lambda d: of_kind(d, "Namespace")[0]["metadata"]["labels"].update(
             {"pod-security.kubernetes.io/enforce": "baseline"})),
