@@ -107,13 +107,21 @@ class Dispatch:
 
 class KeyFileWatcher:
     """Reloads the key file when its mtime or size changes. An invalid new file is
-    logged and ignored: the keys in force stay, so a typo cannot lock everyone out."""
+    logged and ignored: the keys in force stay, so a typo cannot lock everyone out.
+
+    A file is read only once it has held still for one poll: an editor or a script
+    that truncates the file and then writes it would otherwise be caught half-way (an
+    empty file reads as no keys at all, which locked every client out until the next
+    poll). An empty file is refused for the same reason; `api_keys: []` revokes every
+    key on purpose."""
 
     def __init__(self, path: Path, keyring: KeyRing, settings: Settings) -> None:
         self.path = path
         self.keyring = keyring
         self.settings = settings
         self._stamp = self._stat()
+        # A change seen at the last poll, read once it is seen again unchanged.
+        self._pending: tuple[int, int] | None = None
 
     def _stat(self) -> tuple[int, int] | None:
         try:
@@ -125,8 +133,16 @@ class KeyFileWatcher:
     def poll(self) -> None:
         stamp = self._stat()
         if stamp == self._stamp:
+            self._pending = None
             return
+        if stamp is not None and stamp != self._pending:
+            self._pending = stamp
+            return
+        self._pending = None
         self._stamp = stamp
+        if stamp is not None and stamp[1] == 0:
+            log.error("key_file_invalid", path=str(self.path), reason="empty", kept="old keys")
+            return
         try:
             keys = build_keys(self.settings.api_keys) + load_key_file(self.path)
         except KeyConfigError as exc:

@@ -28,6 +28,16 @@ from pydantic import BaseModel
 from bench.samples import data_url, png
 from gateway.auth import load_key_file
 from gateway.config import Settings, load_settings
+from tests.deploy.manifests import (
+    DEPLOY,
+    K8S,
+    UPSTREAM,
+    flag_values,
+    k8s_env,
+    load_all,
+    named,
+    render,
+)
 from tests.procs import (
     ROOT,
     Proc,
@@ -41,15 +51,21 @@ from tests.procs import (
     wait_for,
 )
 
-DEPLOY = ROOT / "deploy"
-K8S = DEPLOY / "k8s"
 DOCKERFILE = DEPLOY / "Dockerfile"
-UPSTREAM = "upstream-deploy-test-0123456789abcdef"
 CLIENT_KEY = "sk-deploy-test-0123456789abcdef"
 # What the operator supplies through deploy/.env (compose) or Secrets (Kubernetes).
 COMPOSE_VARS = {"UPSTREAM_API_KEY": UPSTREAM}
-K8S_SECRETS = {("vllm-upstream-key", "api-key"): UPSTREAM}
 VARIANTS = ("compose", "k8s-base", "k8s-passthrough")
+# Where a gateway is configured: the stack's variants and the routing tier's gateways.
+GATEWAY_VARIANTS = (*VARIANTS, "k8s-routing-tier")
+# Where a vLLM runs: (variant, workload) for the Kubernetes ones.
+ENGINES = (
+    ("compose", None),
+    ("k8s-base", "vllm-gateway"),
+    ("k8s-passthrough", "vllm-gateway"),
+    ("k8s-routing-tier", "engine-chat"),
+    ("k8s-routing-tier", "engine-embed"),
+)
 TRUE = ("1", "true", "yes", "on")
 
 
@@ -58,10 +74,6 @@ TRUE = ("1", "true", "yes", "on")
 
 def yaml_files() -> list[Path]:
     return sorted(p for p in DEPLOY.rglob("*") if p.suffix in (".yaml", ".yml"))
-
-
-def load_all(path: Path) -> list[Any]:
-    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
 
 
 @cache
@@ -102,49 +114,8 @@ def compose_command(name: str, env: Mapping[str, str] = COMPOSE_VARS) -> list[st
     return [interpolate(str(a), env) for a in compose_service(name)["command"]]
 
 
-def strategic_merge(base: Any, patch: Any) -> Any:
-    """Enough of Kubernetes' strategic merge for our patch: lists of named objects
-    (containers, env) merge by name, other lists are replaced, mappings merge."""
-    if isinstance(base, dict) and isinstance(patch, dict):
-        out = dict(base)
-        for k, v in patch.items():
-            out[k] = strategic_merge(base[k], v) if k in base else copy.deepcopy(v)
-        return out
-    if isinstance(base, list) and isinstance(patch, list):
-        named = all(isinstance(x, dict) and "name" in x for x in base + patch)
-        if named and patch:
-            merged = [copy.deepcopy(x) for x in base]
-            for item in patch:
-                for i, old in enumerate(merged):
-                    if old["name"] == item["name"]:
-                        merged[i] = strategic_merge(old, item)
-                        break
-                else:
-                    merged.insert(0, copy.deepcopy(item))
-            return merged
-    return copy.deepcopy(patch)
-
-
-def kustomize(directory: Path) -> list[dict[str, Any]]:
-    spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
-    docs: list[dict[str, Any]] = []
-    for resource in spec.get("resources", []):
-        path = (directory / resource).resolve()
-        docs.extend(kustomize(path) if path.is_dir() else load_all(path))
-    for entry in spec.get("patches", []):
-        patch = yaml.safe_load((directory / entry["path"]).read_text())
-        for i, doc in enumerate(docs):
-            if (doc["kind"], doc["metadata"]["name"]) == (
-                patch["kind"],
-                patch["metadata"]["name"],
-            ):
-                docs[i] = strategic_merge(doc, patch)
-    return docs
-
-
-@cache
-def k8s(variant: str) -> tuple[dict[str, Any], ...]:
-    return tuple(kustomize(K8S / variant.removeprefix("k8s-")))
+def k8s(variant: str) -> list[dict[str, Any]]:
+    return render(variant.removeprefix("k8s-"))
 
 
 def k8s_one(variant: str, kind: str) -> dict[str, Any]:
@@ -153,46 +124,21 @@ def k8s_one(variant: str, kind: str) -> dict[str, Any]:
     return found[0]
 
 
-def pod_spec(variant: str) -> dict[str, Any]:
-    spec: dict[str, Any] = k8s_one(variant, "Deployment")["spec"]["template"]["spec"]
+def pod_spec(variant: str, workload: str = "vllm-gateway") -> dict[str, Any]:
+    """The pod of a Deployment: the sidecar pod, or the gateways of the routing tier."""
+    spec: dict[str, Any] = named(k8s(variant), "Deployment", workload)["spec"]["template"]["spec"]
     return spec
 
 
-def container(variant: str, name: str) -> dict[str, Any]:
-    (found,) = [c for c in pod_spec(variant)["containers"] if c["name"] == name]
-    return found  # type: ignore[no-any-return]
-
-
-def k8s_env(c: Mapping[str, Any]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for e in c.get("env", []):
-        if "value" in e:
-            out[e["name"]] = str(e["value"])
-        else:
-            ref = e["valueFrom"]["secretKeyRef"]
-            out[e["name"]] = K8S_SECRETS[(ref["name"], ref["key"])]
-    return out
+def container(variant: str, name: str, workload: str = "vllm-gateway") -> dict[str, Any]:
+    (found,) = [c for c in pod_spec(variant, workload)["containers"] if c["name"] == name]
+    return found
 
 
 def gateway_env(variant: str) -> dict[str, str]:
     if variant == "compose":
         return compose_env("gateway")
     return k8s_env(container(variant, "gateway"))
-
-
-def flag_values(args: list[str], flag: str) -> list[str] | None:
-    """Values of an argparse flag given as `--f=v` or `--f v1 v2 ...`; None if absent."""
-    for i, a in enumerate(args):
-        if a == flag:
-            values = []
-            for v in args[i + 1 :]:
-                if v.startswith("--"):
-                    break
-                values.append(v)
-            return values
-        if a.startswith(flag + "="):
-            return [a.split("=", 1)[1]]
-    return None
 
 
 def is_setting(env_name: str) -> bool:
@@ -273,7 +219,7 @@ def test_unknown_env_names_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     assert is_setting("GATEWAY_MEDIA__MODE") and is_setting("GATEWAY_UPSTREAM_API_KEY")
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", GATEWAY_VARIANTS)
 def test_every_gateway_env_name_is_a_setting(variant: str) -> None:
     env = gateway_env(variant)
     assert env, variant
@@ -283,7 +229,7 @@ def test_every_gateway_env_name_is_a_setting(variant: str) -> None:
     assert all(n.startswith("GATEWAY_") for n in env)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", GATEWAY_VARIANTS)
 def test_gateway_env_loads_as_settings(
     variant: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -300,14 +246,15 @@ def test_gateway_env_loads_as_settings(
     assert s.upstream_api_key.get_secret_value() == UPSTREAM
     assert s.api_keys_file is not None and s.api_keys == []
     assert not s.allow_unauthenticated and not s.public_metrics
-    assert len(s.engines) == 1
+    # The sidecar's own engine; the routing tier's two models' headless Services.
+    assert len(s.engines) == (2 if variant == "k8s-routing-tier" else 1)
     expected = "passthrough" if variant == "k8s-passthrough" else "inline"
     assert s.media.mode == expected
     assert s.media.allowed_schemes == ["https"]
     assert s.media.allowed_networks == []
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", GATEWAY_VARIANTS)
 def test_check_config_accepts_the_deploy_env(variant: str, tmp_path: Path) -> None:
     env = {**clean_environ(), **gateway_env(variant)}
     env["GATEWAY_API_KEYS_FILE"] = str(key_file(tmp_path))
@@ -373,6 +320,60 @@ def test_compose_gateway_is_hardened_and_reads_keys_from_a_read_only_file() -> N
     assert "GATEWAY_API_KEYS" not in compose_env("gateway")  # no plain keys in the env
 
 
+# The one service that keeps its image's root user: it writes into a fresh named volume,
+# which Docker creates owned by root (deploy/README.md, "Compose").
+COMPOSE_ROOT_ALLOWED = {"model-download"}
+
+
+def check_compose_non_root(doc: dict[str, Any]) -> None:
+    """Every service but the download runs as a numeric non-root user on a read-only
+    root; all drop every capability and cannot escalate. vLLM's home is a tmpfs and its
+    weights a read-only mount."""
+    for name, service in doc["services"].items():
+        assert service.get("cap_drop") == ["ALL"], name
+        assert "no-new-privileges:true" in service.get("security_opt", []), name
+        if name in COMPOSE_ROOT_ALLOWED:
+            continue
+        uid, _, gid = str(service.get("user", "")).partition(":")
+        assert uid.isdigit() and int(uid) > 0 and gid.isdigit() and int(gid) > 0, name
+        assert service.get("read_only") is True, name
+    engine = doc["services"]["engine"]
+    env = engine["environment"]
+    tmpfs = [t.split(":")[0] for t in engine.get("tmpfs", [])]
+    assert env["HOME"] in tmpfs and "/tmp" in tmpfs
+    assert env["HF_HOME"].startswith(env["HOME"] + "/") and env.get("USER")
+    (volume,) = engine["volumes"]
+    source, target, *mode = volume.split(":")
+    assert env["HF_HUB_CACHE"].startswith(target + "/") and mode == ["ro"]
+    download = doc["services"]["model-download"]
+    # The download fills the same volume, at the path the engine reads snapshots from.
+    assert download["volumes"] == [f"{source}:{target}"]
+    assert download["environment"]["HF_HOME"] + "/hub" == env["HF_HUB_CACHE"]
+
+
+def test_compose_services_run_non_root() -> None:
+    check_compose_non_root(copy.deepcopy(compose()))
+
+
+@pytest.mark.parametrize(
+    "breaks",
+    [
+        lambda d: d["services"]["engine"].pop("user"),
+        lambda d: d["services"]["engine"].update(user="0:0"),
+        lambda d: d["services"]["engine-sim"].update(read_only=False),
+        lambda d: d["services"]["model-download"].pop("cap_drop"),
+        lambda d: d["services"]["engine"]["environment"].update(HOME="/root"),
+        lambda d: d["services"]["engine"].update(volumes=["hf-cache:/models"]),
+    ],
+    ids=["no user", "root", "writable root", "capabilities", "home", "writable weights"],
+)
+def test_compose_non_root_check_catches(breaks: Any) -> None:
+    doc = copy.deepcopy(compose())
+    breaks(doc)
+    with pytest.raises(AssertionError):
+        check_compose_non_root(doc)
+
+
 def test_compose_engine_flags() -> None:
     engine = compose_service("engine")
     env = compose_env("engine")
@@ -396,17 +397,18 @@ def test_compose_engine_flags() -> None:
 # --- vLLM flags, everywhere an engine runs ---------------------------------------------
 
 
-def engine_env_and_args(where: str) -> tuple[dict[str, str], list[str]]:
+def engine_env_and_args(where: str, workload: str | None) -> tuple[dict[str, str], list[str]]:
     if where == "compose":
         return compose_env("engine"), compose_command("engine")
-    c = container(where, "vllm")
+    assert workload is not None
+    c = container(where, "vllm", workload)
     assert c["command"] == ["vllm", "serve"]
     return k8s_env(c), list(c["args"])
 
 
-@pytest.mark.parametrize("where", VARIANTS)
-def test_vllm_runs_with_safe_flags(where: str) -> None:
-    env, args = engine_env_and_args(where)
+@pytest.mark.parametrize(("where", "workload"), ENGINES)
+def test_vllm_runs_with_safe_flags(where: str, workload: str | None) -> None:
+    env, args = engine_env_and_args(where, workload)
     assert env["VLLM_API_KEY"] == UPSTREAM
     assert flag_values(args, "--api-key") is None  # the env var keeps it out of `ps`
     assert env["VLLM_MEDIA_URL_ALLOW_REDIRECTS"] == "0"

@@ -628,9 +628,16 @@ def test_key_file_change_takes_effect_without_restart(stack: Stack) -> None:
     assert httpx.get(url, headers=auth(FILE_A)).status_code == 401
     # A broken file is ignored: the keys in force stay.
     stack.key_file.write_text("- key: short\n")
-    time.sleep(1.6)
+    assert wait_for(lambda: stack.g.log().count("key_file_invalid") == 1, timeout=10)
     assert httpx.get(url, headers=auth(FILE_B)).status_code == 200
-    assert "key_file_invalid" in stack.g.log()
+    # So is an empty one (a file caught between its truncation and its writing).
+    stack.key_file.write_text("")
+    assert wait_for(lambda: stack.g.log().count("key_file_invalid") == 2, timeout=10)
+    assert '"reason":"empty"' in stack.g.log()
+    assert httpx.get(url, headers=auth(FILE_B)).status_code == 200
+    # `api_keys: []` revokes every key on purpose.
+    stack.key_file.write_text("api_keys: []\n")
+    assert wait_for(lambda: httpx.get(url, headers=auth(FILE_B)).status_code == 401, timeout=10)
 
 
 # --- failover (kills an engine: keep after the tests that count both engines) ----------

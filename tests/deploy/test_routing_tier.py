@@ -1,0 +1,686 @@
+"""deploy/k8s: every rendered manifest against the Kubernetes schemas, and the routing
+tier's security and wiring.
+
+Each property is a check over a whole render (`check_*`), run on the three layouts, and
+run again on renders broken one way each (`BREAKAGES`): a check that passed a broken
+manifest would fail test_each_check_catches_its_breakage. The routing tier's gateway is
+also run as a process in front of simulated engines started from the engine manifests,
+discovering them by `dns+http://` as it would the headless Services.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import httpx
+import kubernetes_validate
+import pytest
+import yaml
+from kubernetes_validate.utils import all_versions
+
+from gateway.routing.dns import DnsEntry, is_dns_entry
+from tests.deploy.manifests import (
+    K8S,
+    LAYOUTS,
+    UPSTREAM,
+    containers,
+    flag_values,
+    k8s_env,
+    load_all,
+    named,
+    of_kind,
+    pod_template,
+    render,
+    secret_ref,
+    selects,
+    workloads,
+)
+from tests.procs import Proc, gateway_proc, run_cli, running, sim_proc, wait_for
+
+Docs = list[dict[str, Any]]
+TIER = "routing-tier"
+CLIENT_KEY = "sk-routing-tier-test-0123456789abcdef"
+# The oldest and the newest Kubernetes the validator bundles schemas for.
+K8S_VERSIONS = (all_versions()[0], all_versions()[-1])
+ENGINE_PORT = 8000
+GATEWAY_PORT = 8080
+
+
+# --- reading a render ------------------------------------------------------------------
+
+
+def role(workload: dict[str, Any]) -> str:
+    """`gateway` or `engine`, from the pod's labels (the sidecar pod is both: `pod`)."""
+    labels = pod_template(workload)["metadata"]["labels"]
+    return str(labels.get("app.kubernetes.io/component", "pod"))
+
+
+def by_role(docs: Docs, wanted: str) -> Docs:
+    return [w for w in workloads(docs) if role(w) == wanted]
+
+
+def vllm_containers(docs: Docs) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """(pod spec, container) of every vLLM in the render."""
+    for w in workloads(docs):
+        spec = pod_template(w)["spec"]
+        for c in containers(spec):
+            if c["image"].startswith("vllm/"):
+                yield spec, c
+
+
+def gateway_containers(docs: Docs) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    for w in workloads(docs):
+        spec = pod_template(w)["spec"]
+        for c in containers(spec):
+            if c["image"].startswith("vllm-gateway:"):
+                yield spec, c
+
+
+def the_gateway(docs: Docs) -> dict[str, Any]:
+    (gateway,) = by_role(docs, "gateway")
+    return gateway
+
+
+def env_var(c: dict[str, Any], name: str) -> dict[str, Any] | None:
+    found = [e for e in c.get("env", []) if e["name"] == name]
+    assert len(found) <= 1, f"{name} set twice"
+    return found[0] if found else None
+
+
+def mounts(spec: dict[str, Any], c: dict[str, Any]) -> dict[str, tuple[dict[str, Any], bool]]:
+    """mountPath -> (volume, read-only) of a container."""
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    return {
+        m["mountPath"]: (volumes[m["name"]], bool(m.get("readOnly")))
+        for m in c.get("volumeMounts", [])
+    }
+
+
+def volume_under(spec: dict[str, Any], c: dict[str, Any], path: str) -> tuple[dict[str, Any], bool]:
+    """The volume a path lies on (the deepest mount above it)."""
+    found = [
+        (len(PurePosixPath(m).parts), v)
+        for m, v in mounts(spec, c).items()
+        if PurePosixPath(path).is_relative_to(m)
+    ]
+    assert found, f"{c['name']}: {path} is on the container's root filesystem"
+    return max(found, key=lambda x: x[0])[1]
+
+
+def policies_selecting(docs: Docs, labels: dict[str, str]) -> Docs:
+    return [p for p in of_kind(docs, "NetworkPolicy") if selects(p["spec"]["podSelector"], labels)]
+
+
+def pod_labels(docs: Docs, wanted: str) -> list[dict[str, str]]:
+    return [pod_template(w)["metadata"]["labels"] for w in by_role(docs, wanted)]
+
+
+def container_port(c: dict[str, Any], name_or_number: str | int) -> int:
+    if isinstance(name_or_number, int):
+        return name_or_number
+    (port,) = [p["containerPort"] for p in c.get("ports", []) if p["name"] == name_or_number]
+    return int(port)
+
+
+# --- the checks --------------------------------------------------------------------------
+
+
+def check_schemas(docs: Docs, version: str) -> None:
+    """Every manifest is valid for the Kubernetes API of `version`, strictly (an unknown
+    field is an error, as `kubectl apply --validate=strict` makes it)."""
+    for doc in docs:
+        where = f"{doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            path = ".".join(str(p) for p in e.path)
+            raise AssertionError(f"{where} at {path}: {e.message}") from None
+        except kubernetes_validate.SchemaNotFoundError as e:
+            raise AssertionError(f"{where}: {e.message}") from None
+
+
+def check_non_root(docs: Docs) -> None:
+    """Pod Security's `restricted` profile, and a read-only root, for every container."""
+    assert workloads(docs)
+    for w in workloads(docs):
+        spec = pod_template(w)["spec"]
+        name = w["metadata"]["name"]
+        assert not (spec.get("hostNetwork") or spec.get("hostPID") or spec.get("hostIPC")), name
+        assert spec.get("automountServiceAccountToken") is False, name
+        pod_sc = spec.get("securityContext", {})
+        for v in spec.get("volumes", []):
+            assert set(v) & {"emptyDir", "secret", "persistentVolumeClaim"}, (name, v)
+        for c in containers(spec):
+            sc = c.get("securityContext", {})
+            where = f"{name}/{c['name']}"
+
+            def effective(key: str, sc: dict[str, Any] = sc, pod: dict[str, Any] = pod_sc) -> Any:
+                return sc.get(key, pod.get(key))
+
+            assert effective("runAsNonRoot") is True, where
+            uid = effective("runAsUser")
+            assert isinstance(uid, int) and uid > 0, where
+            assert isinstance(effective("runAsGroup"), int) and effective("runAsGroup") > 0, where
+            assert effective("seccompProfile") == {"type": "RuntimeDefault"}, where
+            assert sc.get("allowPrivilegeEscalation") is False, where
+            assert sc.get("privileged") in (None, False), where
+            assert sc.get("capabilities") == {"drop": ["ALL"]}, where
+            assert sc.get("readOnlyRootFilesystem") is True, where
+            # Writable: emptyDirs only; Secrets and the models' claim are read-only.
+            for path, (volume, read_only) in mounts(spec, c).items():
+                assert read_only or "emptyDir" in volume, (where, path)
+
+
+def check_vllm_caches(docs: Docs) -> None:
+    """vLLM's home and every cache under it on an emptyDir; the weights read-only and
+    offline."""
+    found = list(vllm_containers(docs))
+    assert found
+    for spec, c in found:
+        env = k8s_env(c)
+        for name in ("HOME", "HF_HOME"):
+            volume, read_only = volume_under(spec, c, env[name])
+            assert "emptyDir" in volume and not read_only, (c["name"], name)
+        for name in ("VLLM_CACHE_ROOT", "XDG_CACHE_HOME", "TRITON_CACHE_DIR"):
+            assert name not in env or PurePosixPath(env[name]).is_relative_to(env["HOME"])
+        assert env.get("USER"), "torch's cache asks getpass for a user name"
+        volume, read_only = volume_under(spec, c, env["HF_HUB_CACHE"])
+        assert "persistentVolumeClaim" in volume and read_only
+        assert volume["persistentVolumeClaim"].get("readOnly") is True
+        assert env["HF_HUB_OFFLINE"] == "1"
+
+
+def check_upstream_key(docs: Docs) -> None:
+    """The engines' key and the gateways' upstream key are one Secret's one key, and
+    neither is written in a manifest or on a command line."""
+    refs = set()
+    for _, c in vllm_containers(docs):
+        ref = secret_ref(c, "VLLM_API_KEY")  # vLLM's --api-key, read from its variable
+        assert ref, f"{c['name']}: VLLM_API_KEY not from a Secret"
+        assert flag_values(c.get("args", []), "--api-key") is None
+        refs.add(ref)
+    for _, c in gateway_containers(docs):
+        ref = secret_ref(c, "GATEWAY_UPSTREAM_API_KEY")
+        assert ref, f"{c['name']}: GATEWAY_UPSTREAM_API_KEY not from a Secret"
+        refs.add(ref)
+    assert len(refs) == 1, f"engines and gateways read different keys: {sorted(refs)}"
+    ((secret, key),) = refs
+    examples = {d["metadata"]["name"]: d for d in load_all(K8S / "secrets.example.yaml")}
+    assert key in examples[secret]["stringData"]
+
+
+def check_engines_listen_on_the_pod_ip(docs: Docs) -> None:
+    engines = by_role(docs, "engine")
+    assert engines
+    for w in engines:
+        spec = pod_template(w)["spec"]
+        (c,) = spec["containers"]
+        assert flag_values(c["args"], "--host") == ["$(POD_IP)"]
+        # $(POD_IP) is expanded only if the container defines it.
+        pod_ip = env_var(c, "POD_IP")
+        assert pod_ip and pod_ip["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        assert flag_values(c["args"], "--port") == [str(ENGINE_PORT)]
+        assert container_port(c, "http") == ENGINE_PORT
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
+
+
+def check_engine_fence(docs: Docs) -> None:
+    """Every policy that selects an engine pod admits only the gateway pods, on the
+    engine's port, and lets the engine send nothing; the gateways may reach them."""
+    gateways, engines = pod_labels(docs, "gateway"), pod_labels(docs, "engine")
+    assert gateways and engines
+    for labels in engines:
+        policies = policies_selecting(docs, labels)
+        assert policies, f"no NetworkPolicy selects engine pods {labels}"
+        for p in policies:
+            spec = p["spec"]
+            assert set(spec["policyTypes"]) == {"Ingress", "Egress"}, p["metadata"]["name"]
+            assert spec.get("egress", []) == [], "engines send nothing"
+            assert spec["ingress"], "no ingress rule: nobody, not even the gateways"
+            for rule in spec["ingress"]:
+                # A rule without `from` admits every source.
+                assert rule.get("from"), "a rule admits every source"
+                for peer in rule["from"]:
+                    # No namespaceSelector (other namespaces) and no ipBlock.
+                    assert set(peer) == {"podSelector"}, peer
+                    assert any(selects(peer["podSelector"], g) for g in gateways)
+                    assert not any(selects(peer["podSelector"], e) for e in engines)
+                assert rule.get("ports") == [{"protocol": "TCP", "port": ENGINE_PORT}]
+    # The gateways' own policy lets them reach the engines (else every request fails).
+    for labels in gateways:
+        egress = [r for p in policies_selecting(docs, labels) for r in p["spec"]["egress"]]
+        to_engines = [
+            r
+            for r in egress
+            if any("podSelector" in t and all(selects(t["podSelector"], e) for e in engines)
+                   for t in r.get("to", []))
+        ]  # fmt: skip
+        assert to_engines, "the gateways' policy does not let them reach the engines"
+        assert {"protocol": "TCP", "port": ENGINE_PORT} in to_engines[0]["ports"]
+
+
+def dns_entries(docs: Docs) -> list[DnsEntry]:
+    (_, gateway), *more = list(gateway_containers(docs))
+    assert not more, "one gateway container"
+    entries = json.loads(k8s_env(gateway)["GATEWAY_ENGINES"])
+    assert entries and all(is_dns_entry(e) for e in entries), entries
+    return [DnsEntry(e) for e in entries]
+
+
+def check_discovery(docs: Docs) -> None:
+    """Each `dns+http://` entry names a headless Service of the render by its cluster
+    name, on the engines' port, and every engine workload is behind one of them."""
+    covered = set()
+    for entry in dns_entries(docs):
+        assert entry.scheme == "http" and entry.base_path == ""
+        service, namespace, *suffix = entry.host.split(".")
+        assert suffix == ["svc", "cluster", "local"], entry.host
+        found = [s for s in of_kind(docs, "Service") if s["metadata"]["name"] == service]
+        assert len(found) == 1, f"no Service {service} for {entry.host}"
+        svc = found[0]
+        assert svc["metadata"]["namespace"] == namespace, entry.host
+        assert svc["spec"].get("clusterIP") == "None", f"{service} is not headless"
+        (port,) = svc["spec"]["ports"]
+        assert port["port"] == entry.port
+        behind = [w for w in by_role(docs, "engine")
+                  if selects({"matchLabels": svc["spec"]["selector"]},
+                             pod_template(w)["metadata"]["labels"])]  # fmt: skip
+        assert behind, f"{service} selects no engine pods"
+        for w in behind:
+            assert w["metadata"]["namespace"] == namespace
+            (c,) = pod_template(w)["spec"]["containers"]
+            assert container_port(c, port["targetPort"]) == ENGINE_PORT
+            covered.add(w["metadata"]["name"])
+    engines = {w["metadata"]["name"] for w in by_role(docs, "engine")}
+    assert covered == engines, f"engines no gateway finds: {sorted(engines - covered)}"
+
+
+def check_gateway_scaling(docs: Docs) -> None:
+    """Two or more gateways, a disruption budget and a CPU autoscaler on them."""
+    gateway = the_gateway(docs)
+    name = gateway["metadata"]["name"]
+    assert gateway["kind"] == "Deployment" and gateway["spec"]["replicas"] >= 2
+    labels = pod_template(gateway)["metadata"]["labels"]
+    others = [pod_template(w)["metadata"]["labels"] for w in workloads(docs) if w is not gateway]
+    (hpa,) = of_kind(docs, "HorizontalPodAutoscaler")
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["apiVersion"], target["kind"], target["name"]) == ("apps/v1", "Deployment", name)
+    assert hpa["spec"]["minReplicas"] >= 2
+    assert hpa["spec"]["maxReplicas"] > hpa["spec"]["minReplicas"]
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "Resource" and metric["resource"]["name"] == "cpu"
+    assert metric["resource"]["target"]["type"] == "Utilization"
+    # Utilization is a share of the request: without one the autoscaler does nothing.
+    for c in pod_template(gateway)["spec"]["containers"]:
+        assert c["resources"]["requests"].get("cpu"), "no CPU request"
+    (pdb,) = of_kind(docs, "PodDisruptionBudget")
+    assert selects(pdb["spec"]["selector"], labels)
+    assert not any(selects(pdb["spec"]["selector"], o) for o in others)
+    assert pdb["spec"].get("maxUnavailable") == 1 or (
+        0 < pdb["spec"].get("minAvailable", 0) < hpa["spec"]["minReplicas"]
+    )
+    # The Service clients use sends to the gateways only, on their port.
+    (service,) = [s for s in of_kind(docs, "Service") if s["spec"].get("clusterIP") != "None"]
+    assert selects({"matchLabels": service["spec"]["selector"]}, labels)
+    assert not any(selects({"matchLabels": service["spec"]["selector"]}, o) for o in others)
+    (c,) = pod_template(gateway)["spec"]["containers"]
+    assert [p["port"] for p in service["spec"]["ports"]] == [GATEWAY_PORT]
+    assert container_port(c, service["spec"]["ports"][0]["targetPort"]) == GATEWAY_PORT
+
+
+def check_gateway_probes(docs: Docs) -> None:
+    """Ready only with a healthy engine (/readyz); alive while it serves (/healthz). The
+    process test below checks that the gateway answers both."""
+    for _, c in gateway_containers(docs):
+        assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+        assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert container_port(c, c[probe]["httpGet"]["port"]) == GATEWAY_PORT, probe
+
+
+def check_namespace_is_restricted(docs: Docs) -> None:
+    (ns,) = of_kind(docs, "Namespace")
+    assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    name = ns["metadata"]["name"]
+    assert all(d["metadata"]["namespace"] == name for d in docs if d is not ns)
+
+
+TIER_CHECKS: dict[str, Callable[[Docs], None]] = {
+    "upstream_key": check_upstream_key,
+    "engines_listen_on_the_pod_ip": check_engines_listen_on_the_pod_ip,
+    "engine_fence": check_engine_fence,
+    "discovery": check_discovery,
+    "gateway_scaling": check_gateway_scaling,
+    "gateway_probes": check_gateway_probes,
+    "namespace_is_restricted": check_namespace_is_restricted,
+}
+
+
+# --- the manifests pass ------------------------------------------------------------------
+
+
+def secrets_example() -> Docs:
+    return load_all(K8S / "secrets.example.yaml")
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("layout", [*LAYOUTS, "secrets.example.yaml"])
+def test_every_manifest_matches_the_kubernetes_schema(layout: str, version: str) -> None:
+    docs = secrets_example() if layout.endswith(".yaml") else render(layout)
+    assert docs
+    check_schemas(docs, version)
+
+
+def test_schema_validation_is_offline_and_strict(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The schemas come with the package: validation works with every connection and
+    name lookup refused; and it refuses what `kubectl apply` would."""
+
+    def no_network(*args: Any, **kwargs: Any) -> Any:
+        raise OSError("no network in this test")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    check_schemas(render(TIER), K8S_VERSIONS[-1])
+    deployment = named(render(TIER), "Deployment", "vllm-gateway")
+    c = pod_template(deployment)["spec"]["containers"][0]
+    c["securityContext"]["runAsUSer"] = 10001  # a misspelt field
+    with pytest.raises(AssertionError, match="runAsUSer"):
+        check_schemas([deployment], K8S_VERSIONS[-1])
+    del c["securityContext"]["runAsUSer"]
+    c["ports"][0]["containerPort"] = "8080"  # a string where an integer belongs
+    with pytest.raises(AssertionError, match="containerPort"):
+        check_schemas([deployment], K8S_VERSIONS[-1])
+    with pytest.raises(AssertionError, match="Couldn't find schema"):
+        check_schemas([{"apiVersion": "example.com/v1", "kind": "Gadget", "metadata": {}}],
+                      K8S_VERSIONS[-1])  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_container_runs_non_root_on_a_read_only_root(layout: str) -> None:
+    check_non_root(render(layout))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_vllm_home_and_caches_are_on_an_empty_dir(layout: str) -> None:
+    check_vllm_caches(render(layout))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_engines_and_gateways_share_one_upstream_key(layout: str) -> None:
+    check_upstream_key(render(layout))
+
+
+@pytest.mark.parametrize("check", TIER_CHECKS)
+def test_routing_tier(check: str) -> None:
+    TIER_CHECKS[check](render(TIER))
+
+
+def test_routing_tier_inventory() -> None:
+    docs = render(TIER)
+    kinds = sorted((d["kind"], d["metadata"]["name"]) for d in docs)
+    assert kinds == [
+        ("Deployment", "engine-chat"),
+        ("Deployment", "engine-embed"),
+        ("Deployment", "vllm-gateway"),
+        ("HorizontalPodAutoscaler", "vllm-gateway"),
+        ("Namespace", "vllm-gateway"),
+        ("NetworkPolicy", "engines"),
+        ("NetworkPolicy", "vllm-gateway"),
+        ("PersistentVolumeClaim", "vllm-models"),
+        ("PodDisruptionBudget", "vllm-gateway"),
+        ("Service", "engine-chat"),
+        ("Service", "engine-embed"),
+        ("Service", "vllm-gateway"),
+    ]
+    # One engine workload per model, each serving a different one.
+    models = [pod_template(w)["spec"]["containers"][0]["args"][0] for w in by_role(docs, "engine")]
+    assert len(set(models)) == len(models) == 2
+    # Several pods mount the weights at once, read-only.
+    assert named(docs, "PersistentVolumeClaim", "vllm-models")["spec"]["accessModes"] == [
+        "ReadWriteMany"
+    ]
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_renderer_agrees_with_kubectl_kustomize(layout: str) -> None:
+    """The tests' renderer gives what `kubectl kustomize` (kustomize built into kubectl,
+    offline) gives, so the checks above see what a cluster would get."""
+    r = subprocess.run(
+        ["kubectl", "kustomize", str(K8S / layout)], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr
+
+    def key(d: dict[str, Any]) -> tuple[str, str]:
+        return d["kind"], d["metadata"]["name"]
+
+    theirs = sorted((d for d in yaml.safe_load_all(r.stdout) if d), key=key)
+    assert theirs == sorted(render(layout), key=key)
+
+
+# --- each check catches its breakage -------------------------------------------------------
+
+
+def _container(docs: Docs, workload: str, name: str) -> dict[str, Any]:
+    w = named(docs, "Deployment", workload)
+    (c,) = [c for c in pod_template(w)["spec"]["containers"] if c["name"] == name]
+    return c
+
+
+def _pod(docs: Docs, workload: str) -> dict[str, Any]:
+    w = named(docs, "Deployment", workload)
+    spec: dict[str, Any] = pod_template(w)["spec"]
+    return spec
+
+
+def _set_env(c: dict[str, Any], name: str, value: str) -> None:
+    e = env_var(c, name)
+    assert e is not None
+    e.clear()
+    e.update({"name": name, "value": value})
+
+
+def _engine_policy(docs: Docs) -> dict[str, Any]:
+    spec: dict[str, Any] = named(docs, "NetworkPolicy", "engines")["spec"]
+    return spec
+
+
+def _gateway_engines(docs: Docs, entries: list[str]) -> None:
+    _set_env(_container(docs, "vllm-gateway", "gateway"), "GATEWAY_ENGINES", json.dumps(entries))
+
+
+CHAT = "dns+http://engine-chat.vllm-gateway.svc.cluster.local:8000"
+EMBED = "dns+http://engine-embed.vllm-gateway.svc.cluster.local:8000"
+
+# (layout, check, how the render is broken). Each must make its check fail.
+BREAKAGES: dict[str, tuple[str, Callable[[Docs], None], Callable[[Docs], None]]] = {
+    "schema: unknown field": (TIER, lambda d: check_schemas(d, K8S_VERSIONS[-1]),
+        lambda d: _pod(d, "engine-chat").update(hostNetwrk=True)),
+    "vllm runs as root (sidecar)": ("base", check_non_root,
+        lambda d: _container(d, "vllm-gateway", "vllm")["securityContext"].update(runAsUser=0)),
+    "vllm without runAsNonRoot": (TIER, check_non_root,
+        lambda d: (_container(d, "engine-chat", "vllm")["securityContext"].pop("runAsNonRoot"),
+                   _pod(d, "engine-chat")["securityContext"].pop("runAsNonRoot"))),
+    "writable root (passthrough)": ("passthrough", check_non_root,
+        lambda d: _container(d, "vllm-gateway", "vllm")["securityContext"].update(
+            readOnlyRootFilesystem=False)),
+    "a capability added": (TIER, check_non_root,
+        lambda d: _container(d, "vllm-gateway", "gateway")["securityContext"].update(
+            capabilities={"drop": ["ALL"], "add": ["NET_RAW"]})),
+    "privilege escalation": (TIER, check_non_root,
+        lambda d: _container(d, "engine-embed", "vllm")["securityContext"].update(
+            allowPrivilegeEscalation=True)),
+    "no seccomp profile": (TIER, check_non_root,
+        lambda d: _pod(d, "vllm-gateway")["securityContext"].pop("seccompProfile")),
+    "a hostPath volume": (TIER, check_non_root,
+        lambda d: _pod(d, "engine-chat")["volumes"].append(
+            {"name": "host", "hostPath": {"path": "/"}})),
+    "models mounted writable": (TIER, check_non_root,
+        lambda d: [m.pop("readOnly") for m in _container(d, "engine-chat", "vllm")["volumeMounts"]
+                   if m["name"] == "models"]),
+    "vllm home on the root fs": ("base", check_vllm_caches,
+        lambda d: _set_env(_container(d, "vllm-gateway", "vllm"), "HOME", "/root")),
+    "vllm home on the models volume": (TIER, check_vllm_caches,
+        lambda d: _set_env(_container(d, "engine-embed", "vllm"), "HF_HOME", "/models/hf")),
+    "engine key from another Secret": (TIER, check_upstream_key,
+        lambda d: env_var(_container(d, "engine-embed", "vllm"), "VLLM_API_KEY")["valueFrom"]
+        ["secretKeyRef"].update(name="other-key")),
+    "gateway key written inline": (TIER, check_upstream_key,
+        lambda d: _set_env(_container(d, "vllm-gateway", "gateway"), "GATEWAY_UPSTREAM_API_KEY",
+                           UPSTREAM)),
+    "engine key on the command line": ("base", check_upstream_key,
+        lambda d: _container(d, "vllm-gateway", "vllm")["args"].append("--api-key=x")),
+    "engine on loopback": (TIER, check_engines_listen_on_the_pod_ip,
+        lambda d: _container(d, "engine-chat", "vllm")["args"].__setitem__(1, "--host=127.0.0.1")),
+    "POD_IP undefined": (TIER, check_engines_listen_on_the_pod_ip,
+        lambda d: _container(d, "engine-embed", "vllm")["env"].pop(0)),
+    "ingress from any namespace": (TIER, check_engine_fence,
+        lambda d: _engine_policy(d)["ingress"][0]["from"].append({"namespaceSelector": {}})),
+    "ingress rule without from": (TIER, check_engine_fence,
+        lambda d: _engine_policy(d)["ingress"][0].pop("from")),
+    "ingress from the engines themselves": (TIER, check_engine_fence,
+        lambda d: _engine_policy(d)["ingress"][0]["from"][0]["podSelector"]["matchLabels"].update(
+            {"app.kubernetes.io/component": "engine"})),
+    "ingress on another port": (TIER, check_engine_fence,
+        lambda d: _engine_policy(d)["ingress"][0]["ports"][0].update(port=8080)),
+    "engine egress allowed": (TIER, check_engine_fence,
+        lambda d: _engine_policy(d).update(egress=[{}])),
+    "policy selects no engine": (TIER, check_engine_fence,
+        lambda d: _engine_policy(d)["podSelector"]["matchLabels"].update(
+            {"app.kubernetes.io/component": "engines"})),
+    "a second policy opens the engines": (TIER, check_engine_fence,
+        lambda d: d.append({"kind": "NetworkPolicy", "metadata": {"name": "open"},
+                            "spec": {"podSelector": {}, "policyTypes": ["Ingress", "Egress"],
+                                     "ingress": [{}], "egress": []}})),
+    "gateways cannot reach engines": (TIER, check_engine_fence,
+        lambda d: named(d, "NetworkPolicy", "vllm-gateway")["spec"]["egress"].pop(1)),
+    "entry names a missing Service": (TIER, check_discovery,
+        lambda d: _gateway_engines(d, [CHAT.replace("engine-chat", "engine-chats"), EMBED])),
+    "entry in another namespace": (TIER, check_discovery,
+        lambda d: _gateway_engines(d, [CHAT.replace(".vllm-gateway.", ".default."), EMBED])),
+    "entry on another port": (TIER, check_discovery,
+        lambda d: _gateway_engines(d, [CHAT.replace(":8000", ":8001"), EMBED])),
+    "an engine no entry finds": (TIER, check_discovery,
+        lambda d: _gateway_engines(d, [CHAT])),
+    "a plain URL in place of dns+http": (TIER, check_discovery,
+        lambda d: _gateway_engines(d, [CHAT.removeprefix("dns+"), EMBED])),
+    "engine Service not headless": (TIER, check_discovery,
+        lambda d: named(d, "Service", "engine-embed")["spec"].pop("clusterIP")),
+    "autoscaler on another Deployment": (TIER, check_gateway_scaling,
+        lambda d: of_kind(d, "HorizontalPodAutoscaler")[0]["spec"]["scaleTargetRef"].update(
+            name="engine-chat")),
+    "autoscaler down to one": (TIER, check_gateway_scaling,
+        lambda d: of_kind(d, "HorizontalPodAutoscaler")[0]["spec"].update(minReplicas=1)),
+    "one gateway": (TIER, check_gateway_scaling,
+        lambda d: named(d, "Deployment", "vllm-gateway")["spec"].update(replicas=1)),
+    "budget on the engines": (TIER, check_gateway_scaling,
+        lambda d: of_kind(d, "PodDisruptionBudget")[0]["spec"]["selector"]["matchLabels"].update(
+            {"app.kubernetes.io/component": "engine"})),
+    "no CPU request": (TIER, check_gateway_scaling,
+        lambda d: _container(d, "vllm-gateway", "gateway")["resources"]["requests"].pop("cpu")),
+    "readiness on /healthz": (TIER, check_gateway_probes,
+        lambda d: _container(d, "vllm-gateway", "gateway")["readinessProbe"]["httpGet"].update(
+            path="/healthz")),
+    "liveness on the engine port": (TIER, check_gateway_probes,
+        lambda d: _container(d, "vllm-gateway", "gateway")["livenessProbe"]["httpGet"].update(
+            port=8000)),
+    "namespace not restricted": (TIER, check_namespace_is_restricted,
+        lambda d: of_kind(d, "Namespace")[0]["metadata"]["labels"].update(
+            {"pod-security.kubernetes.io/enforce": "baseline"})),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BREAKAGES)
+def test_each_check_catches_its_breakage(case: str) -> None:
+    layout, check, breaks = BREAKAGES[case]
+    docs = render(layout)
+    check(docs)  # passes as shipped
+    breaks(docs)
+    with pytest.raises(AssertionError):
+        check(docs)
+
+
+# --- the routing tier as processes -----------------------------------------------------------
+
+
+def key_file(tmp: Path) -> Path:
+    r = run_cli("hash-key", stdin=CLIENT_KEY + "\n")
+    assert r.returncode == 0, r.stderr
+    path = tmp / "keys.yaml"
+    path.write_text(f"api_keys:\n  - key: {r.stdout.strip()}\n    name: routing-tier-test\n")
+    return path
+
+
+def sim_from_manifest(tmp: Path, workload: dict[str, Any]) -> Proc:
+    """The simulated engine with the manifest's model, runner, key and media list."""
+    (c,) = pod_template(workload)["spec"]["containers"]
+    args, env = c["args"], k8s_env(c)
+    opts = ["--model", args[0], "--api-key", env["VLLM_API_KEY"]]
+    if runner := flag_values(args, "--runner"):
+        opts += ["--runner", *runner]
+    opts += ["--allowed-media-domains", *(flag_values(args, "--allowed-media-domains") or [])]
+    return sim_proc(tmp, *opts)
+
+
+@pytest.fixture(scope="module")
+def tier(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """One gateway with the routing tier's settings, each of its `dns+http://` entries
+    pointed at `localhost` on the port of a simulated engine started from the workload
+    behind that entry's Service."""
+    tmp = tmp_path_factory.mktemp("routing-tier")
+    docs = render(TIER)
+    sims, entries = {}, []
+    for entry in dns_entries(docs):
+        svc = named(docs, "Service", entry.host.split(".")[0])
+        (workload,) = [w for w in by_role(docs, "engine")
+                       if selects({"matchLabels": svc["spec"]["selector"]},
+                                  pod_template(w)["metadata"]["labels"])]  # fmt: skip
+        sims[workload["metadata"]["name"]] = sim = sim_from_manifest(tmp, workload)
+        entries.append(f"dns+http://localhost:{sim.port}")
+    (_, gateway_c), *_ = gateway_containers(docs)
+    env = k8s_env(gateway_c)
+    env["GATEWAY_ENGINES"] = json.dumps(entries)
+    env["GATEWAY_API_KEYS_FILE"] = str(key_file(tmp))
+    gateway = gateway_proc(tmp, env)
+    with running(*sims.values()), running(gateway, ready_path="/healthz"):
+        yield {"gateway": gateway, "sims": sims, "container": gateway_c}
+
+
+def test_the_tier_gateway_turns_ready_with_every_engine_and_its_probes_answer(
+    tier: dict[str, Any],
+) -> None:
+    """Ready requires an engine's /v1/models, which the engines serve only with the
+    upstream key: every engine counted healthy proves the gateway sends the key the
+    engine manifests require."""
+    url, c = tier["gateway"].url, tier["container"]
+
+    def all_healthy() -> bool:
+        r = httpx.get(url + c["readinessProbe"]["httpGet"]["path"], timeout=5)
+        return r.status_code == 200 and r.json()["healthy_engines"] == len(tier["sims"])
+
+    assert wait_for(all_healthy, 30), tier["gateway"].log()
+    for probe in ("readinessProbe", "livenessProbe"):
+        get = c[probe]["httpGet"]
+        assert container_port(c, get["port"]) == GATEWAY_PORT
+        assert httpx.get(url + get["path"], timeout=5).status_code == 200, probe
+    # A path the gateway does not serve is no probe: it answers 404, not 200.
+    assert httpx.get(url + "/ready", timeout=5).status_code == 404
+
+
+def test_the_tier_gateway_serves_keyed_clients_only(tier: dict[str, Any]) -> None:
+    url = tier["gateway"].url
+    r = httpx.get(url + "/v1/models", timeout=5)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {UPSTREAM}"}, timeout=5)
+    assert r.status_code == 401, "the engines' key is not a client key"
+    r = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {CLIENT_KEY}"}, timeout=5)
+    assert r.status_code == 200, r.text
+    log = tier["gateway"].log()
+    assert UPSTREAM not in log and CLIENT_KEY not in log
