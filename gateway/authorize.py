@@ -18,6 +18,8 @@ from gateway.errors import (
     EndpointBlocked,
     FieldNotAllowed,
     ModelNotAllowed,
+    ModelNotFound,
+    ModelRequired,
     NoEngineAvailable,
     PermissionDenied,
 )
@@ -51,7 +53,8 @@ def check_route(key: ApiKey, route: Route) -> None:
 
 class RequestCheck:
     """What a request's body asks for must be allowed: the model for its key, and a
-    route that keeps tenants' caches apart when the deployment isolates them."""
+    route that keeps tenants' caches apart when the deployment isolates them. Calling
+    it gives the model whose engines may take the request (models.py)."""
 
     def __init__(self, pool: EnginePool, payload: PayloadSettings) -> None:
         self.pool = pool
@@ -65,22 +68,28 @@ class RequestCheck:
                 "cache_salt there), and this gateway isolates them."
             )
 
-    def __call__(self, ex: Exchange, incoming: Incoming) -> None:
+    def __call__(self, ex: Exchange, incoming: Incoming) -> str | None:
+        """The model the request runs on, or None for a route about an engine rather
+        than a model (`/health`, `/version` ...: any healthy engine answers it)."""
+        if ex.route.group is Group.info:
+            return None
         if incoming.json is not None:
             if ex.route.path == _INVOCATIONS:
-                self._invocation(ex, incoming.json)
-            else:
-                self._model(ex, incoming.json.get("model"))
-        elif incoming.upload is not None:
-            self._model(ex, incoming.upload.model)
+                return self._invocation(ex, incoming.json)
+            return self._model(ex, incoming.json.get("model"))
+        if incoming.upload is not None:
+            return self._model(ex, incoming.upload.model)
+        # A route without a body (`/tokenizer_info`): the default model's engines.
+        return self._model(ex, None)
 
-    def _invocation(self, ex: Exchange, body: dict[str, Any]) -> None:
+    def _invocation(self, ex: Exchange, body: dict[str, Any]) -> str:
         """`/invocations`: vLLM 0.32 serves it under `model_hosting_container_standards`
         (0.1.16), whose `inject_adapter_id(adapter_path="model")` sets the body's `model`
         to the `X-Amzn-SageMaker-Adapter-Identifier` header, or to null when the header
         is absent, before vLLM reads the body. The gateway never forwards that header
         (headers.py), so vLLM always runs its default model there, whatever the body
-        names: a key limited to some models cannot be held to them and is refused.
+        names: a key limited to some models cannot be held to them and is refused, and
+        the request goes to the engines of the default model.
         Stateful-session requests (`requestType`) are the wrapper's, not inference."""
         if "requestType" in body:
             raise FieldNotAllowed(
@@ -93,31 +102,48 @@ class RequestCheck:
                 "This API key may use only some models, and /invocations always runs the "
                 "engine's default model: use the OpenAI-compatible routes."
             )
-        self._model(ex, body.get("model"))
+        model = body.get("model")
+        if model is not None:
+            self._model(ex, model)
+        return self._default(
+            ex,
+            "/invocations runs each engine's default model, and these engines' defaults "
+            "differ: use the OpenAI-compatible routes and name the model.",
+        )
 
-    def _model(self, ex: Exchange, model: Any) -> None:
+    def _model(self, ex: Exchange, model: Any) -> str:
         """`model` (None when absent) must be served and allowed for the key; a key
-        limited to some models must name one."""
+        limited to some models must name one. Without one, the engines' default model,
+        where that is unambiguous."""
         key = ex.key
-        pool = self.pool
         if model is None:
-            # vLLM then serves its default model; a key limited to some models must name one.
+            # vLLM then runs its default model; a key limited to some models must name one.
             if key is not None and key.models is not None:
-                raise ModelNotAllowed(
-                    "This API key may use only some models: name one in 'model'.", param="model"
-                )
-            return
-        if isinstance(model, str) and model not in pool.models and not pool.models_known:
-            # No engine has listed its models yet (they are all down or starting): the
-            # model may well be served, so "retry shortly", not "not served".
-            raise NoEngineAvailable()
-        if (
-            not isinstance(model, str)
-            or model not in pool.models
-            or (key is not None and not key.allows_model(model))
-        ):
-            # The model name is not echoed: it is client text (`../x` and the like).
-            raise ModelNotAllowed(
-                "The model is not served here or not allowed for this API key.", param="model"
+                raise ModelRequired("This API key may use only some models: name one in 'model'.")
+            return self._default(
+                ex, "The engines behind this gateway serve different models: name one in 'model'."
             )
+        # Not a string, or not the key's: the same answer as a model nobody serves, and
+        # decided before the pool is consulted, so a key cannot tell which it was.
+        if not isinstance(model, str) or (key is not None and not key.allows_model(model)):
+            raise ModelNotFound(model)
+        index = self.pool.index
+        if not index.known:
+            # No engine has listed its models yet (they are all down or starting): the
+            # model may well be served, so "retry shortly", not "not found".
+            raise NoEngineAvailable()
+        if model not in index.served:
+            raise ModelNotFound(model)
         ex.model = model
+        return model
+
+    def _default(self, ex: Exchange, ambiguous: str) -> str:
+        """The default model of every engine whose models are known; `ambiguous` is the
+        message when they differ."""
+        index = self.pool.index
+        if not index.known:
+            raise NoEngineAvailable()
+        if index.default is None:
+            raise ModelRequired(ambiguous)
+        ex.model = index.default
+        return index.default
