@@ -9,7 +9,7 @@
   back when a health check passes after the back-off.
 - An engine is healthy only once its served models are known (GET /v1/models), so a
   ready gateway never refuses a served model as unknown. Models are read again every
-  `MODELS_REFRESH` seconds. `index` (models.py) says which healthy engines serve each
+  `routing.models_interval` seconds. `index` (models.py) says which healthy engines serve each
   model; it is rebuilt whenever an engine's health or models change.
 - Load: `in_flight` counts what this gateway forwards; with `routing.load_interval` set,
   `waiting` is the engine's own queue, scraped from its /metrics (engine_load.py).
@@ -35,7 +35,6 @@ from gateway.routing.models import ModelIndex, ModelList, parse_model_list
 from gateway.routing.settings import RoutingSettings
 from gateway.upstream import ConnectFailed, Origin, UpstreamClient, UpstreamError
 
-MODELS_REFRESH = 15.0
 # While no engine is ready, health checks run at least this often, so a gateway that
 # started before its engines (or whose first model listing failed) turns ready soon.
 NOT_READY_INTERVAL = 0.25
@@ -309,11 +308,12 @@ class EnginePool:
         except (UpstreamError, TimeoutError):
             ok = False
         models_changed = False
-        if ok and (not engine.healthy or time.monotonic() - engine.models_at > MODELS_REFRESH):
+        refresh = self._settings.models_interval
+        if ok and (not engine.healthy or time.monotonic() - engine.models_at > refresh):
             listing = await self._models(engine)
             if listing is not None:
                 # vLLM stamps each entry with the time of the listing: a new list
-                # rebuilds the index (cheap, every MODELS_REFRESH), so its answers stay fresh.
+                # rebuilds the index (cheap, every models_interval): its answers stay fresh.
                 models_changed = True
                 engine.listing = listing
                 engine.models_at = time.monotonic()
