@@ -28,16 +28,16 @@ class Pair:
 
 
 @pytest.fixture(scope="module")
-def pair(
-    real_chat_engine: Engine, real_engines: Engines, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Pair]:
-    embed = real_engines.get("embed")
+def pair(real_engines: Engines, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    # The two side by side, and no other (the session's chat engine if it runs already).
+    real_engines.warm("chat", "embed")
+    chat, embed = real_engines.get("chat"), real_engines.get("embed")
     tmp = tmp_path_factory.mktemp("model-pools")
     try:
         # Checks every 0.5 s: the last test sees the embedding engine go within seconds.
-        with gateway(tmp, [real_chat_engine, embed], GATEWAY_ROUTING__HEALTH_INTERVAL="0.5") as gw:
+        with gateway(tmp, [chat, embed], GATEWAY_ROUTING__HEALTH_INTERVAL="0.5") as gw:
             assert wait_for(lambda: httpx.get(gw.url + "/readyz").json()["healthy_engines"] == 2)
-            yield Pair(real_chat_engine, embed, gw)
+            yield Pair(chat, embed, gw)
     finally:
         real_engines.stop("embed")
 
