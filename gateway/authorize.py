@@ -32,6 +32,9 @@ _INVOCATIONS = "/invocations"
 # Scopes a route needs beyond its group's. vLLM 0.32 dispatches /invocations by the
 # body's shape to its chat, completion, embedding, classification and scoring handlers.
 _ALSO_REQUIRED: dict[str, frozenset[Group]] = {_INVOCATIONS: frozenset({Group.pooling})}
+# Routes without a body that describe the engine's default model (its tokenizer and
+# chat template): they follow the rules of a request that names no model.
+_DEFAULT_MODEL_ROUTES = frozenset({"/tokenizer_info"})
 # Routes whose requests reach the engine without `cache_salt` (vLLM 0.32: Cohere chat
 # builds its chat request without it; Cohere embed and the speech-to-text requests have
 # no such field), so the gateway cannot keep tenants' prefix caches apart there.
@@ -69,18 +72,18 @@ class RequestCheck:
             )
 
     def __call__(self, ex: Exchange, incoming: Incoming) -> str | None:
-        """The model the request runs on, or None for a route about an engine rather
-        than a model (`/health`, `/version` ...: any healthy engine answers it)."""
-        if ex.route.group is Group.info:
-            return None
+        """The model the request runs on, or None for a route without a body that is
+        about an engine or what it stores rather than a model (`/health`, `/version`,
+        `/v1/responses/{id}` ...): any healthy engine takes it."""
         if incoming.json is not None:
             if ex.route.path == _INVOCATIONS:
                 return self._invocation(ex, incoming.json)
             return self._model(ex, incoming.json.get("model"))
         if incoming.upload is not None:
             return self._model(ex, incoming.upload.model)
-        # A route without a body (`/tokenizer_info`): the default model's engines.
-        return self._model(ex, None)
+        if ex.route.path in _DEFAULT_MODEL_ROUTES:
+            return self._model(ex, None)
+        return None
 
     def _invocation(self, ex: Exchange, body: dict[str, Any]) -> str:
         """`/invocations`: vLLM 0.32 serves it under `model_hosting_container_standards`

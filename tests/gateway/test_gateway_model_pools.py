@@ -248,6 +248,12 @@ def test_routes_about_an_engine_need_no_model(fleet: Fleet) -> None:
     for path in ("/version", "/health"):
         r = httpx.get(fleet.g.url + path, headers=auth(CHAT_ONLY), timeout=10)
         assert r.status_code == 200, r.text
+    # A stored response is fetched by id, naming no model: it goes to an engine (the
+    # simulator stores none, and says so).
+    before = received(fleet)
+    r = httpx.get(fleet.g.url + "/v1/responses/resp_abc", headers=auth(CHAT_ONLY), timeout=10)
+    assert error_code(r) != "model_required" and r.status_code == 404
+    assert received(fleet) == before + 1
 
 
 def test_an_adapter_goes_only_to_the_engine_that_lists_it(fleet: Fleet) -> None:
