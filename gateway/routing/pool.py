@@ -9,8 +9,8 @@
   back when a health check passes after the back-off.
 - An engine is healthy only once its served models are known (GET /v1/models), so a
   ready gateway never refuses a served model as unknown. Models are read again every
-  `routing.models_interval` seconds. `index` (models.py) says which healthy engines serve each
-  model; it is rebuilt whenever an engine's health or models change.
+  `routing.models_interval` seconds. `index` (models.py) says which healthy engines
+  serve each model; it is rebuilt whenever an engine's health or models change.
 - Load: `in_flight` counts what this gateway forwards; with `routing.load_interval` set,
   `waiting` is the engine's own queue, scraped from its /metrics (engine_load.py).
 
