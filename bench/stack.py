@@ -372,7 +372,7 @@ class Fleet:
         cpus = self.cpus.proxy if pin else None
         server = Server(name, args, port, log, env=clean_env(settings), cpus=cpus)
         # /readyz, not /healthz: ready means an engine is healthy and its models are
-        # known (a request sent before that got 403 model_not_allowed in a bench run).
+        # known (a request sent before that was refused, the model unknown, in a bench run).
         server.ready_path = "/readyz"
         return self._start(server, timeout=60.0)
 

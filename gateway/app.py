@@ -26,7 +26,7 @@ from gateway.auth import KeyConfigError, KeyRing, build_keys, load_key_file
 from gateway.config import Settings, load_settings
 from gateway.connections import CONNECTION_GUARD, ConnectionGuard
 from gateway.endpoints import Action
-from gateway.errors import UnknownEndpoint
+from gateway.errors import NoEngineAvailable, UnknownEndpoint
 from gateway.exchange import exchange_of
 from gateway.logging import RequestLog, configure_logging
 from gateway.media.decoder import Decoder
@@ -55,7 +55,9 @@ def _json_response(status: int, payload: dict[str, Any]) -> tuple[int, bytes]:
 
 
 class LocalRoutes:
-    """The gateway's own routes: /healthz, /readyz, /metrics."""
+    """The gateway's own routes: /healthz, /readyz, /metrics, and /v1/models, answered
+    from the pool's copy of the engines' lists (models.py) rather than by an engine:
+    one merged list, whichever engine serves what, and no engine request per call."""
 
     def __init__(self, pool: EnginePool, metrics: Metrics) -> None:
         self.pool = pool
@@ -69,7 +71,7 @@ class LocalRoutes:
         elif path == "/readyz":
             # Ready: some engine is healthy, which the pool grants only once that
             # engine's served models are known (a gateway that answered before knowing
-            # them refused served models with 403 model_not_allowed).
+            # them refused served models as unknown).
             ready = self.pool.ready()
             status, body = _json_response(
                 200 if ready else 503,
@@ -81,6 +83,11 @@ class LocalRoutes:
             )
         elif path == "/metrics":
             status, body, content_type = 200, self.metrics.render(), CONTENT_TYPE
+        elif path == "/v1/models":
+            if not self.pool.ready():
+                raise NoEngineAvailable()
+            key = exchange_of(scope).key
+            status, body = 200, self.pool.index.listing(None if key is None else key.models)
         else:
             raise UnknownEndpoint()
         ex = exchange_of(scope)
@@ -190,9 +197,8 @@ class Gateway:
             settings.routing,
             upstream=self.upstream,
             headers=self._upstream_auth(),
+            served_models=settings.served_models,
         )
-        self.pool.extra_models = frozenset(settings.served_models)
-        self.pool.models = self.pool.extra_models
         self.decoder = Decoder(settings.media)
         budget = self.decoder.budget
         self.metrics.watch_decodes(

@@ -18,6 +18,8 @@ from gateway.errors import (
     EndpointBlocked,
     FieldNotAllowed,
     ModelNotAllowed,
+    ModelNotFound,
+    ModelRequired,
     NoEngineAvailable,
     PermissionDenied,
 )
@@ -30,6 +32,9 @@ _INVOCATIONS = "/invocations"
 # Scopes a route needs beyond its group's. vLLM 0.32 dispatches /invocations by the
 # body's shape to its chat, completion, embedding, classification and scoring handlers.
 _ALSO_REQUIRED: dict[str, frozenset[Group]] = {_INVOCATIONS: frozenset({Group.pooling})}
+# Routes without a body that describe the engine's default model (its tokenizer and
+# chat template): they follow the rules of a request that names no model.
+_DEFAULT_MODEL_ROUTES = frozenset({"/tokenizer_info"})
 # Routes whose requests reach the engine without `cache_salt` (vLLM 0.32: Cohere chat
 # builds its chat request without it; Cohere embed and the speech-to-text requests have
 # no such field), so the gateway cannot keep tenants' prefix caches apart there.
@@ -51,7 +56,8 @@ def check_route(key: ApiKey, route: Route) -> None:
 
 class RequestCheck:
     """What a request's body asks for must be allowed: the model for its key, and a
-    route that keeps tenants' caches apart when the deployment isolates them."""
+    route that keeps tenants' caches apart when the deployment isolates them. Calling
+    it gives the model whose engines may take the request (models.py)."""
 
     def __init__(self, pool: EnginePool, payload: PayloadSettings) -> None:
         self.pool = pool
@@ -65,22 +71,28 @@ class RequestCheck:
                 "cache_salt there), and this gateway isolates them."
             )
 
-    def __call__(self, ex: Exchange, incoming: Incoming) -> None:
+    def __call__(self, ex: Exchange, incoming: Incoming) -> str | None:
+        """The model the request runs on, or None for a route without a body that is
+        about an engine or what it stores rather than a model (`/health`, `/version`,
+        `/v1/responses/{id}` ...): any healthy engine takes it."""
         if incoming.json is not None:
             if ex.route.path == _INVOCATIONS:
-                self._invocation(ex, incoming.json)
-            else:
-                self._model(ex, incoming.json.get("model"))
-        elif incoming.upload is not None:
-            self._model(ex, incoming.upload.model)
+                return self._invocation(ex, incoming.json)
+            return self._model(ex, incoming.json.get("model"))
+        if incoming.upload is not None:
+            return self._model(ex, incoming.upload.model)
+        if ex.route.path in _DEFAULT_MODEL_ROUTES:
+            return self._model(ex, None)
+        return None
 
-    def _invocation(self, ex: Exchange, body: dict[str, Any]) -> None:
+    def _invocation(self, ex: Exchange, body: dict[str, Any]) -> str:
         """`/invocations`: vLLM 0.32 serves it under `model_hosting_container_standards`
         (0.1.16), whose `inject_adapter_id(adapter_path="model")` sets the body's `model`
         to the `X-Amzn-SageMaker-Adapter-Identifier` header, or to null when the header
         is absent, before vLLM reads the body. The gateway never forwards that header
         (headers.py), so vLLM always runs its default model there, whatever the body
-        names: a key limited to some models cannot be held to them and is refused.
+        names: a key limited to some models cannot be held to them and is refused, and
+        the request goes to the engines of the default model.
         Stateful-session requests (`requestType`) are the wrapper's, not inference."""
         if "requestType" in body:
             raise FieldNotAllowed(
@@ -93,31 +105,48 @@ class RequestCheck:
                 "This API key may use only some models, and /invocations always runs the "
                 "engine's default model: use the OpenAI-compatible routes."
             )
-        self._model(ex, body.get("model"))
+        model = body.get("model")
+        if model is not None:
+            self._model(ex, model)
+        return self._default(
+            ex,
+            "/invocations runs each engine's default model, and these engines' defaults "
+            "differ: use the OpenAI-compatible routes and name the model.",
+        )
 
-    def _model(self, ex: Exchange, model: Any) -> None:
+    def _model(self, ex: Exchange, model: Any) -> str:
         """`model` (None when absent) must be served and allowed for the key; a key
-        limited to some models must name one."""
+        limited to some models must name one. Without one, the engines' default model,
+        where that is unambiguous."""
         key = ex.key
-        pool = self.pool
         if model is None:
-            # vLLM then serves its default model; a key limited to some models must name one.
+            # vLLM then runs its default model; a key limited to some models must name one.
             if key is not None and key.models is not None:
-                raise ModelNotAllowed(
-                    "This API key may use only some models: name one in 'model'.", param="model"
-                )
-            return
-        if isinstance(model, str) and model not in pool.models and not pool.models_known:
-            # No engine has listed its models yet (they are all down or starting): the
-            # model may well be served, so "retry shortly", not "not served".
-            raise NoEngineAvailable()
-        if (
-            not isinstance(model, str)
-            or model not in pool.models
-            or (key is not None and not key.allows_model(model))
-        ):
-            # The model name is not echoed: it is client text (`../x` and the like).
-            raise ModelNotAllowed(
-                "The model is not served here or not allowed for this API key.", param="model"
+                raise ModelRequired("This API key may use only some models: name one in 'model'.")
+            return self._default(
+                ex, "The engines behind this gateway serve different models: name one in 'model'."
             )
+        # Not a string, or not the key's: the same answer as a model nobody serves, and
+        # decided before the pool is consulted, so a key cannot tell which it was.
+        if not isinstance(model, str) or (key is not None and not key.allows_model(model)):
+            raise ModelNotFound(model)
+        index = self.pool.index
+        if not index.known:
+            # No engine has listed its models yet (they are all down or starting): the
+            # model may well be served, so "retry shortly", not "not found".
+            raise NoEngineAvailable()
+        if model not in index.served:
+            raise ModelNotFound(model)
         ex.model = model
+        return model
+
+    def _default(self, ex: Exchange, ambiguous: str) -> str:
+        """The default model of every engine whose models are known; `ambiguous` is the
+        message when they differ."""
+        index = self.pool.index
+        if not index.known:
+            raise NoEngineAvailable()
+        if index.default is None:
+            raise ModelRequired(ambiguous)
+        ex.model = index.default
+        return index.default

@@ -43,7 +43,7 @@ ALL_SCOPES: Final = frozenset(Group)
 class Action(StrEnum):
     forward = "forward"
     blocked = "blocked"
-    # Answered by the gateway itself (/healthz, /readyz, /metrics).
+    # Answered by the gateway itself (/healthz, /readyz, /metrics, /v1/models).
     local = "local"
     unknown = "unknown"
 
@@ -131,8 +131,9 @@ _ROUTES: Final[tuple[Route, ...]] = (
     # --- audio: multipart uploads -----------------------------------------------------
     Route("/v1/audio/transcriptions", Action.forward, Group.audio, _POST, BodyKind.multipart),
     Route("/v1/audio/translations", Action.forward, Group.audio, _POST, BodyKind.multipart),
-    # --- models and engine info (forwarded with a key; open in vLLM) ------------------
-    _get("/v1/models", Group.models),
+    # --- models and engine info (with a key; open in vLLM) -----------------------------
+    # The gateway's merged list of the engines' models (app.py, routing/models.py).
+    Route("/v1/models", Action.local, Group.models, _GET),
     _get("/health", Group.info),
     Route("/ping", Action.forward, Group.info, frozenset({"GET", "POST"})),
     _get("/version", Group.info),

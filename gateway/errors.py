@@ -9,6 +9,9 @@ and URL parsers echo attacker input. Raised when:
 * GatewayError                500 internal_error: an unexpected failure (middleware.py)
   + InvalidRequest            400 invalid_request: a body the rules refuse (payload/)
   | + InvalidJson             400 invalid_json: a body not JSON, or not an object (body.py)
+  | + ModelRequired           400 model_required: no `model` where the engines' default
+  | |                         model is ambiguous, or from a key limited to some models
+  | |                         (authorize.py)
   | + BodyChunksTooSmall      400 body_chunks_too_small: a chunked body in chunks too small
   | |                         on average, written by the connection (server.py), which
   | |                         then closes
@@ -18,8 +21,11 @@ and URL parsers echo attacker input. Raised when:
   + InvalidApiKey             401 invalid_api_key: no key, not Bearer, unknown (auth.py)
   + PermissionDenied          403 scope_not_allowed: the key lacks the route's group
   | + EndpointBlocked         403 endpoint_blocked: a blocked route (middleware.py)
-  | + ModelNotAllowed         403 model_not_allowed: a model not served or not the key's
+  | + ModelNotAllowed         403 model_not_allowed: /invocations (which runs the engine's
+  |                           default model) from a key limited to some models
   + UnknownEndpoint           404 unknown_endpoint: a path not in the table
+  + ModelNotFound             404 model_not_found: a model no engine serves, or one the
+  |                           key may not use: the same answer, so keys cannot probe
   + MethodNotAllowed          405 method_not_allowed: the wrong method for a route
   + RequestTimeout            408 request_timeout: a body too slow or past its deadline
   |                           (body.py); the connection is closed
@@ -33,12 +39,14 @@ and URL parsers echo attacker input. Raised when:
   + RateLimited               429 rate_limited: over the key's in-flight cap or its rate
                               limit (admission.py)
   + Overloaded                503 overloaded: over limits.max_in_flight (admission.py)
-  | + NoEngineAvailable       503 no_engine_available: no engine, or no models known yet
+  | + NoEngineAvailable       503 no_engine_available: no engine, no healthy engine (for
+  | |                         a route about an engine, not a model), or no models known yet
+  | + ModelUnavailable        503 upstream_unavailable: every engine serving the model is
+  | |                         down (failed its checks, or ejected); nothing was sent
   | + MediaBusy               503 media_busy: no room in the media decode budget (or no
   |                           decode thread) within media.decode_wait (media/decoder.py)
   + UpstreamUnavailable       502 upstream_unavailable: no engine took the request
   | + UpstreamBroken          502 upstream_broken: an answer broke off (forwarder.py)
-  | + UpstreamInvalid         502 upstream_invalid: a model list not readable (relay.py)
   + EngineError               engine's status, engine_error: an engine's 5xx or unusable
   |                           4xx, replaced (relay.py)
   + UpstreamTimeout           504 upstream_timeout: an engine silent too long (forwarder.py)
@@ -113,6 +121,14 @@ class MediaInvalid(InvalidRequest):
     default_message = "The media item is not valid."
 
 
+class ModelRequired(InvalidRequest):
+    code = "model_required"
+    default_message = "Name a model in 'model'."
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message, param="model")
+
+
 class InvalidApiKey(GatewayError):
     status = 401
     code = "invalid_api_key"
@@ -137,7 +153,7 @@ class EndpointBlocked(PermissionDenied):
 
 class ModelNotAllowed(PermissionDenied):
     code = "model_not_allowed"
-    default_message = "The requested model is not served here or not allowed for this key."
+    default_message = "This API key may not use this endpoint with its models."
 
 
 class UnknownEndpoint(GatewayError):
@@ -145,6 +161,24 @@ class UnknownEndpoint(GatewayError):
     code = "unknown_endpoint"
     type = "invalid_request_error"
     default_message = "Unknown endpoint."
+
+
+class ModelNotFound(GatewayError):
+    """OpenAI's answer, word for word, for a model that does not exist and for one the
+    key may not use alike. The name is the client's text: echoed only when it is a
+    printable string of at most `ECHO_LIMIT` characters."""
+
+    status = 404
+    code = "model_not_found"
+    type = "invalid_request_error"
+    default_message = "The model does not exist or you do not have access to it."
+    ECHO_LIMIT = 256
+
+    def __init__(self, model: object) -> None:
+        message = None
+        if isinstance(model, str) and 0 < len(model) <= self.ECHO_LIMIT and model.isprintable():
+            message = f"The model `{model}` does not exist or you do not have access to it."
+        super().__init__(message)
 
 
 class MethodNotAllowed(GatewayError):
@@ -236,6 +270,11 @@ class NoEngineAvailable(Overloaded):
     default_message = "No healthy engine is available; retry shortly."
 
 
+class ModelUnavailable(Overloaded):
+    code = "upstream_unavailable"
+    default_message = "The engines serving this model are unavailable; retry shortly."
+
+
 class MediaBusy(Overloaded):
     code = "media_busy"
     default_message = "The gateway is decoding as many images as it can hold; retry shortly."
@@ -251,11 +290,6 @@ class UpstreamUnavailable(GatewayError):
 class UpstreamBroken(UpstreamUnavailable):
     code = "upstream_broken"
     default_message = "The engine's response broke off before it was complete."
-
-
-class UpstreamInvalid(UpstreamUnavailable):
-    code = "upstream_invalid"
-    default_message = "The engine's answer could not be read."
 
 
 class EngineError(GatewayError):

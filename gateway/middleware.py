@@ -219,8 +219,9 @@ class KeyLimits:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ex = exchange_of(scope)
         key = ex.key
-        if key is None or ex.route.action is not Action.forward:
-            # The gateway's own routes are not counted.
+        if key is None or ex.route.group is Group.metrics:
+            # The gateway's own metrics are not counted; /v1/models, answered by the
+            # gateway too, is an API call of the key's like any other.
             await self.app(scope, receive, send)
             return
         admission = self.admission

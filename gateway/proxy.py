@@ -1,8 +1,9 @@
 """The innermost ASGI app: one forwarded request, from its body to the engine's answer.
 
     read the body (body.py) -> take a global slot (admission.py)
-    -> check the model (authorize.py) -> inspect it (payload/) -> choose engines
-    (routing/) -> forward with failover (forwarder.py)
+    -> check the model (authorize.py) and take its healthy engines (routing/models.py)
+    -> inspect it (payload/) -> order those engines (routing/policy.py)
+    -> forward with failover (forwarder.py)
     -> relay the answer (relay.py), watching for the client leaving (disconnect.py)
 
 Requests go out through an `UpstreamClient` (gateway/upstream.py; why not aiohttp or
@@ -23,7 +24,7 @@ from gateway.body import ClientDisconnected, Incoming, header, read_incoming
 from gateway.config import Settings
 from gateway.connections import ConnectionGuard
 from gateway.disconnect import DisconnectWatch
-from gateway.errors import NoEngineAvailable
+from gateway.errors import ModelUnavailable, NoEngineAvailable
 from gateway.exchange import Exchange, exchange_of
 from gateway.forwarder import Forwarder
 from gateway.headers import request_allowlist
@@ -87,12 +88,8 @@ class Proxy:
         self, scope: Scope, receive: Receive, send: Send, ex: Exchange, incoming: Incoming
     ) -> None:
         """Everything after the body, holding a global slot."""
-        self.check_request(ex, incoming)
+        engines = self._engines(ex, incoming)
         data, media = await self._inspect(incoming, ex)
-
-        engines: Sequence[Engine] = self.pool.healthy() or self.pool.engines
-        if not engines:
-            raise NoEngineAvailable("No engine is configured.")
         if len(engines) == 1:
             # One candidate (the sidecar deployment): there is nothing to choose, so no
             # anchor is computed. The policy cost 9% of the CPU per request (py-spy).
@@ -125,6 +122,24 @@ class Proxy:
             ex.disconnected = True
         finally:
             watch.stop()
+
+    def _engines(self, ex: Exchange, incoming: Incoming) -> Sequence[Engine]:
+        """The engines that may take the request: the healthy ones serving its model
+        (failover never leaves them), any healthy one for a route about an engine. Known
+        before the body is inspected, so a request no engine can take fetches no media."""
+        pool = self.pool
+        if not pool.engines:
+            raise NoEngineAvailable("No engine is configured.")
+        model = self.check_request(ex, incoming)
+        if model is None:
+            engines: Sequence[Engine] = pool.healthy()
+            if not engines:
+                raise NoEngineAvailable()
+            return engines
+        engines = pool.index.engines(model)
+        if not engines:
+            raise ModelUnavailable()
+        return engines
 
     def _bind_loop(self) -> asyncio.AbstractEventLoop:
         self._loop = asyncio.get_running_loop()

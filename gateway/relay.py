@@ -3,22 +3,20 @@
 Successful answers are streamed chunk by chunk as they arrive: no SSE frame is parsed on
 this path (LiteLLM's per-chunk re-serialisation costs ~1.5 ms). Only the allowlisted
 response headers cross (headers.py). Error answers are read whole under a cap and
-scrubbed or replaced (engine_errors.py); a model list is filtered for a key limited to
-some models.
+scrubbed or replaced (engine_errors.py). (`/v1/models` is answered by the gateway itself,
+from the pool's copy of the engines' lists: routing/models.py.)
 """
 
 from __future__ import annotations
 
 import asyncio
 
-import orjson
 import structlog
 
 from gateway.asgi import Send
 from gateway.disconnect import DisconnectWatch
-from gateway.endpoints import Group
 from gateway.engine_errors import excerpt, scrub_json
-from gateway.errors import EngineError, UpstreamInvalid, send_error, sse_error_frame
+from gateway.errors import EngineError, send_error, sse_error_frame
 from gateway.exchange import Exchange
 from gateway.forwarder import gateway_error
 from gateway.headers import RESPONSE_HEADERS
@@ -32,8 +30,6 @@ _ERROR_LIMIT = 64 * 1024
 # Responses up to this size with a Content-Length are read whole and sent in one
 # message: one write instead of two for the common small JSON answer.
 _SMALL_RESPONSE = 64 * 1024
-# A model list read whole to be filtered for a key limited to some models.
-_MODEL_LIST_LIMIT = 1024 * 1024
 
 
 def response_headers(resp: Response) -> list[tuple[bytes, bytes]]:
@@ -51,11 +47,8 @@ class Relay:
     async def __call__(
         self, resp: Response, send: Send, ex: Exchange, watch: DisconnectWatch
     ) -> None:
-        key = ex.key
         if resp.status >= 400:
             await self.error(resp, send, ex, watch)
-        elif ex.route.group is Group.models:
-            await self.model_list(resp, send, ex, watch, None if key is None else key.models)
         else:
             await self.stream(resp, send, ex, watch)
 
@@ -107,50 +100,6 @@ class Relay:
         error = EngineError(status, ex.request_id)
         ex.code = error.code
         await send_error(send, error)
-
-    async def model_list(
-        self,
-        resp: Response,
-        send: Send,
-        ex: Exchange,
-        watch: DisconnectWatch,
-        allowed: frozenset[str] | None,
-    ) -> None:
-        """`GET /v1/models`: the engine's list, each model's `root` (vLLM 0.32 puts the
-        model's or adapter's path on the engine's disk there) replaced by its id, and
-        for a key limited to some models (`allowed`) only those, so a key learns nothing
-        of the models it may not use. An answer that cannot be read as a model list is
-        refused, never passed on unfiltered."""
-        body = await self._read_capped(resp, _MODEL_LIST_LIMIT)
-        watch.stop()
-        if body is None:
-            raise UpstreamInvalid()
-        try:
-            listing = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            raise UpstreamInvalid() from None
-        models = listing.get("data") if isinstance(listing, dict) else None
-        if not isinstance(models, list):
-            raise UpstreamInvalid()
-        kept = [
-            m for m in models if isinstance(m, dict) and (allowed is None or m.get("id") in allowed)
-        ]
-        ids = {m.get("id") for m in kept}
-        # `parent` names a LoRA adapter's base model: shown only when it is listed too.
-        listing["data"] = [
-            {
-                **m,
-                **({"root": m.get("id")} if "root" in m else {}),
-                **({"parent": None} if "parent" in m and m["parent"] not in ids else {}),
-            }
-            for m in kept
-        ]
-        body = orjson.dumps(listing)
-        headers = [h for h in response_headers(resp) if h[0].lower() != b"content-length"]
-        headers.append((b"content-length", str(len(body)).encode("ascii")))
-        ex.bytes_out = len(body)
-        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
 
     async def stream(
         self, resp: Response, send: Send, ex: Exchange, watch: DisconnectWatch

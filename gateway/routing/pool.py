@@ -9,7 +9,8 @@
   back when a health check passes after the back-off.
 - An engine is healthy only once its served models are known (GET /v1/models), so a
   ready gateway never refuses a served model as unknown. Models are read again every
-  `MODELS_REFRESH` seconds.
+  `routing.models_interval` seconds. `index` (models.py) says which healthy engines
+  serve each model; it is rebuilt whenever an engine's health or models change.
 - Load: `in_flight` counts what this gateway forwards; with `routing.load_interval` set,
   `waiting` is the engine's own queue, scraped from its /metrics (engine_load.py).
 
@@ -23,18 +24,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
-import orjson
 import structlog
 
 from gateway.routing.dns import DnsEntry, NameNotFound, Resolver, is_dns_entry, resolve
 from gateway.routing.engine_load import parse_load
+from gateway.routing.models import ModelIndex, ModelList, parse_model_list
 from gateway.routing.settings import RoutingSettings
 from gateway.upstream import ConnectFailed, Origin, UpstreamClient, UpstreamError
 
-MODELS_REFRESH = 15.0
 # While no engine is ready, health checks run at least this often, so a gateway that
 # started before its engines (or whose first model listing failed) turns ready soon.
 NOT_READY_INTERVAL = 0.25
@@ -56,7 +56,7 @@ class Engine:
         "healthy",
         "in_flight",
         "kv_cache_usage",
-        "models",
+        "listing",
         "models_at",
         "origin",
         "scraped",
@@ -76,7 +76,7 @@ class Engine:
         self.kv_cache_usage = 0.0
         # True once `waiting` and `kv_cache_usage` come from a scrape.
         self.scraped = False
-        self.models: frozenset[str] = frozenset()
+        self.listing = ModelList()
         # When the models were last read; 0: never (the engine cannot be healthy yet).
         self.models_at = 0.0
         # Passive ejection: 5xx answers in a row, the current back-off, until when.
@@ -84,6 +84,11 @@ class Engine:
         self.backoff = 0.0
         self.ejected_until = 0.0
         self.ejections = 0
+
+    @property
+    def models(self) -> frozenset[str]:
+        """The models (and LoRA adapters) the engine listed when last read."""
+        return self.listing.ids
 
     @property
     def load(self) -> int:
@@ -116,9 +121,9 @@ class EnginePool:
     """Engines from settings. `start` resolves names and runs the checks; `stop` ends them.
 
     `upstream` sends the checks (the client requests are forwarded with); `headers` go
-    with each (the engine key). `resolver` looks up a DNS entry's addresses (default:
-    the system resolver, A and AAAA); it raises NameNotFound for a name without
-    addresses.
+    with each (the engine key). `served_models` are served by every engine besides
+    what each lists. `resolver` looks up a DNS entry's addresses (default: the system
+    resolver, A and AAAA); it raises NameNotFound for a name without addresses.
     """
 
     def __init__(
@@ -128,6 +133,7 @@ class EnginePool:
         *,
         upstream: UpstreamClient,
         headers: Sequence[tuple[bytes, bytes]] = (),
+        served_models: Iterable[str] = (),
         on_health: Callable[[Engine], None] | None = None,
         resolver: Resolver = resolve,
     ) -> None:
@@ -148,10 +154,8 @@ class EnginePool:
         self.engines: list[Engine] = list(self._static)
         self._tasks: list[asyncio.Task[None]] = []
         self._healthy: list[Engine] = []
-        self.extra_models: frozenset[str] = frozenset()
-        self.models: frozenset[str] = frozenset()
-        # Whether any engine's served models were ever read.
-        self.models_known = False
+        self.extra_models = frozenset(served_models)
+        self.index = ModelIndex(self.engines, self.extra_models)
 
     def healthy(self) -> list[Engine]:
         """Engines that passed their last health check, in configuration order."""
@@ -163,10 +167,7 @@ class EnginePool:
 
     def _changed(self, engine: Engine | None = None) -> None:
         self._healthy = [e for e in self.engines if e.healthy]
-        # Models of engines that are down stay known: a request for them should get
-        # 502 from the dead engine's failover, not a misleading 403.
-        self.models = self.extra_models.union(*(e.models for e in self.engines))
-        self.models_known = any(e.models_at > 0 for e in self.engines)
+        self.index = ModelIndex(self.engines, self.extra_models)
         if engine is not None and self._on_health is not None:
             self._on_health(engine)
 
@@ -307,14 +308,17 @@ class EnginePool:
         except (UpstreamError, TimeoutError):
             ok = False
         models_changed = False
-        if ok and (not engine.healthy or time.monotonic() - engine.models_at > MODELS_REFRESH):
-            models = await self._models(engine)
-            if models is not None:
-                models_changed = models != engine.models
-                engine.models = models
+        refresh = self._settings.models_interval
+        if ok and (not engine.healthy or time.monotonic() - engine.models_at > refresh):
+            listing = await self._models(engine)
+            if listing is not None:
+                # vLLM stamps each entry with the time of the listing: a new list
+                # rebuilds the index (cheap, every models_interval): its answers stay fresh.
+                models_changed = True
+                engine.listing = listing
                 engine.models_at = time.monotonic()
         # Healthy needs known models: a gateway that routed to an engine before knowing
-        # what it serves would refuse its models as not served (403 model_not_allowed).
+        # what it serves would refuse its models as not served (404 model_not_found).
         ok = ok and engine.models_at > 0
         if ok != engine.healthy or models_changed:
             if ok != engine.healthy:
@@ -322,18 +326,15 @@ class EnginePool:
             engine.healthy = ok
             self._changed(engine)
 
-    async def _models(self, engine: Engine) -> frozenset[str] | None:
+    async def _models(self, engine: Engine) -> ModelList | None:
         try:
             status, body = await self._get(engine, "/v1/models")
-            if status != 200:
-                return None
-            data: Any = orjson.loads(body)
-            return frozenset(
-                str(m["id"]) for m in data.get("data", []) if isinstance(m, dict) and "id" in m
-            )
-        except (UpstreamError, TimeoutError, orjson.JSONDecodeError, AttributeError):
+        except (UpstreamError, TimeoutError):
+            status, body = 0, b""
+        listing = parse_model_list(body) if status == 200 else None
+        if listing is None:
             log.warning("engine_models_unreadable", engine=engine.url)
-            return None
+        return listing
 
     # -- engine-reported load -------------------------------------------------------------
 

@@ -19,6 +19,10 @@ class RoutingSettings(BaseModel):
     policy: RoutingPolicy = RoutingPolicy.affinity
     health_interval: float = Field(default=2.0, gt=0.0)
     health_timeout: float = Field(default=1.0, gt=0.0)
+    # A healthy engine's model list (GET /v1/models) is read again this often, at its
+    # next health check: what it serves (adapters loaded or unloaded) and the gateway's
+    # /v1/models answer follow within about this long (routing/models.py).
+    models_interval: float = Field(default=15.0, gt=0.0)
     # `dns+http://name:port` engine entries are resolved again this often (pool.py).
     dns_interval: float = Field(default=5.0, gt=0.0)
     # Passive ejection (pool.py): an engine that refuses a connection, or answers this

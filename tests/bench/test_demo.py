@@ -27,7 +27,7 @@ def test_demo_runs_and_shows_each_outcome() -> None:
     expected = [
         ("without a key", "401 invalid_api_key"),
         ("runtime LoRA loading", "403 endpoint_blocked"),
-        ('model "../x"', "403 model_not_allowed"),
+        ('model "../x"', "404 model_not_found"),
         ("cloud metadata address", "400 media_url_not_allowed"),
         ("file:///etc/passwd", "400 media_url_not_allowed"),
         ("prompt_embeds", "400 field_not_allowed"),

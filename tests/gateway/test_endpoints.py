@@ -30,7 +30,6 @@ FORWARDED = [
     ("/detokenize", Group.tokenize),
     ("/v1/audio/transcriptions", Group.audio),
     ("/v1/audio/translations", Group.audio),
-    ("/v1/models", Group.models),
     ("/health", Group.info),
     ("/ping", Group.info),
     ("/version", Group.info),
@@ -97,6 +96,17 @@ def test_forwarded_routes(path: str, group: Group) -> None:
     assert m.route.action is Action.forward
     assert m.route.group is group
     assert m.path == path
+
+
+def test_the_model_list_is_answered_by_the_gateway_with_a_key() -> None:
+    # One merged list of every engine's models (routing/models.py), behind the key's
+    # `models` scope like any API route.
+    m = match(b"/v1/models")
+    assert (m.route.action, m.route.group, m.route.methods) == (
+        Action.local,
+        Group.models,
+        frozenset({"GET"}),
+    )
 
 
 @pytest.mark.parametrize("path", BLOCKED)

@@ -1,7 +1,9 @@
-"""`GET /v1/models` through the gateway: a key limited to some models sees only those.
+"""`GET /v1/models` through the gateway: answered from the engines' lists as the gateway
+last read them; a key limited to some models sees only those.
 
-Real processes on loopback: a simulated engine serving two model names, and an engine
-stand-in whose model list cannot be read.
+Real processes on loopback: a simulated engine serving two model names (its gateway
+reads the list again every 0.3 s), and an engine stand-in whose model list cannot be
+read. Engines serving different models: test_gateway_model_pools.py.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import httpx
 import pytest
 
 from bench.origin import RecordingServer, Route
-from tests.procs import Proc, gateway_proc, running, sim_proc
+from tests.procs import Proc, error_code, gateway_proc, running, scrape, sim_proc, wait_for
 
 ALL = "sk-models-all-0123456789abcdef"
 ONLY_A = "sk-models-only-a-0123456789abcdef"
@@ -37,10 +39,17 @@ class Stack:
     gateway: Proc
     broken: RecordingServer
     broken_gateway: Proc
+    quiet: Proc
+    quiet_sim: Proc
 
 
-def _env(engine: str) -> dict[str, str]:
-    return {"GATEWAY_ENGINES": json.dumps([engine]), "GATEWAY_API_KEYS": KEYS}
+def _env(engine: str, health_interval: str = "0.2") -> dict[str, str]:
+    return {
+        "GATEWAY_ENGINES": json.dumps([engine]),
+        "GATEWAY_API_KEYS": KEYS,
+        "GATEWAY_ROUTING__HEALTH_INTERVAL": health_interval,
+        "GATEWAY_ROUTING__MODELS_INTERVAL": "0.3",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +60,19 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         "--enable-runtime-lora",
     )  # fmt: skip
     gateway = gateway_proc(tmp, _env(sim.url))
+    # A gateway that checks its own engine only at start (and then every 10 minutes).
+    quiet_sim = sim_proc(tmp, "--latency", "zero", "--served-model-name", "model-q")
+    quiet = gateway_proc(tmp, _env(quiet_sim.url, "600"))
     # Answers its model list with something that is not one.
     garbage = Route(
         body=b'{"object": "list", "data": "nope"}', headers={"Content-Type": "application/json"}
     )
     with RecordingServer({"/v1/models": garbage, "/health": Route()}) as broken:
         broken_gateway = gateway_proc(tmp, _env(broken.url))
-        with running(sim), running(gateway, broken_gateway, ready_path="/healthz"):
-            yield Stack(sim, gateway, broken, broken_gateway)
+        gateways = (gateway, quiet, broken_gateway)
+        with running(sim, quiet_sim), running(*gateways, ready_path="/healthz"):
+            assert wait_for(lambda: httpx.get(quiet.url + "/readyz").status_code == 200)
+            yield Stack(sim, gateway, broken, broken_gateway, quiet, quiet_sim)
 
 
 def _models(url: str, key: str) -> httpx.Response:
@@ -88,24 +102,49 @@ def test_model_roots_never_show_the_engines_paths(stack: Stack) -> None:
 def test_a_key_limited_to_some_models_sees_only_those(stack: Stack) -> None:
     resp = _models(stack.gateway.url, ONLY_A)
     assert _ids(resp) == ["model-a"]
-    # The rest of the engine's answer is kept; the length is the filtered body's.
+    # The rest of the engine's entry is kept; the length is the filtered body's.
     assert resp.json()["object"] == "list"
     assert resp.json()["data"][0]["owned_by"] == "vllm"
     assert int(resp.headers["content-length"]) == len(resp.content)
     assert _ids(_models(stack.gateway.url, NOT_SERVED)) == []
 
 
-def test_an_unreadable_model_list_is_refused(stack: Stack) -> None:
+def _model_list_reads(sim: Proc) -> float:
+    return sum(
+        v
+        for (name, labels), v in scrape(sim.url + "/metrics").items()
+        if name == "sim:received_requests_total" and dict(labels)["path"] == "/v1/models"
+    )
+
+
+def test_the_list_is_the_gateways_own_copy(stack: Stack) -> None:
+    # The quiet gateway reads its engine's list at its checks only (at start): twenty
+    # calls, and the engine is not asked once.
+    before = _model_list_reads(stack.quiet_sim)
+    assert before == 1
+    for _ in range(20):
+        assert _ids(_models(stack.quiet.url, ALL)) == ["model-q"]
+    assert _model_list_reads(stack.quiet_sim) == before
+
+
+def test_an_engine_whose_model_list_cannot_be_read_never_serves(stack: Stack) -> None:
+    # Its models unknown, the engine is not healthy: nothing is forwarded to it, and
+    # the answers say "retry shortly", never the engine's text.
+    assert httpx.get(stack.broken_gateway.url + "/readyz").status_code == 503
     before = len(stack.broken.hits)
-    resp = _models(stack.broken_gateway.url, ONLY_A)
-    assert resp.status_code == 502
-    assert resp.json()["error"]["code"] == "upstream_invalid"
-    assert "nope" not in resp.text
-    # It did ask the engine (and only that): the refusal is about the answer.
-    assert [h.path for h in stack.broken.hits[before:]] == ["/v1/models"]
-    # A key without a model list is refused the same: the list is always rewritten.
-    passed = _models(stack.broken_gateway.url, ALL)
-    assert passed.status_code == 502 and passed.json()["error"]["code"] == "upstream_invalid"
+    for key in (ONLY_A, ALL):
+        resp = _models(stack.broken_gateway.url, key)
+        assert (resp.status_code, error_code(resp)) == (503, "no_engine_available")
+        assert "nope" not in resp.text
+    chat = {"model": "model-a", "messages": [{"role": "user", "content": "hi"}]}
+    resp = httpx.post(
+        stack.broken_gateway.url + "/v1/chat/completions",
+        headers={"Authorization": f"Bearer {ALL}"},
+        json=chat,
+        timeout=10,
+    )
+    assert (resp.status_code, error_code(resp)) == (503, "no_engine_available")
+    assert {h.path for h in stack.broken.hits[before:]} <= {"/health", "/v1/models"}
 
 
 def test_an_adapters_base_model_and_path_are_shown_only_as_far_as_the_key_may_see(
@@ -119,11 +158,17 @@ def test_an_adapters_base_model_and_path_are_shown_only_as_far_as_the_key_may_se
         assert {m["id"]: (m["root"], m["parent"]) for m in direct if m["id"] == "adapter-x"} == {
             "adapter-x": ("/srv/adapters/secret-x", "model-a")
         }
+        # Learnt at the gateway's next read of the engine's list.
+        assert wait_for(lambda: _ids(_models(stack.gateway.url, ADAPTER)) == ["adapter-x"])
         limited = _models(stack.gateway.url, ADAPTER)
-        assert limited.json()["data"] == [
-            {**next(m for m in direct if m["id"] == "adapter-x"),
-             "root": "adapter-x", "parent": None}
-        ]  # fmt: skip
+        # `created` is the time of the gateway's read of the list.
+        unstamped = {k: v for k, v in limited.json()["data"][0].items() if k != "created"}
+        adapter = next(m for m in direct if m["id"] == "adapter-x")
+        assert unstamped == {
+            **{k: v for k, v in adapter.items() if k != "created"},
+            "root": "adapter-x",
+            "parent": None,
+        }
         assert "secret-x" not in limited.text and "model-a" not in limited.text
         # A key that may use the base model sees which model the adapter is for.
         every = {m["id"]: m for m in _models(stack.gateway.url, ALL).json()["data"]}
@@ -131,3 +176,4 @@ def test_an_adapters_base_model_and_path_are_shown_only_as_far_as_the_key_may_se
         assert every["adapter-x"]["root"] == "adapter-x"
     finally:
         httpx.post(stack.sim.url + "/v1/unload_lora_adapter", json={"lora_name": "adapter-x"})
+    assert wait_for(lambda: _ids(_models(stack.gateway.url, ADAPTER)) == [])

@@ -164,6 +164,8 @@ def _serve(engine: Engine, conn_id: int, sock: socket.socket) -> None:
                 # As uvicorn at its keep-alive timeout: a request arriving on a kept-alive
                 # connection is never read, the connection closed without an answer.
                 return
+            # An engine served under /prefix (test_engine_under_a_path_prefix) too.
+            path = path.removeprefix("/prefix")
             if path == "/health":
                 sock.sendall(_response(b"{}"))
             elif path == "/v1/models" and not scenario:
@@ -392,7 +394,8 @@ def test_engine_under_a_path_prefix(engine: Engine, tmp_path: Path) -> None:
         "GATEWAY_FORWARD_HEADERS": '["x-scenario"]',
     }
     proc = gateway_proc(tmp_path, env)
-    proc.start("/healthz")
+    # Ready: the health check and the model list went under the prefix too.
+    proc.start("/readyz")
     try:
         headers = {"Authorization": f"Bearer {KEY}", "X-Scenario": "prefixed"}
         r = httpx.get(proc.url + "/version?x=1", headers=headers, timeout=10)

@@ -94,7 +94,7 @@ REFUSALS: list[tuple[str, str, str, dict[str, str], Callable[[Stack], object], i
     ("unknown path", "POST", "/v1/nothing/here", AUTH, _chat, 404, "unknown_endpoint"),
     ("path trick", "POST", "/v1/chat/completions/", AUTH, _chat, 404, "unknown_endpoint"),
     ("unserved model", "POST", "/v1/chat/completions", AUTH,
-     lambda s: chat_body("not-served", "hello"), 403, "model_not_allowed"),
+     lambda s: chat_body("not-served", "hello"), 404, "model_not_found"),
     ("dangerous field: prompt_embeds", "POST", "/v1/completions", AUTH,
      lambda s: {"model": s.chat.name, "prompt": "x", "prompt_embeds": "AAAA"}, 400,
      "field_not_allowed"),

@@ -88,6 +88,8 @@ STABLE_CODES = frozenset(
         "media_fetch_failed",
         "request_too_large",
         "model_not_allowed",
+        "model_not_found",
+        "model_required",
         "unsupported_media_type",
     }
 )

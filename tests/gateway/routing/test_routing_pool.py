@@ -134,7 +134,7 @@ async def test_dns_entry_follows_the_answers(sim: Proc) -> None:
     await pool.start()
     try:
         assert urls() == healthy() == [sim.url] and pool.ready()
-        assert MODEL in pool.models
+        assert pool.index.engines(MODEL) == tuple(pool.engines)
         # A second address appears; nothing listens there, so it is listed, unhealthy.
         answers = ["127.0.0.1", "127.0.0.2"]
         await _until(lambda: len(urls()) == 2)
