@@ -17,6 +17,7 @@ FORWARDED = [
     ("/invocations", Group.inference),
     ("/generative_scoring", Group.inference),
     ("/cohere/v2/chat", Group.inference),
+    ("/v1/systemone", Group.inference),
     ("/v1/embeddings", Group.pooling),
     ("/v2/embed", Group.pooling),
     ("/pooling", Group.pooling),
@@ -62,7 +63,7 @@ BLOCKED = [
     "/redoc",
     "/openapi.json",
     "/v1/realtime",
-    # vLLM 0.32 (issue 11): weight transfer, render and derender, structured decisions.
+    # vLLM 0.32: weight transfer, render and derender.
     "/start_weight_update",
     "/start_draft_weight_update",
     "/finish_weight_update",
@@ -75,7 +76,6 @@ BLOCKED = [
     "/cohere/v2/chat/render",
     "/v1/chat/completions/derender",
     "/v1/completions/derender",
-    "/v1/systemone",
     "/static/swagger-ui-bundle.js",
 ]
 

@@ -393,6 +393,12 @@ def test_url_policy_table(stack: Stack) -> None:
 # --- where media appears: endpoints, roles and part shapes -------------------------------
 
 
+def _decision(**media: list[str]) -> dict[str, Any]:
+    """A /v1/systemone body: media as top-level URL lists (docs/vllm.md)."""
+    question = {"type": "yes_no", "instructions": "Is there a cat?"}
+    return {"model": MODEL, "state": "a photo", "questions": {"q1": question}, **media}
+
+
 def _shapes(u: str) -> list[tuple[str, str, dict[str, Any]]]:
     """(label, path, body) with the forbidden URL `u` in one media location each."""
     msgs = [{"role": "user", "content": [image(u)]}]
@@ -434,6 +440,9 @@ def _shapes(u: str) -> list[tuple[str, str, dict[str, Any]]]:
          {"model": MODEL, "query": "q", "documents": content}),
         ("v2 embed images", "/v2/embed", {"model": MODEL, "images": [u]}),
         ("v2 embed inputs", "/v2/embed", {"model": MODEL, "inputs": content}),
+        ("structured decision images", "/v1/systemone", _decision(images=[u])),
+        ("structured decision videos", "/v1/systemone", _decision(videos=[u])),
+        ("structured decision audio", "/v1/systemone", _decision(audio=[u])),
         ("tokenize", "/tokenize", {"model": MODEL, "messages": msgs}),
         ("invocations", "/invocations", {"model": MODEL, "messages": msgs}),
         ("embeddings messages", "/v1/embeddings", {"model": MODEL, "messages": msgs}),
@@ -754,6 +763,24 @@ def test_inline_mode_hands_the_engine_a_validated_data_url(stack: Stack) -> None
     hits = origin_hits(stack, "/img.png")
     assert len(hits) == 1 and hits[0]["User-Agent"] == "vllm-gateway"
     assert hits[0]["Accept-Encoding"] == "identity"
+    stack.untouched()
+
+
+def test_structured_decisions_reach_the_engine_with_their_images_inlined(
+    stack: Stack,
+) -> None:
+    """/v1/systemone's `images` list is fetched, checked and inlined like a content part.
+    The simulated engine does not implement the route: it records the body, then
+    answers 404, which the gateway passes on."""
+    clear(stack, stack.gen)
+    url = stack.o + "/img.png"
+    r = stack.http.post(stack.inline.url + "/v1/systemone", headers=auth(),
+                        json=_decision(images=[url]))  # fmt: skip
+    assert r.status_code == 404, r.text
+    (record,) = records(stack, stack.gen)
+    assert record["path"] == "/v1/systemone"
+    assert json.loads(record["body"])["images"] == [data_url("image/png", PNG)]
+    assert url not in record["body"] and str(stack.origin.port) not in record["body"]
     stack.untouched()
 
 
