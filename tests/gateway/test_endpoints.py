@@ -118,7 +118,7 @@ def test_gateway_routes_are_local_and_engine_metrics_is_not_forwarded() -> None:
 
 
 def test_every_vllm_open_route_is_classified() -> None:
-    # The routes vLLM's --api-key leaves open (docs/facts.md) are all in the table.
+    # The routes vLLM's --api-key leaves open (docs/vllm.md) are all in the table.
     for path in ("/score", "/rerank", "/pooling", "/classify", "/tokenize", "/detokenize",
                  "/invocations", "/generative_scoring", "/health", "/ping", "/version",
                  "/load", "/adapters", "/scale_elastic_ep"):  # fmt: skip

@@ -1,5 +1,5 @@
 """Media and payload security end to end: the gateway under uvicorn, real simulated
-engines and loopback canaries (issue 4, "Done when").
+engines and loopback canaries.
 
 The simulated engines fetch media exactly as unsafely as a default vLLM (any host,
 redirects followed, no private-address blocking), so a check the gateway forgot shows
@@ -958,7 +958,7 @@ def test_bad_uploads_never_reach_the_engine(
     stack.untouched()
 
 
-# --- the reference SSRF table (docs/facts.md) ---------------------------------------------
+# --- the reference SSRF table (docs/vllm.md) ----------------------------------------------
 
 
 def _ssrf_urls(target: Proc) -> list[tuple[str, str]]:
@@ -969,7 +969,7 @@ def _ssrf_urls(target: Proc) -> list[tuple[str, str]]:
 
 def test_reference_ssrf_table_engine_alone_then_through_the_gateway(stack: Stack) -> None:
     ref = stack.ref
-    # The engine alone fetches its own internal routes as "images" (docs/facts.md:
+    # The engine alone fetches its own internal routes as "images" (docs/vllm.md:
     # 400 "cannot identify image file" after fetching) and refuses only file:.
     for url, _ in _ssrf_urls(ref):
         clear(stack, ref)
