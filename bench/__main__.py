@@ -53,7 +53,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="the engine's own --api-key, for direct requests (default: $BENCH_ENGINE_API_KEY)",
     )
     p.add_argument("--model", help="model name (default: the first on the engine's /v1/models)")
-    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run in seconds")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny sizes, a smoke run rather than a measurement: about half a minute to "
+        "two minutes a suite, routing several (times in bench/README.md)",
+    )
     p.add_argument("--no-peers", action="store_true", help="skip nginx and vllm-router")
     p.add_argument("--loadgen", choices=("auto", "wrk", "python"), default="auto")
     p.add_argument(
