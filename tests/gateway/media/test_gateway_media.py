@@ -203,10 +203,11 @@ def counts(stack: Stack) -> list[float]:
 
 def records(stack: Stack, sim: Proc, *, scrapes: bool = False) -> list[dict[str, Any]]:
     """What reached `sim`, oldest first; without our own /metrics scrapes and the
-    gateways' health checks unless asked (a check every 30 s landed inside a test's
-    window now and then, and its empty body failed the test's JSON parse)."""
+    gateways' health checks and model-list reads unless asked (a check every 30 s landed
+    inside a test's window now and then, and its empty body failed the test's JSON
+    parse; the gateway re-reads /v1/models on a timer too)."""
     got: list[dict[str, Any]] = stack.http.get(sim.url + "/sim/requests").json()
-    return [r for r in got if scrapes or r["path"] not in ("/metrics", "/health")]
+    return [r for r in got if scrapes or r["path"] not in ("/metrics", "/health", "/v1/models")]
 
 
 def clear(stack: Stack, *sims: Proc) -> None:
