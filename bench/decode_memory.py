@@ -1,6 +1,6 @@
 """`python -m bench.decode_memory`: the gateway's memory under decode-heavy requests.
 
-Issue 13's measurement: requests of `--images` solid-colour RGBA PNGs (or `--format`
+Requests of `--images` solid-colour RGBA PNGs (or `--format`
 progressive JPEGs or WebPs, the costliest kinds to decode) as base64 `data:` URLs, just
 under the pixel cap, `--requests` of them at once, through the gateway in
 front of a simulated engine. Reports the gateway's peak RSS (VmHWM of /proc/<pid>/status),

@@ -73,6 +73,30 @@ def _show(title: str, resp: httpx.Response) -> None:
     print(f"  {title:<52} -> {resp.status_code} {detail}")
 
 
+def _whole_words(text: str) -> str:
+    """The simulated engine's reply without its first and last words, which it cuts: it
+    answers with a canned sentence from a point the prompt picks, for as many tokens (4
+    characters each) as asked."""
+    return " ".join(w for w in text.split(" ")[1:-1] if w)
+
+
+class _WordPrinter:
+    """Prints streamed text a whole word at a time, leaving out the cut first and last
+    words (see `_whole_words`)."""
+
+    def __init__(self) -> None:
+        self._pending = ""
+        self._first = True
+
+    def feed(self, text: str) -> None:
+        self._pending += text
+        *words, self._pending = self._pending.split(" ")
+        for word in words:
+            if not self._first and word:
+                print(word, end=" ", flush=True)
+            self._first = False
+
+
 def _png() -> str:
     image = Image.new("RGB", (64, 48), "white")
     buf = io.BytesIO()
@@ -92,12 +116,17 @@ def main() -> int:
     key = "sk-demo-" + secrets.token_urlsafe(24)
     env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
     env["PYTHONUNBUFFERED"] = "1"
-    tmp = Path(tempfile.mkdtemp(prefix="vllm-gateway-demo-"))
+    with tempfile.TemporaryDirectory(prefix="vllm-gateway-demo-") as logs:
+        return _run(key, env, Path(logs))
+
+
+def _run(key: str, env: dict[str, str], tmp: Path) -> int:
     ports = [_free_port() for _ in range(3)]
     engines = [f"http://127.0.0.1:{p}" for p in ports[:2]]
     gateway = f"http://127.0.0.1:{ports[2]}"
     print(f"Starting 2 simulated engines ({', '.join(engines)}) and the gateway ({gateway}).")
-    print(f"Logs in {tmp}. The demo key is generated for this run only.\n")
+    print(f"Logs in {tmp} (removed at the end). The demo key is generated for this run only.")
+    print("The simulated engines answer with canned text: no model runs.\n")
     sims = [
         [sys.executable, "-m", "bench.sim", "--host", "127.0.0.1", "--port", str(p)]
         for p in ports[:2]
@@ -125,16 +154,17 @@ def main() -> int:
         chat = {"model": model, "messages": [{"role": "user", "content": "Hello!"}]}
 
         print("Allowed:")
-        r = client.post("/v1/chat/completions", headers=auth, json={**chat, "max_tokens": 12})
-        answer = r.json()["choices"][0]["message"]["content"]
+        r = client.post("/v1/chat/completions", headers=auth, json={**chat, "max_tokens": 16})
+        answer = _whole_words(r.json()["choices"][0]["message"]["content"])
         print(f"  {'POST /v1/chat/completions':<52} -> {r.status_code} {answer!r}")
-        print(f"  {'streaming, chunks as they arrive:':<52} -> ", end="", flush=True)
+        print(f"  {'streaming, words as they arrive:':<52} -> ", end="", flush=True)
         body = {**chat, "max_tokens": 24, "stream": True}
+        words = _WordPrinter()
         with client.stream("POST", "/v1/chat/completions", headers=auth, json=body) as s:
             for line in s.iter_lines():
                 if line.startswith("data: {"):
                     delta = json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
-                    print(delta, end="", flush=True)
+                    words.feed(delta)
         print()
         r = client.post("/v1/chat/completions", headers=auth, json=_image_chat(model, _png()))
         tokens = r.json()["usage"]["prompt_tokens"]

@@ -29,7 +29,7 @@ from bench.stack import Fleet, RunConfig, Server, cpu_seconds, discover_model
 CHAT = "/v1/chat/completions"
 EMBED = "/v1/embeddings"
 
-# Goals of issue 6 (one core, zero-latency engine).
+# The overhead goals (one core, zero-latency engine; bench/README.md, "Goals").
 GOAL_ADDED_P50_US = 250.0
 GOAL_RPS_64 = 5000.0
 GOAL_STREAM_FIRST_CHUNK_MS = 0.5

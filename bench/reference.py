@@ -1,4 +1,4 @@
-"""Suite `reference`: the seed study's measurements (docs/facts.md) through the gateway.
+"""Suite `reference`: the GPU reference run's measurements (docs/vllm.md) through the gateway.
 
 Each measurement runs direct to the engine and through the gateway in the same run,
 alternating: time to first token for images (new, repeated, new question) at 448 and 896
@@ -25,7 +25,7 @@ from bench.realvllm.launcher import Engine
 from bench.report import Report, fmt, progress, spread
 from bench.stack import Fleet, RunConfig, Server, discover_model
 
-# The seed study on a laptop GPU (docs/facts.md), for the side-by-side column.
+# The reference run on a laptop GPU (docs/vllm.md), for the side-by-side column.
 SEED_TTFT_MS = {
     (448, "new image"): 67.9,
     (896, "new image"): 238.0,
@@ -155,10 +155,18 @@ def ttft_case(
             )
     report.table(
         "Time to first token with an image (ms)",
-        ["image", "step", "seed study", "direct p50", "gateway p50", "gateway/direct", "range d/g"],
+        [
+            "image",
+            "step",
+            "GPU reference",
+            "direct p50",
+            "gateway p50",
+            "gateway/direct",
+            "range d/g",
+        ],
         rows,
         f"mm cache over the run (engine metrics): {hits:.0f} hits of {queries:.0f} queries "
-        f"(seed study: 20 of 30). Statuses: {statuses}.",
+        f"(GPU reference: 20 of 30). Statuses: {statuses}.",
     )
     report.raw["image_ttft"] = {"steps": raw, "mm_cache": [hits, queries], "statuses": statuses}
     return raw
@@ -307,7 +315,7 @@ def ssrf_case(
             ]
             for r in table
         ],
-        "Seed study: a default vLLM answered 400 'cannot identify image file' after fetching "
+        "GPU reference: a default vLLM answered 400 'cannot identify image file' after fetching "
         "/health and /metrics (5.5 ms); with --allowed-media-domains it refused before "
         "fetching (2.6 ms); file:///etc/passwd gave 500.",
     )
@@ -445,7 +453,7 @@ def run(cfg: RunConfig, report: Report) -> None:
             "Pooling requests (ms)",
             [
                 "request",
-                "seed study",
+                "GPU reference",
                 "direct p50",
                 "gateway p50",
                 "gateway/direct",

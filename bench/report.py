@@ -1,8 +1,9 @@
 """What a run leaves behind: raw JSON, a Markdown report and PNG plots in one folder.
 
-`bench/results/<timestamp>/` holds `results.json` (every measurement, raw samples
-summarised), `report.md` (tables, goals met or missed by how much, the plots) and the
-PNGs. The summary printed at the end of a run is the report's tables.
+`bench/results/<timestamp>-<suite>/` (or the folder given to `--out`) holds
+`results.json` (every measurement, raw samples summarised), `report.md` (tables, goals
+met or missed by how much, the plots) and the PNGs. The summary printed at the end of a
+run is the report's tables.
 """
 
 from __future__ import annotations

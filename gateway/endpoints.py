@@ -98,9 +98,6 @@ _INTERNAL = "internal vLLM routes are not served through this gateway"
 _DOCS = "the engine's API docs are not exposed"
 _REALTIME = "WebSocket routes are not proxied by this gateway"
 _WEIGHTS = "weight-transfer routes replace the model's weights"
-# vLLM 0.32's structured decision API fetches `images`, `audio` and `videos` given as
-# bare URL lists, outside any chat content part.
-_SYSTEMONE = "the structured decision API takes media URL lists this gateway does not check"
 
 _ROUTES: Final[tuple[Route, ...]] = (
     # --- inference: generation, guarded or not by vLLM's own --api-key ---------------
@@ -114,6 +111,10 @@ _ROUTES: Final[tuple[Route, ...]] = (
     # SageMaker entry point: full chat/completion/pooling, open in vLLM (vllm#58144).
     _json("/invocations", Group.inference),
     _json("/generative_scoring", Group.inference),
+    # Structured decisions: media come as top-level URL lists (`images`, `audio`,
+    # `videos`), which the body walk checks and inlines like content parts
+    # (docs/vllm.md, "Where vLLM reads media").
+    _json("/v1/systemone", Group.inference),
     # --- pooling and scoring ----------------------------------------------------------
     _json("/v1/embeddings", Group.pooling),
     _json("/v2/embed", Group.pooling),
@@ -185,7 +186,6 @@ _ROUTES: Final[tuple[Route, ...]] = (
     _blocked("/v1/completions/derender", _RENDER),
     _blocked("/render", _RENDER),
     _blocked("/derender", _RENDER),
-    _blocked("/v1/systemone", _SYSTEMONE),
     _blocked("/kv_event_sources", _INTERNAL),
     _blocked("/docs", _DOCS),
     _blocked("/docs/oauth2-redirect", _DOCS),

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import getpass
+import tempfile
 from collections.abc import Callable, Iterator
+from contextlib import suppress
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.procs import Proc, RecordingServer, sim_proc
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish() -> None:
+    """Remove pytest's per-user folder in the temporary directory once it is empty: the
+    retention policy (pyproject.toml) removes a passing run's own folder, not its parent.
+    A folder another run still uses is not empty and stays."""
+    with suppress(OSError):
+        Path(tempfile.gettempdir(), f"pytest-of-{getpass.getuser()}").rmdir()
 
 
 @pytest.fixture

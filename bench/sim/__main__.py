@@ -19,7 +19,7 @@ def main() -> None:
         lifespan="on",
         access_log=False,
         log_level="warning",
-        # Keep-alive as vLLM's uvicorn default (docs/facts.md: 5 s).
+        # Keep-alive as vLLM's uvicorn default (docs/vllm.md: 5 s).
         timeout_keep_alive=5,
     )
 

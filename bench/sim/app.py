@@ -36,7 +36,8 @@ from bench.sim.media import MediaConnector
 Handler = Callable[[Engine, Request], Coroutine[Any, Any, None]]
 
 # vLLM's auth middleware guards a path only when the raw path starts with one of these
-# (vllm/entrypoints/openai/api_server.py); everything else stays open (docs/facts.md).
+# (vllm/entrypoints/serve/middleware/authenticate.py); everything else stays open
+# (docs/vllm.md).
 GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 RECORDER_PATH = "/sim/requests"
 ADAPTERS_PREFIX = "/adapters/"

@@ -1,6 +1,6 @@
 """The simulated engine: caches, load, and the latency model.
 
-Calibration (docs/facts.md, Qwen3-VL-2B on an 8 GB laptop GPU, vLLM 0.31/0.32):
+Calibration (docs/vllm.md, Qwen3-VL-2B on an 8 GB laptop GPU, vLLM 0.31/0.32):
 TTFT = 15 ms fixed + 16 ms per media item (load, hash, processor) + uncached prompt
 tokens at 18,000 tokens/s + vision encoder time for items missing from the processor
 cache, 0.1 ms x t + 0.000136 ms x t^2 for an item of t tokens (attention is quadratic).

@@ -278,7 +278,7 @@ async def tokenize(engine: Engine, req: Request) -> None:
     engine.resolve_model(body.get("model"))
     if "messages" in body:
         # Like vLLM, /tokenize renders the chat and so fetches its media, and it is not
-        # guarded by --api-key (docs/facts.md).
+        # guarded by --api-key (docs/vllm.md).
         segments = prompt.chat_segments(
             body["messages"], body.get("add_generation_prompt", True) is not False
         )

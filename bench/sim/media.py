@@ -30,7 +30,7 @@ MAX_DOWNLOAD = 256 * 1024 * 1024  # vLLM's VLLM_MEDIA_MAX_BYTES default
 
 # Qwen3-VL: 16 px patches merged 2x2, so one token per 32x32 pixels, plus the
 # vision start/end markers. Gives 198 tokens for 448x448 and 786 for 896x896, against the
-# reference run's 220 and 808 prompt tokens with ~20 tokens of text (docs/facts.md).
+# reference run's 220 and 808 prompt tokens with ~20 tokens of text (docs/vllm.md).
 PIXELS_PER_TOKEN_SIDE = 32
 MAX_IMAGE_TOKENS = 16384
 
@@ -123,7 +123,7 @@ class MediaConnector:
             raise SimError(422, f"Failed to fetch media from URL: {exc}") from None
 
     def _local(self, path: str) -> bytes:
-        # vLLM answers 500 here when no local path is allowed (docs/facts.md); the
+        # vLLM answers 500 here when no local path is allowed (docs/vllm.md); the
         # simulator answers 400 with vLLM's message, since it must never 500.
         if self.allowed_local_path is None:
             raise bad_request("Cannot load local files without `--allowed-local-media-path`.")

@@ -1,6 +1,6 @@
 """Audio and video checks: a type allowlist, magic bytes that match the declared type,
 size caps, and a frame cap for `data:video/jpeg` (comma-separated base64 JPEG frames,
-the form vLLM decodes frame by frame, docs/facts.md).
+the form vLLM decodes frame by frame, docs/vllm.md).
 
 The gateway does not decode audio or video (that needs codecs it should not carry);
 it guarantees that only the allowed container formats reach the engine.

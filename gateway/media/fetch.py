@@ -6,7 +6,7 @@ checked, keeping the host name for `Host`, SNI and certificate checks. So a DNS 
 that changes between check and connect (rebinding) cannot move the connection.
 
 `MediaFetcher` owns the `httpx.AsyncClient`: no redirects (vLLM follows them unchecked,
-docs/facts.md), no proxy environment variables, identity encoding only, a byte cap
+docs/vllm.md), no proxy environment variables, identity encoding only, a byte cap
 enforced while streaming, a total time cap and a cap on concurrent fetches, its slots
 shared fairly between keys (slots.py). Every
 failure is a `MediaFetchFailed` naming its reason; library text never reaches a client.

@@ -38,7 +38,7 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 # The MIME types each format may be declared as. vLLM ignores a data URL's type and
-# lets Pillow sniff (docs/facts.md); the gateway insists they agree, so an SVG, HTML or
+# lets Pillow sniff (docs/vllm.md); the gateway insists they agree, so an SVG, HTML or
 # PostScript file cannot hide behind an image label.
 FORMAT_TYPES: dict[str, frozenset[str]] = {
     "PNG": frozenset({"image/png"}),

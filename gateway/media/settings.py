@@ -120,7 +120,7 @@ class MediaSettings(BaseModel):
     cache_ttl: float = Field(default=300.0, ge=0)
     uuids: UuidPolicy = UuidPolicy.namespace
     max_cache_salt_length: int = Field(default=256, ge=0)
-    # Explicit opt-ins for request fields that vLLM trusts too much (docs/facts.md).
+    # Explicit opt-ins for request fields that vLLM trusts too much (docs/vllm.md).
     allow_prompt_embeds: bool = False
     allow_embeds_parts: bool = False
     allow_kv_transfer_params: bool = False

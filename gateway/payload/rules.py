@@ -1,7 +1,7 @@
 """The tables the body walk applies. Every rule about request fields lives here, so the
 JSON walk, the multipart check and the docs read the same lists.
 
-Checked against vLLM 0.32's source (docs/media.md, "Where vLLM reads media"): content
+Checked against vLLM 0.32's source (docs/vllm.md, "Where vLLM reads media"): content
 parts are TypedDicts and pydantic models that drop unknown keys, and a part's type is
 taken from its keys when `type` is missing or a `uuid` is set. So these tables name
 keys, never positions: a key is recognised in every object of the body, at any depth,

@@ -4,7 +4,7 @@ The stream is what decides a prefix-cache hit in vLLM, minus the tokenizer: the 
 (which also names the LoRA adapter), the `cache_salt`, then each message's role, text
 and the content hash of each media item, in order. It is cut at natural boundaries and
 hashed as a chain, H(previous digest, segment), so a digest names the whole prefix up to
-its boundary, the way vLLM's block hashes name a prefix of tokens (docs/facts.md,
+its boundary, the way vLLM's block hashes name a prefix of tokens (docs/vllm.md,
 "Prefix caching"). The digests at those boundaries are the candidate anchors; the policy
 picks one of them (policy.py). Hashes are blake2b: stable across processes and replicas,
 unlike Python's `hash()`, which is salted per process.
@@ -45,7 +45,7 @@ DIGEST_SIZE = 16
 
 # A content part is a media item by the payload rules' tables, the ones the body walk
 # applies: by its `type`, or by a media key whatever its `type` says (vLLM picks the part
-# type by key presence when `type` is missing; docs/facts.md).
+# type by key presence when `type` is missing; docs/vllm.md).
 _MEDIA_KEYS = (*MEDIA_KEYS, SOURCE_KEY)
 _SYSTEM_ROLES = frozenset({"system", "developer"})
 

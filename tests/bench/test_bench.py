@@ -21,20 +21,29 @@ from bench.report import paired_ratios, spread
 from tests.procs import ROOT, gateway_proc, running, sim_proc
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# The four quick suites run at once, and the first test to read a result waits for its
+# suite: above the suite's own 120 s wait (SuiteRun.result), not the project's 60 s per
+# test, which the overhead suite overran on a loaded 2-core machine (load average 7-10).
+pytestmark = pytest.mark.timeout(150)
 
 
 class SuiteRun:
     """`python -m bench <suite> --quick` started in the background; `result()` waits.
 
     The run gets a process group of its own, and `kill` ends the whole group: a suite
-    stopped by a test's timeout never leaves its engines and gateways running."""
+    stopped by a test's timeout never leaves its engines and gateways running. Its
+    temporary directory is `<out>-tmp`, beside `out`: a killed suite cannot remove its
+    work folder, and it stays with the test's, not in the system's."""
 
     def __init__(self, out: Path, *args: str) -> None:
         self.out = out
+        self.temp = out.with_name(out.name + "-tmp")
+        self.temp.mkdir(parents=True)
         cmd = [sys.executable, "-m", "bench", *args, "--quick", "--loadgen", "python"]
         self.proc = subprocess.Popen(
             [*cmd, "--out", str(out)],
             cwd=ROOT,
+            env={**os.environ, "TMPDIR": str(self.temp)},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -277,6 +286,8 @@ def test_a_stopped_suite_leaves_no_process_behind(tmp_path: Path) -> None:
     while _group_members(pgid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _group_members(pgid) == []
+    # Killed before it could clean up: its work folder (engine logs) is in the test's.
+    assert [p.name.startswith("bench-overhead-") for p in run.temp.iterdir()] == [True]
 
 
 def test_cli_refuses_half_an_external_deployment() -> None:

@@ -17,6 +17,7 @@ FORWARDED = [
     ("/invocations", Group.inference),
     ("/generative_scoring", Group.inference),
     ("/cohere/v2/chat", Group.inference),
+    ("/v1/systemone", Group.inference),
     ("/v1/embeddings", Group.pooling),
     ("/v2/embed", Group.pooling),
     ("/pooling", Group.pooling),
@@ -61,7 +62,7 @@ BLOCKED = [
     "/redoc",
     "/openapi.json",
     "/v1/realtime",
-    # vLLM 0.32 (issue 11): weight transfer, render and derender, structured decisions.
+    # vLLM 0.32: weight transfer, render and derender.
     "/start_weight_update",
     "/start_draft_weight_update",
     "/finish_weight_update",
@@ -74,7 +75,6 @@ BLOCKED = [
     "/cohere/v2/chat/render",
     "/v1/chat/completions/derender",
     "/v1/completions/derender",
-    "/v1/systemone",
     "/static/swagger-ui-bundle.js",
 ]
 
@@ -128,7 +128,7 @@ def test_gateway_routes_are_local_and_engine_metrics_is_not_forwarded() -> None:
 
 
 def test_every_vllm_open_route_is_classified() -> None:
-    # The routes vLLM's --api-key leaves open (docs/facts.md) are all in the table.
+    # The routes vLLM's --api-key leaves open (docs/vllm.md) are all in the table.
     for path in ("/score", "/rerank", "/pooling", "/classify", "/tokenize", "/detokenize",
                  "/invocations", "/generative_scoring", "/health", "/ping", "/version",
                  "/load", "/adapters", "/scale_elastic_ep"):  # fmt: skip

@@ -101,7 +101,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             [gen.url, victim.url],
             GATEWAY_API_KEYS_FILE=str(key_file),
             GATEWAY_LIMITS__MAX_IN_FLIGHT=str(MAX_IN_FLIGHT),
-            # Issue 3's engine choice; the affinity policy has its own tests.
+            # A plain engine choice; the affinity policy has its own tests.
             GATEWAY_ROUTING__POLICY="round_robin",
         ),
     )

@@ -1,6 +1,6 @@
 """A client that leaves mid-request, streamed or not, must end the request inside vLLM:
-the gateway closes its upstream connection, and vLLM aborts only then (docs/facts.md,
-"Disconnect").
+the gateway closes its upstream connection, and vLLM aborts only then (docs/vllm.md,
+"Wire details").
 
 How vLLM 0.32 shows a client abort in its own metrics: the API server aborts the request
 (`OutputProcessor.abort_requests`) without recording it as finished, so no

@@ -149,7 +149,7 @@ def test_an_allowed_request_does_reach_the_engine(stack: Stack) -> None:
 def _part_shapes(url: str) -> dict[str, dict[str, object]]:
     return {
         "image_url part": image_part(url),
-        # Issue 11: an unknown key on a part is dropped by vLLM, the part fetched as usual.
+        # An unknown key on a part is dropped by vLLM, the part fetched as usual.
         # (A part typed "text" that carries an image_url is not fetched by vLLM 0.32.)
         "image_url part with a role key": {**image_part(url), "role": "user"},
         "bare image_url": {"image_url": url},

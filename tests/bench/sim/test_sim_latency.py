@@ -24,7 +24,7 @@ def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
         yield proc
 
 
-# Reference medians (docs/facts.md): image tokens, then TTFT for a new image and for the
+# Reference medians (docs/vllm.md): image tokens, then TTFT for a new image and for the
 # same image again. ~20 text tokens ride along with each image.
 @pytest.mark.parametrize(
     ("side", "tokens", "new_ms", "cached_ms"),

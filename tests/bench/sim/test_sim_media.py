@@ -126,7 +126,7 @@ def test_image_tokens_and_mm_cache(sim: Proc, origin: RecordingServer) -> None:
     q0, h0 = mm(sim.url)
     small = ask(sim.url, image_part(origin.url + "/small.png")).json()
     large = ask(sim.url, image_part(origin.url + "/large.png")).json()
-    # Calibrated to the reference run: about 200 and 790 image tokens (docs/facts.md).
+    # Calibrated to the reference run: about 200 and 790 image tokens (docs/vllm.md).
     assert 195 <= small["usage"]["prompt_tokens"] - 20 <= 215
     assert 780 <= large["usage"]["prompt_tokens"] - 20 <= 800
     assert mm(sim.url) == (q0 + 2, h0)

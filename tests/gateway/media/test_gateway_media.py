@@ -1,5 +1,5 @@
 """Media and payload security end to end: the gateway under uvicorn, real simulated
-engines and loopback canaries (issue 4, "Done when").
+engines and loopback canaries.
 
 The simulated engines fetch media exactly as unsafely as a default vLLM (any host,
 redirects followed, no private-address blocking), so a check the gateway forgot shows
@@ -203,10 +203,11 @@ def counts(stack: Stack) -> list[float]:
 
 def records(stack: Stack, sim: Proc, *, scrapes: bool = False) -> list[dict[str, Any]]:
     """What reached `sim`, oldest first; without our own /metrics scrapes and the
-    gateways' health checks unless asked (a check every 30 s landed inside a test's
-    window now and then, and its empty body failed the test's JSON parse)."""
+    gateways' health checks and model-list reads unless asked (a check every 30 s landed
+    inside a test's window now and then, and its empty body failed the test's JSON
+    parse; the gateway re-reads /v1/models on a timer too)."""
     got: list[dict[str, Any]] = stack.http.get(sim.url + "/sim/requests").json()
-    return [r for r in got if scrapes or r["path"] not in ("/metrics", "/health")]
+    return [r for r in got if scrapes or r["path"] not in ("/metrics", "/health", "/v1/models")]
 
 
 def clear(stack: Stack, *sims: Proc) -> None:
@@ -393,6 +394,12 @@ def test_url_policy_table(stack: Stack) -> None:
 # --- where media appears: endpoints, roles and part shapes -------------------------------
 
 
+def _decision(**media: list[str]) -> dict[str, Any]:
+    """A /v1/systemone body: media as top-level URL lists (docs/vllm.md)."""
+    question = {"type": "yes_no", "instructions": "Is there a cat?"}
+    return {"model": MODEL, "state": "a photo", "questions": {"q1": question}, **media}
+
+
 def _shapes(u: str) -> list[tuple[str, str, dict[str, Any]]]:
     """(label, path, body) with the forbidden URL `u` in one media location each."""
     msgs = [{"role": "user", "content": [image(u)]}]
@@ -434,6 +441,9 @@ def _shapes(u: str) -> list[tuple[str, str, dict[str, Any]]]:
          {"model": MODEL, "query": "q", "documents": content}),
         ("v2 embed images", "/v2/embed", {"model": MODEL, "images": [u]}),
         ("v2 embed inputs", "/v2/embed", {"model": MODEL, "inputs": content}),
+        ("structured decision images", "/v1/systemone", _decision(images=[u])),
+        ("structured decision videos", "/v1/systemone", _decision(videos=[u])),
+        ("structured decision audio", "/v1/systemone", _decision(audio=[u])),
         ("tokenize", "/tokenize", {"model": MODEL, "messages": msgs}),
         ("invocations", "/invocations", {"model": MODEL, "messages": msgs}),
         ("embeddings messages", "/v1/embeddings", {"model": MODEL, "messages": msgs}),
@@ -757,6 +767,24 @@ def test_inline_mode_hands_the_engine_a_validated_data_url(stack: Stack) -> None
     stack.untouched()
 
 
+def test_structured_decisions_reach_the_engine_with_their_images_inlined(
+    stack: Stack,
+) -> None:
+    """/v1/systemone's `images` list is fetched, checked and inlined like a content part.
+    The simulated engine does not implement the route: it records the body, then
+    answers 404, which the gateway passes on."""
+    clear(stack, stack.gen)
+    url = stack.o + "/img.png"
+    r = stack.http.post(stack.inline.url + "/v1/systemone", headers=auth(),
+                        json=_decision(images=[url]))  # fmt: skip
+    assert r.status_code == 404, r.text
+    (record,) = records(stack, stack.gen)
+    assert record["path"] == "/v1/systemone"
+    assert json.loads(record["body"])["images"] == [data_url("image/png", PNG)]
+    assert url not in record["body"] and str(stack.origin.port) not in record["body"]
+    stack.untouched()
+
+
 def test_the_same_image_twice_has_the_same_identity(stack: Stack) -> None:
     """By URL twice and once as a data URL: the engine sees the same bytes each time
     and its media cache hits, and the origin is fetched once (the gateway's cache)."""
@@ -931,7 +959,7 @@ def test_bad_uploads_never_reach_the_engine(
     stack.untouched()
 
 
-# --- the reference SSRF table (docs/facts.md) ---------------------------------------------
+# --- the reference SSRF table (docs/vllm.md) ----------------------------------------------
 
 
 def _ssrf_urls(target: Proc) -> list[tuple[str, str]]:
@@ -942,7 +970,7 @@ def _ssrf_urls(target: Proc) -> list[tuple[str, str]]:
 
 def test_reference_ssrf_table_engine_alone_then_through_the_gateway(stack: Stack) -> None:
     ref = stack.ref
-    # The engine alone fetches its own internal routes as "images" (docs/facts.md:
+    # The engine alone fetches its own internal routes as "images" (docs/vllm.md:
     # 400 "cannot identify image file" after fetching) and refuses only file:.
     for url, _ in _ssrf_urls(ref):
         clear(stack, ref)

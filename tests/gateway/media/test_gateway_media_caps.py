@@ -31,13 +31,21 @@ from tests.procs import (
 
 KEY = "sk-media-caps-0123456789abcdef"
 PNG = png(16, 16)
-FETCH_TIMEOUT = 0.5
+FETCH_TIMEOUT = 1.0
 MAX_CONCURRENT = 2
 
 
 class CountingOrigin:
     """Serves PNG after `delay` seconds; `/slow...` sleeps 3 s and answers nothing.
-    Records the largest number of (not slow) requests in progress at once."""
+    Records the largest number of (not slow) fetches in progress at once.
+
+    A fetch counts from its arrival until the origin starts answering it. The gateway
+    frees its slot only after reading the answer, so a fetch it starts in a freed slot
+    always arrives after the one before has stopped counting: the figure is never above
+    the concurrency the gateway exerts. (Counting until the answer had been written let
+    the next fetch arrive while the thread that answered the last one had not yet
+    counted it finished: three at once, with a cap of two.)
+    """
 
     def __init__(self, delay: float) -> None:
         self.served = 0
@@ -57,8 +65,11 @@ class CountingOrigin:
                 with lock:
                     outer.in_progress += 1
                     outer.most = max(outer.most, outer.in_progress)
+                time.sleep(delay)
+                with lock:
+                    outer.in_progress -= 1
+                    outer.served += 1
                 try:
-                    time.sleep(delay)
                     self.send_response(200)
                     self.send_header("Content-Type", "image/png")
                     self.send_header("Content-Length", str(len(PNG)))
@@ -66,10 +77,6 @@ class CountingOrigin:
                     self.wfile.write(PNG)
                 except OSError:
                     pass  # the gateway gave up and closed the connection
-                finally:
-                    with lock:
-                        outer.in_progress -= 1
-                        outer.served += 1
 
             def log_message(self, format: str, *args: object) -> None:
                 pass
@@ -90,7 +97,7 @@ Stack = MediaStack[CountingOrigin]
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp: Path = tmp_path_factory.mktemp("caps")
-    # Three waves of two 0.1 s fetches fit in the 0.5 s cap, which also counts the wait
+    # Three waves of two 0.1 s fetches fit in the 1 s cap, which also counts the wait
     # for a fetch slot (docs/media.md).
     origin = CountingOrigin(delay=0.1)
     sim = sim_proc(tmp, "--latency", "zero")

@@ -1,5 +1,5 @@
 """A generated corpus of request bodies that carry media references, for checking the
-gateway from outside (issue 11, "How it is tested").
+gateway from outside.
 
 The grammar is containers x media part shapes x sources x decorations x nestings:
 

@@ -1,4 +1,4 @@
-"""The payload walker over every body shape in docs/facts.md, with a real media origin
+"""The payload walker over every body shape in docs/vllm.md, with a real media origin
 and a canary on loopback: a disallowed URL anywhere is refused before any connection,
 an allowed one is fetched, validated and inlined, dangerous fields are refused."""
 

@@ -1,4 +1,4 @@
-"""The generated corpus (tests/gateway/payload/corpus.py) through the running gateway (issue 11).
+"""The generated corpus (tests/gateway/payload/corpus.py) through the running gateway.
 
 A black-box check of the body walk: whatever the walker looks like, every generated body
 is refused with a documented 4xx code, or forwarded with every media reference it carried

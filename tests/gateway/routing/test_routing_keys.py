@@ -130,7 +130,7 @@ def _part(**fields: Any) -> dict[str, Any]:
     return {"model": "m", "messages": [{"role": "user", "content": [fields]}]}
 
 
-# Any JSON shape yields anchors or none, never an exception (issue 11: a part whose
+# Any JSON shape yields anchors or none, never an exception (found once: a part whose
 # `type` was a list made routing raise, a 500 with two or more engines).
 WEIRD = [
     _part(type=["image_url"], image_url={"url": "https://a.example/x.png"}),
