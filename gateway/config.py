@@ -144,8 +144,9 @@ class TimeoutSettings(BaseModel):
     first_byte: float = Field(default=600.0, gt=0)
     # Longest silence between two chunks of a response.
     idle: float = Field(default=300.0, gt=0)
-    # vLLM closes idle keep-alive connections after 5 s (docs/facts.md); stay below it
-    # so the gateway never writes a request onto a connection the engine is closing.
+    # vLLM closes idle keep-alive connections after 5 s (docs/vllm.md, "Wire details");
+    # stay below it so the gateway never writes a request onto a connection the engine
+    # is closing.
     upstream_keepalive: float = Field(default=4.0, gt=0, lt=5.0)
 
 
