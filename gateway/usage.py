@@ -11,8 +11,7 @@ cut off, a refusal) count no tokens.
 
 from __future__ import annotations
 
-from collections import deque
-from typing import Any, NamedTuple
+from typing import Any
 
 import orjson
 
@@ -21,41 +20,34 @@ import orjson
 TAIL = 4096
 _KEY = b'"usage":'
 _SPACE = b" \t\r\n"
+_SPACE_BYTES = (b" ", b"\t", b"\r", b"\n")
 # Occurrences of `"usage":` tried from the end (one inside a string, or not followed by
 # an object, is skipped).
 _MAX_TRIES = 4
 
 
-class Usage(NamedTuple):
-    prompt_tokens: int
-    completion_tokens: int
+# Prompt tokens, completion tokens.
+Usage = tuple[int, int]
 
 
-def _count(usage: dict[str, Any], *names: str) -> int | None:
-    for name in names:
-        value = usage.get(name)
-        if type(value) is int and value >= 0:
-            return value
-    return None
+def _count(value: Any) -> int | None:
+    return value if type(value) is int and value >= 0 else None
 
 
 def _object_end(data: bytes, start: int) -> int:
     """The index after the `}` closing the object that opens at `data[start]`, or -1.
-    A usage object holds numbers, nulls and small objects of numbers: no strings."""
-    depth = 1
-    pos = start + 1
-    while depth:
+    A usage object holds numbers, nulls and small objects of numbers: no strings, so
+    braces are counted as they come."""
+    depth = 0
+    pos = start
+    while True:
         close = data.find(b"}", pos)
         if close < 0:
             return -1
-        opening = data.find(b"{", pos, close)
-        if opening >= 0:
-            depth += 1
-            pos = opening + 1
-        else:
-            depth -= 1
-            pos = close + 1
-    return pos
+        depth += data.count(b"{", pos, close) - 1
+        if depth <= 0:
+            return close + 1
+        pos = close + 1
 
 
 def read_usage(data: bytes, start: int = 0) -> Usage | None:
@@ -77,7 +69,7 @@ def read_usage(data: bytes, start: int = 0) -> Usage | None:
         if before < start or data[before] not in b"{,":
             continue
         value = at + len(_KEY)
-        while value < len(data) and data[value] in _SPACE:
+        while data[value : value + 1] in _SPACE_BYTES:
             value += 1
         if data[value : value + 1] != b"{":
             continue
@@ -88,30 +80,41 @@ def read_usage(data: bytes, start: int = 0) -> Usage | None:
             usage = orjson.loads(data[value:close])
         except orjson.JSONDecodeError:
             return None
-        prompt = _count(usage, "prompt_tokens", "input_tokens")
-        completion = _count(usage, "completion_tokens", "output_tokens")
+        get = usage.get
+        prompt = _count(get("prompt_tokens", get("input_tokens")))
+        completion = _count(get("completion_tokens", get("output_tokens")))
         if prompt is None and completion is None:
             return None
-        return Usage(prompt or 0, completion or 0)
+        return prompt or 0, completion or 0
     return None
 
 
 class Tail:
     """The last bytes of a streamed answer, at least `TAIL` of them once that many
-    came, kept as the chunks they arrived in (no copy per chunk)."""
+    came: chunks are kept as they arrive and joined only every `2 * TAIL` bytes, so a
+    chunk costs a list append. A chunk of `TAIL` bytes or more replaces what was kept:
+    an answer's usage ends at most a few bytes before its end (`}`, or `data: [DONE]`),
+    so a usage object that began in an earlier chunk ends within a few bytes of a
+    chunk that long, and is not in the last `TAIL` bytes."""
 
     __slots__ = ("_chunks", "_size")
 
     def __init__(self) -> None:
-        self._chunks: deque[bytes] = deque()
+        self._chunks: list[bytes] = []
         self._size = 0
 
     def add(self, chunk: bytes) -> None:
-        chunks = self._chunks
-        chunks.append(chunk)
-        self._size += len(chunk)
-        while self._size - len(chunks[0]) >= TAIL:
-            self._size -= len(chunks.popleft())
+        size = len(chunk)
+        if size >= TAIL:
+            self._chunks = [chunk]
+            self._size = size
+            return
+        self._chunks.append(chunk)
+        self._size += size
+        if self._size > 2 * TAIL:
+            kept = b"".join(self._chunks)[-TAIL:]
+            self._chunks = [kept]
+            self._size = len(kept)
 
     def usage(self) -> Usage | None:
         data = b"".join(self._chunks)
