@@ -4,9 +4,11 @@ vLLM puts `usage` at the end of a non-streamed answer (only engine fields such a
 `prompt_logprobs`, keyed by token ids, follow it), and a stream asked for with
 `stream_options.include_usage` sends it in its last data event, before `data: [DONE]`.
 So only the answer's last `TAIL` bytes are searched, and only the `usage` object itself
-is parsed: parsing a whole 750-byte chat answer with orjson took 3.9 us, finding its
-`usage` 0.2 us. Answers that report no usage (a stream without `include_usage`, one
-cut off, a refusal) count no tokens.
+is parsed: a cost that does not grow with the answer. Measured (timeit, best of 7 on
+the shared 2-core machine under load): 2.3-2.9 us for a 750-byte chat answer and for a
+15 KB one, where orjson parsing the whole answer took 2.5 us and 7.4 us; a stream's
+tail costs ~0.3 us a chunk. Answers that report no usage (a stream without
+`include_usage`, one cut off, a refusal) count no tokens.
 """
 
 from __future__ import annotations
@@ -92,10 +94,10 @@ def read_usage(data: bytes, start: int = 0) -> Usage | None:
 class Tail:
     """The last bytes of a streamed answer, at least `TAIL` of them once that many
     came: chunks are kept as they arrive and joined only every `2 * TAIL` bytes, so a
-    chunk costs a list append. A chunk of `TAIL` bytes or more replaces what was kept:
-    an answer's usage ends at most a few bytes before its end (`}`, or `data: [DONE]`),
-    so a usage object that began in an earlier chunk ends within a few bytes of a
-    chunk that long, and is not in the last `TAIL` bytes."""
+    chunk costs a list append. A chunk of `TAIL` bytes or more replaces what was kept,
+    uncopied: a usage object ends a few bytes before the answer's end (`}`, or
+    `data: [DONE]`), so when it is in the last `TAIL` bytes, no such chunk came after
+    it began."""
 
     __slots__ = ("_chunks", "_size")
 
