@@ -89,6 +89,39 @@ class ConnectionCounts:
         self.pipeline_full = 0
 
 
+class TokenCounts(Collector):
+    """Tokens the engines reported in their answers (gateway/usage.py), by key name:
+    plain integer adds per answer, read at scrape time (a labelled prometheus counter
+    takes a lock per increment)."""
+
+    def __init__(self) -> None:
+        # Key name -> [prompt tokens, completion tokens].
+        self.by_key: dict[str, list[int]] = {}
+
+    def add(self, key: str, prompt_tokens: int, completion_tokens: int) -> None:
+        counts = self.by_key.get(key)
+        if counts is None:
+            counts = self.by_key[key] = [0, 0]
+        counts[0] += prompt_tokens
+        counts[1] += completion_tokens
+
+    def collect(self) -> Iterator[Metric]:
+        prompt = CounterMetricFamily(
+            "gateway_prompt_tokens",
+            "Prompt tokens of the answers whose engine reported `usage`, by key name.",
+            labels=["key"],
+        )
+        completion = CounterMetricFamily(
+            "gateway_completion_tokens",
+            "Completion tokens of the answers whose engine reported `usage`, by key name.",
+            labels=["key"],
+        )
+        for key, (prompt_tokens, completion_tokens) in self.by_key.items():
+            prompt.add_metric([key], float(prompt_tokens))
+            completion.add_metric([key], float(completion_tokens))
+        yield from (prompt, completion)
+
+
 class ConnectionCollector(Collector):
     """Open client connections and the closing counts, at scrape time."""
 
@@ -205,18 +238,6 @@ class Metrics:
             ["key", "group", "status", "code"],
             registry=self.registry,
         )
-        self.prompt_tokens = Counter(
-            "gateway_prompt_tokens",
-            "Prompt tokens of the answers whose engine reported `usage`, by key name.",
-            ["key"],
-            registry=self.registry,
-        )
-        self.completion_tokens = Counter(
-            "gateway_completion_tokens",
-            "Completion tokens of the answers whose engine reported `usage`, by key name.",
-            ["key"],
-            registry=self.registry,
-        )
         self.rejections = Counter(
             "gateway_rejections",
             "Requests the gateway refused itself, by error code.",
@@ -243,10 +264,11 @@ class Metrics:
             ["reason"],
             registry=self.registry,
         )
+        self.tokens = TokenCounts()
+        self.registry.register(self.tokens)
         self.routing = RoutingCounts()
         self.connections = ConnectionCounts()
         self._requests: dict[tuple[str | None, str, int, str], Counter] = {}
-        self._tokens: dict[str, tuple[Counter, Counter]] = {}
         self._durations: dict[str, Histogram] = {}
         self._ttfbs: dict[str, Histogram] = {}
 
@@ -278,15 +300,7 @@ class Metrics:
 
     def observe_usage(self, key: str | None, prompt_tokens: int, completion_tokens: int) -> None:
         """The tokens an engine's answer reported, for the key that asked."""
-        name = key or NO_KEY
-        children = self._tokens.get(name)
-        if children is None:
-            children = self._tokens[name] = (
-                self.prompt_tokens.labels(name),
-                self.completion_tokens.labels(name),
-            )
-        children[0].inc(prompt_tokens)
-        children[1].inc(completion_tokens)
+        self.tokens.add(key or NO_KEY, prompt_tokens, completion_tokens)
 
     def observe_ttfb(self, group: str, seconds: float) -> None:
         _observe(self._ttfbs, self.upstream_ttfb, group, seconds)
