@@ -167,11 +167,12 @@ class Relay:
                 raise gateway_error(exc, answering=True) from None
             watch.stop()
             ex.bytes_out = len(body)
-            ex.usage = read_usage(body, max(0, len(body) - TAIL))
             await send(
                 {"type": "http.response.start", "status": resp.status, "headers": out_headers}
             )
             await send({"type": "http.response.body", "body": body})
+            # Once the client has its answer.
+            ex.usage = read_usage(body, max(0, len(body) - TAIL))
             return
 
         await send({"type": "http.response.start", "status": resp.status, "headers": out_headers})
