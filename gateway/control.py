@@ -30,7 +30,7 @@ from pydantic import BaseModel, Field
 
 from gateway.asgi import ASGIApp, Message, Receive, Scope, Send
 from gateway.auth import KeyRing
-from gateway.errors import GatewayError, error_payload
+from gateway.errors import GatewayError, error_body
 from gateway.exchange import exchange_of
 from gateway.metrics import CONTENT_TYPE, Metrics
 from gateway.routing.pool import Engine, EnginePool
@@ -187,9 +187,11 @@ class _ControlApp(FastAPI):
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
-    # Starlette's last-resort handler: the gateway's error body instead of its plain
-    # text; the exception goes on to RequestContext, which logs it.
-    return JSONResponse(error_payload(GatewayError()), status_code=500)
+    # Starlette's last-resort handler: the gateway's 500 body (errors.error_body, the
+    # bytes send_error writes) instead of its plain text; the exception goes on to
+    # RequestContext, which logs it.
+    error = GatewayError()
+    return Response(error_body(error), status_code=error.status, media_type="application/json")
 
 
 def _keyed(scope: str, responses: dict[int | str, Any] | None = None) -> dict[str, Any]:
