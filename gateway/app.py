@@ -1,8 +1,9 @@
-"""`create_app(settings)`: the middleware list, the gateway's own routes, the lifespan.
+"""`create_app(settings)`: the middleware list, the dispatch, the lifespan.
 
 The forwarding path is plain ASGI, not FastAPI routes: FastAPI's request handling cost
 ~200-270 us of CPU per request on this machine (docs/facts.md, "Measurements behind
-design choices").
+design choices"). The gateway's own routes are a FastAPI application (control.py),
+which `Dispatch` hands only the requests the endpoint table marks `local`.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ import contextlib
 import gc
 import os
 import ssl
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import orjson
 import structlog
 
 from gateway.admission import Admission
@@ -25,12 +26,13 @@ from gateway.asgi import ASGIApp, Receive, Scope, Send
 from gateway.auth import KeyConfigError, KeyRing, build_keys, load_key_file
 from gateway.config import Settings, load_settings
 from gateway.connections import CONNECTION_GUARD, ConnectionGuard
+from gateway.control import control_app
 from gateway.endpoints import Action
-from gateway.errors import NoEngineAvailable, UnknownEndpoint
+from gateway.errors import NoEngineAvailable
 from gateway.exchange import exchange_of
 from gateway.logging import RequestLog, configure_logging
 from gateway.media.decoder import Decoder
-from gateway.metrics import CONTENT_TYPE, Metrics
+from gateway.metrics import Metrics
 from gateway.middleware import Authentication, EndpointGuard, KeyLimits, RequestContext
 from gateway.payload import PayloadInspector
 from gateway.proxy import Proxy
@@ -41,6 +43,7 @@ from gateway.upstream import Upstream, UpstreamClient
 # The env var through which `vllm-gateway serve --workers N` hands each worker its
 # config file (uvicorn starts workers from an import string, not an object).
 CONFIG_ENV = "VLLM_GATEWAY_CONFIG"
+MODELS_PATH = "/v1/models"
 KEY_FILE_POLL = 1.0
 # Young-generation threshold of the cyclic collector. Python's default (700) ran a gen-0
 # collection every few requests at 64 connections: 1,552 of them in one 12 s run, 8-9%
@@ -50,64 +53,46 @@ GC_THRESHOLDS = (20_000, 10, 10)
 log = structlog.get_logger("gateway.app")
 
 
-def _json_response(status: int, payload: dict[str, Any]) -> tuple[int, bytes]:
-    return status, orjson.dumps(payload)
+class ModelList:
+    """`GET /v1/models`, answered from the pool's copy of the engines' lists (models.py)
+    rather than by an engine: one merged list, whichever engine serves what, and no
+    engine request per call. Plain ASGI: clients call it like any API route."""
 
-
-class LocalRoutes:
-    """The gateway's own routes: /healthz, /readyz, /metrics, and /v1/models, answered
-    from the pool's copy of the engines' lists (models.py) rather than by an engine:
-    one merged list, whichever engine serves what, and no engine request per call."""
-
-    def __init__(self, pool: EnginePool, metrics: Metrics) -> None:
+    def __init__(self, pool: EnginePool) -> None:
         self.pool = pool
-        self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope["gateway.path"]
-        content_type = b"application/json"
-        if path == "/healthz":
-            status, body = _json_response(200, {"status": "ok"})
-        elif path == "/readyz":
-            # Ready: some engine is healthy, which the pool grants only once that
-            # engine's served models are known (a gateway that answered before knowing
-            # them refused served models as unknown).
-            ready = self.pool.ready()
-            status, body = _json_response(
-                200 if ready else 503,
-                {
-                    "status": "ready" if ready else "no_healthy_engine",
-                    "healthy_engines": len(self.pool.healthy()),
-                    "engines": len(self.pool.engines),
-                },
-            )
-        elif path == "/metrics":
-            status, body, content_type = 200, self.metrics.render(), CONTENT_TYPE
-        elif path == "/v1/models":
-            if not self.pool.ready():
-                raise NoEngineAvailable()
-            key = exchange_of(scope).key
-            status, body = 200, self.pool.index.listing(None if key is None else key.models)
-        else:
-            raise UnknownEndpoint()
+        if not self.pool.ready():
+            raise NoEngineAvailable()
         ex = exchange_of(scope)
+        key = ex.key
+        body = self.pool.index.listing(None if key is None else key.models)
         ex.bytes_out = len(body)
-        headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
 
 class Dispatch:
-    """Sends the gateway's own routes to `local`, everything else to `proxy`."""
+    """Sends the gateway's own routes to `local` (the control plane), except
+    /v1/models to `models`, and everything else to `proxy`: one attribute test per
+    forwarded request."""
 
-    def __init__(self, local: ASGIApp, proxy: ASGIApp) -> None:
+    def __init__(self, local: ASGIApp, proxy: ASGIApp, models: ASGIApp) -> None:
         self.local = local
         self.proxy = proxy
+        self.models = models
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ex = exchange_of(scope)
         if ex.route.action is Action.local:
-            await self.local(scope, receive, send)
+            if ex.route.path == MODELS_PATH:
+                await self.models(scope, receive, send)
+            else:
+                await self.local(scope, receive, send)
         else:
             await self.proxy(scope, receive, send)
 
@@ -122,13 +107,18 @@ class KeyFileWatcher:
     poll). An empty file is refused for the same reason; `api_keys: []` revokes every
     key on purpose."""
 
-    def __init__(self, path: Path, keyring: KeyRing, settings: Settings) -> None:
+    def __init__(self, path: Path, keyring: KeyRing, settings: Settings, loaded_keys: int) -> None:
         self.path = path
         self.keyring = keyring
         self.settings = settings
         self._stamp = self._stat()
         # A change seen at the last poll, read once it is seen again unchanged.
         self._pending: tuple[int, int] | None = None
+        # For /gateway/status (control.KeyFile): the last good load (the one before
+        # this watcher started, of `loaded_keys` keys) and the last refused version.
+        self.loaded_at = time.time()
+        self.loaded_keys = loaded_keys
+        self.refused_at: float | None = None
 
     def _stat(self) -> tuple[int, int] | None:
         try:
@@ -148,14 +138,18 @@ class KeyFileWatcher:
         self._pending = None
         self._stamp = stamp
         if stamp is not None and stamp[1] == 0:
+            self.refused_at = time.time()
             log.error("key_file_invalid", path=str(self.path), reason="empty", kept="old keys")
             return
         try:
-            keys = build_keys(self.settings.api_keys) + load_key_file(self.path)
+            from_file = load_key_file(self.path)
+            keys = build_keys(self.settings.api_keys) + from_file
         except KeyConfigError as exc:
+            self.refused_at = time.time()
             log.error("key_file_invalid", path=str(self.path), reason=str(exc), kept="old keys")
             return
         self.keyring.replace(keys)
+        self.loaded_at, self.loaded_keys, self.refused_at = time.time(), len(from_file), None
         log.info("key_file_reloaded", path=str(self.path), keys=len(keys))
 
     async def run(self) -> None:
@@ -176,8 +170,11 @@ class Gateway:
         self.settings = settings
         self.metrics = Metrics()
         keys = build_keys(settings.api_keys)
+        file_keys = 0
         if settings.api_keys_file is not None:
-            keys += load_key_file(settings.api_keys_file)
+            from_file = load_key_file(settings.api_keys_file)
+            keys += from_file
+            file_keys = len(from_file)
         self.keyring = KeyRing(keys, allow_unauthenticated=settings.allow_unauthenticated)
         t = settings.timeouts
         # One client for everything sent to engines: forwarded requests, health checks,
@@ -227,7 +224,7 @@ class Gateway:
             self.connections,
         )
         self.watcher = (
-            KeyFileWatcher(settings.api_keys_file, self.keyring, settings)
+            KeyFileWatcher(settings.api_keys_file, self.keyring, settings, file_keys)
             if settings.api_keys_file is not None
             else None
         )
@@ -250,7 +247,15 @@ class Gateway:
             (Authentication, {"keyring": self.keyring, "public_metrics": settings.public_metrics}),
             (KeyLimits, {"admission": self.admission}),
         ]
-        app: ASGIApp = Dispatch(LocalRoutes(self.pool, self.metrics), self.proxy)
+        control = control_app(
+            self.pool,
+            self.metrics,
+            self.keyring,
+            policy=policy.name,
+            key_file=self.watcher,
+            public_metrics=settings.public_metrics,
+        )
+        app: ASGIApp = Dispatch(control, self.proxy, ModelList(self.pool))
         for cls, options in reversed(middleware):
             app = cls(app, **options)
         self.stack = app

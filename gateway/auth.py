@@ -38,8 +38,9 @@ class ApiKey:
     name: str
     digest: bytes
     # Route groups this key may use. A key configured without scopes gets every
-    # forwarded group but not `metrics`: reading the gateway's metrics is granted only
-    # explicitly, so a leaked inference key does not also map the deployment.
+    # forwarded group but not `metrics` or `admin` (the gateway's metrics and control
+    # routes): granted only explicitly, so a leaked inference key does not also map
+    # the deployment.
     scopes: frozenset[Group]
     # None: every served model.
     models: frozenset[str] | None

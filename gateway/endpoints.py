@@ -32,6 +32,9 @@ class Group(StrEnum):
     info = "info"
     # The gateway's own /metrics; never granted implicitly (see auth.py).
     metrics = "metrics"
+    # The gateway's control routes (/gateway/status, its OpenAPI schema); never
+    # granted implicitly either.
+    admin = "admin"
 
 
 FORWARDED_GROUPS: Final = frozenset(
@@ -43,7 +46,8 @@ ALL_SCOPES: Final = frozenset(Group)
 class Action(StrEnum):
     forward = "forward"
     blocked = "blocked"
-    # Answered by the gateway itself (/healthz, /readyz, /metrics, /v1/models).
+    # Answered by the gateway itself: /v1/models from the pool's lists (app.ModelList),
+    # the rest by its control plane (gateway/control.py).
     local = "local"
     unknown = "unknown"
 
@@ -143,6 +147,8 @@ _ROUTES: Final[tuple[Route, ...]] = (
     Route("/healthz", Action.local, None, _GET),
     Route("/readyz", Action.local, None, _GET),
     Route("/metrics", Action.local, Group.metrics, _GET),
+    Route("/gateway/status", Action.local, Group.admin, _GET),
+    Route("/gateway/openapi.json", Action.local, Group.admin, _GET),
     # --- blocked: exist on vLLM, never forwarded ----------------------------------------
     _blocked("/v1/load_lora_adapter", _LORA),
     _blocked("/v1/unload_lora_adapter", _LORA),

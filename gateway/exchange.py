@@ -9,6 +9,7 @@ from __future__ import annotations
 from gateway.asgi import Scope
 from gateway.auth import ApiKey
 from gateway.endpoints import UNKNOWN, Route
+from gateway.usage import Usage
 
 # The scope key under which the exchange travels.
 SCOPE_KEY = "gateway.exchange"
@@ -37,6 +38,7 @@ class Exchange:
         "started",
         "status",
         "ttfb",
+        "usage",
     )
 
     def __init__(self, request_id: str, path: str, started: float) -> None:
@@ -65,6 +67,8 @@ class Exchange:
         self.anchor_kind: str | None = None
         self.spilled: bool | None = None
         self.failovers = 0
+        # The tokens the engine's answer reported (gateway/usage.py); None: none.
+        self.usage: Usage | None = None
 
 
 def exchange_of(scope: Scope) -> Exchange:

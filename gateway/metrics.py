@@ -12,6 +12,12 @@ from prometheus_client.registry import Collector
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST.encode("latin-1")
 
+# The `key` label of requests that presented no valid key (the open routes, refusals
+# before a key was recognised). No key's name is empty (auth.build_keys names a key
+# without one `key-<n>`), so this label is never a key's. Other values are key names,
+# as many as the keys configured (key-file reloads included).
+NO_KEY = ""
+
 # Latency buckets from 1 ms: the gateway's own answers take well under a millisecond,
 # generation takes seconds.
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
@@ -81,6 +87,39 @@ class ConnectionCounts:
         # A request pipelined beyond server.MAX_PIPELINED: the queued ones answered,
         # then closed.
         self.pipeline_full = 0
+
+
+class TokenCounts(Collector):
+    """Tokens the engines reported in their answers (gateway/usage.py), by key name:
+    plain integer adds per answer, read at scrape time (a labelled prometheus counter
+    takes a lock per increment)."""
+
+    def __init__(self) -> None:
+        # Key name -> [prompt tokens, completion tokens].
+        self.by_key: dict[str, list[int]] = {}
+
+    def add(self, key: str, prompt_tokens: int, completion_tokens: int) -> None:
+        counts = self.by_key.get(key)
+        if counts is None:
+            counts = self.by_key[key] = [0, 0]
+        counts[0] += prompt_tokens
+        counts[1] += completion_tokens
+
+    def collect(self) -> Iterator[Metric]:
+        prompt = CounterMetricFamily(
+            "gateway_prompt_tokens",
+            "Prompt tokens of the answers whose engine reported `usage`, by key name.",
+            labels=["key"],
+        )
+        completion = CounterMetricFamily(
+            "gateway_completion_tokens",
+            "Completion tokens of the answers whose engine reported `usage`, by key name.",
+            labels=["key"],
+        )
+        for key, (prompt_tokens, completion_tokens) in self.by_key.items():
+            prompt.add_metric([key], float(prompt_tokens))
+            completion.add_metric([key], float(completion_tokens))
+        yield from (prompt, completion)
 
 
 class ConnectionCollector(Collector):
@@ -194,8 +233,9 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "gateway_requests",
-            "Requests answered, by route group, HTTP status and error code.",
-            ["group", "status", "code"],
+            "Requests answered, by key name (empty: no valid key), route group, HTTP "
+            "status and error code.",
+            ["key", "group", "status", "code"],
             registry=self.registry,
         )
         self.rejections = Counter(
@@ -224,9 +264,11 @@ class Metrics:
             ["reason"],
             registry=self.registry,
         )
+        self.tokens = TokenCounts()
+        self.registry.register(self.tokens)
         self.routing = RoutingCounts()
         self.connections = ConnectionCounts()
-        self._requests: dict[tuple[str, int, str], Counter] = {}
+        self._requests: dict[tuple[str | None, str, int, str], Counter] = {}
         self._durations: dict[str, Histogram] = {}
         self._ttfbs: dict[str, Histogram] = {}
 
@@ -235,16 +277,30 @@ class Metrics:
         return Histogram(name, documentation, ["group"], buckets=_BUCKETS, registry=self.registry)
 
     def observe_request(
-        self, group: str, status: int, code: str, duration: float, rejected: bool
+        self,
+        group: str,
+        status: int,
+        code: str,
+        duration: float,
+        rejected: bool,
+        key: str | None = None,
     ) -> None:
-        key = (group, status, code)
-        child = self._requests.get(key)
+        """One answered request; `key` is the name of the key it presented (None: no
+        valid key)."""
+        labels = (key, group, status, code)
+        child = self._requests.get(labels)
         if child is None:
-            child = self._requests[key] = self.requests.labels(group, str(status), code)
+            child = self._requests[labels] = self.requests.labels(
+                key or NO_KEY, group, str(status), code
+            )
         child.inc()
         _observe(self._durations, self.duration, group, duration)
         if rejected:
             self.rejections.labels(code).inc()
+
+    def observe_usage(self, key: str | None, prompt_tokens: int, completion_tokens: int) -> None:
+        """The tokens an engine's answer reported, for the key that asked."""
+        self.tokens.add(key or NO_KEY, prompt_tokens, completion_tokens)
 
     def observe_ttfb(self, group: str, seconds: float) -> None:
         _observe(self._ttfbs, self.upstream_ttfb, group, seconds)

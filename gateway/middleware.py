@@ -134,7 +134,9 @@ class RequestContext:
             ex.status = ex.status or 499
         group = ex.route.label
         rejected = ex.engine is None and ex.code != ""
-        self.metrics.observe_request(group, ex.status, ex.code, duration, rejected)
+        self.metrics.observe_request(group, ex.status, ex.code, duration, rejected, ex.key_name)
+        if ex.usage is not None:
+            self.metrics.observe_usage(ex.key_name, *ex.usage)
         self.request_log.write(
             {
                 "request_id": ex.request_id,

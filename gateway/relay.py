@@ -1,7 +1,8 @@
 """Relaying an engine's answer to the client.
 
 Successful answers are streamed chunk by chunk as they arrive: no SSE frame is parsed on
-this path (LiteLLM's per-chunk re-serialisation costs ~1.5 ms). Only the allowlisted
+this path (LiteLLM's per-chunk re-serialisation costs ~1.5 ms); the tokens the engine
+reports are read from the answer's last bytes once it ends (usage.py). Only the allowlisted
 response headers cross (headers.py). Error answers are read whole under a cap and
 scrubbed or replaced (engine_errors.py). (`/v1/models` is answered by the gateway itself,
 from the pool's copy of the engines' lists: routing/models.py.)
@@ -21,6 +22,7 @@ from gateway.exchange import Exchange
 from gateway.forwarder import gateway_error
 from gateway.headers import RESPONSE_HEADERS
 from gateway.upstream import Response, UpstreamError
+from gateway.usage import TAIL, Tail, read_usage
 
 log = structlog.get_logger("gateway.relay")
 
@@ -118,10 +120,14 @@ class Relay:
                 {"type": "http.response.start", "status": resp.status, "headers": out_headers}
             )
             await send({"type": "http.response.body", "body": body})
+            # Once the client has its answer.
+            ex.usage = read_usage(body, max(0, len(body) - TAIL))
             return
 
         await send({"type": "http.response.start", "status": resp.status, "headers": out_headers})
         loop = asyncio.get_running_loop()
+        # The answer's last bytes, where the engine reports its usage (gateway/usage.py).
+        tail = Tail()
         try:
             async with asyncio.timeout(self.idle) as deadline:
                 while True:
@@ -129,6 +135,7 @@ class Relay:
                     if not chunk:
                         break
                     ex.bytes_out += len(chunk)
+                    tail.add(chunk)
                     # The deadline is the engine's: paused while a slow client reads.
                     deadline.reschedule(None)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -152,4 +159,5 @@ class Relay:
             # connection, which a client sees as an error, not as a short body.
             return
         watch.stop()
+        ex.usage = tail.usage()
         await send({"type": "http.response.body", "body": b""})

@@ -83,7 +83,7 @@ def test_object_keys_carry_name_scopes_models() -> None:
         (["sha256:abcd"], "64 hex"),
         (["sha256:" + "zz" * 32], "64 hex"),
         ([PLAIN, hash_key(PLAIN)], "twice"),
-        ([ApiKeyConfig(key=PLAIN, scopes=["admin"])], "unknown scopes"),
+        ([ApiKeyConfig(key=PLAIN, scopes=["root"])], "unknown scopes"),
         (
             [ApiKeyConfig(key=PLAIN, name="team"), ApiKeyConfig(key=OTHER, name="team")],
             "another key has this name",

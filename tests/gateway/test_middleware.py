@@ -534,10 +534,16 @@ async def test_request_context_counts_requests_and_the_gateways_own_refusals() -
     await call(s.app, scope(key=None))
     await call(s.app, scope("/v1/load_lora_adapter", key=FULL))
     requests = samples(s.metrics, "gateway_requests_total")
+    # By the key's name; the empty name when no valid key was presented.
     assert requests == {
-        (("code", ""), ("group", "inference"), ("status", "200")): 1.0,
-        (("code", "invalid_api_key"), ("group", "inference"), ("status", "401")): 1.0,
-        (("code", "endpoint_blocked"), ("group", "blocked"), ("status", "403")): 1.0,
+        (("code", ""), ("group", "inference"), ("key", "full"), ("status", "200")): 1.0,
+        (("code", "invalid_api_key"), ("group", "inference"), ("key", ""), ("status", "401")): 1.0,
+        (
+            ("code", "endpoint_blocked"),
+            ("group", "blocked"),
+            ("key", "full"),
+            ("status", "403"),
+        ): 1.0,
     }
     assert samples(s.metrics, "gateway_rejections_total") == {
         (("code", "invalid_api_key"),): 1.0,

@@ -1,0 +1,123 @@
+"""Token counts from an engine's answer: its `usage` object, read from the answer's end.
+
+vLLM puts `usage` at the end of a non-streamed answer (only engine fields such as
+`prompt_logprobs`, keyed by token ids, follow it), and a stream asked for with
+`stream_options.include_usage` sends it in its last data event, before `data: [DONE]`.
+So only the answer's last `TAIL` bytes are searched, and only the `usage` object itself
+is parsed: a cost that does not grow with the answer. Measured (timeit, best of 7 on
+the shared 2-core machine under load): 2.3-2.9 us for a 750-byte chat answer and for a
+15 KB one, where orjson parsing the whole answer took 2.5 us and 7.4 us; a stream's
+tail costs ~0.3 us a chunk. Answers that report no usage (a stream without
+`include_usage`, one cut off, a refusal) count no tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+# Bytes at the end of an answer searched for its `usage`: the usage event of a stream
+# (about 300 bytes) and what follows it, with room to spare.
+TAIL = 4096
+_KEY = b'"usage":'
+_SPACE = b" \t\r\n"
+_SPACE_BYTES = (b" ", b"\t", b"\r", b"\n")
+# Occurrences of `"usage":` tried from the end (one inside a string, or not followed by
+# an object, is skipped).
+_MAX_TRIES = 4
+
+
+# Prompt tokens, completion tokens.
+Usage = tuple[int, int]
+
+
+def _count(value: Any) -> int | None:
+    return value if type(value) is int and value >= 0 else None
+
+
+def _object_end(data: bytes, start: int) -> int:
+    """The index after the `}` closing the object that opens at `data[start]`, or -1.
+    A usage object holds numbers, nulls and small objects of numbers: no strings, so
+    braces are counted as they come."""
+    depth = 0
+    pos = start
+    while True:
+        close = data.find(b"}", pos)
+        if close < 0:
+            return -1
+        depth += data.count(b"{", pos, close) - 1
+        if depth <= 0:
+            return close + 1
+        pos = close + 1
+
+
+def read_usage(data: bytes, start: int = 0) -> Usage | None:
+    """The tokens of the last `"usage": {...}` in `data[start:]`: prompt tokens
+    (`prompt_tokens`, or the Responses and Messages APIs' `input_tokens`) and completion
+    tokens (`completion_tokens` or `output_tokens`, 0 when absent: pooling answers).
+    None when there is none, or it cannot be read."""
+    end = len(data)
+    for _ in range(_MAX_TRIES):
+        at = data.rfind(_KEY, start, end)
+        if at < 0:
+            return None
+        end = at
+        # A key, not text inside a string: a quote inside a JSON string is escaped, so
+        # only a quote that opens a key follows `{` or `,`.
+        before = at - 1
+        while before >= start and data[before] in _SPACE:
+            before -= 1
+        if before < start or data[before] not in b"{,":
+            continue
+        value = at + len(_KEY)
+        while data[value : value + 1] in _SPACE_BYTES:
+            value += 1
+        if data[value : value + 1] != b"{":
+            continue
+        close = _object_end(data, value)
+        if close < 0:
+            return None
+        try:
+            usage = orjson.loads(data[value:close])
+        except orjson.JSONDecodeError:
+            return None
+        get = usage.get
+        prompt = _count(get("prompt_tokens", get("input_tokens")))
+        completion = _count(get("completion_tokens", get("output_tokens")))
+        if prompt is None and completion is None:
+            return None
+        return prompt or 0, completion or 0
+    return None
+
+
+class Tail:
+    """The last bytes of a streamed answer, at least `TAIL` of them once that many
+    came: chunks are kept as they arrive and joined only every `2 * TAIL` bytes, so a
+    chunk costs a list append. A chunk of `TAIL` bytes or more replaces what was kept,
+    uncopied: a usage object ends a few bytes before the answer's end (`}`, or
+    `data: [DONE]`), so when it is in the last `TAIL` bytes, no such chunk came after
+    it began."""
+
+    __slots__ = ("_chunks", "_size")
+
+    def __init__(self) -> None:
+        self._chunks: list[bytes] = []
+        self._size = 0
+
+    def add(self, chunk: bytes) -> None:
+        size = len(chunk)
+        if size >= TAIL:
+            self._chunks = [chunk]
+            self._size = size
+            return
+        self._chunks.append(chunk)
+        self._size += size
+        if self._size > 2 * TAIL:
+            kept = b"".join(self._chunks)[-TAIL:]
+            self._chunks = [kept]
+            self._size = len(kept)
+
+    def usage(self) -> Usage | None:
+        data = b"".join(self._chunks)
+        return read_usage(data, max(0, len(data) - TAIL))
