@@ -170,8 +170,12 @@ def run_offline(opts: Options, workloads: list[Workload], draws: int) -> None:
         results = {r.policy: r for r in offline(w, settings, draws, opts)}
         rr = results["round_robin"].uncached
         for r in results.values():
-            agree = "" if r.agreement is None else (
-                f"  follow-ups same engine {r.agreement:6.1%} (worst {r.worst_agreement:.1%})"
+            agree = (
+                ""
+                if r.agreement is None
+                else (
+                    f"  follow-ups same engine {r.agreement:6.1%} (worst {r.worst_agreement:.1%})"
+                )
             )
             print(
                 f"  {w.name:10} {r.policy:20} hit {r.hit_rate:6.1%}  uncached {r.uncached:9,.0f}"
