@@ -105,7 +105,7 @@ def test_replicas_taking_turns_route_every_request_alike(replicas: int) -> None:
             # A new scrape: mostly even loads, now and then one engine far above the rest.
             loads = [(rng.randint(2, 6), 0) for _ in URLS]
             if rng.random() < 0.3:
-                loads[rng.randrange(len(URLS))] = (16, rng.randint(0, 12))
+                loads[rng.randrange(len(URLS))] = (32, rng.randint(16, 48))
             scrape(pools, loads)
         turn = index % replicas
         for pool in pools:
