@@ -139,17 +139,19 @@ class Affinity:
 
         A conversation under a shared system prompt: the prompt spreads over every
         engine, the first user message (never hot: its turns are nested) keeps one.
-        A template carrying 20% of the traffic over 4 engines: spread 1.6, so its
-        requests go to its first engine, and for 60% of them (by their next candidate)
-        to its second too. Two replicas whose spreads differ by a little split only
+        A template carrying 10% of the traffic over 4 engines: spread 4 x 4 x 0.1 =
+        1.6, so its requests go to its first engine, and for 60% of them (by their next
+        candidate) to its second too. Two replicas whose spreads differ by a little split only
         that little of the candidate's requests differently."""
         running: Sequence[E] = engines
         n = len(engines)
         last = len(candidates) - 1
         for i, anchor in enumerate(candidates):
-            spread = 1.0 if i == last else self._hot.spread(anchor, n)
-            if spread >= len(running):
-                continue  # every engine still in the running stays: nothing to rank
+            spread = 1.0
+            if i < last:
+                spread = self._hot.spread(anchor, n)
+                if spread >= len(running):
+                    continue  # every engine still in the running stays: nothing to rank
             ranked = rendezvous_order(anchor.digest, running)
             keep = int(spread)
             if keep < spread and fraction(candidates[i + 1].digest) < spread - keep:

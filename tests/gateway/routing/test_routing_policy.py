@@ -425,3 +425,9 @@ def test_make_policy_from_the_environment(
 
 def test_default_policy_is_affinity() -> None:
     assert isinstance(make_policy(RoutingSettings()), Affinity)
+
+
+def test_one_engine_takes_everything() -> None:
+    policy, pool = affinity(), engines(1)
+    for i in range(12):  # past the point where the shared prompt spreads
+        assert route(policy, chat_request(conversation(i, 1 + i % 3)), pool) == pool[0].url
