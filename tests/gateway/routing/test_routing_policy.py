@@ -179,7 +179,7 @@ def test_two_fresh_instances_agree() -> None:
 
 
 def test_requests_without_a_prompt_do_not_sway_replicas() -> None:
-    # One replica also serves model listings and scores: its placements must not differ.
+    # One replica also serves model listings and scores: its hot counts must not differ.
     pool = engines()
     a, b = affinity(), affinity()
     picks_a, picks_b = [], []
