@@ -9,7 +9,7 @@ of recent requests, it
   docs/routing.md),
 - carried at least `min_count` of them (below that the share is noise; it also keeps a
   freshly started gateway from scattering the first few requests; a leading system
-  prompt is exempt, see `spread`), and
+  prompt that forks is exempt, see `spread`), and
 - *branches*: the requests carrying it continue differently somewhere after it.
 
 A hot candidate's requests spread over divisor x N x share engines (`spread`), so
@@ -64,7 +64,7 @@ class HotCandidates:
         self._previous_n = 0
 
     def spread(self, anchor: Anchor, engines: int) -> float:
-        """Over how many engines the requests carrying `digest` should spread: 1 for a
+        """Over how many engines the requests carrying `anchor` should spread: 1 for a
         candidate that is not hot, else divisor x N x its share of recent requests (so
         each engine takes at most 1/(divisor x N) of the traffic through it), at most N.
 
