@@ -101,6 +101,10 @@ class Call:
     # client sends after the previous turn's messages and the engine's reply to it, as
     # a chat client does (`follow`).
     follow_up: bool = False
+    # What the call's engine should be shared with: its conversation (chat) or its image
+    # (images). A call whose key was seen before is a follow-up for the agreement figure
+    # (bench/README.md); None where every request is its own conversation.
+    key: str | None = None
 
 
 def follow(call: Call, previous: dict[str, Any] | None, reply: str) -> dict[str, Any]:
@@ -153,7 +157,7 @@ def chat(model: str, scale: float, rng: random.Random, max_tokens: int) -> Workl
     sessions: list[list[Call]] = []
     measured = max(4, round(48 * scale))
     warmup = measured // 2
-    for _ in range(warmup + measured):
+    for index in range(warmup + measured):
         calls: list[Call] = []
         for turn in range(rng.randint(3, 6)):
             question = {"role": "user", "content": words(rng, rng.randint(30, 120))}
@@ -161,7 +165,7 @@ def chat(model: str, scale: float, rng: random.Random, max_tokens: int) -> Workl
             body = _chat_body(model, [question], reply, ignore_eos=True)
             if turn == 0:
                 body["messages"] = [system, question]
-            calls.append(Call(CHAT, body, follow_up=turn > 0))
+            calls.append(Call(CHAT, body, follow_up=turn > 0, key=f"conversation {index}"))
         sessions.append(calls)
     return Workload(
         "chat",
@@ -234,6 +238,7 @@ def images(model: str, scale: float, rng: random.Random, max_tokens: int) -> Wor
                 ],
                 max_tokens,
             ),
+            key=f"image {i}",
         )
         for i in range(count)
         for _ in range(3)

@@ -59,6 +59,10 @@ class EngineStatus(BaseModel):
     )
     models: list[str] = Field(description="Models the engine lists, as last read.")
     in_flight: int = Field(description="Requests this gateway process is forwarding to it.")
+    running: int | None = Field(
+        description="Requests the engine is running (from every gateway process and "
+        "replica), from its metrics as last scraped; null when not scraped."
+    )
     waiting: int | None = Field(
         description="Requests queued in the engine, from its metrics as last scraped; "
         "null when they are not scraped (routing.load_interval 0) or not yet."
@@ -136,6 +140,7 @@ def engine_status(engine: Engine) -> EngineStatus:
         healthy=engine.healthy,
         models=sorted(engine.models),
         in_flight=engine.in_flight,
+        running=engine.running if engine.scraped else None,
         waiting=engine.waiting if engine.scraped else None,
         kv_cache_usage=engine.kv_cache_usage if engine.scraped else None,
         ejections=engine.ejections,

@@ -43,7 +43,7 @@ class RoutingCounts:
 
     def __init__(self) -> None:
         # Requests the policy sent to their anchor's first choice, or elsewhere (the
-        # load bound or placement moved them).
+        # load bound moved them).
         self.first = 0
         self.spilled = 0
         # Times a refused connection moved a request on to the next engine.

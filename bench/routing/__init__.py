@@ -10,13 +10,15 @@ that eviction matters), puts the front end before them and replays the same work
 - the gateway with `affinity`, `round_robin` and `least_loaded`;
 - vllm-router (PyPI `vllm-router`, Rust) with its `cache_aware` policy, when installed
   (`.venv/bin/pip install vllm-router`; it is not a project dependency);
-- two gateway replicas, and two vllm-router replicas, splitting the traffic request by
-  request, as behind a plain load balancer.
+- each of these with 2 and 4 replicas taking the requests in turn, as behind a plain
+  load balancer (`--replicas`).
 
 Hit rates and uncached prompt tokens come from the engines' own counters
 (`vllm:prefix_cache_queries_total`, `vllm:prefix_cache_hits_total`, deltas per workload);
 load is the requests each engine received (`sim:received_requests_total`), max / mean;
 TTFT is measured by the client (first streamed chunk), so it includes the front end.
+Follow-up agreement comes from the engines' request recorders: which engine each call's
+X-Request-Id reached (bench/README.md defines it).
 
 The package, by concern: `options` (what a run measures), `client` (sessions replayed over
 HTTP), `fronts` (the front ends compared), `live` (one run on fresh engines), `inprocess`
@@ -58,6 +60,13 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespace]
     )
     p.add_argument("--load-epsilon", type=float, default=None, help="the gateway's load bound")
     p.add_argument(
+        "--replicas",
+        action="append",
+        type=int,
+        default=[],
+        help="replica counts to run (repeatable; default 1, 2 and 4)",
+    )
+    p.add_argument(
         "--gateway-env",
         action="append",
         default=[],
@@ -85,6 +94,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespace]
     )
     if args.workload:
         opts.workloads = args.workload
+    if args.replicas:
+        opts.replicas = args.replicas
     return opts, args
 
 

@@ -24,6 +24,8 @@ class Outcome:
     first_error: str = ""
     # Per engine, the sum of its `/load` (requests in flight) over the samples taken.
     busy: list[float] = field(default_factory=list)
+    # (X-Request-Id, call key) of every call, in the order sent (with a `tag`).
+    calls: list[tuple[str, str | None]] = field(default_factory=list)
 
 
 async def _send(
@@ -103,6 +105,7 @@ async def replay(
     concurrency: int,
     live: int,
     engines: Sequence[str] = (),
+    tag: str = "",
 ) -> Outcome:
     """Run the sessions with `live` of them open at once and `concurrency` requests in
     flight; calls alternate over `fronts`.
@@ -110,12 +113,16 @@ async def replay(
     An open session whose call has been answered goes to the back of a queue: while it
     waits there, its user is reading and typing, and other sessions' turns run. So with
     `live` above `concurrency`, as in production, an engine holds many conversations
-    between their turns, not only the ones being answered."""
+    between their turns, not only the ones being answered.
+
+    With a `tag`, each call carries `X-Request-Id: <tag><n>`, recorded with its key in
+    `Outcome.calls`, so the engines' request recorders tell where each call went."""
     out = Outcome()
     pending = iter(sessions)
     ready: asyncio.Queue[_Open | None] = asyncio.Queue()
     open_sessions = 0
     turn = itertools.count()
+    numbers = itertools.count()
     base = {"Content-Type": "application/json", **headers}
 
     def open_next() -> None:
@@ -140,7 +147,12 @@ async def replay(
             follows = session.next < len(session.calls) and session.calls[session.next].follow_up
             front = fronts[next(turn) % len(fronts)]
             url = front + call.path
-            session.reply = await _send(http, url, base, orjson.dumps(body), out, follows)
+            sent = base
+            if tag:
+                request_id = f"{tag}{next(numbers)}"
+                out.calls.append((request_id, call.key))
+                sent = {**base, "X-Request-Id": request_id}
+            session.reply = await _send(http, url, sent, orjson.dumps(body), out, follows)
             session.previous = body
             ready.put_nowait(session)
         ready.put_nowait(None)  # wake the next user, so every user ends

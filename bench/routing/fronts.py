@@ -21,6 +21,9 @@ class Front:
     name: str
     start: Starter | None
     ideal: bool = False
+    # The policy (or router) it runs, and how many replicas take the requests in turn.
+    family: str = ""
+    replicas: int = 1
 
 
 def _gateway(policy: str, replicas: int, opts: Options) -> Starter:
@@ -64,16 +67,23 @@ def router_installed() -> bool:
     return (Path(sys.executable).parent / "vllm-router").exists()
 
 
+FAMILIES = ("affinity", "round_robin", "least_loaded", "vllm-router cache_aware")
+
+
+def front_name(family: str, replicas: int) -> str:
+    return family if replicas == 1 else f"{family}, {replicas} replicas"
+
+
 def fronts(opts: Options) -> list[Front]:
-    table = [
-        Front("ideal (1 engine, all the cache)", None, ideal=True),
-        Front("affinity", _gateway("affinity", 1, opts)),
-        Front("round_robin", _gateway("round_robin", 1, opts)),
-        Front("least_loaded", _gateway("least_loaded", 1, opts)),
-        Front("vllm-router cache_aware", _router(1)),
-        Front("affinity, 2 replicas", _gateway("affinity", 2, opts)),
-        Front("vllm-router cache_aware, 2 replicas", _router(2)),
-    ]
+    """The ideal engine, then every family with 1, 2 and 4 replicas (`opts.replicas`)."""
+    table = [Front("ideal (1 engine, all the cache)", None, ideal=True)]
+    for replicas in opts.replicas:
+        for family in FAMILIES:
+            if family.startswith("vllm-router"):
+                start = _router(replicas)
+            else:
+                start = _gateway(family, replicas, opts)
+            table.append(Front(front_name(family, replicas), start, False, family, replicas))
     if not router_installed():
         table = [f for f in table if not f.name.startswith("vllm-router")]
     if opts.fronts:

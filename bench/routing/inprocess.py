@@ -67,6 +67,18 @@ class OfflineResult:
     # Mean and worst over the draws of max / mean requests per engine.
     spread: float
     worst_spread: float
+    # Follow-up agreement (mean and worst over the draws): of the measured calls whose
+    # key (conversation, image) was routed before, the fraction that went to the same
+    # engine as the key's previous call. None where the workload has no such calls.
+    agreement: float | None = None
+    worst_agreement: float | None = None
+
+
+REPLICAS = (1, 2, 4)
+
+
+def _name(replicas: int) -> str:
+    return "affinity" if replicas == 1 else f"affinity, {replicas} replicas"
 
 
 def offline(
@@ -75,10 +87,10 @@ def offline(
     """Route the workload in-process, in `interleave`'s order, with the engines' LRU
     prefix caches modelled by bench.sim's own cache code, over `draws` sets of engine
     URLs: the ideal engine (all the cache), round robin (a random engine per request),
-    `affinity` with `settings`, and two such gateways taking alternate requests.
-    No load, no timing: it isolates the key, the hot rule and placement,
-    deterministically, in about a second. The warm-up is routed but not counted, as in
-    the live run."""
+    and `affinity` with `settings` as one gateway and as 2 and 4 replicas taking
+    requests in turn (round robin, as behind a plain load balancer).
+    No load, no timing: it isolates the key and the hot rule, deterministically, in
+    seconds. The warm-up is routed but not counted, as in the live run."""
     from bench.sim.cache import PrefixCache, block_hashes
     from gateway.routing.policy import Affinity, RoutingRequest
     from gateway.routing.settings import RoutingSettings
@@ -97,19 +109,20 @@ def offline(
         previous[session] = (body, reply)
         calls.append((call, prompt, blocks, reply_blocks))
     out = []
-    for policy in ("ideal", "round_robin", "affinity", "affinity, 2 replicas"):
-        hit_rates, uncached, spreads = [], [], []
-        replicas = 2 if policy.endswith("replicas") else 1
+    for policy in ("ideal", "round_robin", *(_name(r) for r in REPLICAS)):
+        hit_rates, uncached, spreads, agreements = [], [], [], []
+        replicas = int(policy.split(", ")[1].split()[0]) if ", " in policy else 1
         for draw in range(draws if policy.startswith("affinity") else 1):
             engines = 1 if policy == "ideal" else opts.engines
             pool = [Engine(f"http://10.{draw}.0.{i}:8000") for i in range(engines)]
             capacity = opts.kv_cache_tokens * opts.engines // engines
             caches = {e.url: PrefixCache(capacity, 16) for e in pool}
-            # Replicas take alternate requests, as behind a plain load balancer.
+            # Replicas take requests in turn, as behind a plain load balancer.
             gateways = [Affinity(RoutingSettings(**settings)) for _ in range(replicas)]
             load = dict.fromkeys(caches, 0)
             shuffle = random.Random(draw)
-            queries = hits = 0
+            queries = hits = follow_ups = same = 0
+            last: dict[str, str] = {}
             for index, (call, prompt, blocks, reply_blocks) in enumerate(calls):
                 if policy.startswith("affinity"):
                     request = RoutingRequest(call.path, body=prompt.body)
@@ -126,9 +139,16 @@ def offline(
                     load[url] += 1
                     hits += hit
                     queries += len(prompt.tokens)
+                    if call.key is not None and call.key in last:
+                        follow_ups += 1
+                        same += last[call.key] == url
+                if call.key is not None:
+                    last[call.key] = url
             hit_rates.append(hits / queries)
             uncached.append(queries - hits)
             spreads.append(max(load.values()) / statistics.mean(load.values()))
+            if follow_ups:
+                agreements.append(same / follow_ups)
         out.append(
             OfflineResult(
                 policy,
@@ -136,6 +156,8 @@ def offline(
                 statistics.mean(uncached),
                 statistics.mean(spreads),
                 max(spreads),
+                statistics.mean(agreements) if agreements else None,
+                min(agreements) if agreements else None,
             )
         )
     return out
@@ -148,8 +170,15 @@ def run_offline(opts: Options, workloads: list[Workload], draws: int) -> None:
         results = {r.policy: r for r in offline(w, settings, draws, opts)}
         rr = results["round_robin"].uncached
         for r in results.values():
+            agree = (
+                ""
+                if r.agreement is None
+                else (
+                    f"  follow-ups same engine {r.agreement:6.1%} (worst {r.worst_agreement:.1%})"
+                )
+            )
             print(
                 f"  {w.name:10} {r.policy:20} hit {r.hit_rate:6.1%}  uncached {r.uncached:9,.0f}"
                 f" ({r.uncached / rr:.2f} of round robin)  max/mean requests {r.spread:.2f}"
-                f" (worst {r.worst_spread:.2f})"
+                f" (worst {r.worst_spread:.2f}){agree}"
             )

@@ -13,6 +13,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+import orjson
+
 from bench.report import fmt, progress
 from bench.routing.client import replay
 from bench.routing.fronts import Front
@@ -58,9 +60,16 @@ class Result:
     seconds: float
     # Hit rate over the warm-up sessions (None without a warm-up).
     warm_hit_rate: float | None = None
-    # Max / mean requests per engine over the warm-up and the measured part together:
-    # placement evens out the engines' shares over its window, which spans both.
+    # Max / mean requests per engine over the warm-up and the measured part together.
     whole_max_over_mean: float | None = None
+    # Follow-up agreement (bench/README.md): of the measured calls whose key (a
+    # conversation, an image) was sent before, the fraction that reached the engine the
+    # key's previous call reached; `agreement` counts the keys begun in the measured
+    # part, `agreement_all` also those begun in the warm-up. None: no such calls, or
+    # the front end does not pass X-Request-Id on.
+    agreement: float | None = None
+    agreement_all: float | None = None
+    follow_ups: int = 0
 
 
 def _delta(before: list[Counters], after: list[Counters]) -> tuple[float, float]:
@@ -81,7 +90,7 @@ def run_front(
     front: Front, workloads: list[Workload], opts: Options, workdir: Path, cpus: CpuPlan
 ) -> list[Result]:
     """Each workload on fresh engines and a fresh front end: no cache, hot window or
-    placement carries over, so every row measures that workload alone."""
+    count carries over, so every row measures that workload alone."""
     return [run_one(front, w, opts, workdir, cpus) for w in workloads]
 
 
@@ -104,14 +113,17 @@ def run_one(
             _wait_for_model(url, headers)
         start = [counters(e) for e in engines]
         warm = workload.sessions[: workload.warmup]
-        warm_outcome = asyncio.run(replay(warm, urls, headers, opts.concurrency, opts.live))
+        warm_outcome = asyncio.run(
+            replay(warm, urls, headers, opts.concurrency, opts.live, tag="w")
+        )
         before = [counters(e) for e in engines]
         t0 = time.monotonic()
         outcome = asyncio.run(
-            replay(workload.measured, urls, headers, opts.concurrency, opts.live, engines)
+            replay(workload.measured, urls, headers, opts.concurrency, opts.live, engines, "m")
         )
         seconds = time.monotonic() - t0
         after = [counters(e) for e in engines]
+        where = {} if front.ideal else served(engines)
     queries, hits = _delta(start, before)
     warm_hit_rate = hits / queries if queries else None
     queries, hits = _delta(before, after)
@@ -134,14 +146,66 @@ def run_one(
         if front.ideal
         else _max_over_mean([a.requests - b.requests for a, b in zip(after, start, strict=True)]),
     )
+    if not front.ideal:
+        result.agreement, result.agreement_all, result.follow_ups = agreement(
+            warm_outcome.calls, outcome.calls, where
+        )
     outcome.first_error = outcome.first_error or warm_outcome.first_error
     if result.errors:
         progress(f"  {result.errors} errors, first: {outcome.first_error}")
+    agree = "" if result.agreement is None else f", follow-ups {result.agreement:.1%}"
     progress(
-        f"  {front.name} / {workload.name}: hit {result.hit_rate:.1%}, "
+        f"  {front.name} / {workload.name}: hit {result.hit_rate:.1%}{agree}, "
         f"p50 {fmt(result.ttft_p50_ms)} ms, load {per_engine}, {seconds:.1f}s"
     )
     return result
+
+
+def served(engines: Sequence[str]) -> dict[str, int]:
+    """X-Request-Id a client sent -> index of the engine that received it, from the
+    engines' request recorders (a gateway appends `-` and 16 hex digits to the id)."""
+    out: dict[str, int] = {}
+    for index, engine in enumerate(engines):
+        with urllib.request.urlopen(engine + "/sim/requests", timeout=30) as resp:  # noqa: S310
+            entries = orjson.loads(resp.read())
+        for entry in entries:
+            request_id = entry["headers"].get("x-request-id")
+            if entry["path"] in INFERENCE_PATHS and request_id:
+                client, sep, suffix = request_id.rpartition("-")
+                out[client if sep and len(suffix) == 16 else request_id] = index
+    return out
+
+
+def agreement(
+    warm: list[tuple[str, str | None]],
+    measured: list[tuple[str, str | None]],
+    where: dict[str, int],
+) -> tuple[float | None, float | None, int]:
+    """Follow-up agreement over the measured calls: (keys begun in the measured part,
+    all keys, follow-ups counted in the first figure). None without follow-ups, or
+    when the engines did not see the calls' ids."""
+    last: dict[str, int] = {}
+    begun_before: set[str] = set()
+    same = total_ = same_all = total_all = 0
+    for part, calls in (("warm", warm), ("measured", measured)):
+        for request_id, key in calls:
+            engine = where.get(request_id)
+            if key is None or engine is None:
+                continue
+            if part == "measured" and key in last:
+                total_all += 1
+                same_all += last[key] == engine
+                if key not in begun_before:
+                    total_ += 1
+                    same += last[key] == engine
+            if part == "warm":
+                begun_before.add(key)
+            last[key] = engine
+    return (
+        same / total_ if total_ else None,
+        same_all / total_all if total_all else None,
+        total_,
+    )
 
 
 def _wait_for_model(url: str, headers: dict[str, str], timeout: float = 30.0) -> None:
@@ -167,6 +231,8 @@ def _max_over_mean(values: Sequence[float]) -> float | None:
 
 def _start_sims(fleet: Fleet, opts: Options) -> list[Server]:
     args = ("--kv-cache-tokens", str(opts.kv_cache_tokens), "--latency", "calibrated")
+    # The recorder tells where each call went (`served`); it also keeps the load polls.
+    args += ("--record-requests", "50000")
     # In parallel: each start waits for /health, and there are 4 x 7 x 4 of them a run.
     with ThreadPoolExecutor(opts.engines) as pool:
         futures = [pool.submit(fleet.sim, *args, name=f"sim-{i}") for i in range(opts.engines)]

@@ -20,5 +20,7 @@ class Options:
         default_factory=lambda: ["chat", "few_shot", "images", "templates"]
     )
     fronts: list[str] = field(default_factory=list)
+    # Gateway (and vllm-router) replicas taking requests in turn, one front end each.
+    replicas: list[int] = field(default_factory=lambda: [1, 2, 4])
     load_epsilon: float | None = None
     gateway_env: dict[str, str] = field(default_factory=dict)

@@ -10,6 +10,10 @@ from bench.routing.live import Result
 from bench.workloads import Workload
 
 
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1%}"
+
+
 def _by(results: list[Result], front: str, workload: str) -> Result | None:
     return next((r for r in results if r.front == front and r.workload == workload), None)
 
@@ -28,6 +32,8 @@ def write_report(report: Report, results: list[Result], workloads: list[Workload
                     fmt(r.max_over_mean, 2),
                     fmt(r.whole_max_over_mean, 2),
                     fmt(r.busy_max_over_mean, 2),
+                    _pct(r.agreement),
+                    _pct(r.agreement_all),
                     r.errors,
                     "n/a" if r.warm_hit_rate is None else f"{r.warm_hit_rate:.1%}",
                 ]
@@ -43,6 +49,8 @@ def write_report(report: Report, results: list[Result], workloads: list[Workload
                 "max/mean requests",
                 "(with warm-up)",
                 "max/mean busy",
+                "follow-ups on their engine",
+                "(with warm-up keys)",
                 "errors",
                 "warm-up hit rate",
             ],
@@ -90,18 +98,88 @@ def write_report(report: Report, results: list[Result], workloads: list[Workload
                 f"{aff2.hit_rate:.1%} vs {ca2.hit_rate:.1%}",
                 aff2.hit_rate >= ca2.hit_rate - 0.005,
             )
-        if aff.max_over_mean is not None:
-            report.goal(
-                f"{w.name}: max/mean requests per engine",
-                "<= 1.30",
-                f"{aff.max_over_mean:.2f}",
-                aff.max_over_mean <= 1.3,
-                f"requests in flight, time-averaged: {fmt(aff.busy_max_over_mean, 2)};"
-                f" with the warm-up: {fmt(aff.whole_max_over_mean, 2)}",
-            )
+        _replica_goals(report, results, w, aff)
     report.raw["results"] = [r.__dict__ for r in results]
     if results:
         plot_routing(report, results, workloads)
+        plot_replicas(report, results, workloads)
+
+
+def _replica_goals(report: Report, results: list[Result], w: Workload, one: Result) -> None:
+    """Replicas agree (follow-ups on their engine), lose at most a point of hit rate
+    against one gateway, and keep max / mean requests per engine at or under 1.3."""
+    for replicas in (1, 2, 4):
+        name = "affinity" if replicas == 1 else f"affinity, {replicas} replicas"
+        r = _by(results, name, w.name)
+        if r is None:
+            continue
+        if r.agreement is not None:
+            report.goal(
+                f"{w.name}: {name}, follow-ups on their engine",
+                ">= 99%",
+                f"{r.agreement:.1%}",
+                r.agreement >= 0.99,
+                f"{r.follow_ups} follow-ups; with keys begun in the warm-up:"
+                f" {_pct(r.agreement_all)}",
+            )
+        if replicas > 1:
+            drop = 100 * (one.hit_rate - r.hit_rate)
+            report.goal(
+                f"{w.name}: {name}, hit rate vs one gateway",
+                "within 1 point",
+                f"{r.hit_rate:.1%} vs {one.hit_rate:.1%}",
+                drop <= 1.0,
+            )
+        if r.max_over_mean is not None:
+            report.goal(
+                f"{w.name}: {name}, max/mean requests per engine",
+                "<= 1.30",
+                f"{r.max_over_mean:.2f}",
+                r.max_over_mean <= 1.3,
+                f"requests in flight, time-averaged: {fmt(r.busy_max_over_mean, 2)};"
+                f" with the warm-up: {fmt(r.whole_max_over_mean, 2)}",
+            )
+
+
+def plot_replicas(report: Report, results: list[Result], workloads: list[Workload]) -> None:
+    """Hit rate by replica count (1, 2, 4) for each policy and vllm-router, per workload."""
+    from bench.routing.fronts import FAMILIES, front_name
+
+    counts = sorted({int(r.front.split(", ")[1].split()[0]) if ", " in r.front else 1
+                     for r in results if not r.front.startswith("ideal")})  # fmt: skip
+    if len(counts) < 2:
+        return
+
+    def draw(ax: Any) -> None:
+        step = len(counts) + 1
+        for colour, family in enumerate(FAMILIES):
+            labelled = False
+            for i, w in enumerate(workloads):
+                points = [
+                    (i * step + j, 100 * r.hit_rate)
+                    for j, n in enumerate(counts)
+                    if (r := _by(results, front_name(family, n), w.name)) is not None
+                ]
+                if not points:
+                    continue
+                xs, ys = zip(*points, strict=True)
+                ax.plot(xs, ys, marker="o", color=f"C{colour}", label=None if labelled else family)
+                labelled = True
+        for i, w in enumerate(workloads):
+            ideal = _by(results, "ideal (1 engine, all the cache)", w.name)
+            if ideal is not None:
+                x0, x1 = i * step - 0.3, i * step + len(counts) - 0.7
+                ax.hlines(100 * ideal.hit_rate, x0, x1, colors="grey", linestyles="dotted")
+            ax.text(i * step + (len(counts) - 1) / 2, 1.0, w.name, ha="center",
+                    transform=ax.get_xaxis_transform(), va="bottom")  # fmt: skip
+        ticks = [i * step + j for i in range(len(workloads)) for j in range(len(counts))]
+        ax.set_xticks(ticks, [str(n) for _ in workloads for n in counts])
+        ax.set_xlabel("gateway (or router) replicas taking requests in turn")
+        ax.set_ylabel("prefix cache hit rate, % (dotted: ideal engine)")
+        ax.set_title("Hit rate by replica count", pad=18)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+    report.plot("routing_replicas", draw, (11, 4.5))
 
 
 def plot_routing(report: Report, results: list[Result], workloads: list[Workload]) -> None:

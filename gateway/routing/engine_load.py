@@ -1,6 +1,6 @@
 """Reading an engine's own load from its Prometheus text (`GET /metrics`).
 
-Only two gauges are read, by a byte scan instead of a full exposition parser: vLLM's
+Only three gauges are read, by a byte scan instead of a full exposition parser: vLLM's
 /metrics carries every histogram bucket of every model (tens of kilobytes), and this
 runs on the event loop that forwards requests.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+RUNNING = b"vllm:num_requests_running"
 WAITING = b"vllm:num_requests_waiting"
 KV_USAGE = b"vllm:kv_cache_usage_perc"
 
@@ -20,6 +21,8 @@ class EngineLoad(NamedTuple):
     waiting: int
     # Fraction of KV cache blocks in use, 0 to 1 (the highest over label sets).
     kv_cache_usage: float
+    # Requests in the engine's running batch, from every replica (summed likewise).
+    running: int = 0
 
 
 def _samples(text: bytes, name: bytes) -> list[float]:
@@ -50,6 +53,7 @@ def parse_load(text: bytes) -> EngineLoad | None:
     text = b"\n" + text  # so the first line matches like every other
     waiting = _samples(text, WAITING)
     usage = _samples(text, KV_USAGE)
-    if not waiting and not usage:
+    running = _samples(text, RUNNING)
+    if not waiting and not usage and not running:
         return None
-    return EngineLoad(int(sum(waiting)), min(max(usage, default=0.0), 1.0))
+    return EngineLoad(int(sum(waiting)), min(max(usage, default=0.0), 1.0), int(sum(running)))

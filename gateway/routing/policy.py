@@ -15,9 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from gateway.routing.hotspots import HotCandidates
-from gateway.routing.keys import Anchor, candidate_anchors, session_anchor
-from gateway.routing.placement import Placements
-from gateway.routing.rendezvous import first_within_bound, load_of, rendezvous_order
+from gateway.routing.keys import Anchor, AnchorKind, candidate_anchors, session_anchor
+from gateway.routing.rendezvous import first_within_bound, fraction, load_of, rendezvous_order
 from gateway.routing.settings import RoutingPolicy, RoutingSettings
 
 
@@ -46,8 +45,8 @@ class RoutingRequest:
     session: str | None = None
     # Set by the policy. `anchor` is a hex digest (safe to log: it carries no prompt
     # text), `anchor_kind` the boundary it sits at, `first_choice` the URL of the
-    # anchor's engine (where it hashes to, or where placement put it), `spilled`
-    # whether the load bound moved the request off it.
+    # anchor's engine (where it hashes to), `spilled` whether the load bound moved the
+    # request off it.
     anchor: str | None = None
     anchor_kind: str | None = None
     first_choice: str | None = None
@@ -96,8 +95,13 @@ class LeastLoaded:
 class Affinity:
     """Cache affinity: the request's anchor, rendezvous-hashed, within a load bound.
 
-    See keys.py for the anchors, hotspots.py for which one is taken and rendezvous.py
-    for the order and the bound. Requests without a prompt spread round robin.
+    Every replica and worker process decides alike: the engine is a function of the
+    request's candidate anchors, their spreads (hotspots.py: counted per process, but
+    from samples of the same traffic, and continuous in the share), the set of engine
+    URLs, and for the load bound the engines' load as they report it (pool.py). No
+    request history of this process moves an anchor. See keys.py for the candidates
+    and rendezvous.py for the order and the bound. Requests without a prompt spread
+    round robin.
     """
 
     name = "affinity"
@@ -109,69 +113,85 @@ class Affinity:
             divisor=settings.hot_divisor,
             min_count=settings.hot_min_count,
         )
-        self._placements: Placements | None = None
-        if settings.placement:
-            self._placements = Placements(
-                epsilon=settings.placement_epsilon,
-                window=settings.hot_window,
-                capacity=settings.placement_capacity,
-                memory=settings.placement_memory,
-            )
         self._fallback = RoundRobin()
 
-    def _anchors(
-        self, request: RoutingRequest, engines: int
-    ) -> tuple[Anchor | None, Anchor | None]:
-        """The anchor of `request` given `engines` healthy engines (counted as seen),
-        and the candidate right after it (None if it is the last)."""
+    def _candidates(self, request: RoutingRequest) -> list[Anchor]:
         session = request.session
         body = request.body
         if session is None and self._settings.session_from_user and body is not None:
             user = body.get("user")
             session = user if isinstance(user, str) and user else None
         if session is not None:
-            return session_anchor(body, session), None
-        candidates = candidate_anchors(
+            return [session_anchor(body, session)]
+        return candidate_anchors(
             body,
             request.media,
             block_bytes=self._settings.prompt_block_bytes,
             max_candidates=self._settings.max_candidates,
         )
-        if not candidates:
-            return None, None
-        chosen = self._hot.pick(candidates, engines)
-        self._hot.observe(candidates)
-        index = candidates.index(chosen) + 1
-        return chosen, candidates[index] if index < len(candidates) else None
+
+    def choose(self, candidates: Sequence[Anchor], engines: Sequence[E]) -> tuple[Anchor, list[E]]:
+        """The deciding anchor and the engines in order, before the load bound; counts
+        nothing. Walking the candidates shortest first, each keeps the top `spread` of
+        the engines still in the running by its own rendezvous order (a fractional
+        spread admits the next engine for that fraction of the requests, by the next
+        candidate's hash); the first candidate that leaves one engine decides.
+
+        A conversation under a shared system prompt: the prompt spreads over every
+        engine, the first user message (never hot: its turns are nested) keeps one.
+        A template carrying 10% of the traffic over 4 engines: spread 4 x 4 x 0.1 =
+        1.6, so its requests go to its first engine, and for 60% of them (by their next
+        candidate) to its second too. Two replicas whose spreads differ by a little split only
+        that little of the candidate's requests differently."""
+        running: Sequence[E] = engines
+        n = len(engines)
+        last = len(candidates) - 1
+        for i, anchor in enumerate(candidates):
+            spread = 1.0
+            if i < last:
+                spread = self._hot.spread(anchor, n)
+                if spread >= len(running):
+                    continue  # every engine still in the running stays: nothing to rank
+            ranked = rendezvous_order(anchor.digest, running)
+            keep = int(spread)
+            if keep < spread and fraction(candidates[i + 1].digest) < spread - keep:
+                keep += 1
+            if keep == 1:
+                if len(running) == n:
+                    return anchor, ranked
+                # Failover and the load bound walk this anchor's whole order after it.
+                chosen = ranked[0]
+                rest = [e for e in rendezvous_order(anchor.digest, engines) if e is not chosen]
+                return anchor, [chosen, *rest]
+            running = ranked[:keep]
+        raise AssertionError("the last candidate always decides")  # pragma: no cover
 
     def order(self, request: RoutingRequest, engines: Sequence[E]) -> list[E]:
+        return self._decide(request, engines, count=True)
+
+    def peek(self, request: RoutingRequest, engines: Sequence[E]) -> list[E]:
+        """The order `order` would return, counting nothing: what this process would
+        decide (the bench and the tests compare replicas with it)."""
+        return self._decide(request, engines, count=False)
+
+    def _decide(self, request: RoutingRequest, engines: Sequence[E], count: bool) -> list[E]:
         if not engines:
             return []
-        anchor, successor = self._anchors(request, len(engines))
-        if anchor is None:
-            ordered = self._fallback.order(request, engines)
-        else:
-            ordered = rendezvous_order(anchor.digest, engines)
-            request.anchor = anchor.digest.hex()
-            request.anchor_kind = anchor.kind.value
-            if self._placements is not None:
-                home = self._placements.home(anchor.digest, [e.url for e in ordered])
-                if home:
-                    ordered.insert(0, ordered.pop(home))
-                if successor is not None:
-                    # Should this anchor turn hot (a system prompt everyone comes to
-                    # share), the next candidate takes over; it starts where this
-                    # request went, so a conversation begun before that stays put.
-                    self._placements.adopt(successor.digest, ordered[0].url)
-            request.first_choice = ordered[0].url
-            index = first_within_bound(ordered, self._settings.load_epsilon)
-            if index:
-                ordered.insert(0, ordered.pop(index))
-            request.spilled = ordered[0].url != request.first_choice
-            if self._placements is not None:
-                # Only requests with an anchor count: /v1/models polls and the like
-                # differ between replicas and would make their placements disagree.
-                self._placements.count(ordered[0].url, anchor.digest)
+        candidates = self._candidates(request)
+        if not candidates:
+            if not count:
+                return list(engines)
+            return self._fallback.order(request, engines)
+        anchor, ordered = self.choose(candidates, engines)
+        if count and anchor.kind is not AnchorKind.session:
+            self._hot.observe(candidates)
+        request.anchor = anchor.digest.hex()
+        request.anchor_kind = anchor.kind.value
+        request.first_choice = ordered[0].url
+        index = first_within_bound(ordered, self._settings.load_epsilon)
+        if index:
+            ordered.insert(0, ordered.pop(index))
+            request.spilled = True
         return ordered
 
 

@@ -11,8 +11,9 @@
   ready gateway never refuses a served model as unknown. Models are read again every
   `routing.models_interval` seconds. `index` (models.py) says which healthy engines
   serve each model; it is rebuilt whenever an engine's health or models change.
-- Load: `in_flight` counts what this gateway forwards; with `routing.load_interval` set,
-  `waiting` is the engine's own queue, scraped from its /metrics (engine_load.py).
+- Load: `in_flight` counts what this process forwards; every `routing.load_interval`
+  seconds `running` and `waiting` are read from the engine's own /metrics
+  (engine_load.py): what every replica and worker process sends it, and sees alike.
 
 Checks, model lists and scrapes go through the upstream client requests are forwarded
 with (gateway/upstream.py): one client, one TLS configuration for everything sent to
@@ -43,8 +44,8 @@ log = structlog.get_logger("gateway.pool")
 
 
 class Engine:
-    """One engine. `in_flight` counts requests the gateway is forwarding to it;
-    `waiting` is the engine's own queue as last scraped (0 when not scraped).
+    """One engine. `in_flight` counts requests this process is forwarding to it;
+    `running` and `waiting` are the engine's own counts as last scraped (0 when not).
     `origin` is where requests go (None: the URL is unusable, nothing can reach it);
     `server_name` names an engine whose URL holds a resolved address (see Origin)."""
 
@@ -59,6 +60,7 @@ class Engine:
         "listing",
         "models_at",
         "origin",
+        "running",
         "scraped",
         "url",
         "waiting",
@@ -72,9 +74,10 @@ class Engine:
             self.origin = None
         self.healthy = False
         self.in_flight = 0
+        self.running = 0
         self.waiting = 0
         self.kv_cache_usage = 0.0
-        # True once `waiting` and `kv_cache_usage` come from a scrape.
+        # True once `running`, `waiting` and `kv_cache_usage` come from a scrape.
         self.scraped = False
         self.listing = ModelList()
         # When the models were last read; 0: never (the engine cannot be healthy yet).
@@ -92,9 +95,13 @@ class Engine:
 
     @property
     def load(self) -> int:
-        """What the load bound and `least_loaded` compare: this gateway's requests in
-        flight plus the engine's queue (which includes other replicas' requests)."""
-        return self.in_flight + self.waiting
+        """What the load bound and `least_loaded` compare: the engine's own count of
+        requests running and waiting, which every replica and worker reads alike, or
+        this process's requests in flight when that is higher (sent since the last
+        scrape) or nothing was scraped."""
+        if not self.scraped:
+            return self.in_flight
+        return max(self.in_flight, self.running + self.waiting)
 
     def __repr__(self) -> str:
         return f"Engine({self.url!r}, healthy={self.healthy}, in_flight={self.in_flight})"
@@ -348,7 +355,13 @@ class EnginePool:
             status, body = 0, b""
         load = parse_load(body) if status == 200 else None
         if load is None:
-            # Unknown is not busy: fall back to this gateway's own count.
-            engine.waiting, engine.kv_cache_usage, engine.scraped = 0, 0.0, False
+            # Unknown is not busy: fall back to this process's own count.
+            engine.running, engine.waiting, engine.kv_cache_usage = 0, 0, 0.0
+            engine.scraped = False
             return
-        engine.waiting, engine.kv_cache_usage, engine.scraped = (*load, True)
+        engine.running, engine.waiting, engine.kv_cache_usage = (
+            load.running,
+            load.waiting,
+            load.kv_cache_usage,
+        )
+        engine.scraped = True

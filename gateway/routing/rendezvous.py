@@ -47,6 +47,12 @@ def score(anchor: bytes, url: str) -> int:
     return int.from_bytes(digest.digest(), "big")
 
 
+def fraction(digest: bytes) -> float:
+    """A digest as a number in [0, 1): which requests a fractional spread admits to one
+    more engine (policy.py). The digest is already a hash: no need to hash it again."""
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
 def rendezvous_order(anchor: bytes, engines: Sequence[U]) -> list[U]:
     """`engines`, highest score first; ties (64-bit collisions) broken by URL."""
     scored = sorted(((score(anchor, e.url), e.url, i) for i, e in enumerate(engines)), reverse=True)

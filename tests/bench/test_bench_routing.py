@@ -79,3 +79,18 @@ def test_offline_counts_nothing_of_the_warm_up() -> None:
     alone = {r.policy: r for r in offline(cold, {}, 1, Options())}
     # Same measured requests; after a warm-up the shared system prompt is already cached.
     assert warm["ideal"].uncached < alone["ideal"].uncached
+
+
+def test_offline_replicas_taking_turns_keep_one_gateways_hits() -> None:
+    """Two and four gateways taking the chat requests in turn route every follow-up turn
+    to its conversation's engine, as one gateway does (the previous design, placing
+    conversations by each process's own history: 93.2% and 86.1%)."""
+    (workload,) = build(["chat"], "Qwen/Qwen3-VL-2B-Instruct", scale=0.5)
+    results = {r.policy: r for r in offline(workload, {}, 2, Options())}
+    one = results["affinity"]
+    assert one.agreement == 1.0
+    for name in ("affinity, 2 replicas", "affinity, 4 replicas"):
+        assert results[name].agreement == 1.0
+        assert results[name].hit_rate >= one.hit_rate - 0.01
+    assert results["round_robin"].agreement is not None
+    assert results["round_robin"].agreement < 0.5

@@ -133,8 +133,9 @@ def test_status_describes_engines_policy_keys_and_version(stack: Stack) -> None:
     assert engine["healthy"] is True
     assert MODEL in engine["models"]
     assert engine["in_flight"] == 0
-    # Load is not scraped (routing.load_interval 0): unknown, not zero.
-    assert engine["waiting"] is None and engine["kv_cache_usage"] is None
+    # The engine's own figures, scraped every routing.load_interval (1 s by default).
+    assert engine["running"] == 0 and engine["waiting"] == 0
+    assert engine["kv_cache_usage"] == 0.0
     assert engine["ejections"] == 0
     assert body["keys"]["in_force"] == 5
     key_file = body["keys"]["file"]

@@ -68,6 +68,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     fast = _gateway(
         tmp,
         urls,
+        # A tighter bound than the default (2), so 12 requests on one anchor spill.
+        GATEWAY_ROUTING__LOAD_EPSILON="0.75",
         GATEWAY_ROUTING__HEALTH_INTERVAL="0.2",
         GATEWAY_ROUTING__HEALTH_TIMEOUT="0.5",
         GATEWAY_ROUTING__EJECT_BACKOFF="0.2",

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from gateway.routing.hotspots import HotCandidates
-from gateway.routing.keys import AnchorKind, candidate_anchors, session_anchor
+from gateway.routing.keys import Anchor, AnchorKind, candidate_anchors, session_anchor
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 20}
 
@@ -271,15 +271,30 @@ def conv(i: int, turns: int = 1) -> dict[str, Any]:
     return chat(*messages)
 
 
-def test_shared_system_prompt_becomes_hot_after_min_count() -> None:
+def test_shared_system_prompt_spreads_once_two_conversations_carry_it() -> None:
     hot = HotCandidates(window=100, min_count=8)
-    system_digest = candidate_anchors(conv(0))[0].digest
+    system = candidate_anchors(conv(0))[0]
+    assert system.kind is AnchorKind.system
+    hot.observe(candidate_anchors(conv(0)))
+    assert hot.spread(system, engines=4) == 1.0  # one conversation: nothing branches yet
+    hot.observe(candidate_anchors(conv(1)))
+    assert hot.spread(system, engines=4) == 4.0  # every request carries it: all engines
+
+
+def test_other_shared_prefixes_spread_after_min_count() -> None:
+    hot = HotCandidates(window=100, min_count=8)
+    shared = "Few-shot examples. " * 40
+
+    def prompt(i: int) -> list[Anchor]:
+        return candidate_anchors({"model": "m", "prompt": shared + f"Q{i}"})
+
+    block = prompt(0)[0]
+    assert block.kind is AnchorKind.block
     for i in range(7):
-        hot.observe(candidate_anchors(conv(i)))
-    assert not hot.is_hot(system_digest, engines=4)
-    hot.observe(candidate_anchors(conv(7)))
-    assert hot.is_hot(system_digest, engines=4)
-    assert hot.pick(candidate_anchors(conv(99)), 4).kind is AnchorKind.first_user
+        hot.observe(prompt(i))
+    assert not hot.is_hot(block, engines=4)
+    hot.observe(prompt(7))
+    assert hot.spread(block, engines=4) == 4.0
 
 
 def test_a_conversation_alone_never_becomes_hot() -> None:
@@ -287,29 +302,33 @@ def test_a_conversation_alone_never_becomes_hot() -> None:
     hot = HotCandidates(window=100, min_count=2)
     for turns in range(1, 31):
         hot.observe(candidate_anchors(conv(0, turns)))
-    assert hot.pick(candidate_anchors(conv(0, 31)), 4).kind is AnchorKind.system
+    assert all(hot.spread(a, 4) == 1.0 for a in candidate_anchors(conv(0, 31)))
 
 
-def test_share_below_threshold_is_not_hot() -> None:
-    # Template A carries 1/10 of the traffic: under 1/(2 x 4) with 4 engines, over it with 8.
+@pytest.mark.parametrize(
+    ("every", "engines", "spread"),
+    [(20, 4, 1.0), (20, 8, 1.6), (10, 4, 1.6), (10, 2, 1.0), (4, 4, 4.0)],
+)
+def test_spread_follows_the_share(every: int, engines: int, spread: float) -> None:
+    """divisor (4) x N x share, between 1 and N: template A carries 1/`every` of 200
+    requests."""
     hot = HotCandidates(window=1000, min_count=2)
     for i in range(200):
-        template = "A" if i % 10 == 0 else f"T{i}"
+        template = "A" if i % every == 0 else f"T{i}"
         hot.observe(candidate_anchors(chat({"role": "system", "content": template}, user(str(i)))))
-    digest = candidate_anchors(chat({"role": "system", "content": "A"}, user("x")))[0].digest
-    assert not hot.is_hot(digest, engines=4)
-    assert hot.is_hot(digest, engines=8)
+    anchor = candidate_anchors(chat({"role": "system", "content": "A"}, user("x")))[0]
+    assert hot.spread(anchor, engines) == pytest.approx(spread)
 
 
 def test_window_decays_old_traffic() -> None:
     hot = HotCandidates(window=50, min_count=2)
-    digest = candidate_anchors(conv(0))[0].digest
+    anchor = candidate_anchors(conv(0))[0]
     for i in range(50):
         hot.observe(candidate_anchors(conv(i)))
-    assert hot.is_hot(digest, 4)
+    assert hot.is_hot(anchor, 4)
     for i in range(100):  # two generations of traffic without that system prompt
         hot.observe(candidate_anchors(chat(user(f"plain {i}"))))
-    assert not hot.is_hot(digest, 4)
+    assert not hot.is_hot(anchor, 4)
 
 
 @pytest.mark.parametrize(

@@ -129,9 +129,9 @@ def test_shared_system_prompt_is_not_pinned_to_one_engine() -> None:
         load[route(policy, req, pool)] += 1
         kinds[req.anchor_kind] += 1
     assert max(load.values()) <= 0.4 * 200
-    # Only the first few, before the prompt counts as hot, anchor on it.
-    assert kinds["system"] <= 8
-    assert kinds["first_user"] >= 192
+    # Only the first two, before the prompt is seen to branch, anchor on it.
+    assert kinds["system"] == 2
+    assert kinds["first_user"] == 198
 
 
 def test_same_image_with_different_questions_reaches_one_engine() -> None:
@@ -179,7 +179,7 @@ def test_two_fresh_instances_agree() -> None:
 
 
 def test_requests_without_a_prompt_do_not_sway_replicas() -> None:
-    # One replica also serves model listings and scores: its placements must not differ.
+    # One replica also serves model listings and scores: its hot counts must not differ.
     pool = engines()
     a, b = affinity(), affinity()
     picks_a, picks_b = [], []
@@ -218,22 +218,6 @@ def test_a_hot_anchor_spills_to_its_second_choice() -> None:
     assert route(policy, again, pool) == second
     assert again.spilled and again.first_choice == first
     assert again.anchor == req.anchor
-
-
-def test_a_placement_off_the_rendezvous_choice_is_not_a_spill() -> None:
-    """`spilled` (log line and metrics) means the load bound moved the request; an
-    anchor that placement put off its rendezvous choice is at home where it went."""
-    policy, pool = affinity(), engines()
-    idle = pool[3].url
-    for req in background(60):  # recent traffic on the other three engines only
-        policy.order(req, pool[:3])
-    for i in range(20):
-        req = chat_request(conversation(100 + i, 1))
-        chosen = route(policy, req, pool)
-        if rendezvous_order(bytes.fromhex(req.anchor or ""), pool)[0].url != idle:
-            break
-    assert chosen == idle  # placed on the idle engine, not its rendezvous choice
-    assert req.first_choice == idle and not req.spilled
 
 
 def test_load_bound_walks_the_order() -> None:
@@ -326,15 +310,14 @@ def moved_when_one_leaves(
 
 
 def test_removing_an_engine_moves_only_its_own_anchors() -> None:
-    # Pure rendezvous (no placement memory): two instances that never met agree on every
-    # anchor whose first choice is still there.
+    # Two instances that never met agree on every anchor whose first choice is still there.
     pool = engines(5)
-    policy_a, policy_b = affinity(placement=False), affinity(placement=False)
+    policy_a, policy_b = affinity(), affinity()
     moved = moved_when_one_leaves(pool, policy_a, policy_b, turns_after=1)
     assert moved and all(b == pool[2].url for b, _ in moved)
 
 
-def test_placements_stay_when_an_engine_leaves() -> None:
+def test_anchors_stay_when_an_engine_leaves() -> None:
     pool = engines(5)
     policy = affinity()
     for req in background(20):  # past the warm-up: anchors are first user messages
@@ -362,23 +345,22 @@ def max_over_mean(counts: Counter[str], n: int) -> float:
     return max(counts.values()) / (sum(counts.values()) / n)
 
 
-def test_placement_evens_out_anchors_of_uneven_weight() -> None:
-    worst_plain, worst_placed = 0.0, 0.0
-    for pool_id in range(6):
-        pool = [FakeEngine(f"http://10.{pool_id}.0.{i}:8000") for i in range(4)]
-        plain, placed = affinity(placement=False), affinity()
-        plain_load = Counter(route(plain, r, pool) for r in uneven_conversations())
-        placed_load = Counter(route(placed, r, pool) for r in uneven_conversations())
-        worst_plain = max(worst_plain, max_over_mean(plain_load, 4))
-        worst_placed = max(worst_placed, max_over_mean(placed_load, 4))
-    # Rendezvous alone leaves an engine well over its share in some draw of URLs ...
-    assert worst_plain > 1.5
-    # ... placement keeps every draw within the issue's 1.3 (1.26 measured).
-    assert worst_placed <= 1.3
+@pytest.mark.parametrize("n", [3, 4, 5, 8])
+def test_rendezvous_balances_many_conversations_on_every_draw_of_urls(n: int) -> None:
+    """Balance comes from rendezvous itself: 2,000 conversations over 8 draws of engine
+    URLs put at most 1.25x the mean on an engine (1.10 to 1.20 measured). A few dozen
+    conversations of uneven length cannot be balanced by any rule that keeps each on the
+    engine its anchor hashes to: 64 of 1 to 8 turns gave 1.34 to 1.86 here
+    (docs/routing.md, Measurements)."""
+    for draw in range(8):
+        pool = [FakeEngine(f"http://10.{draw}.0.{i}:8000") for i in range(n)]
+        policy = affinity()
+        load = Counter(route(policy, chat_request(conversation(i, 1)), pool) for i in range(2000))
+        assert len(load) == n and max_over_mean(load, n) <= 1.25, (n, draw, load)
 
 
-def test_placement_keeps_each_conversation_on_one_engine() -> None:
-    policy, pool = affinity(placement_epsilon=0.0), engines()
+def test_each_conversation_stays_on_one_engine() -> None:
+    policy, pool = affinity(), engines()
     for req in background(20):
         route(policy, req, pool)
     homes: dict[int, set[str]] = {}
@@ -388,24 +370,18 @@ def test_placement_keeps_each_conversation_on_one_engine() -> None:
     assert all(len(urls) == 1 for urls in homes.values())
 
 
-def test_conversations_begun_before_their_system_prompt_turns_hot_stay_put() -> None:
-    """The first requests after a start anchor on the shared system prompt (not hot
-    yet). When it turns hot, their conversations' next turns anchor on the first user
-    message, which starts where those first turns went: no conversation moves."""
+def test_only_the_first_two_conversations_anchor_on_a_shared_prompt() -> None:
+    """A process that has not yet seen its system prompt branch anchors on it: the
+    first two conversations go to the prompt's engine. From the third on, the prompt
+    spreads and each conversation anchors on its first user message, from its first
+    turn on, wherever it is seen first (no history decides)."""
     policy, pool = affinity(), engines()
-    first = {i: route(policy, chat_request(conversation(i, 1)), pool) for i in range(8)}
-    assert len(set(first.values())) == 1  # all on the system prompt's engine
-    for req in background(40):  # the system prompt is hot now
+    kinds = []
+    for i in range(10):
+        req = chat_request(conversation(i, 1))
         route(policy, req, pool)
-    for t in range(2, 6):
-        for i in range(8):
-            req = chat_request(conversation(i, t))
-            assert route(policy, req, pool) == first[i]
-            assert req.anchor_kind == "first_user"
-    # New conversations still spread (and, placed by share, away from the engine that
-    # kept the early ones).
-    new = Counter(route(policy, chat_request(conversation(i, 1)), pool) for i in range(100, 160))
-    assert len(new) >= 3 and max(new.values()) <= 0.4 * 60
+        kinds.append(req.anchor_kind)
+    assert kinds == ["system"] * 2 + ["first_user"] * 8
 
 
 def test_no_engines_gives_an_empty_order() -> None:
@@ -449,3 +425,9 @@ def test_make_policy_from_the_environment(
 
 def test_default_policy_is_affinity() -> None:
     assert isinstance(make_policy(RoutingSettings()), Affinity)
+
+
+def test_one_engine_takes_everything() -> None:
+    policy, pool = affinity(), engines(1)
+    for i in range(12):  # past the point where the shared prompt spreads
+        assert route(policy, chat_request(conversation(i, 1 + i % 3)), pool) == pool[0].url

@@ -1,0 +1,123 @@
+"""One gateway started with `--workers 2` before four simulated engines: its two worker
+processes share no state, and must still keep every conversation on one engine.
+
+Which engine served a request is read from the engines' request recorders (the
+`X-Request-Id` each request arrived with), never from the gateway. Each request goes on
+a new connection, so the kernel hands requests to both workers, as a load balancer
+hands them to replicas; the gateway's per-process counters confirm both took a share.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.procs import Proc, gateway_proc, scrape, sim_proc, total, wait_for
+
+MODEL = "Qwen/Qwen3-VL-2B-Instruct"
+KEY = "sk-routing-workers-0123456789abcdef"
+HEADERS = {"Authorization": f"Bearer {KEY}"}
+SYSTEM = "You are the support desk of Acme: be brief and kind. " * 30
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[tuple[Proc, list[Proc]]]:
+    sims = [sim_proc(tmp_path, "--latency", "zero", "--record-requests", "2000") for _ in range(4)]
+    env = {
+        "GATEWAY_ENGINES": json.dumps([s.url for s in sims]),
+        "GATEWAY_API_KEYS": json.dumps([KEY]),
+        "GATEWAY_ROUTING__POLICY": "affinity",
+        "GATEWAY_PUBLIC_METRICS": "true",
+    }
+    gateway = gateway_proc(tmp_path, env, "--workers", "2")
+    try:
+        for sim in sims:
+            sim.start()
+        gateway.start("/healthz")
+
+        def both_list_the_model() -> bool:
+            # Fresh connections reach either worker: ask until a run of them all say yes.
+            for _ in range(6):
+                r = httpx.get(gateway.url + "/v1/models", headers=HEADERS, timeout=5)
+                if r.status_code != 200 or MODEL not in r.text:
+                    return False
+            return True
+
+        assert wait_for(both_list_the_model, timeout=30), gateway.log()
+        yield gateway, sims
+    finally:
+        gateway.stop()
+        for sim in sims:
+            sim.stop()
+
+
+def body(conversation: int, turns: int) -> dict[str, Any]:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
+    for t in range(turns):
+        if t:
+            messages.append({"role": "assistant", "content": f"Answer {t} to {conversation}."})
+        messages.append({"role": "user", "content": f"Customer {conversation}, question {t}."})
+    return {"model": MODEL, "messages": messages, "max_tokens": 2}
+
+
+def send(gateway: Proc, payload: dict[str, Any], request_id: str) -> None:
+    # A new connection each time (no client kept alive), so either worker may take it.
+    headers = {**HEADERS, "X-Request-Id": request_id, "Connection": "close"}
+    r = httpx.post(gateway.url + "/v1/chat/completions", json=payload, headers=headers, timeout=10)
+    assert r.status_code == 200, r.text
+
+
+def served(engines: list[Proc]) -> dict[str, int]:
+    """Request id -> index of the engine that received it, from the engines' recorders."""
+    out: dict[str, int] = {}
+    for index, engine in enumerate(engines):
+        for entry in httpx.get(engine.url + "/sim/requests", timeout=5).json():
+            request_id = entry["headers"].get("x-request-id", "")
+            if entry["path"] == "/v1/chat/completions":
+                client_id = request_id.rpartition("-")[0]
+                assert client_id not in out, "one request reached two engines"
+                out[client_id] = index
+    return out
+
+
+def routed_by_each_worker(gateway: Proc, expected: int) -> set[float]:
+    """The routing decisions each worker counted, read over fresh connections (each
+    scrape reaches one worker and shows its own counters). Model listings count too:
+    together they come to at least `expected`."""
+    seen: set[float] = set()
+    for _ in range(40):
+        samples = scrape(gateway.url + "/metrics")
+        seen.add(total(samples, "gateway_routing_decisions_total"))
+        if len(seen) == 2 and sum(seen) >= expected:
+            break
+    return seen
+
+
+def test_two_workers_keep_every_new_conversation_on_one_engine(
+    stack: tuple[Proc, list[Proc]],
+) -> None:
+    gateway, engines = stack
+    sent = 0
+    for c in range(40):  # warm-up: conversations of one to three turns
+        for t in range(1, 2 + c % 3):
+            send(gateway, body(c, t), f"warm-{c}-{t}")
+            sent += 1
+    # 20 new six-turn conversations, taking turns as users do.
+    for t in range(1, 7):
+        for c in range(100, 120):
+            send(gateway, body(c, t), f"conv-{c}-{t}")
+            sent += 1
+    where = served(engines)
+    homes = {c: {where[f"conv-{c}-{t}"] for t in range(1, 7)} for c in range(100, 120)}
+    split = {c: h for c, h in homes.items() if len(h) > 1}
+    assert not split, f"{len(split)} of 20 conversations split across engines: {split}"
+    # ... while the conversations spread over the engines.
+    assert len({next(iter(h)) for h in homes.values()}) >= 3
+    # Both workers took a share of the requests (else the test would prove nothing).
+    shares = routed_by_each_worker(gateway, sent)
+    assert len(shares) == 2 and sum(shares) >= sent and min(shares) >= 0.2 * sent, shares
