@@ -133,7 +133,7 @@ MISTAKES: dict[str, Mistake] = {
     "an unknown scope": Mistake(
         file=f"api_keys:\n  - key: {SECRET}\n    scopes: [inference, audios]\n",
         source="{dir}/gateway.yaml:1",
-        says=("unknown scopes audios; known: audio, inference",),
+        says=("unknown scopes audios; known: admin, audio, inference, info, metrics, models",),
     ),
     "an unknown routing policy": Mistake(
         env={"GATEWAY_API_KEYS": KEYS, "GATEWAY_ROUTING__POLICY": "fastest"},
