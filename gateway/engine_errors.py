@@ -9,6 +9,8 @@ proxy never relays an error body as sent (proxy.py, `_relay_error`):
   original goes to the gateway's log, truncated.
 - 4xx: the JSON keeps vLLM's shape and meaning (status, type, param, code), with every
   string passed through `scrub`. A body that is not JSON is replaced like a 5xx one.
+- 404 about the request's model (`about_model`): replaced by the gateway's own
+  `model_not_found`, since vLLM's lists the engine's served names.
 
 vLLM 0.32 strips some of this itself (`sanitize_message` in
 `vllm/entrypoints/serve/exception_handling/utils.py`: ` at 0x...>` and file paths) but
@@ -111,6 +113,19 @@ def scrub_json(body: bytes) -> bytes | None:
     except orjson.JSONDecodeError:
         return None
     return orjson.dumps(_scrub_value(parsed, 0))
+
+
+def about_model(body: bytes) -> bool:
+    """Whether an engine's error body is about the request's `model` (vLLM 0.32's
+    `_check_model` and LoRA resolution answer with `param: "model"`). Its 404 names every
+    alias the engine serves ("Valid aliases: ..."), models the key may not be allowed:
+    the caller answers with the gateway's own model_not_found instead."""
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    error = parsed.get("error") if isinstance(parsed, dict) else None
+    return isinstance(error, dict) and error.get("param") == "model"
 
 
 def excerpt(body: bytes | None, limit: int = 1000) -> str:
