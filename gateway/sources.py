@@ -186,7 +186,9 @@ def check_environment(root: type[BaseModel], environ: Mapping[str, str]) -> None
             kind = _kind(annotation)
             if kind == "an object":
                 example = '{"name": "value"}'
-            elif _holds_secret(annotation):
+            elif _holds_secret(annotation) or "@" in environ[var]:
+                # A secret, or a URL's password (refused anyway): never shown, not even
+                # reshaped.
                 example = '["first", "second"]'
             else:
                 # Not a secret: the value as the JSON list it was probably meant to be.

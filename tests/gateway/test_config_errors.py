@@ -95,6 +95,34 @@ MISTAKES: dict[str, Mistake] = {
         source="GATEWAY_ENGINES",
         says=("engines.0: an engine needs a scheme",),
     ),
+    # Credentials in an engine URL were never sent (the engine's key is
+    # upstream_api_key), and the URL labels log lines and metrics.
+    "an engine URL with a password": Mistake(
+        file=f"api_keys: [{SECRET}]\nengines:\n  - http://gw:{SECRET}@127.0.0.1:8001\n",
+        source="{dir}/gateway.yaml:3",
+        says=("engines.0: an engine URL may not carry a user name or password",),
+    ),
+    "a DNS engine entry with a password": Mistake(
+        env={
+            "GATEWAY_API_KEYS": KEYS,
+            "GATEWAY_ENGINES": f'["dns+http://{SECRET}@localhost:8001"]',
+        },
+        source="GATEWAY_ENGINES",
+        says=("engines.0: an engine URL may not carry a user name or password",),
+    ),
+    "an engine URL with a query": Mistake(
+        env={
+            "GATEWAY_API_KEYS": KEYS,
+            "GATEWAY_ENGINES": f'["http://127.0.0.1:8001/?key={SECRET}"]',
+        },
+        source="GATEWAY_ENGINES",
+        says=("engines.0: an engine URL may not carry a query or a fragment",),
+    ),
+    "engines with a password, not a JSON list": Mistake(
+        env={"GATEWAY_API_KEYS": KEYS, "GATEWAY_ENGINES": f"http://gw:{SECRET}@127.0.0.1:8001"},
+        source="GATEWAY_ENGINES",
+        says=("not valid JSON; engines is a list, given as JSON: ",),
+    ),
     "engines not a JSON list": Mistake(
         env={
             "GATEWAY_API_KEYS": KEYS,
