@@ -201,6 +201,13 @@ MISTAKES: dict[str, Mistake] = {
         source="GATEWAY_API_KEYS_FILE",
         says=("key file {dir}/keys.yaml: entry 1: scopez: unknown field; did you mean scopes?",),
     ),
+    # YAML keeps the last of two equal keys: `models: null` after a list freed the key.
+    "a key file entry with a field given twice": Mistake(
+        env={"GATEWAY_API_KEYS_FILE": "{dir}/keys.yaml"},
+        keys=f"- key: {SECRET}\n  models: [chat]\n  models: null\n",
+        source="GATEWAY_API_KEYS_FILE",
+        says=("key file {dir}/keys.yaml:3: a field is given twice (first on line 2)",),
+    ),
     "a CA file that is not PEM": Mistake(
         env={"GATEWAY_API_KEYS": KEYS, "GATEWAY_MEDIA__CA_FILE": "{dir}/keys.yaml"},
         keys="not a certificate\n",
