@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import time
 from collections.abc import Iterator
@@ -650,6 +651,26 @@ def test_key_file_change_takes_effect_without_restart(stack: Stack) -> None:
     # `api_keys: []` revokes every key on purpose.
     stack.key_file.write_text("api_keys: []\n")
     assert wait_for(lambda: httpx.get(url, headers=auth(FILE_B)).status_code == 401, timeout=10)
+
+
+def test_key_file_rewritten_with_its_old_mtime_is_reloaded(stack: Stack) -> None:
+    """Tools that keep a file's modification time (`cp -p`, `rsync -a`, a Nix store path
+    behind a symlink, whose mtime is always 1) replaced a key with another of the same
+    length and left the watcher's (mtime, size) unchanged: the revoked key stayed valid.
+    The inode's change time cannot be set back, and a new file is a new inode."""
+    url = stack.g.url + "/v1/models"
+    ok = lambda key: httpx.get(url, headers=auth(key)).status_code == 200  # noqa: E731
+    stack.key_file.write_text(f"- key: {FILE_B}\n")
+    assert wait_for(lambda: ok(FILE_B), timeout=5)
+    stack.key_file.write_text(f"- key: {FILE_A}\n")
+    assert wait_for(lambda: ok(FILE_A) and not ok(FILE_B), timeout=5)
+    before = stack.key_file.stat()
+    stack.key_file.write_text(f"- key: {FILE_B}\n")
+    os.utime(stack.key_file, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = stack.key_file.stat()
+    assert (after.st_mtime_ns, after.st_size) == (before.st_mtime_ns, before.st_size)
+    assert wait_for(lambda: ok(FILE_B), timeout=5)
+    assert not ok(FILE_A)
 
 
 # --- failover (kills an engine: keep after the tests that count both engines) ----------
