@@ -47,6 +47,8 @@ _IPV4 = re.compile(r"(?<![\w.])\d{1,3}(?:\.\d{1,3}){3}(?![\w.]*\w)")
 # Python's socket errors print addresses as tuples: ('127.0.0.1', 9).
 _ADDRESS_TUPLE = re.compile(r"\(\s*'[^'\n]{1,255}'\s*,\s*\d{1,5}\s*(?:,[^)\n]{0,64})?\)")
 _HEX_ADDRESS = re.compile(r"\b0x[0-9a-f]{6,16}\b", re.I)
+# How vLLM 0.32 starts every "this model is not served here" message.
+_MODEL_MESSAGE = "The model `"
 # JSON nesting followed in an error body; deeper values are dropped (None).
 _MAX_DEPTH = 32
 
@@ -116,16 +118,24 @@ def scrub_json(body: bytes) -> bytes | None:
 
 
 def about_model(body: bytes) -> bool:
-    """Whether an engine's error body is about the request's `model` (vLLM 0.32's
-    `_check_model` and LoRA resolution answer with `param: "model"`). Its 404 names every
-    alias the engine serves ("Valid aliases: ..."), models the key may not be allowed:
-    the caller answers with the gateway's own model_not_found instead."""
+    """Whether an engine's error body is about the request's `model`: vLLM 0.32's
+    `_check_model` answers "The model `x` does not exist. Valid aliases: ..." with
+    `param: "model"`, naming every alias the engine serves, models the key may not be
+    allowed; the caller answers with the gateway's own model_not_found instead. The same
+    message comes in Anthropic's envelope (`{"type": "error", "error": {...}}`, no param)
+    on /v1/messages and in Cohere's (`{"message": ...}`) on /cohere/v2/*."""
     try:
         parsed = orjson.loads(body)
     except orjson.JSONDecodeError:
         return False
-    error = parsed.get("error") if isinstance(parsed, dict) else None
-    return isinstance(error, dict) and error.get("param") == "model"
+    if not isinstance(parsed, dict):
+        return False
+    error = parsed.get("error")
+    holder = error if isinstance(error, dict) else parsed
+    message = holder.get("message")
+    return holder.get("param") == "model" or (
+        isinstance(message, str) and message.startswith(_MODEL_MESSAGE)
+    )
 
 
 def excerpt(body: bytes | None, limit: int = 1000) -> str:
