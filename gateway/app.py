@@ -98,7 +98,10 @@ class Dispatch:
 
 
 class KeyFileWatcher:
-    """Reloads the key file when its mtime or size changes. An invalid new file is
+    """Reloads the key file when it changes: its modification time, its change time,
+    its inode or its size. The change time is what a copy that keeps the source's mtime
+    (`cp -p`, `rsync -a`, a Nix store path, mtime 1) cannot set back: a key swapped for
+    another of the same length was missed on (mtime, size) alone. An invalid new file is
     logged and ignored: the keys in force stay, so a typo cannot lock everyone out.
 
     A file is read only once it has held still for one poll: an editor or a script
@@ -113,19 +116,20 @@ class KeyFileWatcher:
         self.settings = settings
         self._stamp = self._stat()
         # A change seen at the last poll, read once it is seen again unchanged.
-        self._pending: tuple[int, int] | None = None
+        self._pending: tuple[int, int, int, int] | None = None
         # For /gateway/status (control.KeyFile): the last good load (the one before
         # this watcher started, of `loaded_keys` keys) and the last refused version.
         self.loaded_at = time.time()
         self.loaded_keys = loaded_keys
         self.refused_at: float | None = None
 
-    def _stat(self) -> tuple[int, int] | None:
+    def _stat(self) -> tuple[int, int, int, int] | None:
+        """(mtime, ctime, inode, size) of the file the path names (links followed)."""
         try:
             st = self.path.stat()
         except OSError:
             return None
-        return st.st_mtime_ns, st.st_size
+        return st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_size
 
     def poll(self) -> None:
         stamp = self._stat()
@@ -137,7 +141,7 @@ class KeyFileWatcher:
             return
         self._pending = None
         self._stamp = stamp
-        if stamp is not None and stamp[1] == 0:
+        if stamp is not None and stamp[3] == 0:
             self.refused_at = time.time()
             log.error("key_file_invalid", path=str(self.path), reason="empty", kept="old keys")
             return

@@ -21,7 +21,7 @@ from pydantic import SecretStr, TypeAdapter, ValidationError
 from gateway.config import ApiKeyConfig, RateLimit
 from gateway.endpoints import ALL_SCOPES, FORWARDED_GROUPS, Group
 from gateway.errors import InvalidApiKey
-from gateway.sources import suggest
+from gateway.sources import repeated_key, suggest
 
 _DIGEST_PREFIX = "sha256:"
 _BEARER = b"bearer "
@@ -124,7 +124,9 @@ _ENTRIES: TypeAdapter[list[SecretStr | ApiKeyConfig]] = TypeAdapter(list[SecretS
 def load_key_file(path: Path) -> tuple[ApiKey, ...]:
     """Keys from a YAML (or JSON) file: a list of entries, or `{api_keys: [...]}`."""
     try:
-        data: Any = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data: Any = yaml.safe_load(text)
     except FileNotFoundError:
         raise KeyConfigError(f"key file {path} not found") from None
     except (OSError, UnicodeDecodeError):
@@ -133,6 +135,13 @@ def load_key_file(path: Path) -> tuple[ApiKey, ...]:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
         raise KeyConfigError(f"key file {where} is not valid YAML") from None
+    # Refused like in the settings file; named by line only (a mapping key may be a key).
+    repeat = None if root is None else repeated_key(root)
+    if repeat is not None:
+        _, line, first = repeat
+        raise KeyConfigError(
+            f"key file {path}:{line}: a field is given twice (first on line {first})"
+        )
     if isinstance(data, dict) and set(data) == {"api_keys"}:
         data = data["api_keys"]
     if data is None:

@@ -16,6 +16,7 @@ import os
 import ssl
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     AfterValidator,
@@ -172,6 +173,16 @@ def check_engine(entry: str) -> str:
             "an engine needs a scheme: http://, https://, dns+http:// or dns+https:// "
             "(e.g. http://127.0.0.1:8000)"
         )
+    # Neither is ever sent (the engine's key is `upstream_api_key`), and the URL labels
+    # log lines and metrics: a password in it would be published there.
+    parts = urlsplit(entry)
+    if "@" in parts.netloc:
+        raise ValueError(
+            "an engine URL may not carry a user name or password; "
+            "the engine's key is upstream_api_key"
+        )
+    if parts.query or parts.fragment or "?" in entry or "#" in entry:
+        raise ValueError("an engine URL may not carry a query or a fragment")
     if is_dns_entry(entry):
         DnsEntry(entry)
     else:

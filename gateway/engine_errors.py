@@ -9,6 +9,8 @@ proxy never relays an error body as sent (proxy.py, `_relay_error`):
   original goes to the gateway's log, truncated.
 - 4xx: the JSON keeps vLLM's shape and meaning (status, type, param, code), with every
   string passed through `scrub`. A body that is not JSON is replaced like a 5xx one.
+- 404 about the request's model (`about_model`): replaced by the gateway's own
+  `model_not_found`, since vLLM's lists the engine's served names.
 
 vLLM 0.32 strips some of this itself (`sanitize_message` in
 `vllm/entrypoints/serve/exception_handling/utils.py`: ` at 0x...>` and file paths) but
@@ -45,6 +47,8 @@ _IPV4 = re.compile(r"(?<![\w.])\d{1,3}(?:\.\d{1,3}){3}(?![\w.]*\w)")
 # Python's socket errors print addresses as tuples: ('127.0.0.1', 9).
 _ADDRESS_TUPLE = re.compile(r"\(\s*'[^'\n]{1,255}'\s*,\s*\d{1,5}\s*(?:,[^)\n]{0,64})?\)")
 _HEX_ADDRESS = re.compile(r"\b0x[0-9a-f]{6,16}\b", re.I)
+# How vLLM 0.32 starts every "this model is not served here" message.
+_MODEL_MESSAGE = "The model `"
 # JSON nesting followed in an error body; deeper values are dropped (None).
 _MAX_DEPTH = 32
 
@@ -111,6 +115,27 @@ def scrub_json(body: bytes) -> bytes | None:
     except orjson.JSONDecodeError:
         return None
     return orjson.dumps(_scrub_value(parsed, 0))
+
+
+def about_model(body: bytes) -> bool:
+    """Whether an engine's error body is about the request's `model`: vLLM 0.32's
+    `_check_model` answers "The model `x` does not exist. Valid aliases: ..." with
+    `param: "model"`, naming every alias the engine serves, models the key may not be
+    allowed; the caller answers with the gateway's own model_not_found instead. The same
+    message comes in Anthropic's envelope (`{"type": "error", "error": {...}}`, no param)
+    on /v1/messages and in Cohere's (`{"message": ...}`) on /cohere/v2/*."""
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    if not isinstance(parsed, dict):
+        return False
+    error = parsed.get("error")
+    holder = error if isinstance(error, dict) else parsed
+    message = holder.get("message")
+    return holder.get("param") == "model" or (
+        isinstance(message, str) and message.startswith(_MODEL_MESSAGE)
+    )
 
 
 def excerpt(body: bytes | None, limit: int = 1000) -> str:

@@ -16,8 +16,8 @@ import structlog
 
 from gateway.asgi import Send
 from gateway.disconnect import DisconnectWatch
-from gateway.engine_errors import excerpt, scrub_json
-from gateway.errors import EngineError, send_error, sse_error_frame
+from gateway.engine_errors import about_model, excerpt, scrub_json
+from gateway.errors import EngineError, ModelNotFound, send_error, sse_error_frame
 from gateway.exchange import Exchange
 from gateway.forwarder import gateway_error
 from gateway.headers import RESPONSE_HEADERS
@@ -81,6 +81,13 @@ class Relay:
         body = await self._read_capped(resp, _ERROR_LIMIT)
         watch.stop()
         status = resp.status
+        if status == 404 and ex.model is not None and body is not None and about_model(body):
+            # The engine does not serve the model the gateway sent it there for (its list
+            # changed since last read, or a `served_models` name its resolver cannot load).
+            model_error = ModelNotFound(ex.model)
+            ex.code = model_error.code
+            await send_error(send, model_error)
+            return
         if status < 500 and body is not None:
             cleaned = scrub_json(body)
             if cleaned is not None:

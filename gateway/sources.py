@@ -186,7 +186,9 @@ def check_environment(root: type[BaseModel], environ: Mapping[str, str]) -> None
             kind = _kind(annotation)
             if kind == "an object":
                 example = '{"name": "value"}'
-            elif _holds_secret(annotation):
+            elif _holds_secret(annotation) or "@" in environ[var]:
+                # A secret, or a URL's password (refused anyway): never shown, not even
+                # reshaped.
                 example = '["first", "second"]'
             else:
                 # Not a secret: the value as the JSON list it was probably meant to be.
@@ -266,23 +268,33 @@ def read_yaml(path: Path) -> YamlFile:
 
 
 def _refuse_repeats(path: Path, node: yaml.Node, where: tuple[str, ...]) -> None:
-    # PyYAML keeps the last of two equal keys: a second `media:` block would silently
-    # replace the first.
+    repeat = repeated_key(node, where)
+    if repeat is not None:
+        name, line, first = repeat
+        raise ConfigError(f"{path}:{line}: {name}: given twice (first on line {first})")
+
+
+def repeated_key(node: yaml.Node, where: tuple[str, ...] = ()) -> tuple[str, int, int] | None:
+    """The first mapping key given twice at any depth below `node`: its dotted name, its
+    line and the line it was first given on. PyYAML keeps the last of two equal keys: a
+    second `media:` block, or a key's second `models:`, would silently replace the first."""
     if isinstance(node, yaml.MappingNode):
         first: dict[str, int] = {}
         for key, value in node.value:
             name = str(key.value)
             line = key.start_mark.line + 1
             if name in first:
-                raise ConfigError(
-                    f"{path}:{line}: {'.'.join((*where, name))}: given twice "
-                    f"(first on line {first[name]})"
-                )
+                return ".".join((*where, name)), line, first[name]
             first[name] = line
-            _refuse_repeats(path, value, (*where, name))
+            found = repeated_key(value, (*where, name))
+            if found is not None:
+                return found
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
-            _refuse_repeats(path, item, (*where, str(index)))
+            found = repeated_key(item, (*where, str(index)))
+            if found is not None:
+                return found
+    return None
 
 
 # --- pydantic's errors, explained -------------------------------------------------------

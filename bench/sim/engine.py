@@ -85,7 +85,7 @@ class Engine:
             return model, ""
         if model in self.loras:
             return model, model
-        raise model_not_found(model)
+        raise model_not_found(model, names)
 
     async def load_media(self, refs: Sequence[MediaRef]) -> list[MediaItem]:
         if not refs:

@@ -8,6 +8,7 @@ as an integer, and the bare `{"error": "Unauthorized"}` of vLLM's auth middlewar
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from http import HTTPStatus
 
 import orjson
@@ -57,8 +58,10 @@ def invalid_body(message: str) -> SimError:
     return SimError(400, message)
 
 
-def model_not_found(model: str) -> SimError:
-    return SimError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+def model_not_found(model: str, served: Sequence[str]) -> SimError:
+    """vLLM 0.32's answer (`_check_model`): it names every served alias of the engine."""
+    message = f"The model `{model}` does not exist. Valid aliases: {', '.join(served)}."
+    return SimError(404, message, "NotFoundError", "model")
 
 
 UNAUTHORIZED_BODY = b'{"error":"Unauthorized"}'

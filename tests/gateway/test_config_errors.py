@@ -95,6 +95,34 @@ MISTAKES: dict[str, Mistake] = {
         source="GATEWAY_ENGINES",
         says=("engines.0: an engine needs a scheme",),
     ),
+    # Credentials in an engine URL were never sent (the engine's key is
+    # upstream_api_key), and the URL labels log lines and metrics.
+    "an engine URL with a password": Mistake(
+        file=f"api_keys: [{SECRET}]\nengines:\n  - http://gw:{SECRET}@127.0.0.1:8001\n",
+        source="{dir}/gateway.yaml:3",
+        says=("engines.0: an engine URL may not carry a user name or password",),
+    ),
+    "a DNS engine entry with a password": Mistake(
+        env={
+            "GATEWAY_API_KEYS": KEYS,
+            "GATEWAY_ENGINES": f'["dns+http://{SECRET}@localhost:8001"]',
+        },
+        source="GATEWAY_ENGINES",
+        says=("engines.0: an engine URL may not carry a user name or password",),
+    ),
+    "an engine URL with a query": Mistake(
+        env={
+            "GATEWAY_API_KEYS": KEYS,
+            "GATEWAY_ENGINES": f'["http://127.0.0.1:8001/?key={SECRET}"]',
+        },
+        source="GATEWAY_ENGINES",
+        says=("engines.0: an engine URL may not carry a query or a fragment",),
+    ),
+    "engines with a password, not a JSON list": Mistake(
+        env={"GATEWAY_API_KEYS": KEYS, "GATEWAY_ENGINES": f"http://gw:{SECRET}@127.0.0.1:8001"},
+        source="GATEWAY_ENGINES",
+        says=("not valid JSON; engines is a list, given as JSON: ",),
+    ),
     "engines not a JSON list": Mistake(
         env={
             "GATEWAY_API_KEYS": KEYS,
@@ -172,6 +200,13 @@ MISTAKES: dict[str, Mistake] = {
         keys=f"- key: {SECRET}\n  scopez: [inference]\n",
         source="GATEWAY_API_KEYS_FILE",
         says=("key file {dir}/keys.yaml: entry 1: scopez: unknown field; did you mean scopes?",),
+    ),
+    # YAML keeps the last of two equal keys: `models: null` after a list freed the key.
+    "a key file entry with a field given twice": Mistake(
+        env={"GATEWAY_API_KEYS_FILE": "{dir}/keys.yaml"},
+        keys=f"- key: {SECRET}\n  models: [chat]\n  models: null\n",
+        source="GATEWAY_API_KEYS_FILE",
+        says=("key file {dir}/keys.yaml:3: a field is given twice (first on line 2)",),
     ),
     "a CA file that is not PEM": Mistake(
         env={"GATEWAY_API_KEYS": KEYS, "GATEWAY_MEDIA__CA_FILE": "{dir}/keys.yaml"},

@@ -210,6 +210,27 @@ def test_engine_4xx_keeps_its_shape_without_addresses(
     assert int(r.headers["content-length"]) == len(r.content)
 
 
+@pytest.mark.parametrize(
+    "scenario", ["error-404-model", "error-404-model-anthropic", "error-404-model-cohere"]
+)
+def test_an_engine_404_about_the_model_is_the_gateways_model_not_found(
+    gateway: Proc, scenario: str
+) -> None:
+    """vLLM's 404 for a model it does not serve lists every name it serves; the client
+    gets the gateway's own answer for an unknown model instead, whatever the envelope."""
+    r = ask(gateway, scenario, chat=True)
+    assert r.status_code == 404, r.text
+    assert r.json() == {
+        "error": {
+            "message": f"The model `{MODEL}` does not exist or you do not have access to it.",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "model_not_found",
+        }
+    }
+    assert "hidden-tenant-model" not in r.text
+
+
 def test_engine_4xx_of_another_shape_is_scrubbed_whole(gateway: Proc) -> None:
     r = ask(gateway, "error-422-nested")
     assert r.status_code == 422

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import time
 from collections.abc import Iterator
@@ -564,9 +565,11 @@ def test_configured_models_are_accepted_and_slow_engines_time_out(stack: Stack) 
     before = received([stack.doomed])
     aborts = aborted([stack.doomed])
     with httpx.Client(base_url=stack.e.url, headers=auth(FULL), timeout=10) as client:
-        # Not listed by the engine, but configured: forwarded (the engine answers it).
+        # Not listed by the engine, but configured: forwarded. The engine does not serve
+        # it either: its 404 comes back as model_not_found, without the engine's names.
         r = client.post("/v1/chat/completions", json={**CHAT, "model": EXTRA_MODEL})
-        assert error_code(r) != "model_not_found"
+        assert (r.status_code, error_code(r)) == (404, "model_not_found"), r.text
+        assert MODEL not in r.text
         assert total(received([stack.doomed])) == total(before) + 1
         # 300 decode steps take longer than E's 0.5 s first-byte timeout.
         slow = {**CHAT, "max_tokens": 300, "ignore_eos": True}
@@ -638,9 +641,36 @@ def test_key_file_change_takes_effect_without_restart(stack: Stack) -> None:
     assert wait_for(lambda: stack.g.log().count("key_file_invalid") == 2, timeout=10)
     assert '"reason":"empty"' in stack.g.log()
     assert httpx.get(url, headers=auth(FILE_B)).status_code == 200
+    # So is a field given twice: YAML keeps the last, and `models: null` after
+    # `models: [...]` gave the key every model (the settings file refuses it the same way).
+    stack.key_file.write_text(f"- key: {FILE_A}\n  models: [{MODEL}]\n  models: null\n")
+    assert wait_for(lambda: stack.g.log().count("key_file_invalid") == 3, timeout=10)
+    assert '"reason":"key file ' in stack.g.log() and "given twice" in stack.g.log()
+    assert httpx.get(url, headers=auth(FILE_A)).status_code == 401
+    assert httpx.get(url, headers=auth(FILE_B)).status_code == 200
     # `api_keys: []` revokes every key on purpose.
     stack.key_file.write_text("api_keys: []\n")
     assert wait_for(lambda: httpx.get(url, headers=auth(FILE_B)).status_code == 401, timeout=10)
+
+
+def test_key_file_rewritten_with_its_old_mtime_is_reloaded(stack: Stack) -> None:
+    """Tools that keep a file's modification time (`cp -p`, `rsync -a`, a Nix store path
+    behind a symlink, whose mtime is always 1) replaced a key with another of the same
+    length and left the watcher's (mtime, size) unchanged: the revoked key stayed valid.
+    The inode's change time cannot be set back, and a new file is a new inode."""
+    url = stack.g.url + "/v1/models"
+    ok = lambda key: httpx.get(url, headers=auth(key)).status_code == 200  # noqa: E731
+    stack.key_file.write_text(f"- key: {FILE_B}\n")
+    assert wait_for(lambda: ok(FILE_B), timeout=5)
+    stack.key_file.write_text(f"- key: {FILE_A}\n")
+    assert wait_for(lambda: ok(FILE_A) and not ok(FILE_B), timeout=5)
+    before = stack.key_file.stat()
+    stack.key_file.write_text(f"- key: {FILE_B}\n")
+    os.utime(stack.key_file, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = stack.key_file.stat()
+    assert (after.st_mtime_ns, after.st_size) == (before.st_mtime_ns, before.st_size)
+    assert wait_for(lambda: ok(FILE_B), timeout=5)
+    assert not ok(FILE_A)
 
 
 # --- failover (kills an engine: keep after the tests that count both engines) ----------

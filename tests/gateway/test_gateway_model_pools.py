@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,7 +23,17 @@ import openai
 import pytest
 
 from bench.samples import wav
-from tests.procs import Proc, auth, error_code, gateway_proc, metric, sim_proc, wait_for
+from tests.procs import (
+    Proc,
+    auth,
+    error_code,
+    gateway_proc,
+    metric,
+    running,
+    sim_proc,
+    sim_received,
+    wait_for,
+)
 
 CHAT_MODEL = "chat-model"
 EMBED_MODEL = "embed-model"
@@ -175,6 +186,45 @@ def test_unknown_and_forbidden_models_get_one_404(
             }
         }
     assert received(fleet) == before
+
+
+def test_an_engine_404_for_a_model_never_names_the_engines_models(tmp_path: Path) -> None:
+    """vLLM 0.32 answers a model it does not serve with 404 "The model `x` does not
+    exist. Valid aliases: <every name it serves>." The gateway sends a request there when
+    its list is behind the engine's, or for a `served_models` name the engine's resolver
+    cannot load; relayed as sent, that answer named to a key models it may not use. It is
+    the gateway's own model_not_found instead, the same for every key."""
+    ghost = "ghost-adapter"
+    sim = sim_proc(tmp_path, "--latency", "zero", "--served-model-name", "public", "hidden")
+    limited = "sk-pools-ghost-0123456789abcdef"
+    keys = [FULL, {"key": limited, "name": "ghost-only", "models": ["public", ghost]}]
+    env = {
+        "GATEWAY_ENGINES": json.dumps([sim.url]),
+        "GATEWAY_API_KEYS": json.dumps(keys),
+        "GATEWAY_SERVED_MODELS": json.dumps([ghost]),
+    }
+    gw = gateway_proc(tmp_path, env)
+    with running(sim):
+        gw.start("/healthz")
+        try:
+            assert wait_for(lambda: httpx.get(gw.url + "/readyz").status_code == 200)
+            assert model_ids(gw, limited) == ["public"]
+            for key in (limited, FULL):
+                r = chat(gw, key, ghost)
+                assert r.status_code == 404, r.text
+                assert r.json() == {
+                    "error": {
+                        "message": NOT_FOUND.format(ghost),
+                        "type": "invalid_request_error",
+                        "param": None,
+                        "code": "model_not_found",
+                    }
+                }
+                assert "hidden" not in r.text
+            # The engine was asked (this is its answer, not a refusal before it).
+            assert sim_received(sim.url) == 2
+        finally:
+            gw.stop()
 
 
 def test_the_openai_client_sees_model_not_found(fleet: Fleet) -> None:

@@ -106,6 +106,7 @@ ENGINE_HEADERS = (
     "x-internal-host: 10.0.0.12",
     'metadata: {"id":"embd-1","data":[{"index":0}]}',
 )
+HIDDEN_ALIASES = "The model `gone` does not exist. Valid aliases: public, hidden-tenant-model."
 SCENARIOS: dict[str, bytes] = {
     "error-500": _response(
         _vllm_error(500, "InternalServerError", "Traceback: " + LEAKY), status="500 Internal"
@@ -128,6 +129,20 @@ SCENARIOS: dict[str, bytes] = {
     ),
     "error-404-html": _response(
         b"<html>no route at 10.0.0.1:80</html>", status="404 Not Found", ctype="text/html"
+    ),
+    # vLLM 0.32's answer to a model it does not serve, in its three envelopes: OpenAI's,
+    # Anthropic's (/v1/messages) and Cohere's (/cohere/v2/*). Each names every alias.
+    "error-404-model": _response(
+        _vllm_error(404, "NotFoundError", HIDDEN_ALIASES, param="model"), status="404 Not Found"
+    ),
+    "error-404-model-anthropic": _response(
+        json.dumps(
+            {"type": "error", "error": {"type": "NotFoundError", "message": HIDDEN_ALIASES}}
+        ).encode(),
+        status="404 Not Found",
+    ),
+    "error-404-model-cohere": _response(
+        json.dumps({"message": HIDDEN_ALIASES, "id": "r-1"}).encode(), status="404 Not Found"
     ),
     "error-400-big": _response(
         _vllm_error(400, "BadRequestError", "x" * 70_000 + LEAKY), status="400 Bad Request"
