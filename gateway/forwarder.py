@@ -84,14 +84,14 @@ class Forwarder:
                         # Not a usable engine URL: nothing can reach it.
                         raise ConnectFailed("engine URL")
                     resp = await self.upstream.request(engine.origin, method, target, headers, data)
-                except ConnectFailed:
+                except ConnectFailed as exc:
                     # Nothing reached this engine: eject it and try the next one.
-                    pool.eject(engine)
+                    pool.eject(engine, error=exc)
                     continue
                 except ReconnectFailed as exc:
                     # The engine refuses connections now: eject it. A GET moves on; a
                     # POST it may have read before closing is not sent elsewhere.
-                    pool.eject(engine)
+                    pool.eject(engine, error=exc)
                     if method in IDEMPOTENT:
                         continue
                     ex.engine = engine.url
