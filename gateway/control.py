@@ -96,6 +96,16 @@ class EngineStatus(BaseModel):
     since: datetime = Field(description="When its health or reason last changed.")
 
 
+class DnsEntryStatus(BaseModel):
+    entry: str = Field(description="The `dns+http://` or `dns+https://` entry, as configured.")
+    reason: str | None = Field(
+        description="Why its last lookup gave no engines: dns_no_addresses (none: the "
+        "entry has no engines), dns_failed (the last good addresses are kept); null: "
+        "it answered."
+    )
+    detail: str | None
+
+
 class KeyFileStatus(BaseModel):
     path: str
     loaded_at: datetime = Field(description="When the keys in force were read from it.")
@@ -118,6 +128,7 @@ class GatewayStatus(BaseModel):
     policy: str = Field(description="The routing policy (routing.policy).")
     ready: bool = Field(description="What /readyz says: some engine is healthy.")
     engines: list[EngineStatus]
+    dns_entries: list[DnsEntryStatus] = Field(description="The DNS entries of `engines`.")
     keys: KeysStatus
 
 
@@ -301,6 +312,14 @@ def control_app(
             policy=policy,
             ready=pool.ready(),
             engines=[engine_status(e) for e in pool.engines],
+            dns_entries=[
+                DnsEntryStatus(
+                    entry=entry,
+                    reason=None if v is None else v.reason,
+                    detail=None if v is None else v.detail,
+                )
+                for entry, v in pool.dns_reasons.items()
+            ],
             keys=KeysStatus(
                 in_force=len(keyring.keys),
                 file=None if key_file is None else key_file_status(key_file),

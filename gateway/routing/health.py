@@ -23,6 +23,11 @@ Reasons are stable strings, for alerts and scripts:
     ejected_5xx           taken out of rotation by a run of 5xx answers
     ejected_connect       taken out of rotation by a connection that failed while forwarding
 
+and for a `dns+http://` entry (pool.EnginePool.dns_reasons, the `engine_dns` line):
+
+    dns_no_addresses      the name has no address: the entry has no engines
+    dns_failed            the lookup failed: the engines of the last good one stay
+
 A detail is fixed text with at most a status code, a path of the engine's API, a setting
 name or a duration: never the engine's answer, an address or a key, so it can be logged
 and shown as it is.
@@ -59,6 +64,10 @@ class Verdict:
 
 NOT_CHECKED = Verdict("not_checked", "not checked yet")
 INVALID_URL = Verdict("invalid_url", "the engine URL is not http:// or https:// with a host")
+DNS_NO_ADDRESSES = Verdict(
+    "dns_no_addresses", "the name has no A or AAAA record: no engine from this entry"
+)
+DNS_FAILED = Verdict("dns_failed", "the lookup failed: the last good addresses are kept")
 MODELS_EMPTY = Verdict("models_unreadable", f"GET {MODELS_PATH} lists no model")
 
 # Why a connection could not be opened, most specific class first.

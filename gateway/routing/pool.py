@@ -36,6 +36,8 @@ import structlog
 from gateway.routing.dns import DnsEntry, NameNotFound, Resolver, is_dns_entry, resolve
 from gateway.routing.engine_load import parse_load
 from gateway.routing.health import (
+    DNS_FAILED,
+    DNS_NO_ADDRESSES,
     HEALTH_PATH,
     INVALID_URL,
     MODELS_EMPTY,
@@ -198,6 +200,8 @@ class EnginePool:
                 self._static.append(Engine(spec))
         # Engines of each DNS entry, by URL, from its last good resolution.
         self._resolved: dict[str, dict[str, Engine]] = {e.spec: {} for e in self._dns}
+        # Why each DNS entry yields no fresh engines (None: its last lookup answered).
+        self.dns_reasons: dict[str, Verdict | None] = {e.spec: None for e in self._dns}
         self.engines: list[Engine] = list(self._static)
         self._tasks: list[asyncio.Task[None]] = []
         self._healthy: list[Engine] = []
@@ -318,8 +322,9 @@ class EnginePool:
         except NameNotFound:
             addresses = []
         except OSError:
-            log.warning("engine_dns_failed", entry=entry.spec, kept=len(self._resolved[entry.spec]))
+            self._dns_state(entry, DNS_FAILED)
             return False
+        self._dns_state(entry, None if addresses else DNS_NO_ADDRESSES)
         old = self._resolved[entry.spec]
         urls = [entry.url(a) for a in addresses]
         if set(urls) == set(old):
@@ -330,6 +335,23 @@ class EnginePool:
         log.info("engine_dns_changed", entry=entry.spec, added=added, removed=gone)
         self._resolved[entry.spec] = new
         return True
+
+    def _dns_state(self, entry: DnsEntry, verdict: Verdict | None) -> None:
+        """Record why `entry` yields no fresh engines, logging it once when it changes."""
+        if self.dns_reasons[entry.spec] == verdict:
+            return
+        self.dns_reasons[entry.spec] = verdict
+        kept = len(self._resolved[entry.spec])
+        if verdict is None:
+            log.info("engine_dns", entry=entry.spec, reason=None)
+        else:
+            log.warning(
+                "engine_dns",
+                entry=entry.spec,
+                reason=verdict.reason,
+                detail=verdict.detail,
+                kept=kept,
+            )
 
     # -- active checks -----------------------------------------------------------------------
 
