@@ -94,13 +94,13 @@ class Forwarder:
                     pool.eject(engine, error=exc)
                     if method in IDEMPOTENT:
                         continue
-                    ex.engine = engine.url
+                    ex.engine = engine.public_url
                     raise gateway_error(exc, answering=False) from None
                 except UpstreamError as exc:
-                    ex.engine = engine.url
+                    ex.engine = engine.public_url
                     pool.failed(engine)
                     raise gateway_error(exc, answering=False) from None
-                ex.engine = engine.url
+                ex.engine = engine.public_url
                 ex.ttfb = time.perf_counter() - sent_at
                 self.metrics.observe_ttfb(ex.route.label, ex.ttfb)
                 if resp.status >= 500:

@@ -31,7 +31,7 @@ from gateway.upstream import (
     TlsFailed,
     UpstreamError,
 )
-from tests.procs import Proc, auth, free_port, gateway_proc, sim_proc, wait_for
+from tests.procs import Proc, auth, free_port, gateway_proc, metric, sim_proc, wait_for
 
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 UPSTREAM = "upstream-health-0123456789-SECRET"
@@ -246,6 +246,7 @@ def test_an_engine_that_needs_a_key_the_gateway_does_not_send(tmp_path: Path) ->
     env = {
         "GATEWAY_ENGINES": json.dumps([f"http://user:pw-SECRET@127.0.0.1:{sim.port}"]),
         "GATEWAY_API_KEYS": json.dumps([{"key": ADMIN, "name": "ops", "scopes": ["admin"]}]),
+        "GATEWAY_PUBLIC_METRICS": "true",
     }
     gateway = gateway_proc(tmp_path, env)
     try:
@@ -257,6 +258,9 @@ def test_an_engine_that_needs_a_key_the_gateway_does_not_send(tmp_path: Path) ->
         assert "upstream_api_key is not set" in engine["detail"]
         (line,) = health_lines(gateway)
         assert (line["engine"], line["reason"]) == (sim.url, "upstream_key_refused")
+        # The engine's metrics are labelled by its URL without the credentials.
+        assert metric(gateway.url, "gateway_engine_healthy", engine=sim.url) == 0
+        assert "pw-SECRET" not in httpx.get(gateway.url + "/metrics").text
     finally:
         gateway.stop()
         sim.stop()

@@ -167,14 +167,19 @@ async def test_dns_entry_follows_the_answers(sim: Proc) -> None:
         await asyncio.sleep(0.2)
         assert healthy() == [sim.url]
         # A failed lookup keeps the engines; a name with no addresses empties the entry.
+        (spec,) = pool.dns_reasons
+        assert pool.dns_reasons[spec] is None
         answers = OSError("resolver timeout")
         await asyncio.sleep(0.2)
         assert len(urls()) == 2
+        assert getattr(pool.dns_reasons[spec], "reason", None) == "dns_failed"
         answers = NameNotFound("engines.test")
         await _until(lambda: not urls())
         assert not pool.ready()
+        assert getattr(pool.dns_reasons[spec], "reason", None) == "dns_no_addresses"
         answers = ["127.0.0.1"]
         await _until(lambda: healthy() == [sim.url])
+        assert pool.dns_reasons[spec] is None
     finally:
         await pool.stop()
         await upstream.aclose()
