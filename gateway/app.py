@@ -302,6 +302,7 @@ class Gateway:
             engines=len(self.pool.engines),
             healthy=len(self.pool.healthy()),
             keys=len(self.keyring.keys),
+            engine_states=engine_states(self.pool),
         )
 
     async def shutdown(self) -> None:
@@ -327,6 +328,14 @@ class Gateway:
                 await self.shutdown()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+def engine_states(pool: EnginePool) -> list[dict[str, Any]]:
+    """Each engine's health and reason, for the start-up log lines (after the first
+    checks: the pool's `start` runs them)."""
+    return [
+        {"engine": e.public_url, "healthy": e.healthy, "reason": e.reason} for e in pool.engines
+    ]
 
 
 async def _cancel(task: asyncio.Task[None]) -> None:

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import orjson
 import structlog
 
-from gateway.app import CONFIG_ENV, Gateway, create_app, tune_collector
+from gateway.app import CONFIG_ENV, Gateway, create_app, engine_states, tune_collector
 from gateway.auth import hash_key
 from gateway.config import Settings, load_settings
 from gateway.connections import raise_fd_limit
@@ -63,7 +63,11 @@ def _public(url: str) -> str:
     return parts._replace(netloc=host, query="", fragment="").geturl()
 
 
-def _log_serving(settings: Settings, listen: Sequence[str], workers: int) -> None:
+def _log_serving(
+    settings: Settings, listen: Sequence[str], workers: int, app: Gateway | None = None
+) -> None:
+    """The start line; with the `app` that serves (one worker, its first health checks
+    run), each engine's health and reason too (workers: their `gateway_started` line)."""
     structlog.get_logger("gateway.serve").info(
         "gateway_serving",
         listen=list(listen),
@@ -73,6 +77,7 @@ def _log_serving(settings: Settings, listen: Sequence[str], workers: int) -> Non
         workers=workers,
         keys_file=str(settings.api_keys_file) if settings.api_keys_file else None,
         unauthenticated=settings.allow_unauthenticated,
+        engine_states=None if app is None else engine_states(app.pool),
     )
 
 
@@ -136,7 +141,8 @@ def _serve(args: argparse.Namespace) -> int:
             if self.started:
                 # The bound address: with port 0, the one the system chose.
                 bound = [_address(s) for srv in self.servers for s in srv.sockets]
-                _log_serving(settings, bound, 1)
+                # The lifespan ran first: the pool has checked every engine once.
+                _log_serving(settings, bound, 1, app)
 
     server = Server(uvicorn.Config(app, **options))
     server.run()

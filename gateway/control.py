@@ -22,7 +22,6 @@ from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Literal, Protocol
-from urllib.parse import urlsplit, urlunsplit
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -46,10 +45,23 @@ class Health(BaseModel):
     status: Literal["ok"] = "ok"
 
 
+class EngineReadiness(BaseModel):
+    index: int = Field(description="The engine's place in /gateway/status's `engines`.")
+    healthy: bool
+    reason: str | None = Field(
+        description="Why it is not healthy (stable: connect_refused, timeout, "
+        "upstream_key_refused ...; docs/gateway.md); null when healthy."
+    )
+
+
 class Readiness(BaseModel):
     status: Literal["ready", "no_healthy_engine"]
     healthy_engines: int = Field(description="Engines in rotation.")
     engines: int = Field(description="Engines configured (DNS entries: as last resolved).")
+    engine_states: list[EngineReadiness] = Field(
+        description="Each engine's health and reason, by index: no address (the probe "
+        "needs no key; /gateway/status names the engines)."
+    )
 
 
 class EngineStatus(BaseModel):
@@ -73,6 +85,25 @@ class EngineStatus(BaseModel):
     ejections: int = Field(
         description="Times it was taken out of rotation by a refused connection or 5xx run."
     )
+    reason: str | None = Field(
+        description="Why it is not healthy, a stable string (connect_refused, timeout, "
+        "upstream_key_refused ...; docs/gateway.md); null when healthy."
+    )
+    detail: str | None = Field(
+        description="The reason for people: what the check saw (a status code, a setting "
+        "to look at), never the engine's answer; null when healthy."
+    )
+    since: datetime = Field(description="When its health or reason last changed.")
+
+
+class DnsEntryStatus(BaseModel):
+    entry: str = Field(description="The `dns+http://` or `dns+https://` entry, as configured.")
+    reason: str | None = Field(
+        description="Why its last lookup gave no engines: dns_no_addresses (none: the "
+        "entry has no engines), dns_failed (the last good addresses are kept); null: "
+        "it answered."
+    )
+    detail: str | None
 
 
 class KeyFileStatus(BaseModel):
@@ -97,6 +128,7 @@ class GatewayStatus(BaseModel):
     policy: str = Field(description="The routing policy (routing.policy).")
     ready: bool = Field(description="What /readyz says: some engine is healthy.")
     engines: list[EngineStatus]
+    dns_entries: list[DnsEntryStatus] = Field(description="The DNS entries of `engines`.")
     keys: KeysStatus
 
 
@@ -124,19 +156,11 @@ class KeyFile(Protocol):
     refused_at: float | None
 
 
-def _public_url(url: str) -> str:
-    """`url` without the user:password@ part a configured URL may carry."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
-
-
 def engine_status(engine: Engine) -> EngineStatus:
     """One engine as /gateway/status shows it: the one place to add what the pool
     learns of an engine."""
     return EngineStatus(
-        url=_public_url(engine.url),
+        url=engine.public_url,
         healthy=engine.healthy,
         models=sorted(engine.models),
         in_flight=engine.in_flight,
@@ -144,6 +168,9 @@ def engine_status(engine: Engine) -> EngineStatus:
         waiting=engine.waiting if engine.scraped else None,
         kv_cache_usage=engine.kv_cache_usage if engine.scraped else None,
         ejections=engine.ejections,
+        reason=engine.reason,
+        detail=engine.detail,
+        since=datetime.fromtimestamp(engine.since, UTC),
     )
 
 
@@ -252,6 +279,10 @@ def control_app(
             status="ready" if ready else "no_healthy_engine",
             healthy_engines=len(pool.healthy()),
             engines=len(pool.engines),
+            engine_states=[
+                EngineReadiness(index=i, healthy=e.healthy, reason=e.reason)
+                for i, e in enumerate(pool.engines)
+            ],
         )
         return JSONResponse(body.model_dump(), status_code=200 if ready else 503)
 
@@ -281,6 +312,14 @@ def control_app(
             policy=policy,
             ready=pool.ready(),
             engines=[engine_status(e) for e in pool.engines],
+            dns_entries=[
+                DnsEntryStatus(
+                    entry=entry,
+                    reason=None if v is None else v.reason,
+                    detail=None if v is None else v.detail,
+                )
+                for entry, v in pool.dns_reasons.items()
+            ],
             keys=KeysStatus(
                 in_force=len(keyring.keys),
                 file=None if key_file is None else key_file_status(key_file),

@@ -84,23 +84,23 @@ class Forwarder:
                         # Not a usable engine URL: nothing can reach it.
                         raise ConnectFailed("engine URL")
                     resp = await self.upstream.request(engine.origin, method, target, headers, data)
-                except ConnectFailed:
+                except ConnectFailed as exc:
                     # Nothing reached this engine: eject it and try the next one.
-                    pool.eject(engine)
+                    pool.eject(engine, error=exc)
                     continue
                 except ReconnectFailed as exc:
                     # The engine refuses connections now: eject it. A GET moves on; a
                     # POST it may have read before closing is not sent elsewhere.
-                    pool.eject(engine)
+                    pool.eject(engine, error=exc)
                     if method in IDEMPOTENT:
                         continue
-                    ex.engine = engine.url
+                    ex.engine = engine.public_url
                     raise gateway_error(exc, answering=False) from None
                 except UpstreamError as exc:
-                    ex.engine = engine.url
+                    ex.engine = engine.public_url
                     pool.failed(engine)
                     raise gateway_error(exc, answering=False) from None
-                ex.engine = engine.url
+                ex.engine = engine.public_url
                 ex.ttfb = time.perf_counter() - sent_at
                 self.metrics.observe_ttfb(ex.route.label, ex.ttfb)
                 if resp.status >= 500:

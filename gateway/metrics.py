@@ -24,9 +24,10 @@ _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 
 
 
 class EngineStats(Protocol):
-    """What the metrics read of an engine at scrape time (the pool's engines)."""
+    """What the metrics read of an engine at scrape time (the pool's engines); it is
+    labelled by its URL without credentials."""
 
-    url: str
+    public_url: str
     healthy: bool
     in_flight: int
     waiting: int
@@ -208,7 +209,7 @@ class PoolCollector(Collector):
             for e in engines:
                 v = value(e)
                 if v is not None:
-                    family.add_metric([e.url], v)
+                    family.add_metric([e.public_url], v)
             yield family
         decisions = CounterMetricFamily(
             "gateway_routing_decisions",

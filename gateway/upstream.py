@@ -19,6 +19,7 @@ the `UpstreamClient` and `Response` protocols below, so tests can hand them a fa
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
 from collections import deque
 from collections.abc import Sequence
@@ -40,7 +41,24 @@ class UpstreamError(Exception):
 
 
 class ConnectFailed(UpstreamError):
-    """No connection could be opened: nothing reached the engine."""
+    """No connection could be opened: nothing reached the engine. The subclasses say
+    why, for the pool's health reasons (gateway/routing/health.py)."""
+
+
+class ConnectRefused(ConnectFailed):
+    """The engine's address refused the connection: nothing listens on that port."""
+
+
+class ConnectTimeout(ConnectFailed):
+    """No connection within `timeouts.connect`."""
+
+
+class TlsFailed(ConnectFailed):
+    """The TLS handshake failed, or the engine's certificate was not trusted."""
+
+
+class NameUnresolved(ConnectFailed):
+    """The engine's host name has no address."""
 
 
 class FirstByteTimeout(UpstreamError):
@@ -463,7 +481,16 @@ class Upstream:
                     ssl=context,
                     server_hostname=server_name,
                 )
-        except (OSError, TimeoutError, ssl.SSLError):
+        # TimeoutError, ssl.SSLError and socket.gaierror are OSErrors: the order matters.
+        except TimeoutError:
+            raise ConnectTimeout("connect") from None
+        except ssl.SSLError:
+            raise TlsFailed("connect") from None
+        except socket.gaierror:
+            raise NameUnresolved("connect") from None
+        except ConnectionRefusedError:
+            raise ConnectRefused("connect") from None
+        except OSError:
             raise ConnectFailed("connect") from None
         self._all.add(protocol)
         return protocol

@@ -11,6 +11,8 @@
   ready gateway never refuses a served model as unknown. Models are read again every
   `routing.models_interval` seconds. `index` (models.py) says which healthy engines
   serve each model; it is rebuilt whenever an engine's health or models change.
+- Each engine out of rotation has a reason (health.py: a stable `reason`, a `detail`);
+  a change of health or reason is logged once, as `engine_health`.
 - Load: `in_flight` counts what this process forwards; every `routing.load_interval`
   seconds `running` and `waiting` are read from the engine's own /metrics
   (engine_load.py): what every replica and worker process sends it, and sees alike.
@@ -27,11 +29,26 @@ import contextlib
 import time
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import structlog
 
 from gateway.routing.dns import DnsEntry, NameNotFound, Resolver, is_dns_entry, resolve
 from gateway.routing.engine_load import parse_load
+from gateway.routing.health import (
+    DNS_FAILED,
+    DNS_NO_ADDRESSES,
+    HEALTH_PATH,
+    INVALID_URL,
+    MODELS_EMPTY,
+    MODELS_PATH,
+    NOT_CHECKED,
+    Verdict,
+    ejected_verdict,
+    error_verdict,
+    status_verdict,
+    unreadable_models,
+)
 from gateway.routing.models import ModelIndex, ModelList, parse_model_list
 from gateway.routing.settings import RoutingSettings
 from gateway.upstream import ConnectFailed, Origin, UpstreamClient, UpstreamError
@@ -47,10 +64,14 @@ class Engine:
     """One engine. `in_flight` counts requests this process is forwarding to it;
     `running` and `waiting` are the engine's own counts as last scraped (0 when not).
     `origin` is where requests go (None: the URL is unusable, nothing can reach it);
-    `server_name` names an engine whose URL holds a resolved address (see Origin)."""
+    `server_name` names an engine whose URL holds a resolved address (see Origin).
+    `reason` and `detail` say why it is not healthy (None while it is; health.py),
+    `since` (time.time()) when that last changed; `public_url` is `url` without any
+    user:password@, for logs and answers."""
 
     __slots__ = (
         "backoff",
+        "detail",
         "ejected_until",
         "ejections",
         "failures",
@@ -60,8 +81,12 @@ class Engine:
         "listing",
         "models_at",
         "origin",
+        "public_url",
+        "reason",
         "running",
         "scraped",
+        "since",
+        "stale",
         "url",
         "waiting",
     )
@@ -72,7 +97,14 @@ class Engine:
             self.origin: Origin | None = Origin(self.url, server_name)
         except ValueError:
             self.origin = None
+        self.public_url = public_url(self.url)
         self.healthy = False
+        self.reason: str | None = NOT_CHECKED.reason
+        self.detail: str | None = NOT_CHECKED.detail
+        self.since = time.time()
+        # Why the last re-read of a healthy engine's models failed (None: it did not);
+        # its last good list stays in use meanwhile.
+        self.stale: Verdict | None = None
         self.in_flight = 0
         self.running = 0
         self.waiting = 0
@@ -105,6 +137,14 @@ class Engine:
 
     def __repr__(self) -> str:
         return f"Engine({self.url!r}, healthy={self.healthy}, in_flight={self.in_flight})"
+
+
+def public_url(url: str) -> str:
+    """`url` without the user:password@ part a configured URL may carry."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
 
 
 class Lease:
@@ -147,6 +187,8 @@ class EnginePool:
         self._settings = settings
         self._upstream = upstream
         self._headers = list(headers)
+        # Whether the engine key goes with each request (health reasons name it).
+        self._keyed = any(name.lower() == b"authorization" for name, _ in self._headers)
         self._on_health = on_health
         self._resolver = resolver
         self._static: list[Engine] = []
@@ -158,6 +200,8 @@ class EnginePool:
                 self._static.append(Engine(spec))
         # Engines of each DNS entry, by URL, from its last good resolution.
         self._resolved: dict[str, dict[str, Engine]] = {e.spec: {} for e in self._dns}
+        # Why each DNS entry yields no fresh engines (None: its last lookup answered).
+        self.dns_reasons: dict[str, Verdict | None] = {e.spec: None for e in self._dns}
         self.engines: list[Engine] = list(self._static)
         self._tasks: list[asyncio.Task[None]] = []
         self._healthy: list[Engine] = []
@@ -180,18 +224,21 @@ class EnginePool:
 
     # -- passive checks (called by the proxy) ------------------------------------------
 
-    def eject(self, engine: Engine, reason: str = "connect_failed") -> None:
+    def eject(
+        self, engine: Engine, reason: str = "connect_failed", error: UpstreamError | None = None
+    ) -> None:
         """Take `engine` out of the rotation for its back-off (doubling each time it is
-        ejected again before it answers well)."""
+        ejected again before it answers well). `reason`: "connect_failed" (`error`, when
+        known, says how) or "5xx"."""
         if not engine.healthy:
             return
         s = self._settings
         engine.backoff = min(max(engine.backoff * 2, s.eject_backoff), s.eject_backoff_max)
         engine.ejected_until = time.monotonic() + engine.backoff
         engine.ejections += 1
+        after = engine.failures if reason == "5xx" else None
         engine.failures = 0
-        engine.healthy = False
-        log.warning("engine_ejected", engine=engine.url, reason=reason, backoff=engine.backoff)
+        self._judge(engine, ejected_verdict(error, after_5xx=after, backoff=engine.backoff))
         self._changed(engine)
 
     def failed(self, engine: Engine) -> None:
@@ -275,8 +322,9 @@ class EnginePool:
         except NameNotFound:
             addresses = []
         except OSError:
-            log.warning("engine_dns_failed", entry=entry.spec, kept=len(self._resolved[entry.spec]))
+            self._dns_state(entry, DNS_FAILED)
             return False
+        self._dns_state(entry, None if addresses else DNS_NO_ADDRESSES)
         old = self._resolved[entry.spec]
         urls = [entry.url(a) for a in addresses]
         if set(urls) == set(old):
@@ -287,6 +335,23 @@ class EnginePool:
         log.info("engine_dns_changed", entry=entry.spec, added=added, removed=gone)
         self._resolved[entry.spec] = new
         return True
+
+    def _dns_state(self, entry: DnsEntry, verdict: Verdict | None) -> None:
+        """Record why `entry` yields no fresh engines, logging it once when it changes."""
+        if self.dns_reasons[entry.spec] == verdict:
+            return
+        self.dns_reasons[entry.spec] = verdict
+        kept = len(self._resolved[entry.spec])
+        if verdict is None:
+            log.info("engine_dns", entry=entry.spec, reason=None)
+        else:
+            log.warning(
+                "engine_dns",
+                entry=entry.spec,
+                reason=verdict.reason,
+                detail=verdict.detail,
+                kept=kept,
+            )
 
     # -- active checks -----------------------------------------------------------------------
 
@@ -306,41 +371,92 @@ class EnginePool:
             finally:
                 resp.close()
 
+    async def _probe(self, engine: Engine, path: str) -> tuple[int, bytes] | Verdict:
+        """GET `path`: the status and body, or why there was no answer."""
+        if engine.origin is None:
+            return INVALID_URL
+        try:
+            return await self._get(engine, path)
+        except (UpstreamError, TimeoutError) as exc:
+            return error_verdict(exc, path, self._settings.health_timeout)
+
     async def _check(self, engine: Engine) -> None:
         if not engine.healthy and time.monotonic() < engine.ejected_until:
             return  # ejected: not tried again before its back-off ends
-        try:
-            status, _ = await self._get(engine, "/health")
-            ok = status == 200
-        except (UpstreamError, TimeoutError):
-            ok = False
+        verdict: Verdict | None = None
+        answer = await self._probe(engine, HEALTH_PATH)
+        if isinstance(answer, Verdict):
+            verdict = answer
+        elif answer[0] != 200:
+            verdict = status_verdict(HEALTH_PATH, answer[0], keyed=self._keyed)
         models_changed = False
         refresh = self._settings.models_interval
-        if ok and (not engine.healthy or time.monotonic() - engine.models_at > refresh):
+        due = not engine.healthy or time.monotonic() - engine.models_at > refresh
+        if verdict is None and due:
             listing = await self._models(engine)
-            if listing is not None:
+            if isinstance(listing, ModelList):
                 # vLLM stamps each entry with the time of the listing: a new list
                 # rebuilds the index (cheap, every models_interval): its answers stay fresh.
                 models_changed = True
                 engine.listing = listing
                 engine.models_at = time.monotonic()
-        # Healthy needs known models: a gateway that routed to an engine before knowing
-        # what it serves would refuse its models as not served (404 model_not_found).
-        ok = ok and engine.models_at > 0
-        if ok != engine.healthy or models_changed:
-            if ok != engine.healthy:
-                log.info("engine_health", engine=engine.url, healthy=ok)
-            engine.healthy = ok
+                if engine.stale is not None:
+                    engine.stale = None
+                    log.info("engine_models_stale", engine=engine.public_url, reason=None)
+            elif not engine.healthy or listing.reason == "upstream_key_refused":
+                # Healthy needs known models: a gateway that routed to an engine before
+                # knowing what it serves would refuse its models as not served (404
+                # model_not_found). A refused key fails every request: out of rotation.
+                verdict = listing
+            elif listing != engine.stale:
+                # A healthy engine keeps its last good list through a failed re-read.
+                engine.stale = listing
+                log.warning(
+                    "engine_models_stale",
+                    engine=engine.public_url,
+                    reason=listing.reason,
+                    detail=listing.detail,
+                )
+        health_changed = self._judge(engine, verdict)
+        if health_changed or models_changed:
             self._changed(engine)
 
-    async def _models(self, engine: Engine) -> ModelList | None:
-        try:
-            status, body = await self._get(engine, "/v1/models")
-        except (UpstreamError, TimeoutError):
-            status, body = 0, b""
-        listing = parse_model_list(body) if status == 200 else None
+    def _judge(self, engine: Engine, verdict: Verdict | None) -> bool:
+        """Record `engine`'s state (`verdict` None: healthy), logging it once when it
+        changes; True when its health changed."""
+        reason = None if verdict is None else verdict.reason
+        detail = None if verdict is None else verdict.detail
+        healthy = verdict is None
+        if (healthy, reason, detail) == (engine.healthy, engine.reason, engine.detail):
+            return False
+        changed = healthy != engine.healthy
+        engine.healthy, engine.reason, engine.detail = healthy, reason, detail
+        engine.since = time.time()
+        if healthy:
+            log.info("engine_health", engine=engine.public_url, healthy=True, reason=None)
+        else:
+            log.warning(
+                "engine_health",
+                engine=engine.public_url,
+                healthy=False,
+                reason=reason,
+                detail=detail,
+            )
+        return changed
+
+    async def _models(self, engine: Engine) -> ModelList | Verdict:
+        """The engine's model list, or why it could not be read."""
+        answer = await self._probe(engine, MODELS_PATH)
+        if isinstance(answer, Verdict):
+            return answer
+        status, body = answer
+        if status != 200:
+            return status_verdict(MODELS_PATH, status, keyed=self._keyed)
+        listing = parse_model_list(body)
         if listing is None:
-            log.warning("engine_models_unreadable", engine=engine.url)
+            return unreadable_models(body)
+        if not listing.ids:
+            return MODELS_EMPTY
         return listing
 
     # -- engine-reported load -------------------------------------------------------------

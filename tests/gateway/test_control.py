@@ -137,6 +137,9 @@ def test_status_describes_engines_policy_keys_and_version(stack: Stack) -> None:
     assert engine["running"] == 0 and engine["waiting"] == 0
     assert engine["kv_cache_usage"] == 0.0
     assert engine["ejections"] == 0
+    assert engine["reason"] is None and engine["detail"] is None
+    assert abs(time.time() - _epoch(engine["since"])) < 600
+    assert body["dns_entries"] == []
     assert body["keys"]["in_force"] == 5
     key_file = body["keys"]["file"]
     assert key_file["path"] == str(stack.key_file)
@@ -227,9 +230,15 @@ def test_probes_need_no_key_and_keep_their_bodies(stack: Stack) -> None:
     assert (r.status_code, r.json()) == (200, {"status": "ok"})
     assert r.headers["content-type"] == "application/json"
     r = httpx.get(stack.gateway.url + "/readyz")
+    # The fields probes read stay; each engine's health and reason are added, by index.
     assert (r.status_code, r.json()) == (
         200,
-        {"status": "ready", "healthy_engines": 1, "engines": 1},
+        {
+            "status": "ready",
+            "healthy_engines": 1,
+            "engines": 1,
+            "engine_states": [{"index": 0, "healthy": True, "reason": None}],
+        },
     )
     # A key that is presented does not matter there, even one that is not valid.
     r = httpx.get(stack.gateway.url + "/healthz", headers={"Authorization": f"Bearer {WRONG}"})

@@ -108,6 +108,7 @@ def test_an_engine_whose_certificate_fails_is_never_used(
         time.sleep(0.3)
         r = httpx.get(gw.url + "/readyz")
         assert (r.status_code, r.json()["healthy_engines"]) == (503, 0)
+        assert r.json()["engine_states"] == [{"index": 0, "healthy": False, "reason": "tls_failed"}]
         r = httpx.post(gw.url + "/v1/chat/completions", headers=HEADERS, json=CHAT, timeout=10)
         assert (r.status_code, r.json()["error"]["code"]) == (503, "no_engine_available")
         assert "certificate" not in r.text.lower()

@@ -167,14 +167,19 @@ async def test_dns_entry_follows_the_answers(sim: Proc) -> None:
         await asyncio.sleep(0.2)
         assert healthy() == [sim.url]
         # A failed lookup keeps the engines; a name with no addresses empties the entry.
+        (spec,) = pool.dns_reasons
+        assert pool.dns_reasons[spec] is None
         answers = OSError("resolver timeout")
         await asyncio.sleep(0.2)
         assert len(urls()) == 2
+        assert getattr(pool.dns_reasons[spec], "reason", None) == "dns_failed"
         answers = NameNotFound("engines.test")
         await _until(lambda: not urls())
         assert not pool.ready()
+        assert getattr(pool.dns_reasons[spec], "reason", None) == "dns_no_addresses"
         answers = ["127.0.0.1"]
         await _until(lambda: healthy() == [sim.url])
+        assert pool.dns_reasons[spec] is None
     finally:
         await pool.stop()
         await upstream.aclose()
@@ -200,10 +205,12 @@ async def test_ejection_backs_off_then_recovers_on_a_good_check(sim: Proc) -> No
         assert engine.healthy
         pool.eject(engine)
         assert pool.healthy() == [] and engine.backoff == 0.3 and engine.ejections == 1
+        assert engine.reason == "ejected_connect" and "back-off 0.3 s" in str(engine.detail)
         # The engine answers its health checks, but stays out for its back-off.
         started = time.monotonic()
         await _until(lambda: engine.healthy)
         assert time.monotonic() - started >= 0.25
+        assert (engine.reason, engine.detail) == (None, None)
         # Ejected again without a good answer in between: the back-off doubles, capped.
         pool.eject(engine)
         assert engine.backoff == 0.6
@@ -218,6 +225,10 @@ async def test_ejection_backs_off_then_recovers_on_a_good_check(sim: Proc) -> No
         assert engine.healthy
         pool.failed(engine)
         assert not engine.healthy and engine.backoff == 0.3
+        assert (engine.reason, engine.detail) == (
+            "ejected_5xx",
+            "3 5xx answers in a row; back-off 0.3 s",
+        )
     finally:
         await pool.stop()
         await upstream.aclose()
@@ -305,7 +316,9 @@ def test_a_run_of_5xx_ejects_the_engine(sim: Proc, tmp_path: Path) -> None:
             samples = scrape(gw.url + "/metrics")
             assert samples[("gateway_engine_ejections_total", (("engine", bad.url),))] == 1
             assert samples[("gateway_engine_healthy", (("engine", bad.url),))] == 0
-            assert wait_for(lambda: '"reason":"5xx"' in gw.log().replace(" ", ""), timeout=5)
+            assert wait_for(
+                lambda: '"reason":"ejected_5xx"' in gw.log().replace(" ", ""), timeout=5
+            )
         finally:
             gw.stop()
 

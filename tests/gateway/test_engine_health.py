@@ -1,0 +1,268 @@
+"""Engine health that explains itself, through a running gateway: each engine's state
+change is logged once with its reason, /readyz lists each engine's health and reason
+(by index, no address), /gateway/status adds the URL and the detail, and no key or
+engine answer shows in any of them.
+
+The engines: nothing listening (refused), a simulated engine started with another key
+(401 on /v1/models), a loopback server whose model list is not JSON, and a socket that
+accepts connections and never answers (timeout). Two of them recover."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from bench.origin import RecordingServer, Route
+from gateway.routing.health import error_verdict, status_verdict, unreadable_models
+from gateway.upstream import (
+    ClosedUnanswered,
+    ConnectFailed,
+    ConnectRefused,
+    ConnectTimeout,
+    FirstByteTimeout,
+    NameUnresolved,
+    ReadTimeout,
+    TlsFailed,
+    UpstreamError,
+)
+from tests.procs import Proc, auth, free_port, gateway_proc, metric, sim_proc, wait_for
+
+MODEL = "Qwen/Qwen3-VL-2B-Instruct"
+UPSTREAM = "upstream-health-0123456789-SECRET"
+ENGINE_KEY = "engine-health-other-0123456789-SECRET"
+ADMIN = "sk-health-admin-0123456789-SECRET"
+SECRETS = (UPSTREAM, ENGINE_KEY, ADMIN)
+# The unreadable engine's answer: never echoed by the gateway.
+GARBAGE = b"<html>GARBAGE-MODELS-PAGE</html>"
+MODELS_BODY = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()
+JSON = {"Content-Type": "application/json"}
+
+# --- tables ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("error", "reason"),
+    [
+        (ConnectRefused("connect"), "connect_refused"),
+        (ConnectTimeout("connect"), "connect_timeout"),
+        (NameUnresolved("connect"), "name_unresolved"),
+        (TlsFailed("connect"), "tls_failed"),
+        (ConnectFailed("connect"), "connect_failed"),
+        (TimeoutError(), "timeout"),
+        (FirstByteTimeout("timeout"), "timeout"),
+        (ReadTimeout("timeout"), "timeout"),
+        (ClosedUnanswered("closed"), "bad_response"),
+    ],
+)
+def test_error_reasons(error: UpstreamError | TimeoutError, reason: str) -> None:
+    verdict = error_verdict(error, "/health", 1.0)
+    assert verdict.reason == reason and verdict.detail
+
+
+@pytest.mark.parametrize(
+    ("path", "status", "keyed", "reason", "words"),
+    [
+        ("/health", 503, True, "health_status", "GET /health answered 503"),
+        ("/v1/models", 500, True, "models_status", "GET /v1/models answered 500"),
+        ("/v1/models", 401, True, "upstream_key_refused", "is not the key the engine was"),
+        ("/v1/models", 403, True, "upstream_key_refused", "upstream_api_key"),
+        ("/v1/models", 401, False, "upstream_key_refused", "upstream_api_key is not set"),
+        ("/health", 401, False, "upstream_key_refused", "GET /health answered 401"),
+    ],
+)
+def test_status_reasons(path: str, status: int, keyed: bool, reason: str, words: str) -> None:
+    verdict = status_verdict(path, status, keyed=keyed)
+    assert verdict.reason == reason and words in verdict.detail
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [(GARBAGE, "not JSON"), (b"", "not JSON"), (b"[1, 2]", "no `data` list"), (b"{}", "no `data`")],
+)
+def test_unreadable_model_lists(body: bytes, words: str) -> None:
+    verdict = unreadable_models(body)
+    assert verdict.reason == "models_unreadable" and words in verdict.detail
+    assert "GARBAGE" not in verdict.detail
+
+
+# --- the running gateway -------------------------------------------------------------------
+
+
+class Silent:
+    """A socket that takes connections (the kernel completes them) and never answers."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(1024)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def health_lines(gateway: Proc) -> list[dict[str, Any]]:
+    return [
+        line
+        for line in (json.loads(raw) for raw in gateway.log().splitlines() if raw.startswith("{"))
+        if line.get("event") == "engine_health"
+    ]
+
+
+def reasons_by_engine(gateway: Proc) -> dict[str, list[str | None]]:
+    seen: dict[str, list[str | None]] = {}
+    for line in health_lines(gateway):
+        seen.setdefault(line["engine"], []).append(line["reason"])
+    return seen
+
+
+def status(gateway: Proc) -> dict[str, Any]:
+    r = httpx.get(gateway.url + "/gateway/status", headers=auth(ADMIN))
+    assert r.status_code == 200, r.text
+    body: dict[str, Any] = r.json()
+    return body
+
+
+def assert_no_secret(*texts: str) -> None:
+    for text in texts:
+        for secret in SECRETS:
+            assert secret not in text
+        assert "GARBAGE" not in text and "Unauthorized" not in text
+
+
+@pytest.fixture
+def silent() -> Iterator[Silent]:
+    s = Silent()
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def test_each_engine_says_why_it_is_down_and_recovers_once(tmp_path: Path, silent: Silent) -> None:
+    down_port = free_port()
+    down = f"http://127.0.0.1:{down_port}"
+    wrong_key = sim_proc(tmp_path, "--api-key", ENGINE_KEY)
+    unreadable = RecordingServer({"/health": Route(200), "/v1/models": Route(200, GARBAGE, JSON)})
+    comeback = sim_proc(tmp_path, "--api-key", UPSTREAM, port=down_port)
+    with unreadable:
+        engines = [down, wrong_key.url, unreadable.url, silent.url]
+        env = {
+            "GATEWAY_ENGINES": json.dumps(engines),
+            "GATEWAY_API_KEYS": json.dumps([{"key": ADMIN, "name": "ops", "scopes": ["admin"]}]),
+            "GATEWAY_UPSTREAM_API_KEY": UPSTREAM,
+            "GATEWAY_ROUTING__HEALTH_TIMEOUT": "0.5",
+            "GATEWAY_ROUTING__HEALTH_INTERVAL": "0.3",
+        }
+        gateway = gateway_proc(tmp_path, env)
+        try:
+            wrong_key.start()
+            gateway.start("/healthz")
+            # Many checks ran (every 0.25 s while none is ready, each round bounded by
+            # the 0.5 s timeout): still one line per engine.
+            checks = lambda: sum(h.path == "/health" for h in unreadable.hits)  # noqa: E731
+            assert wait_for(lambda: checks() >= 6, timeout=20), gateway.log_tail()
+            expected = {
+                down: ["connect_refused"],
+                wrong_key.url: ["upstream_key_refused"],
+                unreadable.url: ["models_unreadable"],
+                silent.url: ["timeout"],
+            }
+            assert reasons_by_engine(gateway) == expected
+            lines = {line["engine"]: line for line in health_lines(gateway)}
+            assert lines[wrong_key.url]["level"] == "warning"
+            assert "upstream_api_key is not the key" in lines[wrong_key.url]["detail"]
+            assert "not JSON" in lines[unreadable.url]["detail"]
+
+            # The start line has each engine's state after the first checks.
+            (serving,) = [
+                json.loads(raw) for raw in gateway.log().splitlines() if '"gateway_serving"' in raw
+            ]
+            assert [(s["engine"], s["healthy"], s["reason"]) for s in serving["engine_states"]] == [
+                (url, False, reasons[0]) for url, reasons in expected.items()
+            ]
+
+            # /readyz: states and reasons by index, no address.
+            r = httpx.get(gateway.url + "/readyz")
+            assert r.status_code == 503
+            ready = r.json()
+            assert (ready["status"], ready["healthy_engines"], ready["engines"]) == (
+                "no_healthy_engine",
+                0,
+                4,
+            )
+            assert ready["engine_states"] == [
+                {"index": i, "healthy": False, "reason": reasons[0]}
+                for i, reasons in enumerate(expected.values())
+            ]
+            assert "127.0.0.1" not in r.text and str(down_port) not in r.text
+
+            # /gateway/status: the URL, the reason and its detail.
+            engines_status = status(gateway)["engines"]
+            assert [(e["url"], e["healthy"], e["reason"]) for e in engines_status] == [
+                (url, False, reasons[0]) for url, reasons in expected.items()
+            ]
+            assert "answered 401" in engines_status[1]["detail"]
+            assert "0.5 s" in engines_status[3]["detail"]
+            assert_no_secret(r.text, json.dumps(engines_status))
+
+            # Recovery: the model list turns readable, the engine comes back.
+            unreadable.routes["/v1/models"] = Route(200, MODELS_BODY, JSON)
+            assert wait_for(lambda: httpx.get(gateway.url + "/readyz").status_code == 200)
+            comeback.start()
+            assert wait_for(lambda: status(gateway)["engines"][0]["healthy"], timeout=10)
+            settled = checks()
+            assert wait_for(lambda: checks() >= settled + 4, timeout=20)
+            expected[down].append(None)
+            expected[unreadable.url].append(None)
+            assert reasons_by_engine(gateway) == expected
+            back = [line for line in health_lines(gateway) if line["reason"] is None]
+            assert all(line["healthy"] is True and line["level"] == "info" for line in back)
+            r = httpx.get(gateway.url + "/readyz")
+            assert [s["reason"] for s in r.json()["engine_states"]] == [
+                None,
+                "upstream_key_refused",
+                None,
+                "timeout",
+            ]
+            engines_status = status(gateway)["engines"]
+            assert engines_status[2]["reason"] is None and engines_status[2]["detail"] is None
+            assert engines_status[2]["models"] == [MODEL]
+        finally:
+            gateway.stop()
+            comeback.stop()
+            wrong_key.stop()
+    assert_no_secret(gateway.log())
+
+
+def test_an_engine_that_needs_a_key_the_gateway_does_not_send(tmp_path: Path) -> None:
+    sim = sim_proc(tmp_path, "--api-key", ENGINE_KEY)
+    env = {
+        "GATEWAY_ENGINES": json.dumps([f"http://user:pw-SECRET@127.0.0.1:{sim.port}"]),
+        "GATEWAY_API_KEYS": json.dumps([{"key": ADMIN, "name": "ops", "scopes": ["admin"]}]),
+        "GATEWAY_PUBLIC_METRICS": "true",
+    }
+    gateway = gateway_proc(tmp_path, env)
+    try:
+        sim.start()
+        gateway.start("/healthz")
+        assert wait_for(lambda: len(health_lines(gateway)) == 1, timeout=10)
+        (engine,) = status(gateway)["engines"]
+        assert engine["url"] == sim.url and engine["reason"] == "upstream_key_refused"
+        assert "upstream_api_key is not set" in engine["detail"]
+        (line,) = health_lines(gateway)
+        assert (line["engine"], line["reason"]) == (sim.url, "upstream_key_refused")
+        # The engine's metrics are labelled by its URL without the credentials.
+        assert metric(gateway.url, "gateway_engine_healthy", engine=sim.url) == 0
+        assert "pw-SECRET" not in httpx.get(gateway.url + "/metrics").text
+    finally:
+        gateway.stop()
+        sim.stop()
+    assert "pw-SECRET" not in gateway.log()
+    assert_no_secret(gateway.log())
