@@ -244,7 +244,8 @@ def test_each_engine_says_why_it_is_down_and_recovers_once(tmp_path: Path, silen
 def test_an_engine_that_needs_a_key_the_gateway_does_not_send(tmp_path: Path) -> None:
     sim = sim_proc(tmp_path, "--api-key", ENGINE_KEY)
     env = {
-        "GATEWAY_ENGINES": json.dumps([f"http://user:pw-SECRET@127.0.0.1:{sim.port}"]),
+        # (An engine URL with credentials is refused at start: test_config_errors.)
+        "GATEWAY_ENGINES": json.dumps([sim.url]),
         "GATEWAY_API_KEYS": json.dumps([{"key": ADMIN, "name": "ops", "scopes": ["admin"]}]),
         "GATEWAY_PUBLIC_METRICS": "true",
     }
@@ -258,11 +259,8 @@ def test_an_engine_that_needs_a_key_the_gateway_does_not_send(tmp_path: Path) ->
         assert "upstream_api_key is not set" in engine["detail"]
         (line,) = health_lines(gateway)
         assert (line["engine"], line["reason"]) == (sim.url, "upstream_key_refused")
-        # The engine's metrics are labelled by its URL without the credentials.
         assert metric(gateway.url, "gateway_engine_healthy", engine=sim.url) == 0
-        assert "pw-SECRET" not in httpx.get(gateway.url + "/metrics").text
     finally:
         gateway.stop()
         sim.stop()
-    assert "pw-SECRET" not in gateway.log()
     assert_no_secret(gateway.log())
