@@ -140,9 +140,11 @@ def request_lines(gateway: Proc, ids: Sequence[str]) -> dict[str, dict[str, Any]
 
 
 def test_hot_anchor_spills_to_the_next_engine(stack: Stack) -> None:
-    # Twelve requests with one anchor at once; each takes ~150 ms on an engine that runs
-    # one at a time. Without the bound they would all queue on the anchor's engine.
-    body = chat("Summarise the quarterly report, please.", max_tokens=16)
+    # Twelve requests with one anchor at once; each takes ~340 ms on an engine that runs
+    # one at a time, long enough that all twelve arrive before the first ends, even on a
+    # loaded machine (at ~150 ms, early ones ended and freed room for a ninth). Without
+    # the bound they would all queue on the anchor's engine.
+    body = chat("Summarise the quarterly report, please.", max_tokens=40)
     ids = [f"hot-{i}" for i in range(12)]
     in_flight_seen: list[float] = []
 

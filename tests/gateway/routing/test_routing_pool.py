@@ -344,6 +344,8 @@ def test_scraped_queue_steers_least_loaded(tmp_path: Path) -> None:
             ]
             waiting = ("gateway_engine_waiting", (("engine", a.url),))
             assert wait_for(lambda: scrape(gw.url + "/metrics").get(waiting, 0) >= 2, timeout=5)
+            # All six reached A (the queue can show before the last one has arrived).
+            assert wait_for(lambda: _received(a) >= 6, timeout=10)
             before = _received(a)
             with httpx.Client(timeout=10) as client:
                 for _ in range(8):
