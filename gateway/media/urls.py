@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import ipaddress
 import re
 from dataclasses import dataclass
@@ -37,6 +38,9 @@ _DIGITS = re.compile(r"[0-9]+")
 # dotted-quad form is accepted; every other numeric form is refused as ambiguous.
 _NUMERIC_LABEL = re.compile(r"(?:0x[0-9a-f]*|[0-9]+)")
 _DOTTED_QUAD = re.compile(r"(?:0|[1-9][0-9]{0,2})(?:\.(?:0|[1-9][0-9]{0,2})){3}")
+# What base64.b64decode(validate=True) accepts (binascii's strict mode), checked without
+# decoding: characters of the alphabet, then only `=` (and `_strict_base64`'s counts).
+_BASE64 = re.compile(r"([A-Za-z0-9+/]+)=*")
 _MIME = re.compile(r"[a-z0-9][a-z0-9!#$&^_.+\-]*/[a-z0-9][a-z0-9!#$&^_.+\-]*")
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -67,11 +71,28 @@ class RemoteUrl:
 
 @dataclass(frozen=True)
 class DataUrl:
-    """A decoded base64 `data:` URL. For `video/jpeg`, `frames` holds each JPEG."""
+    """A base64 `data:` URL whose payload passed the strict check (`parse_data_url`).
+
+    The payload is decoded only when `data` is first read: an item whose verdict is
+    cached by the payload's hash (gateway/media/inline.py) is never decoded; decoding
+    1.3 MB of base64 cost 3.8 ms here. For `video/jpeg`, `frames` holds each JPEG,
+    decoded at once. `canonical`: `url` is already the form the gateway would write for
+    these bytes (`data_url`), so forwarding it as sent is forwarding the canonical form.
+    """
 
     mime: str
-    data: bytes
+    text: str  # the base64 payload, as sent
     frames: tuple[bytes, ...] = ()
+    url: str = ""  # the whole URL, as sent
+    canonical: bool = False
+
+    @functools.cached_property
+    def data(self) -> bytes:
+        if self.frames:
+            return b"".join(self.frames)
+        # Cannot fail: the payload passed `_strict_base64` (the same test as
+        # base64.b64decode(validate=True), without the decoding).
+        return binascii.a2b_base64(self.text)
 
 
 def _refuse(rule: str, detail: str) -> MediaUrlNotAllowed:
@@ -241,8 +262,33 @@ class UrlPolicy:
         return url
 
 
+def _strict_base64(text: str) -> bool:
+    """Whether base64.b64decode(text, validate=True) decodes `text` (to at least one byte).
+    Its strict mode takes any padding after a whole last group (`YWJj==`), but exactly
+    what a short one needs (`YQ==`, `YWI=`)."""
+    match = _BASE64.fullmatch(text)
+    if match is None:
+        return False
+    rest, pad = match.end(1) % 4, len(text) - match.end(1)
+    return rest == 0 or (rest == 2 and pad == 2) or (rest == 3 and pad == 1)
+
+
+def _canonical_padding(text: str) -> bool:
+    """Whether encoding the bytes of `text` (which passed `_strict_base64`) again gives
+    `text` back: the padding a short last group needs and no more, and zero in the bits
+    that group leaves unused (`YQ==`, not `YR==`)."""
+    data = len(text.rstrip("="))
+    if len(text) - data != (4 - data % 4) % 4:
+        return False
+    if data % 4 == 0:
+        return True
+    last = text[-4:]
+    return base64.b64encode(binascii.a2b_base64(last)).decode("ascii") == last
+
+
 def parse_data_url(raw: str, max_bytes: int) -> DataUrl:
-    """Decode `data:<type>[;param]*;base64,<payload>` strictly (base64 only, as vLLM)."""
+    """Check `data:<type>[;param]*;base64,<payload>` strictly (base64 only, as vLLM).
+    The payload is checked, not decoded (`DataUrl.data` decodes it)."""
     head, sep, payload = raw.partition(",")
     if not sep:
         raise _refuse("data_url", "a data: URL needs a comma before its payload")
@@ -255,18 +301,22 @@ def parse_data_url(raw: str, max_bytes: int) -> DataUrl:
     # base64 grows 4/3: refuse before decoding anything over the cap.
     if len(payload) > (max_bytes + 2) // 3 * 4 + 4:
         raise MediaTooLarge("The media item is larger than this gateway accepts.")
-    chunks = payload.split(",") if mime == "video/jpeg" else [payload]
-    decoded: list[bytes] = []
-    for chunk in chunks:
-        try:
-            decoded.append(base64.b64decode(chunk, validate=True))
-        except (binascii.Error, ValueError):
-            raise MediaInvalid("The data: URL payload is not valid base64.") from None
-    if any(not item for item in decoded):
+    if not payload:
         raise MediaInvalid("The data: URL payload is empty.")
     if mime == "video/jpeg":
-        return DataUrl(mime, b"".join(decoded), tuple(decoded))
-    return DataUrl(mime, decoded[0])
+        decoded: list[bytes] = []
+        for chunk in payload.split(","):
+            try:
+                decoded.append(base64.b64decode(chunk, validate=True))
+            except (binascii.Error, ValueError):
+                raise MediaInvalid("The data: URL payload is not valid base64.") from None
+        if any(not item for item in decoded):
+            raise MediaInvalid("The data: URL payload is empty.")
+        return DataUrl(mime, payload, tuple(decoded), raw)
+    if not _strict_base64(payload):
+        raise MediaInvalid("The data: URL payload is not valid base64.")
+    canonical = head == f"data:{mime};base64" and _canonical_padding(payload)
+    return DataUrl(mime, payload, (), raw, canonical)
 
 
 def data_url(mime: str, data: bytes) -> str:
