@@ -79,7 +79,7 @@ class DataUrl:
     """
 
     mime: str
-    text: bytes  # the base64 payload, as sent
+    text: memoryview  # the base64 payload's bytes, as sent
     frames: tuple[bytes, ...] = ()
     url: str = ""  # the whole URL, as sent
     canonical: bool = False
@@ -260,40 +260,45 @@ class UrlPolicy:
         return url
 
 
-def _strict_base64(payload: bytes) -> bool:
-    """Whether base64.b64decode(payload, validate=True) decodes `payload` (to at least one
-    byte), found in one pass without decoding (a regular expression took 10 ms for 1.3 MB
-    here, decoding 3.8 ms, this 0.8 ms). The strict decoder takes characters of the
-    alphabet, then only `=`: any number of them after a whole last group (`YWJj==`),
-    exactly what a short one needs (`YQ==`, `YWI=`)."""
-    others = payload.translate(None, _BASE64_ALPHABET)
+def _strict_padding(blob: bytes, start: int) -> int | None:
+    """The `=` padding of the base64 payload at `blob[start:]` when
+    base64.b64decode(payload, validate=True) decodes it (to at least one byte), else None.
+    One pass over the bytes, nothing decoded (a regular expression took 10 ms for 1.3 MB
+    here, decoding 3.8 ms). The strict decoder takes characters of the alphabet, then
+    only `=`: any number after a whole last group (`YWJj==`), exactly what a short one
+    needs (`YQ==`, `YWI=`)."""
+    # Whatever is not in the alphabet, in order: the head's (small), then the payload's.
+    others = blob.translate(None, _BASE64_ALPHABET)
+    others = others[len(blob[:start].translate(None, _BASE64_ALPHABET)) :]
     pad = len(others)
-    if others != b"=" * pad or not payload.endswith(others):
-        return False
-    data = len(payload) - pad
+    if others != b"=" * pad or not blob.endswith(others):
+        return None
+    data = len(blob) - start - pad
     rest = data % 4
-    return data > 0 and (rest == 0 or (rest == 2 and pad == 2) or (rest == 3 and pad == 1))
+    if data > 0 and (rest == 0 or (rest == 2 and pad == 2) or (rest == 3 and pad == 1)):
+        return pad
+    return None
 
 
-def _canonical_padding(payload: bytes) -> bool:
-    """Whether encoding the bytes of `payload` (which passed `_strict_base64`) again gives
-    `payload` back: the padding a short last group needs and no more, and zero in the
-    bits that group leaves unused (`YQ==`, not `YR==`)."""
-    data = len(payload.rstrip(b"="))
-    if len(payload) - data != (4 - data % 4) % 4:
+def _canonical_padding(payload: memoryview, pad: int) -> bool:
+    """Whether encoding the bytes of `payload` (checked by `_strict_padding`, `pad` its
+    padding) again gives `payload` back: the padding a short last group needs and no
+    more, and zero in the bits that group leaves unused (`YQ==`, not `YR==`)."""
+    if pad != (4 - (len(payload) - pad) % 4) % 4:
         return False
-    if data % 4 == 0:
+    if pad == 0:
         return True
-    last = payload[-4:]
+    last = bytes(payload[-4:])
     return base64.b64encode(binascii.a2b_base64(last)) == last
 
 
 def parse_data_url(raw: str, max_bytes: int) -> DataUrl:
     """Check `data:<type>[;param]*;base64,<payload>` strictly (base64 only, as vLLM).
     The payload is checked, not decoded (`DataUrl.data` decodes it)."""
-    head, sep, payload = raw.partition(",")
-    if not sep:
+    comma = raw.find(",")
+    if comma < 0:
         raise _refuse("data_url", "a data: URL needs a comma before its payload")
+    head = raw[:comma]
     params = head[len("data:") :].lower().split(";")
     mime = params[0]
     if not _MIME.fullmatch(mime):
@@ -301,11 +306,13 @@ def parse_data_url(raw: str, max_bytes: int) -> DataUrl:
     if params[-1] != "base64":
         raise _refuse("data_url", "data: URLs must be base64-encoded")
     # base64 grows 4/3: refuse before decoding anything over the cap.
-    if len(payload) > (max_bytes + 2) // 3 * 4 + 4:
+    size = len(raw) - comma - 1
+    if size > (max_bytes + 2) // 3 * 4 + 4:
         raise MediaTooLarge("The media item is larger than this gateway accepts.")
-    if not payload:
+    if not size:
         raise MediaInvalid("The data: URL payload is empty.")
     if mime == "video/jpeg":
+        payload = raw[comma + 1 :]
         decoded: list[bytes] = []
         for chunk in payload.split(","):
             try:
@@ -314,12 +321,16 @@ def parse_data_url(raw: str, max_bytes: int) -> DataUrl:
                 raise MediaInvalid("The data: URL payload is not valid base64.") from None
         if any(not item for item in decoded):
             raise MediaInvalid("The data: URL payload is empty.")
-        return DataUrl(mime, payload.encode("ascii"), tuple(decoded), raw)
-    # A str of ASCII only is known so without a scan (CPython keeps it as a flag).
-    text = payload.encode("ascii") if payload.isascii() else b""
-    if not _strict_base64(text):
+        return DataUrl(mime, memoryview(payload.encode("ascii")), tuple(decoded), raw)
+    # The head passed the checks above, so anything not ASCII is in the payload. A str of
+    # ASCII only is known so without a scan (CPython keeps it as a flag); the bytes are
+    # made once, and the payload is a view of them (a copy of 1.3 MB: 0.1-0.8 ms here).
+    blob = raw.encode("ascii") if raw.isascii() else b""
+    pad = _strict_padding(blob, comma + 1) if blob else None
+    if pad is None:
         raise MediaInvalid("The data: URL payload is not valid base64.")
-    canonical = head == f"data:{mime};base64" and _canonical_padding(text)
+    text = memoryview(blob)[comma + 1 :]
+    canonical = head == f"data:{mime};base64" and _canonical_padding(text, pad)
     return DataUrl(mime, text, (), raw, canonical)
 
 
