@@ -9,6 +9,11 @@ writes the body on to the engine unchanged over a kept-alive connection (the gat
 `Upstream` client) and relays the answer. No key check, no walk, no validation, no
 routing. The overhead suite measures it next to the gateway in the same run: the
 gateway's added latency over this floor's is what inspection itself costs.
+
+`--allocator gateway` fixes glibc's mmap threshold at 1 MiB as the gateway does at
+start (gateway/allocator.py), so that a 1.3 MB buffer costs both processes the same
+fresh mapping and page faults; `default` leaves glibc's sliding threshold, under which
+such buffers are reused from the heap (what that policy costs the gateway, measured).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any
 import orjson
 import uvicorn
 
+from gateway.allocator import tune_allocator
 from gateway.asgi import Receive, Scope, Send
 from gateway.server import GatewayProtocol
 from gateway.upstream import Origin, Upstream
@@ -84,7 +90,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--engine", required=True, help="base URL of the engine")
+    p.add_argument("--allocator", choices=("gateway", "default"), default="gateway")
     args = p.parse_args(argv)
+    if args.allocator == "gateway":
+        tune_allocator()
     uvicorn.run(
         Floor(args.engine),
         host=args.host,

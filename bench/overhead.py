@@ -417,8 +417,12 @@ def image_cases(
         )
         return figures
     figures["pillow_decode_us"] = pillow_decode_us(png, cfg.cpus.proxy, 10 if cfg.quick else 100)
+    # The floor runs under the gateway's allocator policy (like for like); a second one,
+    # next to the cached case only, under glibc's default (what that policy costs).
     floor_server = fleet.floor(direct.url)
     floor = Target("floor", floor_server.url, {}, floor_server.pid)
+    plain_server = fleet.floor(direct.url, "default", name="floor-default-malloc")
+    plain = Target("floor, glibc default malloc", plain_server.url, {}, plain_server.pid)
     engines = [direct.url]
     # The same body is sent every time: with the media cache off each request pays the
     # full validation at its depth (a new image); the last case, cache on, is the cost of
@@ -438,7 +442,12 @@ def image_cases(
             raw = latency_case(
                 report,
                 f"1 MB data: image, {title}",
-                [direct, floor, cfg.gateway_target(gw.url, gw.pid, name)],
+                [
+                    direct,
+                    floor,
+                    *([plain] if label == "decode-cached" else []),
+                    cfg.gateway_target(gw.url, gw.pid, name),
+                ],
                 CHAT,
                 body,
                 samples,
@@ -452,7 +461,10 @@ def image_cases(
             "gateway_added_us": raw[name]["added_us"]["p50"],
             "statuses": raw[name]["statuses"],
         }
+        if label == "decode-cached":
+            figures["floor_default_malloc_added_us"] = raw[plain.name]["added_us"]["p50"]
     floor_server.stop()
+    plain_server.stop()
     image_floor_table(report, figures)
     # Two origins, one per inline gateway, so each one's served requests are counted.
     # The gateway caches fetched media by URL (GATEWAY_MEDIA__CACHE_BYTES): with the cache
@@ -571,8 +583,10 @@ def image_floor_table(report: Report, figures: dict[str, Any]) -> None:
         ],
         rows,
         f"Floor: bench/floor.py in the same blocks (reads the body, parses it, hashes the "
-        f"image's base64 text, writes the body on). Pillow's decode of the image alone "
-        f"(open + load, median, on the proxy's core): {fmt(pillow)} us.",
+        f"image's base64 text, writes the body on), under the gateway's allocator policy "
+        f"(glibc mmap threshold 1 MiB); under glibc's default, next to the cached case: "
+        f"{fmt(figures.get('floor_default_malloc_added_us'))} us added. Pillow's decode of "
+        f"the image alone (open + load, median, on the proxy's core): {fmt(pillow)} us.",
     )
     report.raw["image_floor"] = figures
 

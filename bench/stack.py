@@ -376,10 +376,11 @@ class Fleet:
         server.ready_path = "/readyz"
         return self._start(server, timeout=60.0)
 
-    def floor(self, engine: str, name: str = "floor") -> Server:
+    def floor(self, engine: str, allocator: str = "gateway", name: str = "floor") -> Server:
         """bench/floor.py in front of `engine`, pinned as the gateway is."""
         port = free_port()
         args = [sys.executable, "-m", "bench.floor", "--port", str(port), "--engine", engine]
+        args += ["--allocator", allocator]
         log = self.workdir / f"{name}-{port}.log"
         server = Server(name, args, port, log, cpus=self.cpus.proxy)
         server.ready_path = "/health"
