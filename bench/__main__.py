@@ -60,6 +60,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "two minutes a suite, routing several (times in bench/README.md)",
     )
     p.add_argument("--no-peers", action="store_true", help="skip nginx and vllm-router")
+    p.add_argument(
+        "--images-only",
+        action="store_true",
+        help="overhead: only the image cases (a 1 MB data: image at each depth next to its "
+        "floor, Pillow's decode alone, inline fetching)",
+    )
     p.add_argument("--loadgen", choices=("auto", "wrk", "python"), default="auto")
     p.add_argument(
         "--duration",
@@ -82,6 +88,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.real_vllm and (args.engine_url or args.suite not in REAL_SUITES):
         p.error(f"--real-vllm runs {', '.join(REAL_SUITES)} on engines it starts itself")
+    if args.images_only and args.suite != "overhead":
+        p.error("--images-only is an option of the overhead suite")
     if args.suite == "soak" and (args.engine_url or args.gateway_url):
         p.error("soak starts its own gateway: it samples the gateway's process")
     if args.duration is not None and (args.suite != "soak" or args.duration <= 0):
@@ -143,6 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "peers": not args.no_peers,
             "loadgen": args.loadgen,
             "duration": args.duration,
+            "images_only": args.images_only,
         }
         cfg = RunConfig(**fields) if real is None else RealRunConfig(**fields, real=real)
         if real is not None:

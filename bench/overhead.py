@@ -11,8 +11,10 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import random
 import statistics
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +35,9 @@ EMBED = "/v1/embeddings"
 GOAL_ADDED_P50_US = 250.0
 GOAL_RPS_64 = 5000.0
 GOAL_STREAM_FIRST_CHUNK_MS = 0.5
+# A 1 MB data: image: with its verdict cached, the added p50 within this factor of the
+# floor's (bench/floor.py); at the default depth, within the floor plus Pillow's decode.
+GOAL_IMAGE_CACHED_RATIO = 1.5
 
 
 def small_chat(model: str, stream: bool = False, max_tokens: int = 8) -> bytes:
@@ -342,6 +347,11 @@ def run(cfg: RunConfig, report: Report) -> None:
             report.note("peers: skipped (--no-peers)")
         targets = [direct, gateway, *peers]
 
+        if cfg.images_only:
+            report.note("images only (--images-only): the other cases were not run")
+            image_goals(report, image_cases(cfg, report, fleet, direct, gateway, model))
+            return
+
         chat = small_chat(model)
         generator = loadgen.select(cfg.loadgen, direct, CHAT, chat, quick, report)
 
@@ -367,9 +377,10 @@ def run(cfg: RunConfig, report: Report) -> None:
                 report, targets, chat, conns, duration, repeats, generator
             )
 
-        image_cases(cfg, report, fleet, direct, gateway, model)
+        images = image_cases(cfg, report, fleet, direct, gateway, model)
 
     goals(report, small, stream, tput)
+    image_goals(report, images)
     plots(report, small, stream, tput)
 
 
@@ -380,8 +391,10 @@ def image_cases(
     direct: Target,
     gateway: Target,
     model: str,
-) -> None:
-    """1 MB data: image per validation depth, and inline fetching from a loopback origin.
+) -> dict[str, Any]:
+    """1 MB data: image per validation depth, each next to its floor (bench/floor.py, in
+    the same blocks), Pillow's decode of the image alone, and inline fetching from a
+    loopback origin. Returns the figures the image goals read (`image_goals`).
 
     The gateway may refuse these (the media features land separately): statuses are
     recorded and shown, never treated as a crash.
@@ -390,6 +403,7 @@ def image_cases(
     body = image_chat(model, data_url(png))
     samples, block, warmup = (10, 5, 2) if cfg.quick else (200, 20, 10)
     report.note(f"image: {len(png):,} bytes of PNG noise, {len(body):,} bytes of request body")
+    figures: dict[str, Any] = {"cases": {}}
     if cfg.external:
         latency_case(
             report,
@@ -401,7 +415,14 @@ def image_cases(
             block,
             warmup,
         )
-        return
+        return figures
+    figures["pillow_decode_us"] = pillow_decode_us(png, cfg.cpus.proxy, 10 if cfg.quick else 100)
+    # The floor runs under the gateway's allocator policy (like for like); a second one,
+    # next to the cached case only, under glibc's default (what that policy costs).
+    floor_server = fleet.floor(direct.url)
+    floor = Target("floor", floor_server.url, {}, floor_server.pid)
+    plain_server = fleet.floor(direct.url, "default", name="floor-default-malloc")
+    plain = Target("floor, glibc default malloc", plain_server.url, {}, plain_server.pid)
     engines = [direct.url]
     # The same body is sent every time: with the media cache off each request pays the
     # full validation at its depth (a new image); the last case, cache on, is the cost of
@@ -416,11 +437,17 @@ def image_cases(
         gw = fleet.gateway(
             engines, {"GATEWAY_MEDIA__VALIDATION": depth, **extra}, name=f"gateway-{label}"
         )
+        name = f"gateway ({label})"
         try:
-            latency_case(
+            raw = latency_case(
                 report,
                 f"1 MB data: image, {title}",
-                [direct, cfg.gateway_target(gw.url, gw.pid, f"gateway ({label})")],
+                [
+                    direct,
+                    floor,
+                    *([plain] if label == "decode-cached" else []),
+                    cfg.gateway_target(gw.url, gw.pid, name),
+                ],
                 CHAT,
                 body,
                 samples,
@@ -429,6 +456,16 @@ def image_cases(
             )
         finally:
             gw.stop()
+        figures["cases"][label] = {
+            "floor_added_us": raw["floor"]["added_us"]["p50"],
+            "gateway_added_us": raw[name]["added_us"]["p50"],
+            "statuses": raw[name]["statuses"],
+        }
+        if label == "decode-cached":
+            figures["floor_default_malloc_added_us"] = raw[plain.name]["added_us"]["p50"]
+    floor_server.stop()
+    plain_server.stop()
+    image_floor_table(report, figures)
     # Two origins, one per inline gateway, so each one's served requests are counted.
     # The gateway caches fetched media by URL (GATEWAY_MEDIA__CACHE_BYTES): with the cache
     # on, every request after the first is a cache hit and measures no fetch at all (the
@@ -502,6 +539,90 @@ def image_cases(
     report.raw["inline_fetch"]["fetch_minus_data_url_us"] = vs_data
     report.raw["inline_fetch"]["origin_requests"] = served
     report.raw["inline_fetch"]["cached_origin_requests"] = cached_served
+    return figures
+
+
+def pillow_decode_us(png: bytes, cpus: frozenset[int] | None, runs: int) -> float:
+    """Median time of Pillow opening and fully decoding `png` in this process, pinned to
+    `cpus` (the proxy's core) for the measurement: what decoding costs with nothing
+    around it."""
+    from PIL import Image
+
+    before = os.sched_getaffinity(0)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    try:
+        times = []
+        for _ in range(runs + 3):
+            start = time.perf_counter_ns()
+            with Image.open(io.BytesIO(png), formats=["PNG"]) as image:
+                image.load()
+            times.append((time.perf_counter_ns() - start) / 1000)
+    finally:
+        os.sched_setaffinity(0, before)
+    return statistics.median(times[3:])
+
+
+def image_floor_table(report: Report, figures: dict[str, Any]) -> None:
+    pillow = figures["pillow_decode_us"]
+    rows = []
+    for label, case in figures["cases"].items():
+        floor, added = case["floor_added_us"], case["gateway_added_us"]
+        ratio = added / floor if added is not None and floor else None
+        over = added - floor if added is not None and floor is not None else None
+        rows.append([label, floor, added, ratio, over, json.dumps(case["statuses"])])
+    report.table(
+        "1 MB data: image against its floor",
+        [
+            "gateway",
+            "floor added p50 us",
+            "gateway added p50 us",
+            "ratio to floor",
+            "gateway minus floor us",
+            "statuses",
+        ],
+        rows,
+        f"Floor: bench/floor.py in the same blocks (reads the body, parses it, hashes the "
+        f"image's base64 text, writes the body on), under the gateway's allocator policy "
+        f"(glibc mmap threshold 1 MiB); under glibc's default, next to the cached case: "
+        f"{fmt(figures.get('floor_default_malloc_added_us'))} us added. Pillow's decode of "
+        f"the image alone (open + load, median, on the proxy's core): {fmt(pillow)} us.",
+    )
+    report.raw["image_floor"] = figures
+
+
+def image_goals(report: Report, figures: dict[str, Any]) -> None:
+    """The image goals, from `image_cases`' figures (not measured: external runs)."""
+    cases = figures.get("cases", {})
+    cached = cases.get("decode-cached", {})
+    floor, added = cached.get("floor_added_us"), cached.get("gateway_added_us")
+    name = "1 MB image, verdict cached: added p50 within 1.5x of the floor"
+    if floor is None:
+        report.goal(name, f"<= {GOAL_IMAGE_CACHED_RATIO} x floor", "not measured", None)
+    else:
+        report.bound(
+            name,
+            f"<= {GOAL_IMAGE_CACHED_RATIO} x floor ({fmt(GOAL_IMAGE_CACHED_RATIO * floor)} us)",
+            f"{fmt(added)} us (floor {fmt(floor)} us)",
+            added,
+            GOAL_IMAGE_CACHED_RATIO * floor,
+            lambda d: f"{d:.0f} us",
+        )
+    default = cases.get("decode", {})
+    floor, added = default.get("floor_added_us"), default.get("gateway_added_us")
+    pillow = figures.get("pillow_decode_us")
+    name = "1 MB image, default depth: added p50 <= floor + Pillow's decode alone"
+    if floor is None or pillow is None:
+        report.goal(name, "<= floor + Pillow's decode", "not measured", None)
+        return
+    report.bound(
+        name,
+        f"<= {fmt(floor)} + {fmt(pillow)} us",
+        f"{fmt(added)} us",
+        added,
+        floor + pillow,
+        lambda d: f"{d:.0f} us",
+    )
 
 
 def goals(

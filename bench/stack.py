@@ -376,6 +376,16 @@ class Fleet:
         server.ready_path = "/readyz"
         return self._start(server, timeout=60.0)
 
+    def floor(self, engine: str, allocator: str = "gateway", name: str = "floor") -> Server:
+        """bench/floor.py in front of `engine`, pinned as the gateway is."""
+        port = free_port()
+        args = [sys.executable, "-m", "bench.floor", "--port", str(port), "--engine", engine]
+        args += ["--allocator", allocator]
+        log = self.workdir / f"{name}-{port}.log"
+        server = Server(name, args, port, log, cpus=self.cpus.proxy)
+        server.ready_path = "/health"
+        return self._start(server)
+
     def nginx(self, engine: str, name: str = "nginx") -> Server | None:
         """nginx as a plain keep-alive reverse proxy, or None when it is not installed."""
         binary = shutil.which("nginx") or (
@@ -465,6 +475,8 @@ class RunConfig:
     loadgen: str = "auto"
     # soak: seconds of traffic (None: the suite's default).
     duration: float | None = None
+    # overhead: the image cases alone.
+    images_only: bool = False
 
     @property
     def external(self) -> bool:

@@ -1,9 +1,10 @@
-"""A small cache of fetched, validated media, keyed by canonical URL.
+"""A small cache of fetched, validated media (gateway/media/inline.py builds the keys).
 
 Bounded in bytes (least recently used entries go first) and in age, so a popular image
-is fetched and decoded once per `cache_ttl` rather than once per request. Keys are
-canonical URLs only: the cache never widens what the policy allows, because a URL is
-checked before it is looked up.
+is fetched and decoded once per `cache_ttl` rather than once per request. A remote item
+is keyed by its canonical URL, an inline one by the sha256 of its base64 text and its
+declared type; every key also holds a digest of the media settings. The cache never
+widens what the policy allows: a URL is checked before it is looked up.
 """
 
 from __future__ import annotations

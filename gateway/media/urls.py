@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import ipaddress
 import re
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ _DIGITS = re.compile(r"[0-9]+")
 # dotted-quad form is accepted; every other numeric form is refused as ambiguous.
 _NUMERIC_LABEL = re.compile(r"(?:0x[0-9a-f]*|[0-9]+)")
 _DOTTED_QUAD = re.compile(r"(?:0|[1-9][0-9]{0,2})(?:\.(?:0|[1-9][0-9]{0,2})){3}")
+_BASE64_ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
 _MIME = re.compile(r"[a-z0-9][a-z0-9!#$&^_.+\-]*/[a-z0-9][a-z0-9!#$&^_.+\-]*")
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -67,11 +69,28 @@ class RemoteUrl:
 
 @dataclass(frozen=True)
 class DataUrl:
-    """A decoded base64 `data:` URL. For `video/jpeg`, `frames` holds each JPEG."""
+    """A base64 `data:` URL whose payload passed the strict check (`parse_data_url`).
+
+    The payload is decoded only when `data` is first read: an item whose verdict is
+    cached by the payload's hash (gateway/media/inline.py) is never decoded; decoding
+    1.3 MB of base64 cost 3.8 ms here. For `video/jpeg`, `frames` holds each JPEG,
+    decoded at once. `canonical`: `url` is already the form the gateway would write for
+    these bytes (`data_url`), so forwarding it as sent is forwarding the canonical form.
+    """
 
     mime: str
-    data: bytes
+    text: memoryview  # the base64 payload's bytes, as sent
     frames: tuple[bytes, ...] = ()
+    url: str = ""  # the whole URL, as sent
+    canonical: bool = False
+
+    @functools.cached_property
+    def data(self) -> bytes:
+        if self.frames:
+            return b"".join(self.frames)
+        # Cannot fail: the payload passed `_strict_base64` (the same test as
+        # base64.b64decode(validate=True), without the decoding).
+        return binascii.a2b_base64(self.text)
 
 
 def _refuse(rule: str, detail: str) -> MediaUrlNotAllowed:
@@ -241,11 +260,45 @@ class UrlPolicy:
         return url
 
 
+def _strict_padding(blob: bytes, start: int) -> int | None:
+    """The `=` padding of the base64 payload at `blob[start:]` when
+    base64.b64decode(payload, validate=True) decodes it (to at least one byte), else None.
+    One pass over the bytes, nothing decoded (a regular expression took 10 ms for 1.3 MB
+    here, decoding 3.8 ms). The strict decoder takes characters of the alphabet, then
+    only `=`: any number after a whole last group (`YWJj==`), exactly what a short one
+    needs (`YQ==`, `YWI=`)."""
+    # Whatever is not in the alphabet, in order: the head's (small), then the payload's.
+    others = blob.translate(None, _BASE64_ALPHABET)
+    others = others[len(blob[:start].translate(None, _BASE64_ALPHABET)) :]
+    pad = len(others)
+    if others != b"=" * pad or not blob.endswith(others):
+        return None
+    data = len(blob) - start - pad
+    rest = data % 4
+    if data > 0 and (rest == 0 or (rest == 2 and pad == 2) or (rest == 3 and pad == 1)):
+        return pad
+    return None
+
+
+def _canonical_padding(payload: memoryview, pad: int) -> bool:
+    """Whether encoding the bytes of `payload` (checked by `_strict_padding`, `pad` its
+    padding) again gives `payload` back: the padding a short last group needs and no
+    more, and zero in the bits that group leaves unused (`YQ==`, not `YR==`)."""
+    if pad != (4 - (len(payload) - pad) % 4) % 4:
+        return False
+    if pad == 0:
+        return True
+    last = bytes(payload[-4:])
+    return base64.b64encode(binascii.a2b_base64(last)) == last
+
+
 def parse_data_url(raw: str, max_bytes: int) -> DataUrl:
-    """Decode `data:<type>[;param]*;base64,<payload>` strictly (base64 only, as vLLM)."""
-    head, sep, payload = raw.partition(",")
-    if not sep:
+    """Check `data:<type>[;param]*;base64,<payload>` strictly (base64 only, as vLLM).
+    The payload is checked, not decoded (`DataUrl.data` decodes it)."""
+    comma = raw.find(",")
+    if comma < 0:
         raise _refuse("data_url", "a data: URL needs a comma before its payload")
+    head = raw[:comma]
     params = head[len("data:") :].lower().split(";")
     mime = params[0]
     if not _MIME.fullmatch(mime):
@@ -253,20 +306,32 @@ def parse_data_url(raw: str, max_bytes: int) -> DataUrl:
     if params[-1] != "base64":
         raise _refuse("data_url", "data: URLs must be base64-encoded")
     # base64 grows 4/3: refuse before decoding anything over the cap.
-    if len(payload) > (max_bytes + 2) // 3 * 4 + 4:
+    size = len(raw) - comma - 1
+    if size > (max_bytes + 2) // 3 * 4 + 4:
         raise MediaTooLarge("The media item is larger than this gateway accepts.")
-    chunks = payload.split(",") if mime == "video/jpeg" else [payload]
-    decoded: list[bytes] = []
-    for chunk in chunks:
-        try:
-            decoded.append(base64.b64decode(chunk, validate=True))
-        except (binascii.Error, ValueError):
-            raise MediaInvalid("The data: URL payload is not valid base64.") from None
-    if any(not item for item in decoded):
+    if not size:
         raise MediaInvalid("The data: URL payload is empty.")
     if mime == "video/jpeg":
-        return DataUrl(mime, b"".join(decoded), tuple(decoded))
-    return DataUrl(mime, decoded[0])
+        payload = raw[comma + 1 :]
+        decoded: list[bytes] = []
+        for chunk in payload.split(","):
+            try:
+                decoded.append(base64.b64decode(chunk, validate=True))
+            except (binascii.Error, ValueError):
+                raise MediaInvalid("The data: URL payload is not valid base64.") from None
+        if any(not item for item in decoded):
+            raise MediaInvalid("The data: URL payload is empty.")
+        return DataUrl(mime, memoryview(payload.encode("ascii")), tuple(decoded), raw)
+    # The head passed the checks above, so anything not ASCII is in the payload. A str of
+    # ASCII only is known so without a scan (CPython keeps it as a flag); the bytes are
+    # made once, and the payload is a view of them (a copy of 1.3 MB: 0.1-0.8 ms here).
+    blob = raw.encode("ascii") if raw.isascii() else b""
+    pad = _strict_padding(blob, comma + 1) if blob else None
+    if pad is None:
+        raise MediaInvalid("The data: URL payload is not valid base64.")
+    text = memoryview(blob)[comma + 1 :]
+    canonical = head == f"data:{mime};base64" and _canonical_padding(text, pad)
+    return DataUrl(mime, text, (), raw, canonical)
 
 
 def data_url(mime: str, data: bytes) -> str:

@@ -117,11 +117,15 @@ class PayloadInspector:
         pixels = sum(p.pixels for p in prepared if isinstance(p, Prepared))
         if pixels > self._media.max_request_pixels:
             raise MediaTooLarge("The request's images have more pixels than this gateway accepts.")
-        digests = await _all(
+        finished = await _all(
             [self._finish(item, p) for item, p in zip(walk.items, prepared, strict=True)]
         )
-        media = tuple((item.path, digest) for item, digest in zip(walk.items, digests, strict=True))
-        return Inspection(media, True)
+        media = tuple(
+            (item.path, digest) for item, (digest, _) in zip(walk.items, finished, strict=True)
+        )
+        # Unchanged (every item already in its canonical form, nothing namespaced): the
+        # proxy forwards the bytes the client sent instead of writing the body again.
+        return Inspection(media, walk.changed or any(changed for _, changed in finished))
 
     async def _prepare(
         self, item: MediaItem, owner: str, allowance: FetchAllowance
@@ -138,17 +142,17 @@ class PayloadInspector:
             exc.param = exc.param or item.path
             raise
 
-    async def _finish(self, item: MediaItem, prepared: Prepared | str) -> str:
+    async def _finish(self, item: MediaItem, prepared: Prepared | str) -> tuple[str, bool]:
+        """The item's digest, and whether writing its resolved form changed the body."""
         if isinstance(prepared, str):
-            return prepared
+            return prepared, False
         try:
             resolved = await prepared.finish()
         except (MediaInvalid, MediaTooLarge) as exc:
             exc.param = exc.param or item.path
             raise
-        if item.apply is not None:
-            item.apply(resolved)
-        return resolved.digest
+        changed = item.apply(resolved) if item.apply is not None else False
+        return resolved.digest, changed
 
     async def aclose(self) -> None:
         await self._fetcher.aclose()

@@ -37,7 +37,8 @@ from gateway.payload.rules import (
 )
 from gateway.payload.settings import CacheIsolation, PayloadSettings
 
-Setter = Callable[[Resolved], None]
+# Writes an item's resolved form into the body; says whether that changed the body.
+Setter = Callable[[Resolved], bool]
 # Where the walk is: () at the top, else (parent, key or index), or a rendered path.
 Trail = tuple[Any, ...] | str
 _URL = frozenset({"url"})
@@ -109,8 +110,13 @@ def _kind_of_type(ptype: object) -> MediaKind | None:
 
 
 def _set(container: Any, key: Any) -> Setter:
-    def apply(r: Resolved) -> None:
+    def apply(r: Resolved) -> bool:
+        # A data: URL sent in canonical form comes back as the very string sent
+        # (gateway/media/inline.py): the body is then forwarded as the client sent it.
+        if container[key] == r.url:
+            return False
         container[key] = r.url
+        return True
 
     return apply
 
@@ -338,8 +344,9 @@ class Walk:
             raise MediaInvalid("The input_audio format is not allowed.", param=path)
         data = _b64(value.get("data"), f"{path}.data")
 
-        def set_audio(r: Resolved) -> None:
+        def set_audio(r: Resolved) -> bool:
             value["data"] = r.base64
+            return True
 
         self.add(MediaItem(path, MediaKind.audio, raw=(data, declared), apply=set_audio))
 
@@ -361,11 +368,12 @@ class Walk:
                 self.policy_check(url, f"{path}.url")
                 raise MediaInvalid("A media source with a URL must be of type 'url'.", param=path)
 
-            def set_url(r: Resolved) -> None:
+            def set_url(r: Resolved) -> bool:
                 if r.data is None:  # passthrough: the canonical URL, and nothing else
                     part[SOURCE_KEY] = {"type": "url", "url": r.url}
                 else:
                     part[SOURCE_KEY] = {"type": "base64", "media_type": r.mime, "data": r.base64}
+                return True
 
             self.url(url, kind, f"{path}.url", set_url)
         elif stype == "base64":
@@ -374,9 +382,10 @@ class Walk:
             data = _b64(source.get("data"), f"{path}.data")
             declared = source.get("media_type")
 
-            def set_data(r: Resolved) -> None:
+            def set_data(r: Resolved) -> bool:
                 source["data"] = r.base64
                 source["media_type"] = r.mime
+                return True
 
             raw = (data, declared if isinstance(declared, str) else None)
             self.add(MediaItem(path, kind, raw=raw, apply=set_data))

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from bench.floor import data_urls
 from bench.loadgen import percentile
 from bench.report import paired_ratios, spread
 from tests.procs import ROOT, gateway_proc, running, sim_proc
@@ -160,6 +161,15 @@ def test_overhead_measures_every_case(overhead: dict[str, Any]) -> None:
         assert raw[f"1 MB data: image, validation={depth}"][f"gateway ({depth})"]["statuses"] == {
             "200": 10
         }
+    # Each image case measured its floor in the same blocks; Pillow's decode alone too.
+    floor = raw["image_floor"]
+    assert floor["pillow_decode_us"] > 0
+    for label in ("header", "decode", "reencode", "decode-cached"):
+        assert floor["cases"][label]["floor_added_us"] is not None
+        assert floor["cases"][label]["statuses"] == {"200": 10}
+    cached = raw["1 MB data: image, validation=decode, already validated (cache on)"]
+    assert cached["floor"]["statuses"] == cached["floor, glibc default malloc"]["statuses"]
+    assert cached["floor"]["statuses"] == {"200": 10}
     # Inline fetching really fetched: the uncached gateway went to the origin every time.
     inline = raw["inline_fetch"]
     assert inline["gateway (inline fetch, no cache)"]["statuses"] == {"200": 10}
@@ -168,6 +178,8 @@ def test_overhead_measures_every_case(overhead: dict[str, Any]) -> None:
     goals = {g["name"] for g in overhead["goals"]}
     assert "added latency p50 at 1 connection" in goals
     assert "small requests/s at 64 connections" in goals
+    assert "1 MB image, verdict cached: added p50 within 1.5x of the floor" in goals
+    assert "1 MB image, default depth: added p50 <= floor + Pillow's decode alone" in goals
     assert any("peers: skipped" in n for n in overhead["notes"])
 
 
@@ -304,6 +316,23 @@ def test_cli_refuses_half_an_external_deployment() -> None:
     )
     assert proc.returncode == 2
     assert "--gateway-url needs --engine-url" in proc.stderr
+
+
+def test_images_only_is_an_option_of_the_overhead_suite() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "scale", "--images-only"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2
+    assert "--images-only is an option of the overhead suite" in proc.stderr
+
+
+def test_the_floor_finds_every_data_url() -> None:
+    body = {"a": [{"url": "data:image/png;base64,QQ=="}, "x"], "b": {"c": "data:x/y;base64,"}}
+    assert sorted(data_urls(body)) == ["data:image/png;base64,QQ==", "data:x/y;base64,"]
 
 
 @pytest.mark.parametrize(

@@ -4,12 +4,14 @@ look-alike hosts, schemes and data URLs. Each refusal names its rule."""
 from __future__ import annotations
 
 import base64
+import binascii
+import random
 
 import pytest
 
 from gateway.errors import MediaInvalid, MediaTooLarge, MediaUrlNotAllowed
 from gateway.media.settings import MediaMode, MediaSettings
-from gateway.media.urls import DataUrl, RemoteUrl, UrlPolicy, parse_domain_rule
+from gateway.media.urls import DataUrl, RemoteUrl, UrlPolicy, data_url, parse_domain_rule
 
 POLICY = UrlPolicy(
     MediaSettings(
@@ -222,7 +224,7 @@ def test_data_only_mode_refuses_remote_urls() -> None:
 
 def test_data_urls_decode_strictly() -> None:
     ref = POLICY.check("data:image/png;base64," + base64.b64encode(b"abc").decode())
-    assert ref == DataUrl("image/png", b"abc")
+    assert isinstance(ref, DataUrl) and (ref.mime, ref.data) == ("image/png", b"abc")
     frames = ",".join(base64.b64encode(b).decode() for b in (b"one", b"two"))
     video = POLICY.check("data:video/jpeg;base64," + frames)
     assert isinstance(video, DataUrl) and video.frames == (b"one", b"two")
@@ -250,3 +252,65 @@ def test_bad_allowlist_entries_fail_at_start_up(entry: str) -> None:
 def test_only_http_schemes_can_be_configured(scheme: str) -> None:
     with pytest.raises(ValueError):
         UrlPolicy(MediaSettings(allowed_schemes=["https", scheme]))
+
+
+# Payloads next to whether base64.b64decode(validate=True) takes them: the check runs
+# without decoding, and must agree with it exactly.
+@pytest.mark.parametrize(
+    "payload",
+    ["YWJj", "YWI=", "YQ==", "YQ", "YQ=", "Y===", "YWJjZA", "YWJjZ", "YW=j", "=YWJ",
+     "YWJj\n", " YWJj", "YW Jj", "YWJj-_==", "YWJj====", "YWJjYQ==YQ==", "ééé=",
+     "QR==", "QUI=", "QUJ=", "////", "++++", "a", "aa", "aaa", "aaaa", "YWJj=", "YWJj=====",
+     "YQ===", "YWI==", "====", "=", "Y=", "Y==", "YQ=A", "YQ==YQ=="],
+)  # fmt: skip
+def test_the_base64_check_agrees_with_the_strict_decoder(payload: str) -> None:
+    try:
+        expected: bytes | None = base64.b64decode(payload, validate=True) or None
+    except (binascii.Error, ValueError):
+        expected = None
+    try:
+        ref = POLICY.check("data:image/png;base64," + payload)
+    except MediaInvalid:
+        assert expected is None
+    else:
+        assert isinstance(ref, DataUrl) and ref.data == expected
+
+
+def test_the_base64_check_agrees_on_random_payloads() -> None:
+    rng = random.Random(16)
+    alphabet = "AQYZaz09+/=====-_ \n."
+    for _ in range(20000):
+        payload = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 13)))
+        try:
+            expected: bytes | None = base64.b64decode(payload, validate=True) or None
+        except (binascii.Error, ValueError):
+            expected = None
+        try:
+            ref = POLICY.check("data:image/png;base64," + payload)
+        except MediaInvalid:
+            assert expected is None, payload
+        else:
+            assert isinstance(ref, DataUrl) and ref.data == expected, payload
+
+
+@pytest.mark.parametrize(
+    ("url", "canonical"),
+    [
+        ("data:image/png;base64,YWJj", True),
+        ("data:image/png;base64,YQ==", True),
+        ("data:image/png;base64,YR==", False),  # unused bits set: re-encoding gives YQ==
+        ("data:image/png;base64,YWI=", True),
+        ("data:image/png;base64,YWJj=", False),  # padding the strict decoder lets by
+        ("data:image/png;base64,YWJj====", False),
+        ("data:image/png;base64,YWJ=", False),
+        ("data:IMAGE/PNG;base64,YWJj", False),  # the gateway writes the type in lower case
+        ("data:image/png;charset=x;base64,YWJj", False),
+        ("data:image/png;BASE64,YWJj", False),
+    ],
+)
+def test_a_data_url_is_canonical_only_when_it_is_what_the_gateway_would_write(
+    url: str, canonical: bool
+) -> None:
+    ref = POLICY.check(url)
+    assert isinstance(ref, DataUrl) and ref.canonical is canonical
+    assert (data_url(ref.mime, ref.data) == url) is canonical

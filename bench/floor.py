@@ -1,0 +1,112 @@
+"""The floor of an image request: what any inspecting proxy must do with it, and no more.
+
+    python -m bench.floor --port PORT --engine URL
+
+A plain ASGI app behind the gateway's own server (uvicorn, httptools with the gateway's
+connection limits, uvloop, one process) that, per request: reads the body, parses it
+(orjson), hashes each `data:` URL's base64 text (sha256, the cache key of a verdict),
+writes the body on to the engine unchanged over a kept-alive connection (the gateway's
+`Upstream` client) and relays the answer. No key check, no walk, no validation, no
+routing. The overhead suite measures it next to the gateway in the same run: the
+gateway's added latency over this floor's is what inspection itself costs.
+
+`--allocator gateway` fixes glibc's mmap threshold at 1 MiB as the gateway does at
+start (gateway/allocator.py), so that a 1.3 MB buffer costs both processes the same
+fresh mapping and page faults; `default` leaves glibc's sliding threshold, under which
+such buffers are reused from the heap (what that policy costs the gateway, measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+import uvicorn
+
+from gateway.allocator import tune_allocator
+from gateway.asgi import Receive, Scope, Send
+from gateway.server import GatewayProtocol
+from gateway.upstream import Origin, Upstream
+
+
+def data_urls(value: Any) -> list[str]:
+    """Every string starting with `data:` in a parsed JSON value."""
+    found: list[str] = []
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, str) and node.startswith("data:"):
+            found.append(node)
+    return found
+
+
+class Floor:
+    def __init__(self, engine: str) -> None:
+        self.origin = Origin(engine)
+        self.upstream = Upstream(connect_timeout=5.0, first_byte_timeout=60.0, keepalive=4.0)
+        self.hashes = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        chunks: list[bytes] = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        if scope["method"] == "POST":
+            for url in data_urls(orjson.loads(body)):
+                hashlib.sha256(url.partition(",")[2].encode("ascii")).digest()
+                self.hashes += 1
+        headers = [(b"content-type", b"application/json")] if body else []
+        resp = await self.upstream.request(
+            self.origin, scope["method"], scope["path"], headers, body or None
+        )
+        try:
+            answer = await resp.read(60.0)
+        finally:
+            resp.close()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": resp.status,
+                "headers": [(b"content-type", resp.content_type.encode("latin-1"))],
+            }
+        )
+        await send({"type": "http.response.body", "body": answer})
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.floor", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--engine", required=True, help="base URL of the engine")
+    p.add_argument("--allocator", choices=("gateway", "default"), default="gateway")
+    args = p.parse_args(argv)
+    if args.allocator == "gateway":
+        tune_allocator()
+    uvicorn.run(
+        Floor(args.engine),
+        host=args.host,
+        port=args.port,
+        loop="uvloop",
+        http=GatewayProtocol,
+        access_log=False,
+        log_level="warning",
+        server_header=False,
+        proxy_headers=False,
+        lifespan="off",
+    )
+
+
+if __name__ == "__main__":
+    main()
