@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import random
 import statistics
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,9 +73,37 @@ class OfflineResult:
     # engine as the key's previous call. None where the workload has no such calls.
     agreement: float | None = None
     worst_agreement: float | None = None
+    # Draws whose max / mean requests is above the goal's 1.3.
+    over: int = 0
+    draws: int = 1
+    # Balls into bins (affinity, one gateway): the measured requests grouped by the
+    # anchor that decided them, each group thrown at a uniformly random engine
+    # (`BINS_TRIALS` times): the mean max / mean and the share of throws above 1.3.
+    # What any rule that keeps each anchor's requests on one engine it picks blindly
+    # of history gets, whatever its hash.
+    bins_spread: float | None = None
+    bins_over: float | None = None
 
 
 REPLICAS = (1, 2, 4)
+GOAL_SPREAD = 1.3
+BINS_TRIALS = 10_000
+
+
+def balls_into_bins(
+    weights: list[int], bins: int, trials: int = BINS_TRIALS
+) -> tuple[float, float]:
+    """Groups of requests of these sizes thrown at `bins` engines uniformly at random:
+    the mean max / mean over `trials` throws, and the share of throws above 1.3."""
+    rng = random.Random(0)
+    mean = sum(weights) / bins
+    spreads = []
+    for _ in range(trials):
+        load = [0] * bins
+        for w in weights:
+            load[rng.randrange(bins)] += w
+        spreads.append(max(load) / mean)
+    return statistics.mean(spreads), sum(x > GOAL_SPREAD for x in spreads) / trials
 
 
 def _name(replicas: int) -> str:
@@ -111,6 +140,7 @@ def offline(
     out = []
     for policy in ("ideal", "round_robin", *(_name(r) for r in REPLICAS)):
         hit_rates, uncached, spreads, agreements = [], [], [], []
+        bins: tuple[float, float] | None = None
         replicas = int(policy.split(", ")[1].split()[0]) if ", " in policy else 1
         for draw in range(draws if policy.startswith("affinity") else 1):
             engines = 1 if policy == "ideal" else opts.engines
@@ -123,10 +153,13 @@ def offline(
             shuffle = random.Random(draw)
             queries = hits = follow_ups = same = 0
             last: dict[str, str] = {}
+            anchors: Counter[str | None] = Counter()
             for index, (call, prompt, blocks, reply_blocks) in enumerate(calls):
                 if policy.startswith("affinity"):
                     request = RoutingRequest(call.path, body=prompt.body)
                     url = gateways[index % replicas].order(request, pool)[0].url
+                    if index >= warm:
+                        anchors[request.anchor] += 1
                 else:
                     # Round robin: live, timing decides which turn of a conversation
                     # meets which engine; a strict rotation here would send every
@@ -149,6 +182,8 @@ def offline(
             spreads.append(max(load.values()) / statistics.mean(load.values()))
             if follow_ups:
                 agreements.append(same / follow_ups)
+            if policy == "affinity" and draw == 0:
+                bins = balls_into_bins(list(anchors.values()), engines)
         out.append(
             OfflineResult(
                 policy,
@@ -158,6 +193,9 @@ def offline(
                 max(spreads),
                 statistics.mean(agreements) if agreements else None,
                 min(agreements) if agreements else None,
+                sum(x > GOAL_SPREAD for x in spreads),
+                len(spreads),
+                *(bins or (None, None)),
             )
         )
     return out
@@ -180,5 +218,12 @@ def run_offline(opts: Options, workloads: list[Workload], draws: int) -> None:
             print(
                 f"  {w.name:10} {r.policy:20} hit {r.hit_rate:6.1%}  uncached {r.uncached:9,.0f}"
                 f" ({r.uncached / rr:.2f} of round robin)  max/mean requests {r.spread:.2f}"
-                f" (worst {r.worst_spread:.2f}){agree}"
+                f" (worst {r.worst_spread:.2f}, over {GOAL_SPREAD} in {r.over} of {r.draws}"
+                f" draws){agree}"
             )
+            if r.bins_spread is not None and r.bins_over is not None:
+                print(
+                    f"  {w.name:10} {'':20} balls into bins (its anchors' measured requests"
+                    f" thrown at random engines): max/mean {r.bins_spread:.2f},"
+                    f" over {GOAL_SPREAD} in {r.bins_over:.0%} of throws"
+                )

@@ -146,7 +146,15 @@ class Affinity:
         running: Sequence[E] = engines
         n = len(engines)
         last = len(candidates) - 1
+        # A request whose first user message carries media never anchors on its leading
+        # system prompt: the media is the costly part to recompute, and the same in
+        # every turn and every question about it, so it decides from the first request
+        # on, in every replica alike, whether or not this process has seen the prompt
+        # fork yet (hotspots.py). A function of the request alone: replicas agree.
+        media_first = any(a.kind is AnchorKind.media for a in candidates)
         for i, anchor in enumerate(candidates):
+            if media_first and anchor.kind is AnchorKind.system:
+                continue
             spread = 1.0
             if i < last:
                 spread = self._hot.spread(anchor, n)
