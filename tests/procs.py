@@ -22,7 +22,7 @@ from typing import Any, Generic, Self, TypeVar
 import httpx
 
 from bench.origin import Hit, RecordingServer, Route
-from bench.stack import ROOT, Server, clean_env, free_port, scrape, total
+from bench.stack import HTTP, ROOT, Server, clean_env, free_port, scrape, total
 
 OriginT = TypeVar("OriginT")
 
@@ -217,4 +217,4 @@ def ask_about_image(gateway: str, key: str, image_url: str) -> httpx.Response:
         "messages": [{"role": "user", "content": content}],
     }
     headers = {"Authorization": f"Bearer {key}"}
-    return httpx.post(gateway + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+    return HTTP.post(gateway + "/v1/chat/completions", json=body, headers=headers, timeout=30)

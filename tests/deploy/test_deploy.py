@@ -26,6 +26,7 @@ import yaml
 from pydantic import BaseModel
 
 from bench.samples import data_url, png
+from bench.stack import HTTP
 from gateway.auth import load_key_file
 from gateway.config import Settings, load_settings
 from tests.deploy.manifests import (
@@ -649,7 +650,7 @@ def chat(url: str, key: str | None, image_url: str | None = None) -> httpx.Respo
         "messages": [{"role": "user", "content": content}],
         "max_tokens": 4,
     }
-    return httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+    return HTTP.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
 
 
 def sim_from_compose(tmp: Path) -> Proc:
@@ -681,18 +682,18 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc]]
         procs = {v: gateway_from(v, tmp, engine.url) for v in VARIANTS}
         with running(*procs.values(), ready_path="/healthz"):
             for p in procs.values():
-                ready = wait_for(lambda p=p: httpx.get(p.url + "/readyz").status_code == 200)
+                ready = wait_for(lambda p=p: HTTP.get(p.url + "/readyz").status_code == 200)
                 assert ready, p.log()
             yield {"engine": engine, **procs}
 
 
 def test_engine_refuses_callers_without_the_upstream_key(stack: dict[str, Proc]) -> None:
     engine = stack["engine"].url
-    assert httpx.get(engine + "/v1/models", timeout=5).status_code == 401
+    assert HTTP.get(engine + "/v1/models", timeout=5).status_code == 401
     bad = {"Authorization": f"Bearer {CLIENT_KEY}"}
-    assert httpx.get(engine + "/v1/models", headers=bad, timeout=5).status_code == 401
+    assert HTTP.get(engine + "/v1/models", headers=bad, timeout=5).status_code == 401
     ok = {"Authorization": f"Bearer {UPSTREAM}"}
-    assert httpx.get(engine + "/v1/models", headers=ok, timeout=5).status_code == 200
+    assert HTTP.get(engine + "/v1/models", headers=ok, timeout=5).status_code == 200
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -711,7 +712,7 @@ def test_the_deployed_gateway_serves_keyed_clients_only(
     assert r.json()["choices"][0]["message"]["content"]
     assert sim_received(engine) == before + 1
     # LoRA loading is blocked before the engine.
-    r = httpx.post(
+    r = HTTP.post(
         gw + "/v1/load_lora_adapter",
         json={"lora_name": "x", "lora_path": "/etc"},
         headers={"Authorization": f"Bearer {CLIENT_KEY}"},

@@ -18,12 +18,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-import httpx
 import kubernetes_validate
 import pytest
 import yaml
 from kubernetes_validate.utils import all_versions
 
+from bench.stack import HTTP
 from gateway.routing.dns import DnsEntry, is_dns_entry
 from tests.deploy.manifests import (
     K8S,
@@ -662,25 +662,25 @@ def test_the_tier_gateway_turns_ready_with_every_engine_and_its_probes_answer(
     url, c = tier["gateway"].url, tier["container"]
 
     def all_healthy() -> bool:
-        r = httpx.get(url + c["readinessProbe"]["httpGet"]["path"], timeout=5)
+        r = HTTP.get(url + c["readinessProbe"]["httpGet"]["path"], timeout=5)
         return r.status_code == 200 and r.json()["healthy_engines"] == len(tier["sims"])
 
     assert wait_for(all_healthy, 30), tier["gateway"].log()
     for probe in ("readinessProbe", "livenessProbe"):
         get = c[probe]["httpGet"]
         assert container_port(c, get["port"]) == GATEWAY_PORT
-        assert httpx.get(url + get["path"], timeout=5).status_code == 200, probe
+        assert HTTP.get(url + get["path"], timeout=5).status_code == 200, probe
     # A path the gateway does not serve is no probe: it answers 404, not 200.
-    assert httpx.get(url + "/ready", timeout=5).status_code == 404
+    assert HTTP.get(url + "/ready", timeout=5).status_code == 404
 
 
 def test_the_tier_gateway_serves_keyed_clients_only(tier: dict[str, Any]) -> None:
     url = tier["gateway"].url
-    r = httpx.get(url + "/v1/models", timeout=5)
+    r = HTTP.get(url + "/v1/models", timeout=5)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    r = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {UPSTREAM}"}, timeout=5)
+    r = HTTP.get(url + "/v1/models", headers={"Authorization": f"Bearer {UPSTREAM}"}, timeout=5)
     assert r.status_code == 401, "the engines' key is not a client key"
-    r = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {CLIENT_KEY}"}, timeout=5)
+    r = HTTP.get(url + "/v1/models", headers={"Authorization": f"Bearer {CLIENT_KEY}"}, timeout=5)
     assert r.status_code == 200, r.text
     log = tier["gateway"].log()
     assert UPSTREAM not in log and CLIENT_KEY not in log

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import pytest
 
+from bench.stack import HTTP
 from gateway.body import COUNT_VALUES_OVER
 from gateway.config import LimitsSettings
 from tests.procs import Proc, auth, error_code, gateway_proc, running, sim_proc, sim_received
@@ -71,7 +71,7 @@ def test_a_large_body_of_too_many_values_is_refused_before_parsing(
     body = _chat_with(b"[]," * 11_000_000)
     before = sim_received(sim.url)
     started = time.monotonic()
-    resp = httpx.post(
+    resp = HTTP.post(
         gateway.url + "/v1/chat/completions",
         content=body,
         headers={**auth(KEY), "Content-Type": "application/json"},
@@ -94,9 +94,9 @@ def test_a_dense_body_under_the_cap_is_served(stack: tuple[Proc, Proc]) -> None:
     before = sim_received(sim.url)
     headers = {**auth(KEY), "Content-Type": "application/json"}
     url = gateway.url + "/v1/chat/completions"
-    assert httpx.post(url, content=body, headers=headers, timeout=60).status_code == 200
+    assert HTTP.post(url, content=body, headers=headers, timeout=60).status_code == 200
     chat = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
-    assert httpx.post(url, json=chat, headers=auth(OTHER), timeout=30).status_code == 200
+    assert HTTP.post(url, json=chat, headers=auth(OTHER), timeout=30).status_code == 200
     assert sim_received(sim.url) == before + 2
 
 
@@ -146,8 +146,8 @@ def test_bodies_held_short_of_their_end_are_bounded_per_key(held: tuple[Proc, Pr
     chat = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
     url = gateway.url + "/v1/chat/completions"
     padded = {**chat, "user": "b" * 500_000}
-    assert httpx.post(url, json=padded, headers=auth(OTHER), timeout=30).status_code == 200
+    assert HTTP.post(url, json=padded, headers=auth(OTHER), timeout=30).status_code == 200
     first.close()
     time.sleep(0.5)
-    assert httpx.post(url, json=padded, headers=auth(KEY), timeout=30).status_code == 200
+    assert HTTP.post(url, json=padded, headers=auth(KEY), timeout=30).status_code == 200
     assert sim_received(sim.url) == before + 2

@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import pytest
 
+from bench.stack import HTTP
 from gateway.auth import hash_key
 from gateway.cli import parser
 from tests.procs import ROOT, Proc, clean_env, gateway_proc, run_cli, running, wait_for
@@ -135,11 +135,11 @@ def test_serve_with_a_config_file_and_two_workers(
     )
     gw = gateway_proc(tmp_path, {}, "--config", str(config), "--workers", "2")
     with running(gw, ready_path="/healthz"):
-        assert wait_for(lambda: httpx.get(gw.url + "/readyz").status_code == 200)
+        assert wait_for(lambda: HTTP.get(gw.url + "/readyz").status_code == 200)
         for _ in range(4):
-            r = httpx.get(gw.url + "/v1/models", headers={"Authorization": f"Bearer {SECRET}"})
+            r = HTTP.get(gw.url + "/v1/models", headers={"Authorization": f"Bearer {SECRET}"})
             assert r.status_code == 200 and r.json()["data"]
-        r = httpx.get(gw.url + "/v1/models")
+        r = HTTP.get(gw.url + "/v1/models")
         assert r.status_code == 401
     assert "request" in gw.log() and SECRET not in gw.log()
 
@@ -218,7 +218,7 @@ def test_serve_logs_where_it_listens(tmp_path: Path) -> None:
         assert line["engines"] == ["http://127.0.0.1:9/v1"]
         (listen,) = line["listen"]
         assert listen.startswith("http://127.0.0.1:") and not listen.endswith(":0")
-        assert httpx.get(listen + "/healthz").status_code == 200
+        assert HTTP.get(listen + "/healthz").status_code == 200
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -1,17 +1,23 @@
-"""Every configuration mistake: `vllm-gateway check-config` (and `serve`) run as an
-operator runs them, in a subprocess. Each ends with exit code 2 and one line on stderr
-that names the problem and its source (the file and line, or the variable), without a
-traceback and without the rejected value."""
+"""Every configuration mistake: `vllm-gateway check-config` (and `serve`). Each ends with
+exit code 2 and one line on stderr that names the problem and its source (the file and
+line, or the variable), without a traceback and without the rejected value. The table
+of mistakes runs the command's `main` in this process (a subprocess costs a second per
+case); `serve` and the cases around the table run it in a subprocess, as an operator
+does."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from tests.procs import clean_env, free_port, run_cli
+from gateway import cli
+from tests.procs import ROOT, clean_env, free_port, run_cli
 
 SECRET = "sk-cfg-secret-0123456789abcdef"
 KEYS = json.dumps([SECRET])
@@ -228,7 +234,29 @@ MISTAKES: dict[str, Mistake] = {
 }
 
 
-def check(tmp_path: Path, mistake: Mistake, *argv: str) -> str:
+Run = Callable[..., "subprocess.CompletedProcess[str]"]
+
+
+@pytest.fixture
+def in_process(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Run:
+    """`run_cli` in this process: the environment `env` in place of this one's GATEWAY_*
+    variables, stdout and stderr captured."""
+
+    def run(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        for name in [n for n in os.environ if n.startswith("GATEWAY_")]:
+            monkeypatch.delenv(name)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.chdir(ROOT)
+        capsys.readouterr()
+        code = cli.main(list(argv))
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(list(argv), code, out, err)
+
+    return run
+
+
+def check(tmp_path: Path, mistake: Mistake, *argv: str, run: Run = run_cli) -> str:
     """Run the command on `mistake`; return its one error line. `{dir}` in the
     mistake's texts stands for the directory of its files."""
 
@@ -241,7 +269,7 @@ def check(tmp_path: Path, mistake: Mistake, *argv: str) -> str:
     if mistake.keys is not None:
         (tmp_path / "keys.yaml").write_text(mistake.keys)
     env = clean_env({name: here(value) for name, value in mistake.env.items()})
-    result = run_cli(*argv, env=env)
+    result = run(*argv, env=env)
     assert result.returncode == 2, result.stderr
     assert result.stdout == ""
     assert "Traceback" not in result.stderr
@@ -256,7 +284,15 @@ def check(tmp_path: Path, mistake: Mistake, *argv: str) -> str:
 
 
 @pytest.mark.parametrize("name", list(MISTAKES))
-def test_check_config_names_the_mistake_and_its_source(tmp_path: Path, name: str) -> None:
+def test_check_config_names_the_mistake_and_its_source(
+    tmp_path: Path, name: str, in_process: Run
+) -> None:
+    check(tmp_path, MISTAKES[name], "check-config", run=in_process)
+
+
+@pytest.mark.parametrize("name", ["unknown nested key", "misspelt variable", "a bad network"])
+def test_check_config_in_a_subprocess_says_the_same(tmp_path: Path, name: str) -> None:
+    """The table's answers are the command's, not only its `main`'s."""
     check(tmp_path, MISTAKES[name], "check-config")
 
 

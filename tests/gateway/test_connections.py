@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
+from bench.stack import HTTP
 from gateway.body import read_body
 from gateway.config import LimitsSettings, TimeoutSettings
 from gateway.connections import FD_RESERVE, BodyPace, ConnectionGuard, fit_connections
@@ -85,7 +85,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     )
     with running(sim, ready_path="/health"), running(g, c, ready_path="/healthz"):
         for gw in (g, c):
-            assert wait_for(lambda gw=gw: httpx.get(gw.url + "/readyz").status_code == 200)
+            assert wait_for(lambda gw=gw: HTTP.get(gw.url + "/readyz").status_code == 200)
         yield Stack(sim, g, c)
 
 
@@ -194,7 +194,7 @@ def test_head_dribble_is_closed_at_the_deadline_while_others_are_served(stack: S
         dribbler.start()
         # Meanwhile, a normal request on another connection.
         time.sleep(0.5)
-        r = httpx.post(
+        r = HTTP.post(
             stack.g.url + "/v1/chat/completions", headers=AUTH_JSON, content=chat_body(), timeout=5
         )
         assert r.status_code == 200
@@ -375,7 +375,7 @@ def test_a_body_at_a_legitimate_pace_is_forwarded(stack: Stack) -> None:
 def test_a_large_body_at_full_speed_is_unaffected(stack: Stack) -> None:
     # An unknown field: the padding costs no tokens at the engine.
     body = json.dumps({**json.loads(chat_body()), "pad": "x" * 24 * 1024 * 1024}).encode()
-    r = httpx.post(
+    r = HTTP.post(
         stack.g.url + "/v1/chat/completions",
         headers=AUTH_JSON,
         content=body,
@@ -588,7 +588,7 @@ def test_limits_hold_under_workers(tmp_path: Path, stack: Stack) -> None:
         socks = [connect(gw.port) for _ in range(4)]
         for sock in socks:
             sock.sendall(b"GET /healthz HTTP/1.1\r\n")
-        assert httpx.get(gw.url + "/healthz").status_code == 200
+        assert HTTP.get(gw.url + "/healthz").status_code == 200
         for sock in socks:
             elapsed, got = wait_closed(sock)
             assert elapsed <= 4 and got == b""

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from bench.stack import HTTP
 from gateway.endpoints import TABLE, Action
 from tests.procs import (
     Proc,
@@ -74,7 +75,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     try:
         sim.start()
         gateway.start("/healthz")
-        assert wait_for(lambda: httpx.get(gateway.url + "/readyz").status_code == 200)
+        assert wait_for(lambda: HTTP.get(gateway.url + "/readyz").status_code == 200)
         yield Stack(sim, gateway, key_file)
     finally:
         gateway.stop()
@@ -82,7 +83,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def status(stack: Stack) -> dict[str, Any]:
-    r = httpx.get(stack.gateway.url + "/gateway/status", headers=auth(ADMIN))
+    r = HTTP.get(stack.gateway.url + "/gateway/status", headers=auth(ADMIN))
     assert r.status_code == 200, r.text
     body: dict[str, Any] = r.json()
     return body
@@ -104,7 +105,7 @@ def test_control_routes_need_the_admin_scope(
     stack: Stack, path: str, headers: dict[str, str] | None, code_status: int, code: str
 ) -> None:
     before = sim_received(stack.sim.url)
-    r = httpx.get(stack.gateway.url + path, headers=headers)
+    r = HTTP.get(stack.gateway.url + path, headers=headers)
     assert (r.status_code, error_code(r)) == (code_status, code)
     assert "engines" not in r.text and "openapi" not in r.text
     assert sim_received(stack.sim.url) == before
@@ -112,13 +113,13 @@ def test_control_routes_need_the_admin_scope(
 
 def test_status_refuses_other_methods_and_serves_no_docs_ui(stack: Stack) -> None:
     before = sim_received(stack.sim.url)
-    r = httpx.post(stack.gateway.url + "/gateway/status", headers=auth(ADMIN))
+    r = HTTP.post(stack.gateway.url + "/gateway/status", headers=auth(ADMIN))
     assert (r.status_code, error_code(r)) == (405, "method_not_allowed")
     for path in ("/gateway/docs", "/gateway/redoc", "/gateway"):
-        r = httpx.get(stack.gateway.url + path, headers=auth(ADMIN))
+        r = HTTP.get(stack.gateway.url + path, headers=auth(ADMIN))
         assert (r.status_code, error_code(r)) == (404, "unknown_endpoint"), path
     # The engine's own schema and docs stay blocked.
-    r = httpx.get(stack.gateway.url + "/openapi.json", headers=auth(ADMIN))
+    r = HTTP.get(stack.gateway.url + "/openapi.json", headers=auth(ADMIN))
     assert (r.status_code, error_code(r)) == (403, "endpoint_blocked")
     assert sim_received(stack.sim.url) == before
 
@@ -154,7 +155,7 @@ def _epoch(stamp: str) -> float:
 
 
 def test_status_carries_no_key_material(stack: Stack) -> None:
-    text = httpx.get(stack.gateway.url + "/gateway/status", headers=auth(ADMIN)).text
+    text = HTTP.get(stack.gateway.url + "/gateway/status", headers=auth(ADMIN)).text
     for secret in SECRETS:
         assert secret not in text
         assert hashlib.sha256(secret.encode()).hexdigest() not in text
@@ -187,7 +188,7 @@ def test_status_follows_the_key_file(stack: Stack) -> None:
         assert refused["in_force"] == 5
         assert refused["file"]["keys"] == 1 and refused["file"]["loaded_at"] == first["loaded_at"]
         assert (
-            httpx.get(stack.gateway.url + "/v1/models", headers=auth(FILE_KEY)).status_code == 200
+            HTTP.get(stack.gateway.url + "/v1/models", headers=auth(FILE_KEY)).status_code == 200
         )
         # A good file is loaded: its count, a new time, the refusal is over.
         stack.key_file.write_text(
@@ -204,7 +205,7 @@ def test_status_follows_the_key_file(stack: Stack) -> None:
 
 
 def test_openapi_schema_lists_only_the_control_routes(stack: Stack) -> None:
-    r = httpx.get(stack.gateway.url + "/gateway/openapi.json", headers=auth(ADMIN))
+    r = HTTP.get(stack.gateway.url + "/gateway/openapi.json", headers=auth(ADMIN))
     assert r.status_code == 200
     schema = r.json()
     assert set(schema["paths"]) == CONTROL_PATHS
@@ -226,10 +227,10 @@ def test_openapi_schema_lists_only_the_control_routes(stack: Stack) -> None:
 
 
 def test_probes_need_no_key_and_keep_their_bodies(stack: Stack) -> None:
-    r = httpx.get(stack.gateway.url + "/healthz")
+    r = HTTP.get(stack.gateway.url + "/healthz")
     assert (r.status_code, r.json()) == (200, {"status": "ok"})
     assert r.headers["content-type"] == "application/json"
-    r = httpx.get(stack.gateway.url + "/readyz")
+    r = HTTP.get(stack.gateway.url + "/readyz")
     # The fields probes read stay; each engine's health and reason are added, by index.
     assert (r.status_code, r.json()) == (
         200,
@@ -241,14 +242,14 @@ def test_probes_need_no_key_and_keep_their_bodies(stack: Stack) -> None:
         },
     )
     # A key that is presented does not matter there, even one that is not valid.
-    r = httpx.get(stack.gateway.url + "/healthz", headers={"Authorization": f"Bearer {WRONG}"})
+    r = HTTP.get(stack.gateway.url + "/healthz", headers={"Authorization": f"Bearer {WRONG}"})
     assert r.status_code == 200
 
 
 def test_metrics_keep_their_scope_and_format(stack: Stack) -> None:
-    r = httpx.get(stack.gateway.url + "/metrics", headers=auth(ADMIN))
+    r = HTTP.get(stack.gateway.url + "/metrics", headers=auth(ADMIN))
     assert (r.status_code, error_code(r)) == (403, "scope_not_allowed")
-    r = httpx.get(stack.gateway.url + "/metrics", headers=auth(METRICS))
+    r = HTTP.get(stack.gateway.url + "/metrics", headers=auth(METRICS))
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/plain")
     assert "# TYPE gateway_requests_total counter" in r.text

@@ -14,6 +14,7 @@ import orjson
 import pytest
 import structlog
 
+from bench.stack import HTTP
 from gateway.engine_errors import ADDRESS, URL, excerpt, scrub, scrub_json
 from gateway.errors import GatewayError
 from gateway.logging import RequestLog, configure_logging
@@ -141,9 +142,9 @@ def ask(gateway: Proc, scenario: str, *, chat: bool = False) -> httpx.Response:
     headers = {"Authorization": f"Bearer {KEY}", "X-Scenario": scenario}
     if chat:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
-        return httpx.post(gateway.url + "/v1/chat/completions", json=body, headers=headers)
+        return HTTP.post(gateway.url + "/v1/chat/completions", json=body, headers=headers)
     # /version: a GET relayed as the engine sends it (a model list is always rewritten).
-    return httpx.get(gateway.url + "/version", headers=headers, timeout=10)
+    return HTTP.get(gateway.url + "/version", headers=headers, timeout=10)
 
 
 def _logged(proc: Proc, request_id: str) -> list[dict[str, Any]]:
@@ -242,7 +243,7 @@ def test_engine_4xx_of_another_shape_is_scrubbed_whole(gateway: Proc) -> None:
 def test_successful_answers_are_relayed_byte_for_byte(gateway: Proc) -> None:
     r = ask(gateway, "ok-leaky")
     assert r.status_code == 200 and r.content == json.dumps({"text": LEAKY}).encode()
-    with httpx.stream(
+    with HTTP.stream(
         "GET",
         gateway.url + "/version",
         headers={"Authorization": f"Bearer {KEY}", "X-Scenario": "sse-leaky"},

@@ -15,10 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from bench.origin import RecordingServer, Route
+from bench.stack import HTTP
 from gateway.routing.health import error_verdict, status_verdict, unreadable_models
 from gateway.upstream import (
     ClosedUnanswered,
@@ -123,7 +123,7 @@ def reasons_by_engine(gateway: Proc) -> dict[str, list[str | None]]:
 
 
 def status(gateway: Proc) -> dict[str, Any]:
-    r = httpx.get(gateway.url + "/gateway/status", headers=auth(ADMIN))
+    r = HTTP.get(gateway.url + "/gateway/status", headers=auth(ADMIN))
     assert r.status_code == 200, r.text
     body: dict[str, Any] = r.json()
     return body
@@ -189,7 +189,7 @@ def test_each_engine_says_why_it_is_down_and_recovers_once(tmp_path: Path, silen
             ]
 
             # /readyz: states and reasons by index, no address.
-            r = httpx.get(gateway.url + "/readyz")
+            r = HTTP.get(gateway.url + "/readyz")
             assert r.status_code == 503
             ready = r.json()
             assert (ready["status"], ready["healthy_engines"], ready["engines"]) == (
@@ -214,7 +214,7 @@ def test_each_engine_says_why_it_is_down_and_recovers_once(tmp_path: Path, silen
 
             # Recovery: the model list turns readable, the engine comes back.
             unreadable.routes["/v1/models"] = Route(200, MODELS_BODY, JSON)
-            assert wait_for(lambda: httpx.get(gateway.url + "/readyz").status_code == 200)
+            assert wait_for(lambda: HTTP.get(gateway.url + "/readyz").status_code == 200)
             comeback.start()
             assert wait_for(lambda: status(gateway)["engines"][0]["healthy"], timeout=10)
             settled = checks()
@@ -224,7 +224,7 @@ def test_each_engine_says_why_it_is_down_and_recovers_once(tmp_path: Path, silen
             assert reasons_by_engine(gateway) == expected
             back = [line for line in health_lines(gateway) if line["reason"] is None]
             assert all(line["healthy"] is True and line["level"] == "info" for line in back)
-            r = httpx.get(gateway.url + "/readyz")
+            r = HTTP.get(gateway.url + "/readyz")
             assert [s["reason"] for s in r.json()["engine_states"]] == [
                 None,
                 "upstream_key_refused",

@@ -20,9 +20,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import pytest
 
+from bench.stack import HTTP
 from tests.procs import ROOT, Proc, RecordingServer, Route, gateway_proc, wait_for
 
 TLS = ROOT / "tests" / "data" / "tls"
@@ -75,12 +75,12 @@ def test_an_engine_named_by_dns_is_reached_over_tls_under_its_name(tmp_path: Pat
     engine = TlsEngine("localhost")
     with gateway(tmp_path, engine, "engine-ca.pem") as gw:
         # Ready: the health check and the model list passed the certificate check.
-        ready = lambda: httpx.get(gw.url + "/readyz").status_code == 200  # noqa: E731
+        ready = lambda: HTTP.get(gw.url + "/readyz").status_code == 200  # noqa: E731
         assert wait_for(ready, timeout=10), gw.log()
-        r = httpx.post(gw.url + "/v1/chat/completions", headers=HEADERS, json=CHAT, timeout=10)
+        r = HTTP.post(gw.url + "/v1/chat/completions", headers=HEADERS, json=CHAT, timeout=10)
         assert r.status_code == 200, r.text
         assert r.json()["object"] == "chat.completion"
-        samples = httpx.get(gw.url + "/metrics").text
+        samples = HTTP.get(gw.url + "/metrics").text
     paths = [h.path for h in engine.server.hits]
     assert {"/health", "/v1/models", "/v1/chat/completions"} <= set(paths)
     # Every handshake named the engine, not the address the socket went to.
@@ -106,10 +106,10 @@ def test_an_engine_whose_certificate_fails_is_never_used(
         # Health checks keep trying (every 0.25 s while nothing is ready) and failing.
         assert wait_for(lambda: len(engine.sni) >= 3, timeout=10), gw.log()
         time.sleep(0.3)
-        r = httpx.get(gw.url + "/readyz")
+        r = HTTP.get(gw.url + "/readyz")
         assert (r.status_code, r.json()["healthy_engines"]) == (503, 0)
         assert r.json()["engine_states"] == [{"index": 0, "healthy": False, "reason": "tls_failed"}]
-        r = httpx.post(gw.url + "/v1/chat/completions", headers=HEADERS, json=CHAT, timeout=10)
+        r = HTTP.post(gw.url + "/v1/chat/completions", headers=HEADERS, json=CHAT, timeout=10)
         assert (r.status_code, r.json()["error"]["code"]) == (503, "no_engine_available")
         assert "certificate" not in r.text.lower()
     # No handshake completed: no request of any kind reached the engine.

@@ -22,6 +22,7 @@ import openai
 import pytest
 
 from bench.samples import wav
+from bench.stack import HTTP
 from gateway.endpoints import TABLE, Action, BodyKind, Group
 from tests.procs import (
     Proc,
@@ -122,7 +123,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         for proc in procs:
             proc.start("/healthz" if proc in (g, p, e) else "/health")
         for gw in (g, p):
-            assert wait_for(lambda gw=gw: httpx.get(gw.url + "/readyz").status_code == 200)
+            assert wait_for(lambda gw=gw: HTTP.get(gw.url + "/readyz").status_code == 200)
         yield Stack(gen, victim, pool_sim, doomed, g, p, e, key_file)
     finally:
         for proc in reversed(procs):
@@ -152,13 +153,13 @@ def aborted(sims: list[Proc]) -> float:
 def recorded(sims: list[Proc]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for sim in sims:
-        out += [r for r in httpx.get(sim.url + "/sim/requests").json() if r["path"] != "/metrics"]
+        out += [r for r in HTTP.get(sim.url + "/sim/requests").json() if r["path"] != "/metrics"]
     return out
 
 
 def clear_records(sims: list[Proc]) -> None:
     for sim in sims:
-        httpx.delete(sim.url + "/sim/requests")
+        HTTP.delete(sim.url + "/sim/requests")
 
 
 # --- the route matrix ------------------------------------------------------------------
@@ -246,12 +247,12 @@ def test_route_matrix_right_key_forwards_the_canonical_path(stack: Stack) -> Non
 
 def test_gateway_metrics_need_the_metrics_scope(stack: Stack) -> None:
     before = received(stack.gen_sims)
-    r = httpx.get(stack.g.url + "/metrics")
+    r = HTTP.get(stack.g.url + "/metrics")
     assert (r.status_code, error_code(r)) == (401, "invalid_api_key")
     # A key without scopes gets every forwarded group, but not the metrics.
-    r = httpx.get(stack.g.url + "/metrics", headers=auth(FULL))
+    r = HTTP.get(stack.g.url + "/metrics", headers=auth(FULL))
     assert (r.status_code, error_code(r)) == (403, "scope_not_allowed")
-    r = httpx.get(stack.g.url + "/metrics", headers=auth(METRICS_ONLY))
+    r = HTTP.get(stack.g.url + "/metrics", headers=auth(METRICS_ONLY))
     assert r.status_code == 200
     assert "gateway_requests_total" in r.text and "gateway_engine_healthy" in r.text
     assert "sim:" not in r.text and "vllm:" not in r.text  # never the engine's metrics
@@ -262,8 +263,8 @@ def test_gateway_metrics_need_the_metrics_scope(stack: Stack) -> None:
 
 
 def test_own_routes_need_no_key(stack: Stack) -> None:
-    assert httpx.get(stack.g.url + "/healthz").json() == {"status": "ok"}
-    r = httpx.get(stack.g.url + "/readyz")
+    assert HTTP.get(stack.g.url + "/healthz").json() == {"status": "ok"}
+    r = HTTP.get(stack.g.url + "/readyz")
     assert r.status_code == 200 and r.json()["healthy_engines"] == 2
 
 
@@ -366,7 +367,7 @@ def test_bad_bodies(
     stack: Stack, content: bytes, content_type: str, status: int, code: str
 ) -> None:
     before = received(stack.gen_sims)
-    r = httpx.post(
+    r = HTTP.post(
         stack.g.url + "/v1/chat/completions",
         content=content,
         headers={**auth(FULL), "Content-Type": content_type},
@@ -378,7 +379,7 @@ def test_bad_bodies(
 def test_body_cap_with_and_without_content_length(stack: Stack) -> None:
     before = received(stack.gen_sims)
     big = json.dumps({**CHAT, "pad": "x" * MAX_BODY}).encode()
-    r = httpx.post(
+    r = HTTP.post(
         stack.g.url + "/v1/chat/completions",
         content=big,
         headers={**auth(FULL), "Content-Type": "application/json"},
@@ -389,7 +390,7 @@ def test_body_cap_with_and_without_content_length(stack: Stack) -> None:
         for i in range(0, len(big), 8192):
             yield big[i : i + 8192]
 
-    r = httpx.post(
+    r = HTTP.post(
         stack.g.url + "/v1/chat/completions",
         content=chunks(),
         headers={**auth(FULL), "Content-Type": "application/json"},
@@ -397,11 +398,11 @@ def test_body_cap_with_and_without_content_length(stack: Stack) -> None:
     assert (r.status_code, error_code(r)) == (413, "request_too_large")
     # Uploads have their own cap.
     files = {"file": ("a.wav", b"\0" * (MAX_UPLOAD + 1), "audio/wav")}
-    r = httpx.post(stack.g.url + "/v1/audio/transcriptions", headers=auth(FULL), files=files)
+    r = HTTP.post(stack.g.url + "/v1/audio/transcriptions", headers=auth(FULL), files=files)
     assert (r.status_code, error_code(r)) == (413, "request_too_large")
     assert received(stack.gen_sims) == before
     # Just under the cap passes.
-    r = httpx.post(
+    r = HTTP.post(
         stack.g.url + "/v1/chat/completions",
         content=json.dumps({**CHAT, "pad": "x" * (MAX_BODY - 200)}),
         headers={**auth(FULL), "Content-Type": "application/json"},
@@ -412,7 +413,7 @@ def test_body_cap_with_and_without_content_length(stack: Stack) -> None:
 def test_valid_upload_is_forwarded(stack: Stack) -> None:
     audio = wav(25_000)
     files = {"file": ("a.wav", audio, "audio/wav")}
-    r = httpx.post(
+    r = HTTP.post(
         stack.g.url + "/v1/audio/transcriptions",
         headers=auth(FULL),
         files=files,
@@ -459,7 +460,7 @@ def test_streaming_arrives_incrementally(stack: Stack) -> None:
     arrivals: list[float] = []
     body = {**CHAT, "max_tokens": 150, "ignore_eos": True, "stream": True}
     start = time.perf_counter()
-    with httpx.stream(
+    with HTTP.stream(
         "POST", stack.g.url + "/v1/chat/completions", headers=auth(FULL), json=body, timeout=30
     ) as r:
         assert r.status_code == 200
@@ -542,7 +543,7 @@ def test_openai_client_chat(stack: Stack) -> None:
 
 def test_openai_client_embeddings_and_rerank(stack: Stack) -> None:
     with openai.OpenAI(base_url=stack.p.url + "/v1", api_key=POOLING_ONLY, max_retries=0) as c:
-        models = httpx.get(stack.p.url + "/v1/models", headers=auth(FULL)).json()
+        models = HTTP.get(stack.p.url + "/v1/models", headers=auth(FULL)).json()
         model = models["data"][0]["id"]
         emb = c.embeddings.create(model=model, input=["a sentence", "another one"])
         assert len(emb.data) == 2 and len(emb.data[0].embedding) > 0
@@ -581,7 +582,7 @@ def test_configured_models_are_accepted_and_slow_engines_time_out(stack: Stack) 
 
 def test_stream_broken_midway_ends_with_an_error_frame(stack: Stack) -> None:
     body = {**CHAT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
-    with httpx.stream(
+    with HTTP.stream(
         "POST", stack.e.url + "/v1/chat/completions", headers=auth(FULL), json=body, timeout=10
     ) as r:
         assert r.status_code == 200
@@ -598,20 +599,20 @@ def test_dead_engine_is_502_then_503(stack: Stack) -> None:
     # Runs after the test above killed E's only engine.
     assert not stack.doomed.alive()
     # Refused while still counted healthy: tried and failed.
-    r = httpx.post(stack.e.url + "/v1/chat/completions", headers=auth(FULL), json=CHAT)
+    r = HTTP.post(stack.e.url + "/v1/chat/completions", headers=auth(FULL), json=CHAT)
     assert (r.status_code, error_code(r)) == (502, "upstream_unavailable")
     # Ejected: the model has no engine left, so nothing is tried ("retry shortly").
-    r = httpx.post(stack.e.url + "/v1/chat/completions", headers=auth(FULL), json=CHAT)
+    r = HTTP.post(stack.e.url + "/v1/chat/completions", headers=auth(FULL), json=CHAT)
     assert (r.status_code, error_code(r)) == (503, "upstream_unavailable")
     assert r.headers["retry-after"] == "1"
-    assert httpx.get(stack.e.url + "/readyz").status_code == 503
+    assert HTTP.get(stack.e.url + "/readyz").status_code == 503
 
 
 def test_engine_4xx_keeps_its_shape(stack: Stack) -> None:
     # The engine's own validation error, in vLLM's shape (`code` the status as an
     # integer): relayed with its meaning, its strings scrubbed
     # (tests/gateway/test_engine_errors.py).
-    r = httpx.post(
+    r = HTTP.post(
         stack.g.url + "/v1/chat/completions",
         headers=auth(FULL),
         json={**CHAT, "max_tokens": -5},
@@ -627,30 +628,30 @@ def test_engine_4xx_keeps_its_shape(stack: Stack) -> None:
 
 def test_key_file_change_takes_effect_without_restart(stack: Stack) -> None:
     url = stack.g.url + "/v1/models"
-    assert httpx.get(url, headers=auth(FILE_A)).status_code == 200
-    assert httpx.get(url, headers=auth(FILE_B)).status_code == 401
+    assert HTTP.get(url, headers=auth(FILE_A)).status_code == 200
+    assert HTTP.get(url, headers=auth(FILE_B)).status_code == 401
     stack.key_file.write_text(f"- key: {FILE_B}\n  name: file-b\n")
-    assert wait_for(lambda: httpx.get(url, headers=auth(FILE_B)).status_code == 200, timeout=5)
-    assert httpx.get(url, headers=auth(FILE_A)).status_code == 401
+    assert wait_for(lambda: HTTP.get(url, headers=auth(FILE_B)).status_code == 200, timeout=5)
+    assert HTTP.get(url, headers=auth(FILE_A)).status_code == 401
     # A broken file is ignored: the keys in force stay.
     stack.key_file.write_text("- key: short\n")
     assert wait_for(lambda: stack.g.log().count("key_file_invalid") == 1, timeout=10)
-    assert httpx.get(url, headers=auth(FILE_B)).status_code == 200
+    assert HTTP.get(url, headers=auth(FILE_B)).status_code == 200
     # So is an empty one (a file caught between its truncation and its writing).
     stack.key_file.write_text("")
     assert wait_for(lambda: stack.g.log().count("key_file_invalid") == 2, timeout=10)
     assert '"reason":"empty"' in stack.g.log()
-    assert httpx.get(url, headers=auth(FILE_B)).status_code == 200
+    assert HTTP.get(url, headers=auth(FILE_B)).status_code == 200
     # So is a field given twice: YAML keeps the last, and `models: null` after
     # `models: [...]` gave the key every model (the settings file refuses it the same way).
     stack.key_file.write_text(f"- key: {FILE_A}\n  models: [{MODEL}]\n  models: null\n")
     assert wait_for(lambda: stack.g.log().count("key_file_invalid") == 3, timeout=10)
     assert '"reason":"key file ' in stack.g.log() and "given twice" in stack.g.log()
-    assert httpx.get(url, headers=auth(FILE_A)).status_code == 401
-    assert httpx.get(url, headers=auth(FILE_B)).status_code == 200
+    assert HTTP.get(url, headers=auth(FILE_A)).status_code == 401
+    assert HTTP.get(url, headers=auth(FILE_B)).status_code == 200
     # `api_keys: []` revokes every key on purpose.
     stack.key_file.write_text("api_keys: []\n")
-    assert wait_for(lambda: httpx.get(url, headers=auth(FILE_B)).status_code == 401, timeout=10)
+    assert wait_for(lambda: HTTP.get(url, headers=auth(FILE_B)).status_code == 401, timeout=10)
 
 
 def test_key_file_rewritten_with_its_old_mtime_is_reloaded(stack: Stack) -> None:
@@ -659,7 +660,7 @@ def test_key_file_rewritten_with_its_old_mtime_is_reloaded(stack: Stack) -> None
     length and left the watcher's (mtime, size) unchanged: the revoked key stayed valid.
     The inode's change time cannot be set back, and a new file is a new inode."""
     url = stack.g.url + "/v1/models"
-    ok = lambda key: httpx.get(url, headers=auth(key)).status_code == 200  # noqa: E731
+    ok = lambda key: HTTP.get(url, headers=auth(key)).status_code == 200  # noqa: E731
     stack.key_file.write_text(f"- key: {FILE_B}\n")
     assert wait_for(lambda: ok(FILE_B), timeout=5)
     stack.key_file.write_text(f"- key: {FILE_A}\n")
@@ -681,7 +682,7 @@ def test_refused_connection_fails_over_to_the_next_engine(stack: Stack) -> None:
     with httpx.Client(base_url=stack.g.url, timeout=10) as client:
         codes = [_chat(client, user=f"u{i}").status_code for i in range(6)]
     assert codes == [200] * 6
-    r = httpx.get(stack.g.url + "/readyz")
+    r = HTTP.get(stack.g.url + "/readyz")
     assert r.json()["healthy_engines"] == 1
 
 

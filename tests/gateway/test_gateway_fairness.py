@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from bench.stack import HTTP
 from tests.procs import (
     Proc,
     auth,
@@ -84,7 +85,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 def _wait_ready(gw: Proc) -> bool:
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        if httpx.get(gw.url + "/readyz").status_code == 200:
+        if HTTP.get(gw.url + "/readyz").status_code == 200:
             return True
         time.sleep(0.1)
     return False
@@ -119,7 +120,7 @@ def test_slow_uploads_of_one_key_do_not_lock_another_out(stack: Stack) -> None:
         socks = [held.enter_context(closing(slow_upload(stack.plain, A))) for _ in range(8)]
         time.sleep(0.5)  # the gateway has taken them all in
         started = time.monotonic()
-        resp = httpx.post(stack.plain.url + "/v1/chat/completions", json=CHAT, headers=auth(B))
+        resp = HTTP.post(stack.plain.url + "/v1/chat/completions", json=CHAT, headers=auth(B))
         elapsed = time.monotonic() - started
         assert (resp.status_code, error_code(resp)) == (200, None), resp.text
         assert elapsed < 1.0
@@ -143,17 +144,17 @@ def test_slow_uploads_count_against_the_keys_cap(stack: Stack) -> None:
             held.enter_context(closing(slow_upload(stack.limited, CAPPED))) for _ in range(KEY_CAP)
         ]
         time.sleep(0.5)
-        over = httpx.post(
+        over = HTTP.post(
             stack.limited.url + "/v1/chat/completions", json=CHAT, headers=auth(CAPPED)
         )
         assert (over.status_code, error_code(over)) == (429, "rate_limited")
         assert over.headers["retry-after"] == "1"
-        other = httpx.post(stack.limited.url + "/v1/chat/completions", json=CHAT, headers=auth(A))
+        other = HTTP.post(stack.limited.url + "/v1/chat/completions", json=CHAT, headers=auth(A))
         assert other.status_code == 200
         assert sim_received(stack.sim.url) - before == 1
         # A finished upload gives its slot back.
         assert finish_upload(socks[0]) == b"HTTP/1.1 200 OK"
-    ok = httpx.post(stack.limited.url + "/v1/chat/completions", json=CHAT, headers=auth(CAPPED))
+    ok = HTTP.post(stack.limited.url + "/v1/chat/completions", json=CHAT, headers=auth(CAPPED))
     assert ok.status_code == 200
 
 
@@ -183,7 +184,7 @@ def test_key_cap_on_requests_in_flight(stack: Stack) -> None:
     # The slots come back when the streams end.
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        ok = httpx.post(url + "/v1/chat/completions", json=CHAT, headers=auth(CAPPED))
+        ok = HTTP.post(url + "/v1/chat/completions", json=CHAT, headers=auth(CAPPED))
         if ok.status_code == 200:
             break
         time.sleep(0.1)
@@ -196,17 +197,17 @@ def test_rate_limit_burst_then_retry_after(stack: Stack) -> None:
     engine saw only the admitted ones."""
     url = stack.limited.url + "/v1/chat/completions"
     before = sim_received(stack.sim.url)
-    burst = [httpx.post(url, json=CHAT, headers=auth(RATED)) for _ in range(2)]
-    over = httpx.post(url, json=CHAT, headers=auth(RATED))
+    burst = [HTTP.post(url, json=CHAT, headers=auth(RATED)) for _ in range(2)]
+    over = HTTP.post(url, json=CHAT, headers=auth(RATED))
     assert [r.status_code for r in burst] == [200, 200]
     assert (over.status_code, error_code(over)) == (429, "rate_limited")
     retry = int(over.headers["retry-after"])
     assert 1 <= retry <= 2
     # Another key is not held to RATED's bucket.
-    assert httpx.post(url, json=CHAT, headers=auth(A)).status_code == 200
+    assert HTTP.post(url, json=CHAT, headers=auth(A)).status_code == 200
     assert sim_received(stack.sim.url) - before == 3
     time.sleep(retry + 0.1)
-    again = httpx.post(url, json=CHAT, headers=auth(RATED))
+    again = HTTP.post(url, json=CHAT, headers=auth(RATED))
     assert again.status_code == 200
     assert sim_received(stack.sim.url) - before == 4
     assert metric(stack.limited.url, "gateway_rate_limited_total", reason="rate") >= 1
@@ -216,7 +217,7 @@ def test_rate_limited_body_is_not_read(stack: Stack) -> None:
     """A refused request is answered before its body: a key over its rate gets 429
     even for a body it never finishes sending."""
     url = stack.limited.url + "/v1/chat/completions"
-    while httpx.post(url, json=CHAT, headers=auth(RATED)).status_code == 200:
+    while HTTP.post(url, json=CHAT, headers=auth(RATED)).status_code == 200:
         pass
     with closing(slow_upload(stack.limited, RATED)) as sock:
         sock.settimeout(5)

@@ -10,9 +10,9 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
+from bench.stack import HTTP
 from gateway.config import Settings, load_settings
 from tests.gateway.media.test_media_samples import wav
 from tests.gateway.test_gateway_upstream import MODEL, Engine, Seen, scripted_engine
@@ -126,7 +126,7 @@ def test_engines_get_only_allowlisted_request_headers(
         "User-Agent": "OpenAI/Python 1.99",
         "X-Request-Id": request_id,
     }
-    r = httpx.post(gateway.url + "/v1/chat/completions", json=CHAT, headers=headers)
+    r = HTTP.post(gateway.url + "/v1/chat/completions", json=CHAT, headers=headers)
     assert r.status_code == 200, r.text
     [seen] = _seen(engine, request_id)
     expected = ALWAYS | {"content-type", "accept", "user-agent"}
@@ -165,7 +165,7 @@ def test_a_connection_header_cannot_strip_the_checked_content_type(
 
 def test_multipart_content_type_is_the_one_checked(engine: Engine, gateways: list[Proc]) -> None:
     # The engine (scripted) answers 200; the upload must only pass the gateway's checks.
-    r = httpx.post(
+    r = HTTP.post(
         gateways[0].url + "/v1/audio/transcriptions",
         headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": "upload-1"},
         files={"file": ("a.wav", wav(), "audio/wav")},
@@ -181,7 +181,7 @@ def test_multipart_content_type_is_the_one_checked(engine: Engine, gateways: lis
 
 def test_clients_get_only_allowlisted_response_headers(gateways: list[Proc]) -> None:
     # /version: a GET relayed as the engine sends it (model lists are rewritten).
-    r = httpx.get(
+    r = HTTP.get(
         gateways[1].url + "/version",
         headers={"Authorization": f"Bearer {KEY}", "X-Scenario": "headers", "X-Request-Id": "r1"},
     )

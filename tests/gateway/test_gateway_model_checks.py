@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from bench.samples import wav
+from bench.stack import HTTP
 from tests.procs import (
     Proc,
     auth,
@@ -75,7 +76,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 def transcribe(stack: Stack, key: str, model: str | None) -> httpx.Response:
     data = {} if model is None else {"model": model}
-    return httpx.post(
+    return HTTP.post(
         stack.gateway.url + "/v1/audio/transcriptions",
         headers=auth(key),
         files={"file": ("a.wav", wav(), "audio/wav")},
@@ -107,7 +108,7 @@ def test_upload_model_field_is_checked(
 def test_upload_with_vllm_xargs_is_refused(stack: Stack) -> None:
     # The form twin of the JSON field: it seeds the engine request's extra args.
     before = stack.received()
-    r = httpx.post(
+    r = HTTP.post(
         stack.gateway.url + "/v1/audio/transcriptions",
         headers=auth(FULL),
         files={"file": ("a.wav", wav(), "audio/wav")},
@@ -156,7 +157,7 @@ def test_invocations_refusals(
     code: str,
 ) -> None:
     before = stack.received()
-    r = httpx.post(stack.gateway.url + "/invocations", json=body, headers={**auth(key), **headers})
+    r = HTTP.post(stack.gateway.url + "/invocations", json=body, headers={**auth(key), **headers})
     assert (r.status_code, error_code(r)) == (status, code)
     assert stack.received() == before
 
@@ -165,19 +166,19 @@ def test_invocations_for_an_unrestricted_key_never_carry_the_adapter_header(
     stack: Stack,
 ) -> None:
     for sim in stack.sims:
-        httpx.delete(sim.url + "/sim/requests")
+        HTTP.delete(sim.url + "/sim/requests")
     headers = {
         **auth(FULL),
         "X-Amzn-SageMaker-Adapter-Identifier": "../../loras/evil",
         "X-Amzn-SageMaker-Session-Id": "s-1",
         "X-Request-Id": "invocation-1",
     }
-    r = httpx.post(stack.gateway.url + "/invocations", json=CHAT, headers=headers, timeout=30)
+    r = HTTP.post(stack.gateway.url + "/invocations", json=CHAT, headers=headers, timeout=30)
     assert r.status_code == 200, r.text
     records = [
         rec
         for sim in stack.sims
-        for rec in httpx.get(sim.url + "/sim/requests").json()
+        for rec in HTTP.get(sim.url + "/sim/requests").json()
         if rec["path"] == "/invocations"
     ]
     assert len(records) == 1
@@ -220,7 +221,7 @@ ODD = [
 @pytest.mark.parametrize("body", ODD)
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/tokenize"])
 def test_odd_shapes_are_answered_never_500(stack: Stack, body: dict[str, Any], path: str) -> None:
-    r = httpx.post(stack.gateway.url + path, json=body, headers=auth(FULL), timeout=30)
+    r = HTTP.post(stack.gateway.url + path, json=body, headers=auth(FULL), timeout=30)
     assert r.status_code < 500, r.text
     assert error_code(r) != "internal_error"
 

@@ -23,6 +23,7 @@ import openai
 import pytest
 
 from bench.samples import wav
+from bench.stack import HTTP
 from tests.procs import (
     Proc,
     auth,
@@ -96,7 +97,7 @@ def recorded(sim: Proc) -> list[dict[str, Any]]:
     """The requests `sim` received from clients (not health checks or model lists):
     path and the `model` of a JSON body (None for none)."""
     out = []
-    for entry in httpx.get(sim.url + "/sim/requests", timeout=10).json():
+    for entry in HTTP.get(sim.url + "/sim/requests", timeout=10).json():
         if entry["path"] in ("/health", "/v1/models", "/metrics"):
             continue
         body = json.loads(entry["body"]) if entry["body"] and entry["body"][0] == "{" else {}
@@ -112,7 +113,7 @@ def chat(gateway: Proc, key: str, model: str | None, text: str = "hi") -> httpx.
     body: dict[str, Any] = {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
     if model is not None:
         body["model"] = model
-    return httpx.post(
+    return HTTP.post(
         gateway.url + "/v1/chat/completions", headers=auth(key), json=body, timeout=10
     )
 
@@ -121,18 +122,18 @@ def embed(gateway: Proc, key: str, model: str | None, text: str = "hi") -> httpx
     body: dict[str, Any] = {"input": text}
     if model is not None:
         body["model"] = model
-    return httpx.post(gateway.url + "/v1/embeddings", headers=auth(key), json=body, timeout=10)
+    return HTTP.post(gateway.url + "/v1/embeddings", headers=auth(key), json=body, timeout=10)
 
 
 def model_ids(gateway: Proc, key: str) -> list[str]:
-    r = httpx.get(gateway.url + "/v1/models", headers=auth(key), timeout=10)
+    r = HTTP.get(gateway.url + "/v1/models", headers=auth(key), timeout=10)
     assert r.status_code == 200, r.text
     return [m["id"] for m in r.json()["data"]]
 
 
 def test_every_request_reaches_an_engine_serving_its_model(fleet: Fleet) -> None:
     for sim in fleet.sims:
-        httpx.delete(sim.url + "/sim/requests")
+        HTTP.delete(sim.url + "/sim/requests")
     for i in range(12):
         # Distinct prompts: the affinity policy spreads them over both chat engines.
         r = chat(fleet.g, FULL, CHAT_MODEL, f"conversation {i}: where is my parcel?")
@@ -175,7 +176,7 @@ def test_unknown_and_forbidden_models_get_one_404(
 ) -> None:
     before = received(fleet)
     for path in ("/v1/chat/completions", "/v1/embeddings", "/tokenize"):
-        r = httpx.post(fleet.g.url + path, headers=auth(key), json={"model": model, "input": "x"})
+        r = HTTP.post(fleet.g.url + path, headers=auth(key), json={"model": model, "input": "x"})
         assert r.status_code == 404, r.text
         assert r.json() == {
             "error": {
@@ -207,7 +208,7 @@ def test_an_engine_404_for_a_model_never_names_the_engines_models(tmp_path: Path
     with running(sim):
         gw.start("/healthz")
         try:
-            assert wait_for(lambda: httpx.get(gw.url + "/readyz").status_code == 200)
+            assert wait_for(lambda: HTTP.get(gw.url + "/readyz").status_code == 200)
             assert model_ids(gw, limited) == ["public"]
             for key in (limited, FULL):
                 r = chat(gw, key, ghost)
@@ -236,7 +237,7 @@ def test_the_openai_client_sees_model_not_found(fleet: Fleet) -> None:
 
 def test_an_upload_names_its_model_like_a_body(fleet: Fleet) -> None:
     def transcribe(key: str, data: dict[str, str]) -> httpx.Response:
-        return httpx.post(
+        return HTTP.post(
             fleet.g.url + "/v1/audio/transcriptions",
             headers=auth(key),
             files={"file": ("a.wav", wav(), "audio/wav")},
@@ -253,7 +254,7 @@ def test_an_upload_names_its_model_like_a_body(fleet: Fleet) -> None:
     r = transcribe(FULL, {})
     assert (r.status_code, error_code(r)) == (400, "model_required")
     assert received(fleet) == before
-    httpx.delete(fleet.embed.url + "/sim/requests")
+    HTTP.delete(fleet.embed.url + "/sim/requests")
     r = transcribe(FULL, {"model": CHAT_MODEL})
     assert r.status_code == 200, r.text
     assert recorded(fleet.embed) == []
@@ -288,7 +289,7 @@ def test_a_request_without_a_model_must_be_unambiguous(
     code: str,
 ) -> None:
     before = received(fleet)
-    r = httpx.request(method, fleet.g.url + path, headers=auth(key), json=body, timeout=10)
+    r = HTTP.request(method, fleet.g.url + path, headers=auth(key), json=body, timeout=10)
     assert (r.status_code, error_code(r)) == (status, code)
     assert r.json()["error"]["param"] == ("model" if code == "model_required" else None)
     assert received(fleet) == before
@@ -296,23 +297,23 @@ def test_a_request_without_a_model_must_be_unambiguous(
 
 def test_routes_about_an_engine_need_no_model(fleet: Fleet) -> None:
     for path in ("/version", "/health"):
-        r = httpx.get(fleet.g.url + path, headers=auth(CHAT_ONLY), timeout=10)
+        r = HTTP.get(fleet.g.url + path, headers=auth(CHAT_ONLY), timeout=10)
         assert r.status_code == 200, r.text
     # A stored response is fetched by id, naming no model: it goes to an engine (the
     # simulator stores none, and says so).
     before = received(fleet)
-    r = httpx.get(fleet.g.url + "/v1/responses/resp_abc", headers=auth(CHAT_ONLY), timeout=10)
+    r = HTTP.get(fleet.g.url + "/v1/responses/resp_abc", headers=auth(CHAT_ONLY), timeout=10)
     assert error_code(r) != "model_required" and r.status_code == 404
     assert received(fleet) == before + 1
 
 
 def test_an_adapter_goes_only_to_the_engine_that_lists_it(fleet: Fleet) -> None:
     load = {"lora_name": ADAPTER, "lora_path": "/srv/adapters/secret"}
-    assert httpx.post(fleet.chat_b.url + "/v1/load_lora_adapter", json=load).status_code == 200
+    assert HTTP.post(fleet.chat_b.url + "/v1/load_lora_adapter", json=load).status_code == 200
     try:
         # Learnt at G's next model read (every 0.3 s).
         assert wait_for(lambda: ADAPTER in model_ids(fleet.g, FULL))
-        listing = httpx.get(fleet.g.url + "/v1/models", headers=auth(FULL)).json()["data"]
+        listing = HTTP.get(fleet.g.url + "/v1/models", headers=auth(FULL)).json()["data"]
         assert [(m["id"], m["root"], m["parent"]) for m in listing] == [
             (CHAT_MODEL, CHAT_MODEL, None),
             (ADAPTER, ADAPTER, CHAT_MODEL),
@@ -323,7 +324,7 @@ def test_an_adapter_goes_only_to_the_engine_that_lists_it(fleet: Fleet) -> None:
         r = chat(fleet.g, FULL, None)
         assert (r.status_code, error_code(r)) == (400, "model_required")
         for sim in fleet.sims:
-            httpx.delete(sim.url + "/sim/requests")
+            HTTP.delete(sim.url + "/sim/requests")
         for i in range(8):
             r = chat(fleet.g, FULL, ADAPTER, f"adapter conversation {i}")
             assert r.status_code == 200, r.text
@@ -334,7 +335,7 @@ def test_an_adapter_goes_only_to_the_engine_that_lists_it(fleet: Fleet) -> None:
         assert (r.status_code, error_code(r)) == (404, "model_not_found")
         assert model_ids(fleet.g, CHAT_ONLY) == [CHAT_MODEL]
     finally:
-        httpx.post(fleet.chat_b.url + "/v1/unload_lora_adapter", json={"lora_name": ADAPTER})
+        HTTP.post(fleet.chat_b.url + "/v1/unload_lora_adapter", json={"lora_name": ADAPTER})
     assert wait_for(lambda: ADAPTER not in model_ids(fleet.g, FULL))
     r = chat(fleet.g, FULL, ADAPTER)
     assert (r.status_code, error_code(r)) == (404, "model_not_found")
@@ -345,7 +346,7 @@ def test_failover_stays_within_the_models_engines(fleet: Fleet) -> None:
     # it are refused, it is ejected, and they go to chat_b, never to the embedding engine.
     fleet.chat_a.kill()
     for sim in (fleet.chat_b, fleet.embed):
-        httpx.delete(sim.url + "/sim/requests")
+        HTTP.delete(sim.url + "/sim/requests")
     for i in range(10):
         r = chat(fleet.s, FULL, CHAT_MODEL, f"after the crash {i}")
         assert r.status_code == 200, r.text
@@ -359,7 +360,7 @@ def test_a_model_whose_engines_are_all_down_is_503_while_others_work(fleet: Flee
     assert wait_for(
         lambda: metric(fleet.g.url, "gateway_engine_healthy", engine=fleet.embed.url) == 0
     )
-    httpx.delete(fleet.chat_b.url + "/sim/requests")
+    HTTP.delete(fleet.chat_b.url + "/sim/requests")
     r = embed(fleet.g, FULL, EMBED_MODEL)
     assert (r.status_code, error_code(r)) == (503, "upstream_unavailable")
     assert r.headers["retry-after"] == "1"
@@ -377,8 +378,8 @@ def test_a_model_whose_engines_are_all_down_is_503_while_others_work(fleet: Flee
     assert model_ids(fleet.g, FULL) == [CHAT_MODEL]
     # Its last chat engine gone too: no engine is healthy, /v1/models is "retry shortly".
     fleet.chat_b.kill()
-    assert wait_for(lambda: httpx.get(fleet.g.url + "/readyz").status_code == 503)
+    assert wait_for(lambda: HTTP.get(fleet.g.url + "/readyz").status_code == 503)
     r = chat(fleet.g, FULL, CHAT_MODEL)
     assert (r.status_code, error_code(r)) == (503, "upstream_unavailable")
-    r = httpx.get(fleet.g.url + "/v1/models", headers=auth(FULL))
+    r = HTTP.get(fleet.g.url + "/v1/models", headers=auth(FULL))
     assert (r.status_code, error_code(r)) == (503, "no_engine_available")

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from bench.origin import RecordingServer, Route
+from bench.stack import HTTP
 from tests.procs import Proc, error_code, gateway_proc, running, scrape, sim_proc, wait_for
 
 ALL = "sk-models-all-0123456789abcdef"
@@ -71,12 +72,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         broken_gateway = gateway_proc(tmp, _env(broken.url))
         gateways = (gateway, quiet, broken_gateway)
         with running(sim, quiet_sim), running(*gateways, ready_path="/healthz"):
-            assert wait_for(lambda: httpx.get(quiet.url + "/readyz").status_code == 200)
+            assert wait_for(lambda: HTTP.get(quiet.url + "/readyz").status_code == 200)
             yield Stack(sim, gateway, broken, broken_gateway, quiet, quiet_sim)
 
 
 def _models(url: str, key: str) -> httpx.Response:
-    return httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+    return HTTP.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
 
 
 def _ids(resp: httpx.Response) -> list[str]:
@@ -85,14 +86,14 @@ def _ids(resp: httpx.Response) -> list[str]:
 
 
 def test_a_key_without_a_model_list_sees_every_model(stack: Stack) -> None:
-    direct = httpx.get(stack.sim.url + "/v1/models", timeout=10).json()
+    direct = HTTP.get(stack.sim.url + "/v1/models", timeout=10).json()
     assert _ids(_models(stack.gateway.url, ALL)) == [m["id"] for m in direct["data"]]
     assert _ids(_models(stack.gateway.url, ALL)) == ["model-a", "model-b"]
 
 
 def test_model_roots_never_show_the_engines_paths(stack: Stack) -> None:
     """vLLM lists a model's (or adapter's) path on its disk as `root`."""
-    direct = httpx.get(stack.sim.url + "/v1/models", timeout=10).json()
+    direct = HTTP.get(stack.sim.url + "/v1/models", timeout=10).json()
     assert {m["root"] for m in direct["data"]} == {"Qwen/Qwen3-VL-2B-Instruct"}
     for key in (ALL, ONLY_A):
         for model in _models(stack.gateway.url, key).json()["data"]:
@@ -130,14 +131,14 @@ def test_the_list_is_the_gateways_own_copy(stack: Stack) -> None:
 def test_an_engine_whose_model_list_cannot_be_read_never_serves(stack: Stack) -> None:
     # Its models unknown, the engine is not healthy: nothing is forwarded to it, and
     # the answers say "retry shortly", never the engine's text.
-    assert httpx.get(stack.broken_gateway.url + "/readyz").status_code == 503
+    assert HTTP.get(stack.broken_gateway.url + "/readyz").status_code == 503
     before = len(stack.broken.hits)
     for key in (ONLY_A, ALL):
         resp = _models(stack.broken_gateway.url, key)
         assert (resp.status_code, error_code(resp)) == (503, "no_engine_available")
         assert "nope" not in resp.text
     chat = {"model": "model-a", "messages": [{"role": "user", "content": "hi"}]}
-    resp = httpx.post(
+    resp = HTTP.post(
         stack.broken_gateway.url + "/v1/chat/completions",
         headers={"Authorization": f"Bearer {ALL}"},
         json=chat,
@@ -152,9 +153,9 @@ def test_an_adapters_base_model_and_path_are_shown_only_as_far_as_the_key_may_se
 ) -> None:
     """vLLM lists a LoRA adapter with its path as `root` and its base model as `parent`."""
     load = {"lora_name": "adapter-x", "lora_path": "/srv/adapters/secret-x"}
-    assert httpx.post(stack.sim.url + "/v1/load_lora_adapter", json=load).status_code == 200
+    assert HTTP.post(stack.sim.url + "/v1/load_lora_adapter", json=load).status_code == 200
     try:
-        direct = httpx.get(stack.sim.url + "/v1/models", timeout=10).json()["data"]
+        direct = HTTP.get(stack.sim.url + "/v1/models", timeout=10).json()["data"]
         assert {m["id"]: (m["root"], m["parent"]) for m in direct if m["id"] == "adapter-x"} == {
             "adapter-x": ("/srv/adapters/secret-x", "model-a")
         }
@@ -175,5 +176,5 @@ def test_an_adapters_base_model_and_path_are_shown_only_as_far_as_the_key_may_se
         assert every["adapter-x"]["parent"] == "model-a"
         assert every["adapter-x"]["root"] == "adapter-x"
     finally:
-        httpx.post(stack.sim.url + "/v1/unload_lora_adapter", json={"lora_name": "adapter-x"})
+        HTTP.post(stack.sim.url + "/v1/unload_lora_adapter", json={"lora_name": "adapter-x"})
     assert wait_for(lambda: _ids(_models(stack.gateway.url, ADAPTER)) == [])

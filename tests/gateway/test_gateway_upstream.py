@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.stack import HTTP
 from gateway.upstream import Origin
 from tests.procs import Proc, gateway_proc
 
@@ -300,7 +301,7 @@ def post_scenario(gateway: Proc, scenario: str, body: bytes, timeout: float = 5)
         "Content-Type": "application/json",
         "X-Scenario": scenario,
     }
-    return httpx.post(
+    return HTTP.post(
         gateway.url + "/v1/completions", content=body, headers=headers, timeout=timeout
     )
 
@@ -308,7 +309,7 @@ def post_scenario(gateway: Proc, scenario: str, body: bytes, timeout: float = 5)
 def _get(gateway: Proc, scenario: str) -> httpx.Response:
     headers = {"Authorization": f"Bearer {KEY}", "X-Scenario": scenario}
     # /version: a GET the gateway relays as the engine sends it (a model list is parsed).
-    return httpx.get(gateway.url + "/version", headers=headers, timeout=10)
+    return HTTP.get(gateway.url + "/version", headers=headers, timeout=10)
 
 
 def test_request_as_the_engine_sees_it(engine: Engine, gateway: Proc) -> None:
@@ -413,7 +414,7 @@ def test_engine_under_a_path_prefix(engine: Engine, tmp_path: Path) -> None:
     proc.start("/readyz")
     try:
         headers = {"Authorization": f"Bearer {KEY}", "X-Scenario": "prefixed"}
-        r = httpx.get(proc.url + "/version?x=1", headers=headers, timeout=10)
+        r = HTTP.get(proc.url + "/version?x=1", headers=headers, timeout=10)
     finally:
         proc.stop()
     assert r.status_code == 200
@@ -465,7 +466,7 @@ def test_a_reused_connection_closed_without_an_answer_is_retried_fresh(
 
 
 def test_a_stream_that_stalls_ends_with_a_timeout_frame(gateway: Proc) -> None:
-    with httpx.stream(
+    with HTTP.stream(
         "GET",
         gateway.url + "/version",
         headers={"Authorization": f"Bearer {KEY}", "X-Scenario": "stall-mid-sse"},

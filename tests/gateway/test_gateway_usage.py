@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from bench.stack import HTTP
 from tests.procs import Proc, auth, error_code, gateway_proc, scrape, sim_proc, total, wait_for
 
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"
@@ -59,7 +60,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         for proc in procs:
             proc.start("/healthz" if proc in (gateway, pooling_gateway) else "/health")
         for gw in (gateway, pooling_gateway):
-            assert wait_for(lambda gw=gw: httpx.get(gw.url + "/readyz").status_code == 200)
+            assert wait_for(lambda gw=gw: HTTP.get(gw.url + "/readyz").status_code == 200)
         yield Stack(sim, gateway, pooling, pooling_gateway)
     finally:
         for proc in procs:
@@ -146,14 +147,14 @@ def test_usage_and_requests_are_counted_per_key(stack: Stack) -> None:
     # Open routes (the probes) carry the same fixed label.
     assert stack.metric("gateway_requests_total", key="", group="local") >= 1
     # Keys only ever appear as their names.
-    text = httpx.get(stack.gateway.url + "/metrics", headers=auth(SCRAPER)).text
+    text = HTTP.get(stack.gateway.url + "/metrics", headers=auth(SCRAPER)).text
     for secret in (ALICE, BOB, SCRAPER, WRONG):
         assert secret not in text
 
 
 def test_pooling_usage_counts_prompt_tokens(stack: Stack) -> None:
     body = {"model": MODEL, "input": ["a b c", "d e f g", "h"]}
-    r = httpx.post(stack.pooling_gateway.url + "/v1/embeddings", headers=auth(BOB), json=body)
+    r = HTTP.post(stack.pooling_gateway.url + "/v1/embeddings", headers=auth(BOB), json=body)
     assert r.status_code == 200, r.text
     usage = r.json()["usage"]
     assert usage["prompt_tokens"] > 0 and not usage.get("completion_tokens")

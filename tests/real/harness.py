@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 
 from bench.realvllm.launcher import Engine
+from bench.stack import HTTP
 from tests.procs import Proc, gateway_proc, scrape, total, wait_for
 
 KEY = "sk-real-tier-0123456789abcdef"
@@ -46,7 +47,7 @@ def gateway(tmp: Path, engines: Sequence[Engine], **extra: str) -> Iterator[Proc
     proc = gateway_proc(tmp, gateway_env(engines, **extra))
     try:
         proc.start("/healthz", timeout=30)
-        assert wait_for(lambda: httpx.get(proc.url + "/readyz").status_code == 200, 30)
+        assert wait_for(lambda: HTTP.get(proc.url + "/readyz").status_code == 200, 30)
         yield proc
     finally:
         proc.stop()
@@ -117,7 +118,7 @@ def post(
     url: str, body: Mapping[str, object], headers: Mapping[str, str] | None = None
 ) -> httpx.Response:
     """A JSON POST with the tenant's key unless `headers` are given."""
-    return httpx.post(url, json=body, headers=dict(headers or AUTH), timeout=60)
+    return HTTP.post(url, json=body, headers=dict(headers or AUTH), timeout=60)
 
 
 # --- route drift -----------------------------------------------------------------------------
@@ -130,7 +131,7 @@ def engine_routes(engine: Engine) -> dict[str, set[str]]:
     """Every route the engine serves: its OpenAPI document plus the routes it logged at
     start (the log also lists routes left out of the document, such as the docs pages)."""
     routes = {path: set(methods) for path, methods in engine.logged_routes().items()}
-    spec = httpx.get(engine.url + "/openapi.json", timeout=10).json()
+    spec = HTTP.get(engine.url + "/openapi.json", timeout=10).json()
     for path, operations in spec["paths"].items():
         routes.setdefault(path, set()).update(m.upper() for m in operations)
     return routes

@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from bench.realvllm.launcher import Engine
+from bench.stack import HTTP
 from tests.gateway.media.test_media_samples import data_url, png
 from tests.procs import Proc, RecordingServer, Route
 from tests.real.harness import AUTH, KEY, Snapshot, chat_body, gateway, image_part, post, received
@@ -99,7 +100,7 @@ def test_tokenize_and_detokenize(chat_gw: Proc, real_chat_engine: Engine) -> Non
     engine = real_chat_engine
     body = {"model": engine.name, "prompt": "The blue train and the red car"}
     via_gateway = post(chat_gw.url + "/tokenize", body)
-    direct = httpx.post(engine.url + "/tokenize", json=body, timeout=30)
+    direct = HTTP.post(engine.url + "/tokenize", json=body, timeout=30)
     assert via_gateway.status_code == 200
     assert via_gateway.json() == direct.json()
     tokens = via_gateway.json()["tokens"]
@@ -139,7 +140,7 @@ def test_images_as_data_url_and_fetched_by_the_gateway(
 def test_engine_metrics_and_model_list_through_the_gateway(
     chat_gw: Proc, real_chat_engine: Engine
 ) -> None:
-    models = httpx.get(chat_gw.url + "/v1/models", headers=AUTH, timeout=10)
+    models = HTTP.get(chat_gw.url + "/v1/models", headers=AUTH, timeout=10)
     assert models.status_code == 200
     assert [m["id"] for m in models.json()["data"]] == [real_chat_engine.name]
-    assert httpx.get(chat_gw.url + "/version", headers=AUTH).json()["version"].startswith("0.32")
+    assert HTTP.get(chat_gw.url + "/version", headers=AUTH).json()["version"].startswith("0.32")

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from bench.realvllm.launcher import Engine
+from bench.stack import HTTP
 from tests.procs import Proc, running, scrape, sim_proc, wait_for
 from tests.real.harness import raw_chat_request
 
@@ -125,8 +126,8 @@ def sim(tmp_path_factory: pytest.TempPathFactory, real_chat_engine: Engine) -> I
 def send(base: str, method: str, path: str, body: Any) -> httpx.Response:
     if isinstance(body, bytes):
         headers = {"content-type": "application/json"}
-        return httpx.request(method, base + path, content=body, headers=headers, timeout=30)
-    return httpx.request(method, base + path, json=body, timeout=30)
+        return HTTP.request(method, base + path, content=body, headers=headers, timeout=30)
+    return HTTP.request(method, base + path, json=body, timeout=30)
 
 
 def differences(sim: Proc, engine: Engine) -> dict[tuple[str, str], tuple[Any, Any]]:

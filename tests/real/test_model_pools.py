@@ -8,11 +8,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import httpx
 import openai
 import pytest
 
 from bench.realvllm.launcher import Engine
+from bench.stack import HTTP
 from tests.procs import Proc, error_code, wait_for
 from tests.real.conftest import Engines
 from tests.real.harness import AUTH, KEY, Snapshot, chat_body, gateway, metric, post, received
@@ -36,7 +36,7 @@ def pair(real_engines: Engines, tmp_path_factory: pytest.TempPathFactory) -> Ite
     try:
         # Checks every 0.5 s: the last test sees the embedding engine go within seconds.
         with gateway(tmp, [chat, embed], GATEWAY_ROUTING__HEALTH_INTERVAL="0.5") as gw:
-            assert wait_for(lambda: httpx.get(gw.url + "/readyz").json()["healthy_engines"] == 2)
+            assert wait_for(lambda: HTTP.get(gw.url + "/readyz").json()["healthy_engines"] == 2)
             yield Pair(chat, embed, gw)
     finally:
         real_engines.stop("embed")
@@ -67,9 +67,9 @@ def test_chat_and_embeddings_each_reach_their_engine(pair: Pair) -> None:
 
 def test_the_model_list_is_both_engines_lists_merged(pair: Pair) -> None:
     direct = [
-        httpx.get(e.url + "/v1/models", timeout=10).json()["data"] for e in (pair.chat, pair.embed)
+        HTTP.get(e.url + "/v1/models", timeout=10).json()["data"] for e in (pair.chat, pair.embed)
     ]
-    r = httpx.get(pair.gw.url + "/v1/models", headers=AUTH, timeout=10)
+    r = HTTP.get(pair.gw.url + "/v1/models", headers=AUTH, timeout=10)
     assert r.status_code == 200, r.text
     listing = r.json()["data"]
     assert [m["id"] for m in listing] == [pair.chat.name, pair.embed.name]
@@ -98,7 +98,7 @@ def test_a_stopped_engines_model_is_503_while_the_other_serves(
 ) -> None:
     real_engines.stop("embed")
     assert wait_for(
-        lambda: httpx.get(pair.gw.url + "/readyz").json()["healthy_engines"] == 1, timeout=20
+        lambda: HTTP.get(pair.gw.url + "/readyz").json()["healthy_engines"] == 1, timeout=20
     )
     r = post(pair.gw.url + "/v1/embeddings", {"model": pair.embed.name, "input": "a bird"})
     assert (r.status_code, error_code(r)) == (503, "upstream_unavailable")
@@ -107,5 +107,5 @@ def test_a_stopped_engines_model_is_503_while_the_other_serves(
     r = post(pair.gw.url + "/v1/chat/completions", chat_body(pair.chat.name, "hello"))
     assert r.status_code == 200, r.text
     assert received(pair.chat)[seen:] == [("POST", "/v1/chat/completions", 200)]
-    r = httpx.get(pair.gw.url + "/v1/models", headers=AUTH, timeout=10)
+    r = HTTP.get(pair.gw.url + "/v1/models", headers=AUTH, timeout=10)
     assert [m["id"] for m in r.json()["data"]] == [pair.chat.name]

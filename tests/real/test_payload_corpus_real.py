@@ -26,6 +26,7 @@ import httpx
 import pytest
 
 from bench.realvllm.launcher import Engine
+from bench.stack import HTTP
 from tests.gateway.payload import corpus
 from tests.gateway.payload.corpus import Case, Fill
 from tests.procs import Proc, RecordingServer, Route, gateway_proc, wait_for
@@ -69,7 +70,7 @@ def real_stack(
         gw = gateway_proc(tmp, gateway_env([real_multimodal_engine], **media))
         try:
             gw.start("/healthz", timeout=180)
-            assert wait_for(lambda: httpx.get(gw.url + "/readyz").status_code == 200, 120)
+            assert wait_for(lambda: HTTP.get(gw.url + "/readyz").status_code == 200, 120)
             fill = Fill(origin.url, canary.url, real_multimodal_engine.name)
             with httpx.Client(timeout=120) as http:
                 yield RealStack(real_multimodal_engine, gw, origin, canary, http, fill)

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from bench.realvllm.launcher import Engine
+from bench.stack import HTTP
 from tests.gateway.media.test_media_samples import png
 from tests.procs import Proc, RecordingServer, Route, wait_for
 from tests.real.harness import (
@@ -125,7 +126,7 @@ def test_refused_before_the_engine(
 ) -> None:
     before, hits = Snapshot.of(stack.chat), stack.canary.connections + len(stack.canary.hits)
     payload = body(stack)
-    r = httpx.request(method, stack.chat_gw.url + path, headers=headers, json=payload, timeout=30)
+    r = HTTP.request(method, stack.chat_gw.url + path, headers=headers, json=payload, timeout=30)
     assert (r.status_code, r.json()["error"]["code"]) == (status, code), r.text
     assert Snapshot.of(stack.chat) == before
     assert stack.canary.connections + len(stack.canary.hits) == hits
@@ -134,7 +135,7 @@ def test_refused_before_the_engine(
 def test_an_allowed_request_does_reach_the_engine(stack: Stack) -> None:
     # The control for the table above: the same evidence moves when a request is served.
     before = Snapshot.of(stack.chat)
-    r = httpx.post(stack.chat_gw.url + "/v1/chat/completions", headers=AUTH,
+    r = HTTP.post(stack.chat_gw.url + "/v1/chat/completions", headers=AUTH,
                    json=_chat(stack), timeout=60)  # fmt: skip
     assert r.status_code == 200
     after = Snapshot.of(stack.chat)
@@ -212,14 +213,14 @@ def test_ssrf_probe_direct_is_fetched_through_the_gateway_refused(
     body = _probe_body(stack, kind, shape, where)
     # Straight to a default vLLM: the internal URL is fetched.
     direct_hits, direct = _canary_contacts(
-        stack, lambda: httpx.post(stack.mm.url + path, json=body, timeout=60)
+        stack, lambda: HTTP.post(stack.mm.url + path, json=body, timeout=60)
     )
     assert direct_hits >= 1, f"vLLM did not fetch it ({direct.status_code} {direct.text})"
     # Through the gateway: refused before any connection, the engine untouched.
     before = Snapshot.of(stack.mm)
     gw_hits, via = _canary_contacts(
         stack,
-        lambda: httpx.post(stack.mm_gw.url + path, headers=AUTH, json=body, timeout=60),
+        lambda: HTTP.post(stack.mm_gw.url + path, headers=AUTH, json=body, timeout=60),
     )
     code = via.json().get("error", {}).get("code") if via.content else None
     print(f"direct {direct.status_code}, {direct_hits} canary contact(s); gateway "

@@ -12,6 +12,7 @@ import openai
 import orjson
 import pytest
 
+from bench.stack import HTTP
 from tests.procs import Proc, metric, running, scrape, sim_proc
 
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"
@@ -336,7 +337,7 @@ def test_recorder_shows_what_reached_the_engine(sim: Proc, client: httpx.Client)
 
 
 def test_recorder_route_absent_without_flag(guarded: Proc) -> None:
-    assert httpx.get(guarded.url + "/sim/requests").status_code == 404
+    assert HTTP.get(guarded.url + "/sim/requests").status_code == 404
 
 
 # --- runtime LoRA -----------------------------------------------------------------------
@@ -359,7 +360,7 @@ def test_runtime_lora_routes_record_the_path(sim: Proc, client: httpx.Client) ->
 
 
 def test_lora_routes_absent_by_default(guarded: Proc) -> None:
-    r = httpx.post(guarded.url + "/adapters", json={"lora_name": "a", "lora_path": "/"})
+    r = HTTP.post(guarded.url + "/adapters", json={"lora_name": "a", "lora_path": "/"})
     assert r.status_code == 404
 
 
@@ -381,7 +382,7 @@ def test_lora_routes_absent_by_default(guarded: Proc) -> None:
 def test_api_key_guards_only_vllm_prefixes(
     guarded: Proc, method: str, path: str, headers: dict[str, str], status: int
 ) -> None:
-    r = httpx.request(method, guarded.url + path, headers=headers)
+    r = HTTP.request(method, guarded.url + path, headers=headers)
     assert r.status_code == status
     if status == 401:
         assert r.json() == {"error": "Unauthorized"}
@@ -390,9 +391,9 @@ def test_api_key_guards_only_vllm_prefixes(
 def test_api_key_leaves_tokenize_and_invocations_open(guarded: Proc) -> None:
     # vLLM's hole (vllm#18892, #58144): these answer without any key.
     before = metric(guarded.url, "vllm:generation_tokens_total")
-    tok = httpx.post(guarded.url + "/tokenize", json={"prompt": "open"})
+    tok = HTTP.post(guarded.url + "/tokenize", json={"prompt": "open"})
     assert tok.status_code == 200 and tok.json()["count"] == 1
-    inv = httpx.post(
+    inv = HTTP.post(
         guarded.url + "/invocations",
         json={"messages": [{"role": "user", "content": "free inference"}], "max_tokens": 2},
     )

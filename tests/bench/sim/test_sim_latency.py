@@ -10,6 +10,7 @@ import pytest
 
 from bench.sim.engine import prefill_seconds
 from bench.sim.media import MediaItem, image_tokens
+from bench.stack import HTTP
 from tests.procs import Proc, metric, running, scrape, sim_proc, wait_for
 
 LONG = {"messages": [{"role": "user", "content": "Write a long essay."}],
@@ -47,14 +48,14 @@ def test_latency_model_matches_reference(
 def test_first_token_waits_for_the_model(sim: Proc) -> None:
     # Not a timing assertion: the calibrated engine reports a non-zero TTFT.
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-    assert httpx.post(sim.url + "/v1/chat/completions", json=body, timeout=10).is_success
+    assert HTTP.post(sim.url + "/v1/chat/completions", json=body, timeout=10).is_success
     assert metric(sim.url, "vllm:time_to_first_token_seconds_sum")
 
 
 def test_non_streaming_disconnect_aborts(sim: Proc) -> None:
     before = metric(sim.url, "sim:aborted_requests_total")
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(sim.url + "/v1/chat/completions", json=LONG, timeout=0.5)
+        HTTP.post(sim.url + "/v1/chat/completions", json=LONG, timeout=0.5)
     assert wait_for(lambda: metric(sim.url, "sim:aborted_requests_total") == before + 1)
     assert wait_for(lambda: metric(sim.url, "vllm:num_requests_running") == 0)
 

@@ -17,6 +17,7 @@ from bench.sim import guard
 from bench.sim.app import SimApp
 from bench.sim.config import SimConfig, parse_args
 from bench.sim.guard import LoopbackOnly
+from bench.stack import HTTP
 from tests.procs import Proc, RecordingServer, Route, running, scrape, sim_proc, total
 
 SMALL = png(448, 448)
@@ -63,7 +64,7 @@ def ask(
 ) -> httpx.Response:
     content = [part, {"type": "text", "text": question}]
     body = {"messages": [{"role": role, "content": content}], "max_tokens": 1}
-    return httpx.post(url + "/v1/chat/completions", json=body, timeout=20)
+    return HTTP.post(url + "/v1/chat/completions", json=body, timeout=20)
 
 
 def image_part(url: str) -> dict[str, Any]:
@@ -117,7 +118,7 @@ def test_every_part_shape_and_role_is_fetched(
 def test_tokenize_fetches_media_too(sim: Proc, canary: RecordingServer) -> None:
     before = len(canary.hits)
     messages = [{"role": "user", "content": [image_part(canary.url + "/via-tokenize")]}]
-    r = httpx.post(sim.url + "/tokenize", json={"messages": messages})
+    r = HTTP.post(sim.url + "/tokenize", json={"messages": messages})
     assert r.status_code == 422
     assert [h.path for h in canary.hits[before:]] == ["/via-tokenize"]
 

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from bench.samples import png
+from bench.stack import HTTP
 from tests.procs import (
     MediaStack,
     RecordingServer,
@@ -71,7 +72,7 @@ def ask(stack: Stack, names: str) -> httpx.Response:
         "messages": [{"role": "user", "content": [*content, {"type": "text", "text": "?"}]}],
     }
     headers = {"Authorization": f"Bearer {KEY}"}
-    return httpx.post(
+    return HTTP.post(
         stack.gateway.url + "/v1/chat/completions", json=body, headers=headers, timeout=30
     )
 

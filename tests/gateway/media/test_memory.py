@@ -19,6 +19,7 @@ import pytest
 from bench.decode_memory import SIM_CONTEXT, chat_body, just_under, solid_png, tagged
 from bench.samples import png
 from bench.soak.payloads import HeavyPng, oversized_media_chat
+from bench.stack import HTTP
 from gateway.allocator import TRIM_INTERVAL
 from gateway.media.settings import MediaSettings
 from tests.procs import (
@@ -47,7 +48,7 @@ def _status_kib(pid: int, name: str) -> int:
 
 
 def _post(gateway: Proc, body: dict[str, object], key: str = KEY) -> httpx.Response:
-    return httpx.post(
+    return HTTP.post(
         gateway.url + "/v1/chat/completions", json=body, headers=auth(key), timeout=60
     )
 
@@ -108,7 +109,7 @@ def test_decode_heavy_requests_keep_peak_rss_under_512_mib(
         assert sim_received(sim.url) - before == 2
         assert peak_mib < PEAK_LIMIT_MIB, f"peak RSS {peak_mib:.0f} MiB"
         # Healthy after: the liveness route and a normal request.
-        assert httpx.get(gateway.url + "/healthz", timeout=10).status_code == 200
+        assert HTTP.get(gateway.url + "/healthz", timeout=10).status_code == 200
         assert _post(gateway, _normal()).status_code == 200
 
 

@@ -32,6 +32,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from bench.origin import QuietHandler, ThreadedServer
+from bench.stack import HTTP
 from tests.gateway.payload import corpus
 from tests.gateway.payload.corpus import Case, Fill, Outcome
 from tests.procs import (
@@ -149,7 +150,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         gateway = gateway_proc(tmp, env)
         try:
             gateway.start("/healthz")
-            assert wait_for(lambda: httpx.get(gateway.url + "/readyz").status_code == 200)
+            assert wait_for(lambda: HTTP.get(gateway.url + "/readyz").status_code == 200)
             with httpx.Client(timeout=15) as http:
                 yield Stack(gateway, engine, origin, canary, http,
                             Fill(origin.url, canary.url, MODEL))  # fmt: skip
@@ -379,9 +380,14 @@ _SETTINGS = settings(
 
 def _check_mutated(stack: Stack, example: Example) -> None:
     base, body, log = example
-    # Mutations keep every media value in the body, so a canary body stays evil.
-    evil = any(isinstance(v, str) and v.startswith(corpus.CANARY) for _, v in corpus.walk(body))
-    assert evil == base.evil
+    # Mutations keep every media value in the body. A canary body stays evil while its
+    # canary sits in a media position; moved to a field no vLLM code reads as media (a
+    # `{"url": ...}` under `query` of /tokenize, say), it is text, and may be forwarded.
+    evil = any(
+        isinstance(v, str) and v.startswith(corpus.CANARY) and corpus.in_media_position(body, p)
+        for p, v in corpus.walk(body)
+    )
+    assert evil == base.evil or any(step.startswith("move ") for step in log), log
     stack.check(f"{base.id} {log}", base.route, body, evil=evil, legit=False)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from bench.stack import HTTP
 from bench.workloads import png_data_url
 from tests.procs import Proc, client_request_id, gateway_proc, sim_proc, sim_received, wait_for
 
@@ -35,7 +36,7 @@ def _gateway(tmp: Path, engines: Sequence[str]) -> Proc:
     proc = gateway_proc(tmp, env).start("/healthz")
 
     def lists_model() -> bool:
-        r = httpx.get(proc.url + "/v1/models", headers=HEADERS, timeout=5)
+        r = HTTP.get(proc.url + "/v1/models", headers=HEADERS, timeout=5)
         return r.status_code == 200 and MODEL in r.text
 
     assert wait_for(lists_model, timeout=20), proc.log()
@@ -92,7 +93,7 @@ def served(engines: Sequence[Proc]) -> dict[str, int]:
     """Request id -> index of the engine that received it, from the engines' recorders."""
     out: dict[str, int] = {}
     for index, engine in enumerate(engines):
-        for entry in httpx.get(engine.url + "/sim/requests", timeout=5).json():
+        for entry in HTTP.get(engine.url + "/sim/requests", timeout=5).json():
             engine_id = entry["headers"].get("x-request-id")
             if entry["path"] == "/v1/chat/completions" and engine_id:
                 request_id = client_request_id(engine_id)

@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
+from bench.stack import HTTP
 from tests.procs import (
     Proc,
     client_request_id,
@@ -81,7 +82,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             proc.start("/health" if proc in sims else "/healthz")
             started.append(proc)
         for gw in (fast, slow):
-            ready = lambda gw=gw: httpx.get(gw.url + "/readyz").json()["healthy_engines"] == 3  # noqa: E731
+            ready = lambda gw=gw: HTTP.get(gw.url + "/readyz").json()["healthy_engines"] == 3  # noqa: E731
             assert wait_for(ready, timeout=15), gw.log()
         yield Stack(tmp, sims, fast, slow)
     finally:
@@ -103,7 +104,7 @@ def chat(text: str, max_tokens: int = 4, **extra: Any) -> dict[str, Any]:
 
 def recorded(sim: Proc) -> list[str]:
     """Ids of the chat requests `sim` received, from its recorder."""
-    entries = httpx.get(sim.url + "/sim/requests", timeout=5).json()
+    entries = HTTP.get(sim.url + "/sim/requests", timeout=5).json()
     return [
         client_request_id(e["headers"]["x-request-id"])
         for e in entries
@@ -149,7 +150,7 @@ def test_hot_anchor_spills_to_the_next_engine(stack: Stack) -> None:
     in_flight_seen: list[float] = []
 
     def send(request_id: str) -> int:
-        r = httpx.post(
+        r = HTTP.post(
             stack.fast.url + "/v1/chat/completions",
             json=body,
             headers={**HEADERS, "X-Request-Id": request_id},
@@ -254,7 +255,7 @@ def test_killed_engine_loses_no_request_that_had_not_started(stack: Stack) -> No
         # Kill right after seeing a request in flight there: with nothing between the
         # two, that request (tens of ms long) is still running when the kill lands, even
         # on a loaded machine.
-        busy = lambda: httpx.get(victim.url + "/load").json()["server_load"] > 0  # noqa: E731
+        busy = lambda: HTTP.get(victim.url + "/load").json()["server_load"] > 0  # noqa: E731
         assert wait_for(busy, timeout=5, interval=0.005)
         kill_started = time.monotonic()
         victim.kill()
@@ -305,7 +306,7 @@ def test_restarted_engine_comes_back_into_rotation(stack: Stack) -> None:
 def test_refused_connections_fail_over_once_per_engine(stack: Stack) -> None:
     # `slow` saw every engine healthy at its one check so far (at start) and forwarded
     # nothing yet: only refused connections can take engines out of its rotation.
-    assert httpx.get(stack.slow.url + "/readyz").json()["healthy_engines"] == 3
+    assert HTTP.get(stack.slow.url + "/readyz").json()["healthy_engines"] == 3
     stack.sims[1].kill()
     stack.sims[2].kill()
     ids = [f"refused-{i}" for i in range(12)]
@@ -324,7 +325,7 @@ def test_refused_connections_fail_over_once_per_engine(stack: Stack) -> None:
     # Each dead engine refuses one request, is ejected, and is not tried again.
     assert sum(failovers) == 2 and max(failovers) <= 2, failovers
     assert metric(stack.slow.url, "gateway_routing_failovers_total") == 2
-    assert httpx.get(stack.slow.url + "/readyz").json()["healthy_engines"] == 1
+    assert HTTP.get(stack.slow.url + "/readyz").json()["healthy_engines"] == 1
     for dead in stack.sims[1:]:
         assert metric(stack.slow.url, "gateway_engine_ejections_total", engine=dead.url) == 1
 
@@ -332,7 +333,7 @@ def test_refused_connections_fail_over_once_per_engine(stack: Stack) -> None:
     # engine of the model in rotation nothing is tried: 503, "retry shortly".
     stack.sims[0].kill()
     for request_id, status in (("last-dead", 502), ("all-dead", 503)):
-        r = httpx.post(
+        r = HTTP.post(
             stack.slow.url + "/v1/chat/completions",
             headers={**HEADERS, "X-Request-Id": request_id},
             json=chat("Anyone there?"),
@@ -341,4 +342,4 @@ def test_refused_connections_fail_over_once_per_engine(stack: Stack) -> None:
         assert (r.status_code, r.json()["error"]["code"]) == (status, "upstream_unavailable")
         assert request_lines(stack.slow, [request_id])[request_id]["failovers"] == 0
     assert metric(stack.slow.url, "gateway_engine_ejections_total", engine=stack.sims[0].url) == 1
-    assert httpx.get(stack.slow.url + "/readyz").status_code == 503
+    assert HTTP.get(stack.slow.url + "/readyz").status_code == 503

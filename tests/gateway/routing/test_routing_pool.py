@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from bench.origin import RecordingServer, Route
+from bench.stack import HTTP
 from gateway.routing.dns import DnsEntry, NameNotFound
 from gateway.routing.engine_load import EngineLoad, parse_load
 from gateway.routing.pool import Engine, EnginePool
@@ -252,10 +253,10 @@ def test_gateway_resolves_a_dns_entry_to_its_addresses(sim: Proc, tmp_path: Path
     # first only, so only that address turns healthy.
     gw = _gateway(tmp_path, [f"dns+http://localhost:{sim.port}"])
     try:
-        ready = httpx.get(gw.url + "/readyz").json()
+        ready = HTTP.get(gw.url + "/readyz").json()
         assert ready["status"] == "ready" and ready["healthy_engines"] == 1
         assert ready["engines"] >= 1
-        r = httpx.post(gw.url + "/v1/chat/completions", headers=HEADERS, json=CHAT, timeout=10)
+        r = HTTP.post(gw.url + "/v1/chat/completions", headers=HEADERS, json=CHAT, timeout=10)
         assert r.status_code == 200, r.text
         samples = scrape(gw.url + "/metrics")
         assert samples[("gateway_engine_healthy", (("engine", sim.url),))] == 1
@@ -272,17 +273,17 @@ def test_not_ready_until_the_engine_lists_its_models(tmp_path: Path) -> None:
     with RecordingServer(routes) as engine:
         gw = _gateway(tmp_path, [engine.url], GATEWAY_ROUTING__HEALTH_INTERVAL="30")
         try:
-            r = httpx.get(gw.url + "/readyz")
+            r = HTTP.get(gw.url + "/readyz")
             assert (r.status_code, r.json()["status"]) == (503, "no_healthy_engine")
-            r = httpx.post(gw.url + "/v1/chat/completions", headers=HEADERS, json=CHAT)
+            r = HTTP.post(gw.url + "/v1/chat/completions", headers=HEADERS, json=CHAT)
             assert (r.status_code, r.json()["error"]["code"]) == (503, "no_engine_available")
             assert not [h for h in engine.hits if h.path == "/v1/chat/completions"]
             # The listing works now: ready within the fast not-ready interval, not 30 s.
             engine.routes["/v1/models"] = Route(200, MODELS_BODY, JSON)
             engine.routes["/v1/chat/completions"] = Route(200, CHAT_BODY, JSON)
-            ok = lambda: httpx.get(gw.url + "/readyz").status_code == 200  # noqa: E731
+            ok = lambda: HTTP.get(gw.url + "/readyz").status_code == 200  # noqa: E731
             assert wait_for(ok, timeout=3)
-            r = httpx.post(gw.url + "/v1/chat/completions", headers=HEADERS, json=CHAT)
+            r = HTTP.post(gw.url + "/v1/chat/completions", headers=HEADERS, json=CHAT)
             assert r.status_code == 200
             assert [h for h in engine.hits if h.path == "/v1/chat/completions"]
         finally:

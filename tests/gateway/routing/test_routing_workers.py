@@ -14,9 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
+from bench.stack import HTTP
 from tests.procs import Proc, gateway_proc, scrape, sim_proc, total, wait_for
 
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"
@@ -43,7 +43,7 @@ def stack(tmp_path: Path) -> Iterator[tuple[Proc, list[Proc]]]:
         def both_list_the_model() -> bool:
             # Fresh connections reach either worker: ask until a run of them all say yes.
             for _ in range(6):
-                r = httpx.get(gateway.url + "/v1/models", headers=HEADERS, timeout=5)
+                r = HTTP.get(gateway.url + "/v1/models", headers=HEADERS, timeout=5)
                 if r.status_code != 200 or MODEL not in r.text:
                     return False
             return True
@@ -68,7 +68,7 @@ def body(conversation: int, turns: int) -> dict[str, Any]:
 def send(gateway: Proc, payload: dict[str, Any], request_id: str) -> None:
     # A new connection each time (no client kept alive), so either worker may take it.
     headers = {**HEADERS, "X-Request-Id": request_id, "Connection": "close"}
-    r = httpx.post(gateway.url + "/v1/chat/completions", json=payload, headers=headers, timeout=10)
+    r = HTTP.post(gateway.url + "/v1/chat/completions", json=payload, headers=headers, timeout=10)
     assert r.status_code == 200, r.text
 
 
@@ -76,7 +76,7 @@ def served(engines: list[Proc]) -> dict[str, int]:
     """Request id -> index of the engine that received it, from the engines' recorders."""
     out: dict[str, int] = {}
     for index, engine in enumerate(engines):
-        for entry in httpx.get(engine.url + "/sim/requests", timeout=5).json():
+        for entry in HTTP.get(engine.url + "/sim/requests", timeout=5).json():
             request_id = entry["headers"].get("x-request-id", "")
             if entry["path"] == "/v1/chat/completions":
                 client_id = request_id.rpartition("-")[0]
