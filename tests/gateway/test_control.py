@@ -187,9 +187,7 @@ def test_status_follows_the_key_file(stack: Stack) -> None:
         refused = status(stack)["keys"]
         assert refused["in_force"] == 5
         assert refused["file"]["keys"] == 1 and refused["file"]["loaded_at"] == first["loaded_at"]
-        assert (
-            HTTP.get(stack.gateway.url + "/v1/models", headers=auth(FILE_KEY)).status_code == 200
-        )
+        assert HTTP.get(stack.gateway.url + "/v1/models", headers=auth(FILE_KEY)).status_code == 200
         # A good file is loaded: its count, a new time, the refusal is over.
         stack.key_file.write_text(
             f"- key: {FILE_KEY}\n  name: from-file\n- key: {SECOND_FILE_KEY}\n  name: second\n"

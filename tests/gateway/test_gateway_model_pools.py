@@ -113,9 +113,7 @@ def chat(gateway: Proc, key: str, model: str | None, text: str = "hi") -> httpx.
     body: dict[str, Any] = {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
     if model is not None:
         body["model"] = model
-    return HTTP.post(
-        gateway.url + "/v1/chat/completions", headers=auth(key), json=body, timeout=10
-    )
+    return HTTP.post(gateway.url + "/v1/chat/completions", headers=auth(key), json=body, timeout=10)
 
 
 def embed(gateway: Proc, key: str, model: str | None, text: str = "hi") -> httpx.Response:

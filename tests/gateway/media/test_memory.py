@@ -48,9 +48,7 @@ def _status_kib(pid: int, name: str) -> int:
 
 
 def _post(gateway: Proc, body: dict[str, object], key: str = KEY) -> httpx.Response:
-    return HTTP.post(
-        gateway.url + "/v1/chat/completions", json=body, headers=auth(key), timeout=60
-    )
+    return HTTP.post(gateway.url + "/v1/chat/completions", json=body, headers=auth(key), timeout=60)
 
 
 def _images(png_bytes: bytes, count: int, tag: str) -> list[bytes]:
