@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
@@ -21,6 +27,8 @@ NO_KEY = ""
 # Latency buckets from 1 ms: the gateway's own answers take well under a millisecond,
 # generation takes seconds.
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+# Their `le` labels as prometheus_client writes them ("1.0", "+Inf").
+_BUCKET_LABELS = (*(repr(float(b)) for b in _BUCKETS), "+Inf")
 
 
 class EngineStats(Protocol):
@@ -121,6 +129,65 @@ class TokenCounts(Collector):
             prompt.add_metric([key], float(prompt_tokens))
             completion.add_metric([key], float(completion_tokens))
         yield from (prompt, completion)
+
+
+class RequestCounts(Collector):
+    """Requests answered, by key name, route group, status and error code: plain
+    integer adds per request, read at scrape time (a labelled prometheus counter takes a
+    lock per increment, and its child is looked up per label tuple)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[str | None, str, int, str], int] = {}
+
+    def add(self, key: str | None, group: str, status: int, code: str) -> None:
+        labels = (key, group, status, code)
+        counts = self.counts
+        counts[labels] = counts.get(labels, 0) + 1
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "gateway_requests",
+            "Requests answered, by key name (empty: no valid key), route group, HTTP "
+            "status and error code.",
+            labels=["key", "group", "status", "code"],
+        )
+        for (key, group, status, code), count in list(self.counts.items()):
+            family.add_metric([key or NO_KEY, group, str(status), code], float(count))
+        yield family
+
+
+class GroupHistogram(Collector):
+    """A latency histogram by route group with the `_BUCKETS` bounds: per observation a
+    bisect and two adds, no lock (prometheus_client's Histogram takes one per bucket
+    and one for the sum: ~2 us an observation, two per request). Buckets are cumulated
+    at scrape time."""
+
+    def __init__(self, name: str, documentation: str) -> None:
+        self.name = name
+        self.documentation = documentation
+        # Group -> count per bucket (the last: over every bound, +Inf), and the sum.
+        self.by_group: dict[str, list[int]] = {}
+        self.sums: dict[str, float] = {}
+
+    def observe(self, group: str, value: float) -> None:
+        counts = self.by_group.get(group)
+        if counts is None:
+            counts = self.by_group[group] = [0] * (len(_BUCKETS) + 1)
+            self.sums[group] = 0.0
+        # A value equal to a bound falls in that bound's bucket (`le`).
+        counts[bisect_left(_BUCKETS, value)] += 1
+        self.sums[group] += value
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["group"])
+        for group, counts in list(self.by_group.items()):
+            buckets: list[tuple[str, float]] = []
+            total = 0
+            for label, count in zip(_BUCKET_LABELS, counts, strict=True):
+                total += count
+                buckets.append((label, float(total)))
+            family.add_metric([group], buckets, self.sums[group])
+        yield family
 
 
 class ConnectionCollector(Collector):
@@ -232,27 +299,24 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter(
-            "gateway_requests",
-            "Requests answered, by key name (empty: no valid key), route group, HTTP "
-            "status and error code.",
-            ["key", "group", "status", "code"],
-            registry=self.registry,
-        )
+        self.requests = RequestCounts()
+        self.registry.register(self.requests)
         self.rejections = Counter(
             "gateway_rejections",
             "Requests the gateway refused itself, by error code.",
             ["code"],
             registry=self.registry,
         )
-        self.duration = self._by_group(
+        self.duration = GroupHistogram(
             "gateway_request_duration_seconds",
             "Time from request start to the last byte of the answer.",
         )
-        self.upstream_ttfb = self._by_group(
+        self.registry.register(self.duration)
+        self.upstream_ttfb = GroupHistogram(
             "gateway_upstream_ttfb_seconds",
             "Time from forwarding a request to the engine's response headers.",
         )
+        self.registry.register(self.upstream_ttfb)
         self.in_flight = Gauge(
             "gateway_requests_in_flight",
             "Requests whose body is in, being inspected or forwarded to engines.",
@@ -269,13 +333,6 @@ class Metrics:
         self.registry.register(self.tokens)
         self.routing = RoutingCounts()
         self.connections = ConnectionCounts()
-        self._requests: dict[tuple[str | None, str, int, str], Counter] = {}
-        self._durations: dict[str, Histogram] = {}
-        self._ttfbs: dict[str, Histogram] = {}
-
-    def _by_group(self, name: str, documentation: str) -> Histogram:
-        """A latency histogram labelled by route group (every one with the same buckets)."""
-        return Histogram(name, documentation, ["group"], buckets=_BUCKETS, registry=self.registry)
 
     def observe_request(
         self,
@@ -288,14 +345,8 @@ class Metrics:
     ) -> None:
         """One answered request; `key` is the name of the key it presented (None: no
         valid key)."""
-        labels = (key, group, status, code)
-        child = self._requests.get(labels)
-        if child is None:
-            child = self._requests[labels] = self.requests.labels(
-                key or NO_KEY, group, str(status), code
-            )
-        child.inc()
-        _observe(self._durations, self.duration, group, duration)
+        self.requests.add(key, group, status, code)
+        self.duration.observe(group, duration)
         if rejected:
             self.rejections.labels(code).inc()
 
@@ -304,7 +355,7 @@ class Metrics:
         self.tokens.add(key or NO_KEY, prompt_tokens, completion_tokens)
 
     def observe_ttfb(self, group: str, seconds: float) -> None:
-        _observe(self._ttfbs, self.upstream_ttfb, group, seconds)
+        self.upstream_ttfb.observe(group, seconds)
 
     def count_in_flight(self, current: Callable[[], float]) -> None:
         """Read the in-flight gauge from `current` at scrape time: no locked update
@@ -335,11 +386,3 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-def _observe(children: dict[str, Histogram], metric: Histogram, group: str, value: float) -> None:
-    """Observe `value` in `metric`'s child for `group`, cached in `children`."""
-    child = children.get(group)
-    if child is None:
-        child = children[group] = metric.labels(group)
-    child.observe(value)
