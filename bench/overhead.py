@@ -625,6 +625,22 @@ def image_goals(report: Report, figures: dict[str, Any]) -> None:
     )
 
 
+def against_router(
+    report: Report, name: str, gateway: float | None, router: float | None, unit: str
+) -> None:
+    """A goal that the gateway's `gateway` is no more than vllm-router's `router`,
+    both measured in this run."""
+    report.goal(
+        name,
+        "<= vllm-router",
+        f"{fmt(gateway)} {unit} vs {fmt(router)} {unit}",
+        None if gateway is None or router is None else gateway <= router,
+        "vllm-router not measured"
+        if router is None
+        else ("" if gateway is None or gateway <= router else f"by {gateway - router:.0f} {unit}"),
+    )
+
+
 def goals(
     report: Report, small: dict[str, Any], stream: dict[str, Any], tput: dict[int, dict[str, Any]]
 ) -> None:
@@ -638,15 +654,7 @@ def goals(
         GOAL_ADDED_P50_US,
         lambda d: f"{d:.0f} us",
     )
-    report.goal(
-        "added latency p50 no more than vllm-router's",
-        "<= vllm-router",
-        f"{fmt(gw)} us vs {fmt(router)} us",
-        None if gw is None or router is None else gw <= router,
-        "vllm-router not measured"
-        if router is None
-        else ("" if gw is None or gw <= router else f"by {gw - router:.0f} us"),
-    )
+    against_router(report, "added latency p50 no more than vllm-router's", gw, router, "us")
     rps = tput.get(64, {}).get("gateway", {}).get("rps_median")
     report.bound(
         "small requests/s at 64 connections",
@@ -657,6 +665,14 @@ def goals(
         lambda d: f"{d:,.0f} req/s",
         at_most=False,
     )
+    cpu = tput.get(64, {})
+    against_router(
+        report,
+        "CPU per small request at 64 connections no more than vllm-router's",
+        cpu.get("gateway", {}).get("cpu_us_per_request_median"),
+        cpu.get("vllm-router", {}).get("cpu_us_per_request_median"),
+        "us",
+    )
     added = stream.get("gateway", {}).get("added_first_chunk_us")
     limit = GOAL_STREAM_FIRST_CHUNK_MS * 1000
     report.bound(
@@ -666,6 +682,13 @@ def goals(
         added,
         limit,
         lambda d: f"{d:.0f} us",
+    )
+    against_router(
+        report,
+        "streaming first chunk added no more than vllm-router's",
+        added,
+        stream.get("vllm-router", {}).get("added_first_chunk_us"),
+        "us",
     )
 
 

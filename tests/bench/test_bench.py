@@ -178,6 +178,8 @@ def test_overhead_measures_every_case(overhead: dict[str, Any]) -> None:
     goals = {g["name"] for g in overhead["goals"]}
     assert "added latency p50 at 1 connection" in goals
     assert "small requests/s at 64 connections" in goals
+    assert "CPU per small request at 64 connections no more than vllm-router's" in goals
+    assert "streaming first chunk added no more than vllm-router's" in goals
     assert "1 MB image, verdict cached: added p50 within 1.5x of the floor" in goals
     assert "1 MB image, default depth: added p50 <= floor + Pillow's decode alone" in goals
     assert any("peers: skipped" in n for n in overhead["notes"])
