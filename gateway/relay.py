@@ -35,8 +35,9 @@ _SMALL_RESPONSE = 64 * 1024
 
 
 def response_headers(resp: Response) -> list[tuple[bytes, bytes]]:
-    """The engine's response headers a client gets: only those in RESPONSE_HEADERS."""
-    return [(name, value) for name, value in resp.raw_headers if name.lower() in RESPONSE_HEADERS]
+    """The engine's response headers a client gets: only those in RESPONSE_HEADERS
+    (`raw_headers` names are lower-case)."""
+    return [(name, value) for name, value in resp.raw_headers if name in RESPONSE_HEADERS]
 
 
 class Relay:

@@ -86,6 +86,7 @@ class Response(Protocol):
     """An engine's answer as the relay reads it (`UpstreamResponse`, or a test's fake)."""
 
     status: int
+    # Names lower-cased, values as sent.
     raw_headers: list[tuple[bytes, bytes]]
     content_length: int | None
     content_type: str
@@ -215,7 +216,7 @@ class _Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         assert self.response is not None
         if not self._extra:
-            self.response.raw_headers.append((name, value))
+            self.response.raw_headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
         assert self.response is not None
@@ -301,12 +302,11 @@ class UpstreamResponse:
         self.status = status
         chunked = False
         for name, value in self.raw_headers:
-            lower = name.lower()
-            if lower == b"content-length":
+            if name == b"content-length":
                 self.content_length = int(value) if value.isdigit() else None
-            elif lower == b"content-type":
+            elif name == b"content-type":
                 self.content_type = value.split(b";", 1)[0].strip().lower().decode("latin-1")
-            elif lower == b"transfer-encoding":
+            elif name == b"transfer-encoding":
                 chunked = b"chunked" in value.lower()
         self.until_eof = self.content_length is None and not chunked
         self.headers_done = True
