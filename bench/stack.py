@@ -420,6 +420,9 @@ class Fleet:
         port = free_port()
         args = [str(binary), "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
         args += ["--worker-urls", *engines, "--log-level", "warning"]
+        # Its metrics listener defaults to port 29000: a second router on the machine
+        # (another run) would make this one exit at start.
+        args += ["--prometheus-port", str(free_port())]
         log = self.workdir / f"{name}-{port}.log"
         server = Server(name, args, port, log, cpus=self.cpus.proxy)
         server.ready_path = "/health"
