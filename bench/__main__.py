@@ -66,6 +66,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="overhead: only the image cases (a 1 MB data: image at each depth next to its "
         "floor, Pillow's decode alone, inline fetching)",
     )
+    p.add_argument(
+        "--baseline-tree",
+        type=Path,
+        help="overhead: also run the gateway of this checkout (e.g. a git worktree of an "
+        "earlier commit) as the target `gateway-baseline`, measured in the same run",
+    )
     p.add_argument("--loadgen", choices=("auto", "wrk", "python"), default="auto")
     p.add_argument(
         "--duration",
@@ -90,6 +96,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--real-vllm runs {', '.join(REAL_SUITES)} on engines it starts itself")
     if args.images_only and args.suite != "overhead":
         p.error("--images-only is an option of the overhead suite")
+    if args.baseline_tree is not None and (args.suite != "overhead" or args.engine_url):
+        p.error("--baseline-tree is an option of the overhead suite on its own engines")
+    if args.baseline_tree is not None and not (args.baseline_tree / "gateway").is_dir():
+        p.error("--baseline-tree: no gateway package in that folder")
     if args.suite == "soak" and (args.engine_url or args.gateway_url):
         p.error("soak starts its own gateway: it samples the gateway's process")
     if args.duration is not None and (args.suite != "soak" or args.duration <= 0):
@@ -152,6 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "loadgen": args.loadgen,
             "duration": args.duration,
             "images_only": args.images_only,
+            "baseline_tree": args.baseline_tree,
         }
         cfg = RunConfig(**fields) if real is None else RealRunConfig(**fields, real=real)
         if real is not None:

@@ -345,6 +345,12 @@ def run(cfg: RunConfig, report: Report) -> None:
                 peers.append(Target("vllm-router", router.url, {}, router.pid))
         elif not cfg.peers:
             report.note("peers: skipped (--no-peers)")
+        if cfg.baseline_tree is not None and gen_gateway is not None:
+            # The same gateway settings from another checkout, as a peer: before and
+            # after a change, measured in one interleaved run.
+            baseline = fleet.gateway([sim.url], name="gateway-baseline", tree=cfg.baseline_tree)
+            peers.insert(0, cfg.gateway_target(baseline.url, baseline.pid, "gateway-baseline"))
+            report.note(f"gateway-baseline: the gateway of {cfg.baseline_tree}")
         targets = [direct, gateway, *peers]
 
         if cfg.images_only:
@@ -380,6 +386,7 @@ def run(cfg: RunConfig, report: Report) -> None:
         images = image_cases(cfg, report, fleet, direct, gateway, model)
 
     goals(report, small, stream, tput)
+    against_baseline(report, small, stream, tput)
     image_goals(report, images)
     plots(report, small, stream, tput)
 
@@ -639,6 +646,41 @@ def against_router(
         if router is None
         else ("" if gateway is None or gateway <= router else f"by {gateway - router:.0f} {unit}"),
     )
+
+
+def against_baseline(
+    report: Report, small: dict[str, Any], stream: dict[str, Any], tput: dict[int, dict[str, Any]]
+) -> None:
+    """With `--baseline-tree`: this checkout's gateway against the other's, same run."""
+    if "gateway-baseline" not in small:
+        return
+    rows = []
+    for label, of in (
+        (
+            "added p50 at 1 connection, us",
+            lambda t: small.get(t, {}).get("added_us", {}).get("p50"),
+        ),
+        (
+            "streaming first chunk added, us",
+            lambda t: stream.get(t, {}).get("added_first_chunk_us"),
+        ),
+        *(
+            (
+                f"CPU per request at {c} connections, us",
+                lambda t, c=c: tput[c].get(t, {}).get("cpu_us_per_request_median"),
+            )
+            for c in sorted(tput)
+        ),
+    ):
+        before, after, router = of("gateway-baseline"), of("gateway"), of("vllm-router")
+        ratio = after / before if before and after is not None else None
+        rows.append([label, before, after, ratio, router])
+    report.table(
+        "This gateway against the baseline checkout's (same run)",
+        ["figure", "gateway-baseline", "gateway", "ratio", "vllm-router"],
+        rows,
+    )
+    report.raw["against_baseline"] = rows
 
 
 def goals(

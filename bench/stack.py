@@ -360,9 +360,16 @@ class Fleet:
         workers: int = 1,
         name: str = "gateway",
         pin: bool = True,
+        tree: Path | None = None,
     ) -> Server:
+        """The gateway in front of `engines`; with `tree`, the gateway package of that
+        checkout instead of this one's."""
         port = free_port()
         args = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1"]
+        if tree is not None:
+            run = "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); "
+            run += "runpy.run_module('gateway.cli', run_name='__main__', alter_sys=True)"
+            args = [sys.executable, "-c", run, str(tree.resolve()), "serve", "--host", "127.0.0.1"]
         args += ["--port", str(port)]
         if workers > 1:
             args += ["--workers", str(workers)]
@@ -486,6 +493,8 @@ class RunConfig:
     duration: float | None = None
     # overhead: the image cases alone.
     images_only: bool = False
+    # overhead: another checkout whose gateway runs beside this one's.
+    baseline_tree: Path | None = None
 
     @property
     def external(self) -> bool:

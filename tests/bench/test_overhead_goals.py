@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.overhead import goals
+import pytest
+
+from bench.overhead import against_baseline, goals
 from bench.report import Report
 
 
@@ -40,3 +42,33 @@ def test_without_vllm_router_the_goals_are_not_checked(tmp_path: Path) -> None:
         "streaming first chunk added no more than vllm-router's",
     ):
         assert found[name] == (None, "vllm-router not measured")
+
+
+def test_baseline_tree_is_checked(tmp_path: Path) -> None:
+    from bench.__main__ import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["scale", "--baseline-tree", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        parse_args(["overhead", "--baseline-tree", str(tmp_path)])  # no gateway package
+    (tmp_path / "gateway").mkdir()
+    assert parse_args(["overhead", "--baseline-tree", str(tmp_path)]).baseline_tree == tmp_path
+
+
+def test_against_baseline_table(tmp_path: Path) -> None:
+    report = Report.create("overhead", tmp_path)
+    small = {
+        t: {"added_us": {"p50": v}} for t, v in (("gateway", 150.0), ("gateway-baseline", 200.0))
+    }
+    stream = {"gateway": {"added_first_chunk_us": 300.0}}
+    tput = {64: {"gateway": {"cpu_us_per_request_median": 90.0}}}
+    tput[64]["gateway-baseline"] = {"cpu_us_per_request_median": 100.0}
+    against_baseline(report, small, stream, tput)
+    rows = {r[0]: r for r in report.raw["against_baseline"]}
+    assert rows["added p50 at 1 connection, us"][1:4] == [200.0, 150.0, 0.75]
+    assert rows["streaming first chunk added, us"][3] is None
+    assert rows["CPU per request at 64 connections, us"][3] == 0.9
+    # Without a baseline: no table.
+    empty = Report.create("overhead", tmp_path / "other")
+    against_baseline(empty, {"gateway": small["gateway"]}, stream, tput)
+    assert empty.tables == []
