@@ -170,6 +170,7 @@ class _Connection(asyncio.Protocol):
         self.answered = False
         self._paused = False
         self._extra = False
+        self._interim = False
 
     # -- asyncio.Protocol -------------------------------------------------------------
 
@@ -212,16 +213,30 @@ class _Connection(asyncio.Protocol):
         assert self.response is not None
         if self.response.complete:
             self._extra = True
+        # An interim answer (1xx) was read: the final one follows on its own message.
+        self._interim = False
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        assert self.response is not None
-        if not self._extra:
-            self.response.raw_headers.append((name.lower(), value))
+        response = self.response
+        assert response is not None
+        # After the head, fields are a chunked body's trailer: never response headers.
+        if not self._extra and not response.headers_done:
+            response.raw_headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
-        assert self.response is not None
-        if not self._extra:
-            self.response._headers_complete(self.parser.get_status_code())
+        response = self.response
+        assert response is not None
+        if self._extra:
+            return
+        status = self.parser.get_status_code()
+        if status < 200:
+            # 100 Continue, 103 Early Hints: interim heads with no body, and nothing the
+            # client asked for (the gateway forwards no Expect); the final answer follows.
+            # 101 too: the gateway never asks to switch protocols.
+            self._interim = True
+            response.raw_headers.clear()
+            return
+        response._headers_complete(status)
 
     def on_body(self, body: bytes) -> None:
         assert self.response is not None
@@ -231,7 +246,7 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         response = self.response
         assert response is not None
-        if not self._extra:
+        if not self._extra and not self._interim:
             response.keep_alive = self.parser.should_keep_alive()
             response._finish()
 
