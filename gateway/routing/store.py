@@ -1,0 +1,178 @@
+"""The optional shared placement store (Redis): which engine each anchor lives on.
+
+Without it, affinity is stateless (policy.py): every replica hashes an anchor to the
+same engine, and the spread of a few dozen anchors over the engines is the luck of
+the hash (docs/routing.md, "Balance"). With `routing.store_url` set, a new anchor goes
+to the engine with the fewest requests recorded in the store over the last
+`store_window` seconds, among the engines the stateless rule would choose from (the
+hot-prefix spread is kept), ties by rendezvous order; every replica and worker then
+reads that placement.
+
+One round trip per request: a Lua script, atomic on the Redis server, so concurrent
+replicas cannot record two placements for one anchor (the first script to run records
+it, the later ones read it). It reads the anchor's engine and, when that is still
+eligible (healthy, serving the model), refreshes its TTL; otherwise places it anew;
+then counts the request for the engine. Keys (`<prefix>` is `routing.store_prefix`,
+so deployments can share a Redis):
+
+    <prefix>:a:<anchor digest, hex>   the engine's URL, TTL store_ttl, refreshed on use
+    <prefix>:n:<time bucket>          hash: engine URL -> requests in that bucket
+
+Only digests and engine URLs are stored, never prompt text. A store that fails or
+answers slower than `store_timeout` leaves that request to the stateless rule; the
+store is then left alone for `store_retry` seconds, after which one request tries it
+again. The change of state is logged once each way (the URL without its password)
+and every request placed without the store is counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from urllib.parse import urlsplit, urlunsplit
+
+import structlog
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from gateway.routing.settings import RoutingSettings
+
+log = structlog.get_logger("gateway.routing.store")
+
+# KEYS: the anchor, this time bucket's counts, the previous bucket's counts.
+# ARGV: TTL (ms), the previous bucket's weight, the buckets' TTL (ms), the number of
+# eligible engines E, the E eligible URLs, then the URLs a new anchor may go to, best
+# (rendezvous) first. Returns the engine's URL and 1 if the placement was read, 0 if
+# made here.
+PLACE = """
+local stored = redis.call('GET', KEYS[1])
+local n = tonumber(ARGV[4])
+local chosen = false
+if stored then
+  for i = 5, 4 + n do
+    if ARGV[i] == stored then chosen = stored break end
+  end
+end
+local found = 0
+if chosen then
+  found = 1
+  redis.call('PEXPIRE', KEYS[1], ARGV[1])
+else
+  local weight = tonumber(ARGV[2])
+  local best = nil
+  for i = 5 + n, #ARGV do
+    local url = ARGV[i]
+    local load = tonumber(redis.call('HGET', KEYS[2], url) or '0')
+      + weight * tonumber(redis.call('HGET', KEYS[3], url) or '0')
+    if best == nil or load < best then
+      best = load
+      chosen = url
+    end
+  end
+  redis.call('SET', KEYS[1], chosen, 'PX', ARGV[1])
+end
+redis.call('HINCRBY', KEYS[2], chosen, 1)
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+return {chosen, found}
+"""
+
+
+def redacted(url: str) -> str:
+    """The URL without its password (and user name), for logs and errors."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = host + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+class PlacementStore:
+    """Anchor placements shared through Redis. `place` never raises: None means "decide
+    without the store" (counted in `fallback`)."""
+
+    def __init__(self, settings: RoutingSettings) -> None:
+        assert settings.store_url is not None
+        url = settings.store_url.get_secret_value()
+        self.where = redacted(url)
+        self._timeout = settings.store_timeout
+        self._retry = settings.store_retry
+        self._ttl_ms = str(int(settings.store_ttl * 1000))
+        self._window = settings.store_window
+        self._bucket_ttl_ms = str(int(settings.store_window * 3000))
+        prefix = settings.store_prefix
+        self._anchor_prefix = f"{prefix}:a:"
+        self._count_prefix = f"{prefix}:n:"
+        self._client: Redis = Redis.from_url(
+            url,
+            socket_timeout=settings.store_timeout,
+            socket_connect_timeout=settings.store_timeout,
+            decode_responses=True,
+        )
+        self._script = self._client.register_script(PLACE)
+        # Placements by outcome, plain integer adds read at scrape time (metrics.py):
+        # the anchor's recorded engine was used, a new (or no longer eligible) anchor
+        # was placed, or the store failed, was slow or is being left alone: stateless.
+        self.read = 0
+        self.placed = 0
+        self.fallback = 0
+        self.up = True
+        # While down: no request tries the store before this monotonic time, and only
+        # one at a time after it.
+        self._retry_at = 0.0
+        self._probing = False
+
+    async def place(
+        self, anchor: bytes, eligible: Sequence[str], choices: Sequence[str]
+    ) -> str | None:
+        """The engine URL for `anchor`: its recorded engine when that is in `eligible`,
+        else the least busy of `choices` (best first), recorded. None: the store is
+        unavailable, decide without it."""
+        if not self.up:
+            if self._probing or time.monotonic() < self._retry_at:
+                self.fallback += 1
+                return None
+            self._probing = True
+        now = time.time()
+        bucket, into = divmod(now, self._window)
+        args = [self._ttl_ms, f"{1.0 - into / self._window:.4f}", self._bucket_ttl_ms]
+        args += [str(len(eligible)), *eligible, *choices]
+        keys = [
+            self._anchor_prefix + anchor.hex(),
+            f"{self._count_prefix}{int(bucket)}",
+            f"{self._count_prefix}{int(bucket) - 1}",
+        ]
+        try:
+            async with asyncio.timeout(self._timeout):
+                url, found = await self._script(keys=keys, args=args)
+        except (RedisError, OSError, TimeoutError, ValueError) as exc:
+            self._failed(exc)
+            self.fallback += 1
+            return None
+        finally:
+            self._probing = False
+        if not self.up:
+            self.up = True
+            log.info("routing_store", state="up", store=self.where)
+        if found:
+            self.read += 1
+        else:
+            self.placed += 1
+        return str(url)
+
+    def _failed(self, exc: BaseException) -> None:
+        self._retry_at = time.monotonic() + self._retry
+        if self.up:
+            self.up = False
+            # The exception's class only: its text may quote the URL.
+            log.warning(
+                "routing_store",
+                state="down",
+                reason=type(exc).__name__,
+                store=self.where,
+                retry_after_s=self._retry,
+            )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
