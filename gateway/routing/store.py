@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import structlog
 from redis.asyncio import Redis
@@ -85,7 +85,7 @@ def redacted(url: str) -> str:
     if ":" in host:
         host = f"[{host}]"
     netloc = host + (f":{parts.port}" if parts.port else "")
-    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+    return f"{parts.scheme}://{netloc}{parts.path}"
 
 
 class PlacementStore:
