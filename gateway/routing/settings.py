@@ -61,16 +61,17 @@ class RoutingSettings(BaseModel):
     session_from_user: bool = False
     # Optional shared placement store (store.py, docs/routing.md "The shared store"):
     # `redis://[:password@]host:port/db`, `rediss://...` (TLS) or `unix:///path.sock`.
-    # Unset: stateless placement. Set: a new anchor goes to the least busy engine by
-    # the requests recorded over `store_window` seconds and every replica reads that
+    # Unset: stateless placement. Set: a new anchor goes to the engine with the lowest
+    # expected load (recent requests plus the requests its anchors are expected to
+    # bring, decaying with `store_decay` seconds) and every replica reads that
     # placement, kept `store_ttl` seconds after its last use under keys that start with
     # `store_prefix`. A store slower than `store_timeout` or failing leaves requests to
     # the stateless rule, and is tried again `store_retry` seconds later.
     store_url: SecretStr | None = None
     store_prefix: str = Field(default="vllm-gateway", min_length=1, max_length=128)
     store_ttl: float = Field(default=900.0, gt=0.0)
-    store_window: float = Field(default=120.0, gt=0.0)
-    store_timeout: float = Field(default=0.05, gt=0.0)
+    store_decay: float = Field(default=10.0, gt=0.0)
+    store_timeout: float = Field(default=0.2, gt=0.0)
     store_retry: float = Field(default=1.0, gt=0.0)
 
     @field_validator("store_url")

@@ -3,8 +3,9 @@
 Without it, affinity is stateless (policy.py): every replica hashes an anchor to the
 same engine, and the spread of a few dozen anchors over the engines is the luck of
 the hash (docs/routing.md, "Balance"). With `routing.store_url` set, a new anchor goes
-to the engine with the fewest requests recorded in the store over the last
-`store_window` seconds, among the engines the stateless rule would choose from (the
+to the engine with the lowest expected load recorded in the store (its recent
+requests, plus the requests its anchors are still expected to bring, decaying with
+`store_decay` seconds), among the engines the stateless rule would choose from (the
 hot-prefix spread is kept), ties by rendezvous order; every replica and worker then
 reads that placement.
 
@@ -15,8 +16,10 @@ eligible (healthy, serving the model), refreshes its TTL; otherwise places it an
 then counts the request for the engine. Keys (`<prefix>` is `routing.store_prefix`,
 so deployments can share a Redis):
 
-    <prefix>:a:<anchor digest, hex>   the engine's URL, TTL store_ttl, refreshed on use
-    <prefix>:n:<time bucket>          hash: engine URL -> requests in that bucket
+    <prefix>:a:<anchor digest, hex>   hash: the engine's URL, the anchor's remaining
+                                      credit and its time; TTL store_ttl, refreshed
+    <prefix>:engines                  hash: per engine URL its decayed requests, credit
+                                      and time; the mean requests per anchor
 
 Only digests and engine URLs are stored, never prompt text. A store that fails or
 answers slower than `store_timeout` leaves that request to the stateless rule; the
@@ -40,40 +43,74 @@ from gateway.routing.settings import RoutingSettings
 
 log = structlog.get_logger("gateway.routing.store")
 
-# KEYS: the anchor, this time bucket's counts, the previous bucket's counts.
-# ARGV: TTL (ms), the previous bucket's weight, the buckets' TTL (ms), the number of
-# eligible engines E, the E eligible URLs, then the URLs a new anchor may go to, best
-# (rendezvous) first. Returns the engine's URL and 1 if the placement was read, 0 if
-# made here.
+# KEYS: the anchor's hash, the engines' hash. ARGV: the anchor's TTL (ms), the decay
+# time constant (s), the engines' hash TTL (ms), the number of eligible engines E, the E
+# eligible URLs, then the URLs a new anchor may go to, best (rendezvous) first. Returns
+# the engine's URL and 1 if the placement was read, 0 if made here.
+#
+# An engine's expected load is its recent requests plus the credit of its anchors,
+# both decaying with the time constant: a new anchor brings a credit of the mean
+# requests per anchor (measured over ten time constants), which its requests use up.
+# Without the credit, a burst of new conversations would be placed by their first
+# turns alone, before the later turns that make most of their load.
 PLACE = """
-local stored = redis.call('GET', KEYS[1])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local tau = tonumber(ARGV[2])
+local function decayed(constant, value, at)
+  value = tonumber(value or '0')
+  if value == 0 then return 0 end
+  return value * math.exp(-(now - tonumber(at or now)) / constant)
+end
+local home = redis.call('HMGET', KEYS[1], 'u', 'c', 't')
 local n = tonumber(ARGV[4])
 local chosen = false
-if stored then
+local credit = 0
+if home[1] then
   for i = 5, 4 + n do
-    if ARGV[i] == stored then chosen = stored break end
+    if ARGV[i] == home[1] then
+      chosen = home[1]
+      credit = decayed(tau, home[2], home[3])
+      break
+    end
   end
 end
-local found = 0
-if chosen then
-  found = 1
-  redis.call('PEXPIRE', KEYS[1], ARGV[1])
-else
-  local weight = tonumber(ARGV[2])
+local g = redis.call('HMGET', KEYS[2], 'R', 'A', 'T')
+local long = 10 * tau
+local requests = decayed(long, g[1], g[3])
+local anchors = decayed(long, g[2], g[3])
+local found = 1
+local e = nil
+if not chosen then
+  found = 0
   local best = nil
   for i = 5 + n, #ARGV do
     local url = ARGV[i]
-    local load = tonumber(redis.call('HGET', KEYS[2], url) or '0')
-      + weight * tonumber(redis.call('HGET', KEYS[3], url) or '0')
+    local f = redis.call('HMGET', KEYS[2], 'r' .. url, 'c' .. url, 't' .. url)
+    local load = decayed(tau, f[1], f[3]) + decayed(tau, f[2], f[3])
     if best == nil or load < best then
       best = load
       chosen = url
+      e = f
     end
   end
-  redis.call('SET', KEYS[1], chosen, 'PX', ARGV[1])
+  credit = 1
+  if anchors >= 1 then credit = math.max(1, requests / anchors) end
+  anchors = anchors + 1
+else
+  e = redis.call('HMGET', KEYS[2], 'r' .. chosen, 'c' .. chosen, 't' .. chosen)
 end
-redis.call('HINCRBY', KEYS[2], chosen, 1)
+local engine_credit = decayed(tau, e[2], e[3])
+if found == 0 then engine_credit = engine_credit + credit end
+local used = math.min(1, credit)
+credit = credit - used
+engine_credit = math.max(0, engine_credit - used)
+redis.call('HSET', KEYS[2],
+  'r' .. chosen, decayed(tau, e[1], e[3]) + 1, 'c' .. chosen, engine_credit, 't' .. chosen, now,
+  'R', requests + 1, 'A', anchors, 'T', now)
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
+redis.call('HSET', KEYS[1], 'u', chosen, 'c', credit, 't', now)
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return {chosen, found}
 """
 
@@ -99,11 +136,12 @@ class PlacementStore:
         self._timeout = settings.store_timeout
         self._retry = settings.store_retry
         self._ttl_ms = str(int(settings.store_ttl * 1000))
-        self._window = settings.store_window
-        self._bucket_ttl_ms = str(int(settings.store_window * 3000))
+        self._decay = str(settings.store_decay)
+        # Unused for a hundred time constants, the engines' figures have decayed to nothing.
+        self._engines_ttl_ms = str(int(settings.store_decay * 100_000))
         prefix = settings.store_prefix
         self._anchor_prefix = f"{prefix}:a:"
-        self._count_prefix = f"{prefix}:n:"
+        self._engines_key = f"{prefix}:engines"
         self._client: Redis = Redis.from_url(
             url,
             socket_timeout=settings.store_timeout,
@@ -134,15 +172,9 @@ class PlacementStore:
                 self.fallback += 1
                 return None
             self._probing = True
-        now = time.time()
-        bucket, into = divmod(now, self._window)
-        args = [self._ttl_ms, f"{1.0 - into / self._window:.4f}", self._bucket_ttl_ms]
-        args += [str(len(eligible)), *eligible, *choices]
-        keys = [
-            self._anchor_prefix + anchor.hex(),
-            f"{self._count_prefix}{int(bucket)}",
-            f"{self._count_prefix}{int(bucket) - 1}",
-        ]
+        args = [self._ttl_ms, self._decay, self._engines_ttl_ms, str(len(eligible))]
+        args += [*eligible, *choices]
+        keys = [self._anchor_prefix + anchor.hex(), self._engines_key]
         try:
             async with asyncio.timeout(self._timeout):
                 url, found = await self._script(keys=keys, args=args)
