@@ -43,6 +43,7 @@ from bench.routing.inprocess import OfflineResult, offline, run_offline
 from bench.routing.live import Result, merged_rows, run_front
 from bench.routing.options import MODEL, Options
 from bench.routing.report import write_report
+from bench.routing.store_cost import store_cost
 from bench.stack import CpuPlan
 from bench.workloads import build
 
@@ -96,6 +97,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespace]
         help="replay in-process over DRAWS sets of engine URLs (no servers), then exit",
     )
     p.add_argument("--cost", action="store_true", help="time the affinity policy, then exit")
+    p.add_argument(
+        "--store-cost",
+        action="store_true",
+        help="time requests through gateways with and without the shared store, then exit",
+    )
     p.add_argument("--logs", type=Path, help="keep the servers' logs here (default: a temp dir)")
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
     args, _unknown = p.parse_known_args(argv)
@@ -119,6 +125,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts, args = parse_args(argv)
     if args.cost:
         policy_cost()
+        return 0
+    if args.store_cost:
+        store_cost()
         return 0
     workloads = build(opts.workloads, MODEL, opts.scale)
     if args.offline:
