@@ -37,7 +37,6 @@ from urllib.parse import urlsplit
 
 import structlog
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from gateway.routing.settings import RoutingSettings
 
@@ -178,7 +177,8 @@ class PlacementStore:
         try:
             async with asyncio.timeout(self._timeout):
                 url, found = await self._script(keys=keys, args=args)
-        except (RedisError, OSError, TimeoutError, ValueError) as exc:
+        except Exception as exc:  # RedisError, OSError, TimeoutError, a reply not as expected
+            # Never a failed request because of the store: this one is placed without it.
             self._failed(exc)
             self.fallback += 1
             return None
