@@ -23,7 +23,17 @@ import httpx
 import pytest
 
 from bench.redis_server import RedisServer
-from tests.procs import Proc, client_request_id, free_port, gateway_proc, metric, sim_proc, wait_for
+from tests.procs import (
+    Proc,
+    client_request_id,
+    free_port,
+    gateway_proc,
+    metric,
+    scrape,
+    sim_proc,
+    total,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -248,3 +258,56 @@ def test_a_store_that_stops_answering_falls_back_and_recovers(
     finally:
         gateway.stop()
         secured.stop()
+
+
+def test_two_workers_share_the_store(tmp: Path, engines: list[Proc], redis: RedisServer) -> None:
+    """One gateway with `--workers 2`: its worker processes share placements as
+    replicas do. 20 new three-turn conversations, every request on a new connection
+    (either worker may take it): none split, 5 on each engine, and both workers
+    placed some of them (each scrape reaches one worker and shows its own counts)."""
+    env = {
+        "GATEWAY_ENGINES": json.dumps([e.url for e in engines]),
+        "GATEWAY_API_KEYS": json.dumps([KEY]),
+        "GATEWAY_ROUTING__POLICY": "affinity",
+        "GATEWAY_ROUTING__HEALTH_INTERVAL": "30",
+        "GATEWAY_PUBLIC_METRICS": "true",
+        "GATEWAY_ROUTING__STORE_URL": store_url(redis),
+        "GATEWAY_ROUTING__STORE_PREFIX": f"test-{uuid.uuid4().hex[:8]}",
+    }
+    gateway = gateway_proc(tmp, env, "--workers", "2").start("/healthz")
+    run = uuid.uuid4().hex[:8]
+    try:
+
+        def both_list_the_model() -> bool:
+            for _ in range(6):
+                r = httpx.get(gateway.url + "/v1/models", headers=HEADERS, timeout=5)
+                if r.status_code != 200 or MODEL not in r.text:
+                    return False
+            return True
+
+        assert wait_for(both_list_the_model, timeout=30), gateway.log()
+        for c in range(20):
+            for t in range(3):
+                r = httpx.post(
+                    gateway.url + "/v1/chat/completions",
+                    json=chat(f"{run}-{c}", t + 1),
+                    headers={**HEADERS, "X-Request-Id": f"{run}-{c}-{t}", "Connection": "close"},
+                    timeout=10,
+                )
+                assert r.status_code == 200, r.text
+        per_engine, split = conversations_by_engine(engines, run, 20, 3)
+        assert split == 0
+        assert sorted(per_engine.values()) == [5, 5, 5, 5], per_engine
+        seen: set[float] = set()
+        for _ in range(40):
+            # One scrape, one worker: both results from the same counts.
+            samples = scrape(gateway.url + "/metrics")
+            seen.add(
+                total(samples, "gateway_routing_store_placements_total", result="placed")
+                + total(samples, "gateway_routing_store_placements_total", result="read")
+            )
+            if len(seen) == 2 and sum(seen) == 60:
+                break
+        assert len(seen) == 2 and sum(seen) == 60 and min(seen) > 0, seen
+    finally:
+        gateway.stop()
