@@ -148,15 +148,20 @@ class Report:
         self.notes.append(text)
 
     def plot(
-        self, name: str, draw: Callable[[Any], None], size: tuple[float, float] = (7, 4)
+        self,
+        name: str,
+        draw: Callable[[Any], None],
+        size: tuple[float, float] = (7, 4),
+        rows: int = 1,
     ) -> None:
-        """Draw with `draw(ax)` on a fresh figure and save it as `<name>.png`."""
+        """Draw with `draw(ax)` on a fresh figure and save it as `<name>.png`; with
+        `rows` above 1, `draw` gets that many axes, one above the other."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=size)
+        fig, ax = plt.subplots(rows, 1, figsize=size)
         try:
             draw(ax)
             fig.tight_layout()

@@ -208,6 +208,8 @@ class Gateway:
         self.inspector = PayloadInspector(settings.media, settings.payload, decoder=self.decoder)
         policy = make_policy(settings.routing)
         self.metrics.watch_pool(lambda: self.pool.engines, policy.name)
+        if policy.store is not None:
+            self.metrics.watch_store(policy.store)
         # The limits of the client connections themselves, for the connection protocol
         # (gateway/server.py), which finds the guard in the lifespan state.
         self.connections = ConnectionGuard(
@@ -290,6 +292,8 @@ class Gateway:
             self.request_log.bind(asyncio.get_running_loop())
             await self.pool.start()
             stack.push_async_callback(self.pool.stop)
+            if self.proxy.policy.store is not None:
+                stack.push_async_callback(self.proxy.policy.store.aclose)
             if self.watcher is not None:
                 task = asyncio.create_task(self.watcher.run(), name="key-file")
                 stack.push_async_callback(_cancel, task)

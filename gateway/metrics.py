@@ -59,6 +59,48 @@ class RoutingCounts:
         self.failovers = 0
 
 
+class StoreStats(Protocol):
+    """What the metrics read of the shared placement store (routing/store.py)."""
+
+    @property
+    def up(self) -> bool: ...
+
+    @property
+    def read(self) -> int: ...
+
+    @property
+    def placed(self) -> int: ...
+
+    @property
+    def fallback(self) -> int: ...
+
+
+class StoreCollector(Collector):
+    """The shared placement store's counts and state, read at scrape time."""
+
+    def __init__(self, store: StoreStats) -> None:
+        self._store = store
+
+    def collect(self) -> Iterator[Metric]:
+        store = self._store
+        placements = CounterMetricFamily(
+            "gateway_routing_store_placements",
+            "Requests placed through the shared placement store, by outcome: the anchor's "
+            "recorded engine `read`, a new placement `placed`, or `fallback` (the store "
+            "failed, was slow or is being left alone after that: placed statelessly).",
+            labels=["result"],
+        )
+        placements.add_metric(["read"], float(store.read))
+        placements.add_metric(["placed"], float(store.placed))
+        placements.add_metric(["fallback"], float(store.fallback))
+        up = GaugeMetricFamily(
+            "gateway_routing_store_up",
+            "1 while the shared placement store answers, 0 while requests are placed without it.",
+        )
+        up.add_metric([], 1.0 if store.up else 0.0)
+        yield from (placements, up)
+
+
 class ConnectionCounts:
     """Client connections the gateway closed itself, by reason (gateway/server.py):
     plain integer adds on the connection path, read at scrape time."""
@@ -378,6 +420,10 @@ class Metrics:
     def watch_pool(self, engines: Callable[[], Sequence[EngineStats]], policy: str) -> None:
         """Report the engines returned by `engines` and the routing counts at scrape time."""
         self.registry.register(PoolCollector(engines, policy, self.routing))
+
+    def watch_store(self, store: StoreStats) -> None:
+        """Report the shared placement store's counts and state at scrape time."""
+        self.registry.register(StoreCollector(store))
 
     def watch_connections(self, open_connections: Callable[[], int]) -> None:
         """Report the open client connections (`open_connections`) and the closing

@@ -95,7 +95,7 @@ class Proxy:
             # anchor is computed. The policy cost 9% of the CPU per request (py-spy).
             order: Sequence[Engine] = engines
         else:
-            order = self._choose(scope, ex, incoming, media, engines)
+            order = await self._choose(scope, ex, incoming, media, engines)
         target = scope["gateway.path"]
         query: bytes = scope.get("query_string", b"")
         if query:
@@ -174,7 +174,7 @@ class Proxy:
         headers.extend(self._auth_header)
         return headers
 
-    def _choose(
+    async def _choose(
         self,
         scope: Scope,
         ex: Exchange,
@@ -195,7 +195,10 @@ class Proxy:
             key_name=ex.key_name,
             session=session,
         )
-        order = self.policy.order(request, engines)
+        if self.policy.store is None:
+            order = self.policy.order(request, engines)
+        else:  # the shared placement store (routing/store.py): one round trip
+            order = await self.policy.place(request, engines)
         ex.policy = self.policy.name
         ex.anchor_kind = request.anchor_kind
         ex.spilled = request.spilled

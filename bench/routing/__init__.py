@@ -11,7 +11,11 @@ that eviction matters), puts the front end before them and replays the same work
 - vllm-router (PyPI `vllm-router`, Rust) with its `cache_aware` policy, when installed
   (`.venv/bin/pip install vllm-router`; it is not a project dependency);
 - each of these with 2 and 4 replicas taking the requests in turn, as behind a plain
-  load balancer (`--replicas`).
+  load balancer (`--replicas`);
+- with `--store`, affinity with the shared placement store ("affinity + store"): a
+  fresh redis-server on a free loopback port for every row, stopped by its PID;
+- with `--merge DIR`, the rows of the front ends not run now are taken from an
+  earlier run's results.json (named in the report), to rerun some rows of a table.
 
 Hit rates and uncached prompt tokens come from the engines' own counters
 (`vllm:prefix_cache_queries_total`, `vllm:prefix_cache_hits_total`, deltas per workload);
@@ -34,11 +38,12 @@ from pathlib import Path
 
 from bench.report import Report, progress
 from bench.routing.cost import policy_cost
-from bench.routing.fronts import fronts, router_installed
+from bench.routing.fronts import FAMILIES, front_name, fronts, router_installed
 from bench.routing.inprocess import OfflineResult, offline, run_offline
-from bench.routing.live import Result, run_front
+from bench.routing.live import Result, merged_rows, run_front
 from bench.routing.options import MODEL, Options
 from bench.routing.report import write_report
+from bench.routing.store_cost import store_cost
 from bench.stack import CpuPlan
 from bench.workloads import build
 
@@ -59,6 +64,17 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespace]
         help="only front ends whose name starts with this (repeatable)",
     )
     p.add_argument("--load-epsilon", type=float, default=None, help="the gateway's load bound")
+    p.add_argument(
+        "--store",
+        action="store_true",
+        help="also run affinity with the shared placement store (needs redis-server)",
+    )
+    p.add_argument(
+        "--merge",
+        type=Path,
+        metavar="DIR",
+        help="take the rows of front ends not run now from DIR/results.json",
+    )
     p.add_argument(
         "--replicas",
         action="append",
@@ -81,6 +97,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespace]
         help="replay in-process over DRAWS sets of engine URLs (no servers), then exit",
     )
     p.add_argument("--cost", action="store_true", help="time the affinity policy, then exit")
+    p.add_argument(
+        "--store-cost",
+        action="store_true",
+        help="time requests through gateways with and without the shared store, then exit",
+    )
     p.add_argument("--logs", type=Path, help="keep the servers' logs here (default: a temp dir)")
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
     args, _unknown = p.parse_known_args(argv)
@@ -90,6 +111,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespace]
         scale=args.scale if args.scale is not None else (0.25 if args.quick else 1.0),
         fronts=args.front,
         load_epsilon=args.load_epsilon,
+        store=args.store,
         gateway_env=dict(item.split("=", 1) for item in args.gateway_env),
     )
     if args.workload:
@@ -103,6 +125,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts, args = parse_args(argv)
     if args.cost:
         policy_cost()
+        return 0
+    if args.store_cost:
+        store_cost()
         return 0
     workloads = build(opts.workloads, MODEL, opts.scale)
     if args.offline:
@@ -129,6 +154,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for front in fronts(opts):
             progress(f"front end: {front.name}")
             results += run_front(front, workloads, opts, logs, cpus)
+    if args.merge is not None:
+        results += merged_rows(args.merge, results, workloads)
+        report.meta["merged_from"] = f"{args.merge} (the rows of front ends not run now)"
+        rank = {front_name(f, n): (n, i) for n in (1, 2, 4) for i, f in enumerate(FAMILIES)}
+        results.sort(key=lambda r: rank.get(r.front, (0, -1)))
     write_report(report, results, workloads)
     report.write()
     print(report.summary())

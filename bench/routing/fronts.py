@@ -8,6 +8,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.redis_server import RedisServer, redis_server_path
 from bench.routing.options import Options
 from bench.stack import BENCH_KEY, Fleet, Server, free_port
 
@@ -26,17 +27,22 @@ class Front:
     replicas: int = 1
 
 
-def _gateway(policy: str, replicas: int, opts: Options) -> Starter:
+def _gateway(policy: str, replicas: int, opts: Options, store: bool = False) -> Starter:
     def start(
         fleet: Fleet, engines: list[str], stack: ExitStack
     ) -> tuple[list[str], dict[str, str]]:
         env = {"GATEWAY_ROUTING__POLICY": policy, "GATEWAY_LOG_LEVEL": "warning"}
         if opts.load_epsilon is not None:
             env["GATEWAY_ROUTING__LOAD_EPSILON"] = str(opts.load_epsilon)
+        if store:
+            # A fresh, empty store for every row, like the fresh engines.
+            port = free_port()
+            redis = RedisServer(port, fleet.workdir / f"redis-{port}.log").start()
+            stack.callback(redis.stop)
+            env["GATEWAY_ROUTING__STORE_URL"] = redis.url
         env.update(opts.gateway_env)
-        urls = [
-            fleet.gateway(engines, env, name=f"gateway-{policy}-{i}").url for i in range(replicas)
-        ]
+        name = f"gateway-{policy}{'-store' if store else ''}"
+        urls = [fleet.gateway(engines, env, name=f"{name}-{i}").url for i in range(replicas)]
         return urls, {"Authorization": f"Bearer {BENCH_KEY}"}
 
     return start
@@ -67,7 +73,8 @@ def router_installed() -> bool:
     return (Path(sys.executable).parent / "vllm-router").exists()
 
 
-FAMILIES = ("affinity", "round_robin", "least_loaded", "vllm-router cache_aware")
+STORE = "affinity + store"
+FAMILIES = ("affinity", STORE, "round_robin", "least_loaded", "vllm-router cache_aware")
 
 
 def front_name(family: str, replicas: int) -> str:
@@ -75,17 +82,24 @@ def front_name(family: str, replicas: int) -> str:
 
 
 def fronts(opts: Options) -> list[Front]:
-    """The ideal engine, then every family with 1, 2 and 4 replicas (`opts.replicas`)."""
+    """The ideal engine, then every family with 1, 2 and 4 replicas (`opts.replicas`):
+    affinity with the shared store with `--store`, vllm-router when it is installed."""
     table = [Front("ideal (1 engine, all the cache)", None, ideal=True)]
     for replicas in opts.replicas:
         for family in FAMILIES:
             if family.startswith("vllm-router"):
                 start = _router(replicas)
+            elif family == STORE:
+                start = _gateway("affinity", replicas, opts, store=True)
             else:
                 start = _gateway(family, replicas, opts)
             table.append(Front(front_name(family, replicas), start, False, family, replicas))
     if not router_installed():
         table = [f for f in table if not f.name.startswith("vllm-router")]
+    if not opts.store:
+        table = [f for f in table if f.family != STORE]
+    elif redis_server_path() is None:
+        raise SystemExit("--store needs redis-server (apt-get install redis-server)")
     if opts.fronts:
         table = [f for f in table if any(f.name.startswith(n) for n in opts.fronts)]
     return table

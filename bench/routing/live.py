@@ -161,6 +161,19 @@ def run_one(
     return result
 
 
+def merged_rows(folder: Path, results: list[Result], workloads: list[Workload]) -> list[Result]:
+    """The rows of an earlier run (`folder`/results.json) for the workloads run now and
+    the front ends not run now, in the earlier run's order."""
+    raw = orjson.loads((folder / "results.json").read_bytes())
+    ran = {r.front for r in results}
+    names = {w.name for w in workloads}
+    return [
+        Result(**row)
+        for row in raw["raw"]["results"]
+        if row["front"] not in ran and row["workload"] in names
+    ]
+
+
 def served(engines: Sequence[str]) -> dict[str, int]:
     """X-Request-Id a client sent -> index of the engine that received it, from the
     engines' request recorders (a gateway appends `-` and 16 hex digits to the id)."""

@@ -23,4 +23,6 @@ class Options:
     # Gateway (and vllm-router) replicas taking requests in turn, one front end each.
     replicas: list[int] = field(default_factory=lambda: [1, 2, 4])
     load_epsilon: float | None = None
+    # Also run affinity with the shared placement store (a redis-server per row).
+    store: bool = False
     gateway_env: dict[str, str] = field(default_factory=dict)

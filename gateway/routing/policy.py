@@ -4,7 +4,8 @@ The contract between the proxy and the policies: the proxy hands a `RoutingReque
 and the healthy engines; the policy returns every one of those engines, best first.
 The proxy tries them in that order (failover walks the same order). A policy also
 records its decision on the request (`anchor`, `first_choice`, `spilled`) for the log
-line and the metrics.
+line and the metrics. With a shared placement store (store.py; affinity only) the
+proxy awaits `place` instead of calling `order`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from gateway.routing.hotspots import HotCandidates
 from gateway.routing.keys import Anchor, AnchorKind, candidate_anchors, session_anchor
 from gateway.routing.rendezvous import first_within_bound, fraction, load_of, rendezvous_order
 from gateway.routing.settings import RoutingPolicy, RoutingSettings
+from gateway.routing.store import PlacementStore
 
 
 class EngineView(Protocol):
@@ -55,11 +57,27 @@ class RoutingRequest:
 
 class Policy(Protocol):
     name: str
+    # The shared placement store, when one is configured: then `place` decides.
+    store: PlacementStore | None
 
     def order(self, request: RoutingRequest, engines: Sequence[E]) -> list[E]: ...
 
+    async def place(self, request: RoutingRequest, engines: Sequence[E]) -> list[E]: ...
 
-class RoundRobin:
+
+class Stateless:
+    """A policy without a store: `place` is `order`."""
+
+    store: PlacementStore | None = None
+
+    def order(self, request: RoutingRequest, engines: Sequence[E]) -> list[E]:
+        raise NotImplementedError
+
+    async def place(self, request: RoutingRequest, engines: Sequence[E]) -> list[E]:
+        return self.order(request, engines)
+
+
+class RoundRobin(Stateless):
     name = "round_robin"
 
     def __init__(self) -> None:
@@ -74,7 +92,7 @@ class RoundRobin:
         return ordered
 
 
-class LeastLoaded:
+class LeastLoaded(Stateless):
     """Least load first (requests in flight, plus the engine's queue when scraped); ties
     go round robin, so an idle pool still spreads."""
 
@@ -106,8 +124,9 @@ class Affinity:
 
     name = "affinity"
 
-    def __init__(self, settings: RoutingSettings) -> None:
+    def __init__(self, settings: RoutingSettings, store: PlacementStore | None = None) -> None:
         self._settings = settings
+        self.store = store
         self._hot = HotCandidates(
             window=settings.hot_window,
             divisor=settings.hot_divisor,
@@ -130,11 +149,16 @@ class Affinity:
             max_candidates=self._settings.max_candidates,
         )
 
-    def choose(self, candidates: Sequence[Anchor], engines: Sequence[E]) -> tuple[Anchor, list[E]]:
-        """The deciding anchor and the engines in order, before the load bound; counts
-        nothing. Walking the candidates shortest first, each keeps the top `spread` of
-        the engines still in the running by its own rendezvous order (a fractional
-        spread admits the next engine for that fraction of the requests, by the next
+    def choose(
+        self, candidates: Sequence[Anchor], engines: Sequence[E]
+    ) -> tuple[Anchor, list[E], list[E]]:
+        """The deciding anchor, the engines in order before the load bound, and the
+        engines the anchor chose among (those the hot prefixes before it kept), in its
+        order: where the shared store may place it. Counts nothing.
+
+        Walking the candidates shortest first, each keeps the top `spread` of the
+        engines still in the running by its own rendezvous order (a fractional spread
+        admits the next engine for that fraction of the requests, by the next
         candidate's hash); the first candidate that leaves one engine decides.
 
         A conversation under a shared system prompt: the prompt spreads over every
@@ -166,11 +190,11 @@ class Affinity:
                 keep += 1
             if keep == 1:
                 if len(running) == n:
-                    return anchor, ranked
+                    return anchor, ranked, ranked
                 # Failover and the load bound walk this anchor's whole order after it.
                 chosen = ranked[0]
                 rest = [e for e in rendezvous_order(anchor.digest, engines) if e is not chosen]
-                return anchor, [chosen, *rest]
+                return anchor, [chosen, *rest], ranked
             running = ranked[:keep]
         raise AssertionError("the last candidate always decides")  # pragma: no cover
 
@@ -182,6 +206,27 @@ class Affinity:
         decide (the bench and the tests compare replicas with it)."""
         return self._decide(request, engines, count=False)
 
+    async def place(self, request: RoutingRequest, engines: Sequence[E]) -> list[E]:
+        """`order`, with the deciding anchor's engine read from the shared store, or
+        placed there on the least busy of the engines it chooses among (store.py).
+        Without an answer from the store, `order`'s stateless choice."""
+        store = self.store
+        if store is None or len(engines) < 2:
+            return self.order(request, engines)
+        candidates = self._candidates(request)
+        if not candidates:
+            return self._fallback.order(request, engines)
+        anchor, ordered, choices = self.choose(candidates, engines)
+        if anchor.kind is not AnchorKind.session:
+            self._hot.observe(candidates)
+        url = await store.place(anchor.digest, [e.url for e in engines], [e.url for e in choices])
+        if url is not None and url != ordered[0].url:
+            for i, e in enumerate(ordered):
+                if e.url == url:
+                    ordered.insert(0, ordered.pop(i))
+                    break
+        return self._bound(request, anchor, ordered)
+
     def _decide(self, request: RoutingRequest, engines: Sequence[E], count: bool) -> list[E]:
         if not engines:
             return []
@@ -190,9 +235,13 @@ class Affinity:
             if not count:
                 return list(engines)
             return self._fallback.order(request, engines)
-        anchor, ordered = self.choose(candidates, engines)
+        anchor, ordered, _ = self.choose(candidates, engines)
         if count and anchor.kind is not AnchorKind.session:
             self._hot.observe(candidates)
+        return self._bound(request, anchor, ordered)
+
+    def _bound(self, request: RoutingRequest, anchor: Anchor, ordered: list[E]) -> list[E]:
+        """Records the decision on the request, then applies the load bound."""
         request.anchor = anchor.digest.hex()
         request.anchor_kind = anchor.kind.value
         request.first_choice = ordered[0].url
@@ -204,8 +253,11 @@ class Affinity:
 
 
 def make_policy(settings: RoutingSettings) -> Policy:
+    """The configured policy; affinity with its shared store when `store_url` is set
+    (the other policies have nothing to place)."""
     if settings.policy is RoutingPolicy.round_robin:
         return RoundRobin()
     if settings.policy is RoutingPolicy.least_loaded:
         return LeastLoaded()
-    return Affinity(settings)
+    store = PlacementStore(settings) if settings.store_url is not None else None
+    return Affinity(settings, store)

@@ -3,6 +3,10 @@ bench/workloads.py). The live run through real engines is in test_bench.py."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 
 from bench.routing import Options, offline
@@ -116,3 +120,34 @@ def test_balls_into_bins_is_the_spread_of_random_placement() -> None:
     assert balls_into_bins([10], 4, trials=50) == (4.0, 1.0)
     spread, over = balls_into_bins([1] * 4000, 4, trials=200)
     assert spread < 1.05 and over == 0.0
+
+
+def test_the_store_rows_run_only_when_asked_for() -> None:
+    from bench.routing.fronts import STORE, fronts
+
+    names = [f.name for f in fronts(Options(store=False))]
+    assert not any(STORE in n for n in names)
+    if shutil.which("redis-server") is None:
+        with pytest.raises(SystemExit, match="redis-server"):
+            fronts(Options(store=True))
+        return
+    store = [f for f in fronts(Options(store=True)) if f.family == STORE]
+    assert [(f.name, f.replicas) for f in store] == [
+        (STORE, 1),
+        (f"{STORE}, 2 replicas", 2),
+        (f"{STORE}, 4 replicas", 4),
+    ]
+
+
+def test_merged_rows_fill_in_the_front_ends_not_run_again(tmp_path: Path) -> None:
+    from bench.routing.live import Result, merged_rows
+
+    def row(front: str, workload: str) -> Result:
+        return Result(front, workload, 0.5, 10.0, 1.0, 2.0, 1.1, 1.1, [1, 2], 0, 1.0)
+
+    earlier = [row("affinity", "chat"), row("round_robin", "chat"), row("round_robin", "images")]
+    raw = {"raw": {"results": [r.__dict__ for r in earlier]}}
+    (tmp_path / "results.json").write_text(json.dumps(raw))
+    workloads = build(["chat"], "m", 0.1)
+    rows = merged_rows(tmp_path, [row("affinity", "chat")], workloads)
+    assert [(r.front, r.workload) for r in rows] == [("round_robin", "chat")]

@@ -36,6 +36,16 @@ class Mistake:
 
 
 MISTAKES: dict[str, Mistake] = {
+    "a store URL without a scheme": Mistake(
+        file=f"api_keys: [{SECRET}]\nrouting:\n  store_url: {SECRET}@localhost:6379\n",
+        source="{dir}/gateway.yaml:3",
+        says=("routing.store_url: must start with redis://, rediss:// or unix://",),
+    ),
+    "a store URL with a password and no host": Mistake(
+        env={"GATEWAY_API_KEYS": KEYS, "GATEWAY_ROUTING__STORE_URL": f"redis://:{SECRET}@"},
+        source="GATEWAY_ROUTING__STORE_URL",
+        says=("a redis:// URL needs a host",),
+    ),
     "unknown nested key": Mistake(
         file=f"api_keys: [{SECRET}]\nmedia:\n  mode: inline\n  allowed_domain: [example.com]\n",
         source="{dir}/gateway.yaml:4",

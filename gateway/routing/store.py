@@ -1,0 +1,210 @@
+"""The optional shared placement store (Redis): which engine each anchor lives on.
+
+Without it, affinity is stateless (policy.py): every replica hashes an anchor to the
+same engine, and the spread of a few dozen anchors over the engines is the luck of
+the hash (docs/routing.md, "Balance"). With `routing.store_url` set, a new anchor goes
+to the engine with the lowest expected load recorded in the store (its recent
+requests, plus the requests its anchors are still expected to bring, decaying with
+`store_decay` seconds), among the engines the stateless rule would choose from (the
+hot-prefix spread is kept), ties by rendezvous order; every replica and worker then
+reads that placement.
+
+One round trip per request: a Lua script, atomic on the Redis server, so concurrent
+replicas cannot record two placements for one anchor (the first script to run records
+it, the later ones read it). It reads the anchor's engine and, when that is still
+eligible (healthy, serving the model), refreshes its TTL; otherwise places it anew;
+then counts the request for the engine. Keys (`<prefix>` is `routing.store_prefix`,
+so deployments can share a Redis):
+
+    <prefix>:a:<anchor digest, hex>   hash: the engine's URL, the anchor's remaining
+                                      credit and its time; TTL store_ttl, refreshed
+    <prefix>:engines                  hash: per engine URL its decayed requests, credit
+                                      and time; the mean requests per anchor
+
+Only digests and engine URLs are stored, never prompt text. A store that fails or
+answers slower than `store_timeout` leaves that request to the stateless rule; the
+store is then left alone for `store_retry` seconds, after which one request tries it
+again. The change of state is logged once each way (the URL without its password)
+and every request placed without the store is counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from urllib.parse import urlsplit
+
+import structlog
+from redis.asyncio import Redis
+
+from gateway.routing.settings import RoutingSettings
+
+log = structlog.get_logger("gateway.routing.store")
+
+# KEYS: the anchor's hash, the engines' hash. ARGV: the anchor's TTL (ms), the decay
+# time constant (s), the engines' hash TTL (ms), the number of eligible engines E, the E
+# eligible URLs, then the URLs a new anchor may go to, best (rendezvous) first. Returns
+# the engine's URL and 1 if the placement was read, 0 if made here.
+#
+# An engine's expected load is its recent requests plus the credit of its anchors,
+# both decaying with the time constant: a new anchor brings a credit of the mean
+# requests per anchor (measured over ten time constants), which its requests use up.
+# Without the credit, a burst of new conversations would be placed by their first
+# turns alone, before the later turns that make most of their load.
+PLACE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local tau = tonumber(ARGV[2])
+local function decayed(constant, value, at)
+  value = tonumber(value or '0')
+  if value == 0 then return 0 end
+  return value * math.exp(-(now - tonumber(at or now)) / constant)
+end
+local home = redis.call('HMGET', KEYS[1], 'u', 'c', 't')
+local n = tonumber(ARGV[4])
+local chosen = false
+local credit = 0
+if home[1] then
+  for i = 5, 4 + n do
+    if ARGV[i] == home[1] then
+      chosen = home[1]
+      credit = decayed(tau, home[2], home[3])
+      break
+    end
+  end
+end
+local g = redis.call('HMGET', KEYS[2], 'R', 'A', 'T')
+local long = 10 * tau
+local requests = decayed(long, g[1], g[3])
+local anchors = decayed(long, g[2], g[3])
+local found = 1
+local e = nil
+if not chosen then
+  found = 0
+  local best = nil
+  for i = 5 + n, #ARGV do
+    local url = ARGV[i]
+    local f = redis.call('HMGET', KEYS[2], 'r' .. url, 'c' .. url, 't' .. url)
+    local load = decayed(tau, f[1], f[3]) + decayed(tau, f[2], f[3])
+    if best == nil or load < best then
+      best = load
+      chosen = url
+      e = f
+    end
+  end
+  credit = 1
+  if anchors >= 1 then credit = math.max(1, requests / anchors) end
+  anchors = anchors + 1
+else
+  e = redis.call('HMGET', KEYS[2], 'r' .. chosen, 'c' .. chosen, 't' .. chosen)
+end
+local engine_credit = decayed(tau, e[2], e[3])
+if found == 0 then engine_credit = engine_credit + credit end
+local used = math.min(1, credit)
+credit = credit - used
+engine_credit = math.max(0, engine_credit - used)
+redis.call('HSET', KEYS[2],
+  'r' .. chosen, decayed(tau, e[1], e[3]) + 1, 'c' .. chosen, engine_credit, 't' .. chosen, now,
+  'R', requests + 1, 'A', anchors, 'T', now)
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+redis.call('HSET', KEYS[1], 'u', chosen, 'c', credit, 't', now)
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return {chosen, found}
+"""
+
+
+def redacted(url: str) -> str:
+    """The URL without its password (and user name), for logs and errors."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = host + (f":{parts.port}" if parts.port else "")
+    return f"{parts.scheme}://{netloc}{parts.path}"
+
+
+class PlacementStore:
+    """Anchor placements shared through Redis. `place` never raises: None means "decide
+    without the store" (counted in `fallback`)."""
+
+    def __init__(self, settings: RoutingSettings) -> None:
+        assert settings.store_url is not None
+        url = settings.store_url.get_secret_value()
+        self.where = redacted(url)
+        self._timeout = settings.store_timeout
+        self._retry = settings.store_retry
+        self._ttl_ms = str(int(settings.store_ttl * 1000))
+        self._decay = str(settings.store_decay)
+        # Unused for a hundred time constants, the engines' figures have decayed to nothing.
+        self._engines_ttl_ms = str(int(settings.store_decay * 100_000))
+        prefix = settings.store_prefix
+        self._anchor_prefix = f"{prefix}:a:"
+        self._engines_key = f"{prefix}:engines"
+        self._client: Redis = Redis.from_url(
+            url,
+            socket_timeout=settings.store_timeout,
+            socket_connect_timeout=settings.store_timeout,
+            decode_responses=True,
+        )
+        self._script = self._client.register_script(PLACE)
+        # Placements by outcome, plain integer adds read at scrape time (metrics.py):
+        # the anchor's recorded engine was used, a new (or no longer eligible) anchor
+        # was placed, or the store failed, was slow or is being left alone: stateless.
+        self.read = 0
+        self.placed = 0
+        self.fallback = 0
+        self.up = True
+        # While down: no request tries the store before this monotonic time, and only
+        # one at a time after it.
+        self._retry_at = 0.0
+        self._probing = False
+
+    async def place(
+        self, anchor: bytes, eligible: Sequence[str], choices: Sequence[str]
+    ) -> str | None:
+        """The engine URL for `anchor`: its recorded engine when that is in `eligible`,
+        else the least busy of `choices` (best first), recorded. None: the store is
+        unavailable, decide without it."""
+        if not self.up:
+            if self._probing or time.monotonic() < self._retry_at:
+                self.fallback += 1
+                return None
+            self._probing = True
+        args = [self._ttl_ms, self._decay, self._engines_ttl_ms, str(len(eligible))]
+        args += [*eligible, *choices]
+        keys = [self._anchor_prefix + anchor.hex(), self._engines_key]
+        try:
+            async with asyncio.timeout(self._timeout):
+                url, found = await self._script(keys=keys, args=args)
+        except Exception as exc:  # RedisError, OSError, TimeoutError, a reply not as expected
+            # Never a failed request because of the store: this one is placed without it.
+            self._failed(exc)
+            self.fallback += 1
+            return None
+        finally:
+            self._probing = False
+        if not self.up:
+            self.up = True
+            log.info("routing_store", state="up", store=self.where)
+        if found:
+            self.read += 1
+        else:
+            self.placed += 1
+        return str(url)
+
+    def _failed(self, exc: BaseException) -> None:
+        self._retry_at = time.monotonic() + self._retry
+        if self.up:
+            self.up = False
+            # The exception's class only: its text may quote the URL.
+            log.warning(
+                "routing_store",
+                state="down",
+                reason=type(exc).__name__,
+                store=self.where,
+                retry_after_s=self._retry,
+            )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()

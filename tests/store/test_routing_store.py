@@ -1,0 +1,313 @@
+"""The shared placement store through real processes: redis-server, four simulated
+engines, two gateway replicas under uvicorn taking requests in turn.
+
+Where a request went is read from the engines' recorders (X-Request-Id), never from
+the gateway. Marked `redis` (scripts/test-store.sh): these need redis-server, and are
+left out of the fast suite like the real-engine tier, never skipped silently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from bench.redis_server import RedisServer
+from tests.procs import (
+    Proc,
+    client_request_id,
+    free_port,
+    gateway_proc,
+    metric,
+    scrape,
+    sim_proc,
+    total,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+
+MODEL = "Qwen/Qwen3-VL-2B-Instruct"
+KEY = "sk-routing-store-0123456789abcdef"
+HEADERS = {"Authorization": f"Bearer {KEY}"}
+PASSWORD = "store-password-0123456789"
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("routing-store")
+
+
+@pytest.fixture(scope="module")
+def redis(tmp: Path) -> Iterator[RedisServer]:
+    server = RedisServer(free_port(), tmp / "redis.log")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def engines(tmp: Path) -> Iterator[list[Proc]]:
+    sims = [sim_proc(tmp, "--latency", "zero", "--record-requests", "5000") for _ in range(4)]
+    try:
+        for sim in sims:
+            sim.start()
+        yield sims
+    finally:
+        for sim in sims:
+            sim.stop()
+
+
+def store_url(redis: RedisServer) -> str:
+    return f"redis://127.0.0.1:{redis.port}/0"
+
+
+def start_gateway(tmp: Path, engines: Sequence[Proc], **routing: str) -> Proc:
+    env = {
+        "GATEWAY_ENGINES": json.dumps([e.url for e in engines]),
+        "GATEWAY_API_KEYS": json.dumps([KEY]),
+        "GATEWAY_ROUTING__POLICY": "affinity",
+        "GATEWAY_ROUTING__HEALTH_INTERVAL": "30",
+        "GATEWAY_PUBLIC_METRICS": "true",
+    }
+    env.update({f"GATEWAY_ROUTING__{k.upper()}": v for k, v in routing.items()})
+    proc = gateway_proc(tmp, env).start("/healthz")
+
+    def lists_model() -> bool:
+        r = httpx.get(proc.url + "/v1/models", headers=HEADERS, timeout=5)
+        return r.status_code == 200 and MODEL in r.text
+
+    assert wait_for(lists_model, timeout=20), proc.log()
+    return proc
+
+
+def replicas(tmp: Path, engines: Sequence[Proc], count: int = 2, **routing: str) -> list[Proc]:
+    return [start_gateway(tmp, engines, **routing) for _ in range(count)]
+
+
+def chat(conversation: str, turns: int) -> dict[str, Any]:
+    """A conversation with its own system prompt, `turns` user turns long."""
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": f"You are the assistant of conversation {conversation}."}
+    ]
+    for i in range(turns):
+        if i:
+            messages.append({"role": "assistant", "content": f"Answer {i}."})
+        messages.append({"role": "user", "content": f"Question {i} of {conversation}."})
+    return {"model": MODEL, "messages": messages, "max_tokens": 2}
+
+
+def send(client: httpx.Client, gateway: Proc, body: dict[str, Any], request_id: str) -> None:
+    r = client.post(
+        gateway.url + "/v1/chat/completions",
+        json=body,
+        headers={**HEADERS, "X-Request-Id": request_id},
+    )
+    assert r.status_code == 200, r.text
+
+
+def served(engines: Sequence[Proc]) -> dict[str, int]:
+    """Request id -> index of the engine that received it, from the engines' recorders."""
+    out: dict[str, int] = {}
+    for index, engine in enumerate(engines):
+        for entry in httpx.get(engine.url + "/sim/requests", timeout=5).json():
+            engine_id = entry["headers"].get("x-request-id")
+            if entry["path"] == "/v1/chat/completions" and engine_id:
+                request_id = client_request_id(engine_id)
+                assert request_id not in out, "one request reached two engines"
+                out[request_id] = index
+    return out
+
+
+def conversations_by_engine(
+    engines: Sequence[Proc], run: str, conversations: int, turns: int
+) -> tuple[Counter[int], int]:
+    """Engine index -> conversations of this run on it; and how many were split."""
+    where = served(engines)
+    per_engine: Counter[int] = Counter()
+    split = 0
+    for c in range(conversations):
+        seen = {where[f"{run}-{c}-{t}"] for t in range(turns)}
+        split += len(seen) > 1
+        per_engine.update(seen)
+    return per_engine, split
+
+
+def placements(gateway: Proc, result: str) -> float:
+    return metric(gateway.url, "gateway_routing_store_placements_total", result=result)
+
+
+def stopped(proc: RedisServer) -> None:
+    assert proc.pid is not None
+    os.kill(proc.pid, signal.SIGSTOP)
+
+
+def resumed(proc: RedisServer) -> None:
+    assert proc.pid is not None
+    os.kill(proc.pid, signal.SIGCONT)
+
+
+def test_replicas_with_the_store_agree_and_spread_new_conversations_evenly(
+    tmp: Path, engines: list[Proc], redis: RedisServer
+) -> None:
+    """24 new three-turn conversations, their turns taken by two replicas in turn: each
+    stays on one engine, and each engine gets exactly 6 (the least busy takes the next
+    new one). Rendezvous alone puts 24 conversations on 4 engines 6/6/6/6 in 0.3% of
+    engine-URL draws (multinomial); with the store disabled this test fails."""
+    prefix = f"test-{uuid.uuid4().hex[:8]}"
+    gateways = replicas(tmp, engines, store_url=store_url(redis), store_prefix=prefix)
+    run = uuid.uuid4().hex[:8]
+    try:
+        with httpx.Client(timeout=10) as client:
+            for c in range(24):
+                for t in range(3):
+                    body = chat(f"{run}-{c}", t + 1)
+                    send(client, gateways[(c + t) % 2], body, f"{run}-{c}-{t}")
+        per_engine, split = conversations_by_engine(engines, run, 24, 3)
+        assert split == 0
+        assert sorted(per_engine.values()) == [6, 6, 6, 6], per_engine
+        placed = sum(placements(g, "placed") for g in gateways)
+        read = sum(placements(g, "read") for g in gateways)
+        assert (placed, read) == (24, 48)
+
+        # New conversations begun on both replicas at once: whichever records first,
+        # both requests reach its engine.
+        def first_turn(c: int, g: int) -> None:
+            with httpx.Client(timeout=10) as own:
+                send(own, gateways[g], chat(f"{run}-race-{c}", 1), f"{run}-race-{c}-{g}")
+
+        with ThreadPoolExecutor(8) as pool:
+            pairs = [(c, g) for c in range(16) for g in (0, 1)]
+            list(pool.map(lambda cg: first_turn(*cg), pairs))
+        where = served(engines)
+        assert all(where[f"{run}-race-{c}-0"] == where[f"{run}-race-{c}-1"] for c in range(16))
+    finally:
+        for g in gateways:
+            g.stop()
+
+
+def test_a_store_that_stops_answering_falls_back_and_recovers(
+    tmp: Path, engines: list[Proc], redis: RedisServer
+) -> None:
+    """Redis frozen (SIGSTOP: slower than any timeout), then stopped, then started
+    again: every request is answered, the ones placed without the store are counted,
+    the change of state is logged once each way without the password, and the store is
+    used again once it answers."""
+    # Its own server, protected by a password the URL carries: no log line may show it.
+    secured = RedisServer(free_port(), tmp / "redis-secured.log")
+    secured.start(extra=["--requirepass", PASSWORD])
+    url = f"redis://:{PASSWORD}@127.0.0.1:{secured.port}/0"
+    prefix = f"test-{uuid.uuid4().hex[:8]}"
+    gateway = start_gateway(
+        tmp, engines, store_url=url, store_prefix=prefix, store_timeout="0.05", store_retry="0.3"
+    )
+    run = uuid.uuid4().hex[:8]
+
+    def count(result: str) -> float:
+        return placements(gateway, result)
+
+    def ask(n: int, tag: str) -> float:
+        """Sends n new conversations' first turns; returns the slowest answer's time."""
+        slowest = 0.0
+        with httpx.Client(timeout=10) as client:
+            for c in range(n):
+                began = time.monotonic()
+                send(client, gateway, chat(f"{run}-{tag}-{c}", 1), f"{run}-{tag}-{c}")
+                slowest = max(slowest, time.monotonic() - began)
+        return slowest
+
+    try:
+        ask(5, "before")
+        assert count("placed") == 5 and count("fallback") == 0
+        assert metric(gateway.url, "gateway_routing_store_up") == 1
+
+        stopped(secured)
+        try:
+            slowest = ask(20, "frozen")
+            assert count("fallback") == 20
+            assert metric(gateway.url, "gateway_routing_store_up") == 0
+            # A 0.05 s timeout, then 0.3 s without trying: no request waits long.
+            assert slowest < 2.0
+        finally:
+            resumed(secured)
+        secured.stop()
+        ask(10, "down")
+        assert count("fallback") == 30
+
+        secured.start(extra=["--requirepass", PASSWORD])
+        time.sleep(0.5)  # past store_retry
+        assert wait_for(lambda: ask(1, f"back-{time.monotonic_ns()}") >= 0 and count("placed") > 5)
+        assert metric(gateway.url, "gateway_routing_store_up") == 1
+        log = gateway.log()
+        assert PASSWORD not in log
+        states = [line for line in log.splitlines() if "routing_store" in line]
+        assert sum('"down"' in line or "state=down" in line for line in states) == 1, states
+        assert sum('"up"' in line or "state=up" in line for line in states) == 1, states
+    finally:
+        gateway.stop()
+        secured.stop()
+
+
+def test_two_workers_share_the_store(tmp: Path, engines: list[Proc], redis: RedisServer) -> None:
+    """One gateway with `--workers 2`: its worker processes share placements as
+    replicas do. 20 new three-turn conversations, every request on a new connection
+    (either worker may take it): none split, 5 on each engine, and both workers
+    placed some of them (each scrape reaches one worker and shows its own counts)."""
+    env = {
+        "GATEWAY_ENGINES": json.dumps([e.url for e in engines]),
+        "GATEWAY_API_KEYS": json.dumps([KEY]),
+        "GATEWAY_ROUTING__POLICY": "affinity",
+        "GATEWAY_ROUTING__HEALTH_INTERVAL": "30",
+        "GATEWAY_PUBLIC_METRICS": "true",
+        "GATEWAY_ROUTING__STORE_URL": store_url(redis),
+        "GATEWAY_ROUTING__STORE_PREFIX": f"test-{uuid.uuid4().hex[:8]}",
+    }
+    gateway = gateway_proc(tmp, env, "--workers", "2").start("/healthz")
+    run = uuid.uuid4().hex[:8]
+    try:
+
+        def both_list_the_model() -> bool:
+            for _ in range(6):
+                r = httpx.get(gateway.url + "/v1/models", headers=HEADERS, timeout=5)
+                if r.status_code != 200 or MODEL not in r.text:
+                    return False
+            return True
+
+        assert wait_for(both_list_the_model, timeout=30), gateway.log()
+        for c in range(20):
+            for t in range(3):
+                r = httpx.post(
+                    gateway.url + "/v1/chat/completions",
+                    json=chat(f"{run}-{c}", t + 1),
+                    headers={**HEADERS, "X-Request-Id": f"{run}-{c}-{t}", "Connection": "close"},
+                    timeout=10,
+                )
+                assert r.status_code == 200, r.text
+        per_engine, split = conversations_by_engine(engines, run, 20, 3)
+        assert split == 0
+        assert sorted(per_engine.values()) == [5, 5, 5, 5], per_engine
+        seen: set[float] = set()
+        for _ in range(40):
+            # One scrape, one worker: both results from the same counts.
+            samples = scrape(gateway.url + "/metrics")
+            seen.add(
+                total(samples, "gateway_routing_store_placements_total", result="placed")
+                + total(samples, "gateway_routing_store_placements_total", result="read")
+            )
+            if len(seen) == 2 and sum(seen) == 60:
+                break
+        assert len(seen) == 2 and sum(seen) == 60 and min(seen) > 0, seen
+    finally:
+        gateway.stop()
