@@ -15,9 +15,12 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
+import hashlib
 import ipaddress
 import re
 from dataclasses import dataclass
+
+import pybase64
 
 from gateway.errors import MediaInvalid, MediaTooLarge, MediaUrlNotAllowed
 from gateway.media.settings import MediaMode, MediaSettings
@@ -72,10 +75,10 @@ class DataUrl:
     """A base64 `data:` URL whose payload passed the strict check (`parse_data_url`).
 
     The payload is decoded only when `data` is first read: an item whose verdict is
-    cached by the payload's hash (gateway/media/inline.py) is never decoded; decoding
-    1.3 MB of base64 cost 3.8 ms here. For `video/jpeg`, `frames` holds each JPEG,
-    decoded at once. `canonical`: `url` is already the form the gateway would write for
-    these bytes (`data_url`), so forwarding it as sent is forwarding the canonical form.
+    cached by the payload's hash (gateway/media/inline.py) is never decoded. For
+    `video/jpeg`, `frames` holds each JPEG, decoded at once. `canonical`: `url` is
+    already the form the gateway would write for these bytes (`data_url`), so forwarding
+    it as sent is forwarding the canonical form.
     """
 
     mime: str
@@ -83,14 +86,25 @@ class DataUrl:
     frames: tuple[bytes, ...] = ()
     url: str = ""  # the whole URL, as sent
     canonical: bool = False
+    padding: int = 0  # how many `=` end `text`
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """The sha256 of the payload as sent (hex): 1.0 ms for 1.3 MB here."""
+        return hashlib.sha256(self.text).hexdigest()
 
     @functools.cached_property
     def data(self) -> bytes:
         if self.frames:
             return b"".join(self.frames)
-        # Cannot fail: the payload passed `_strict_base64` (the same test as
-        # base64.b64decode(validate=True), without the decoding).
-        return binascii.a2b_base64(self.text)
+        # The payload passed `_strict_padding` (the test of base64.b64decode(validate=True),
+        # without the decoding). pybase64 (SIMD) decodes 1.3 MB in 0.1 ms, CPython's
+        # binascii in 3.8; its strict mode refuses one thing binascii's allows, padding
+        # after a whole last group, so that padding is left out. The rest cannot fail.
+        text = self.text
+        if (len(text) - self.padding) % 4 == 0:
+            text = text[: len(text) - self.padding]
+        return pybase64.b64decode(text, validate=True)
 
 
 def _refuse(rule: str, detail: str) -> MediaUrlNotAllowed:
@@ -331,9 +345,10 @@ def parse_data_url(raw: str, max_bytes: int) -> DataUrl:
         raise MediaInvalid("The data: URL payload is not valid base64.")
     text = memoryview(blob)[comma + 1 :]
     canonical = head == f"data:{mime};base64" and _canonical_padding(text, pad)
-    return DataUrl(mime, text, (), raw, canonical)
+    return DataUrl(mime, text, (), raw, canonical, pad)
 
 
 def data_url(mime: str, data: bytes) -> str:
-    """The canonical data: URL for validated bytes."""
-    return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
+    """The canonical data: URL for validated bytes (pybase64: 1 MB in 0.1 ms, CPython's
+    base64 in 1.2)."""
+    return f"data:{mime};base64,{pybase64.b64encode(data).decode('ascii')}"
