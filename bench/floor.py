@@ -10,10 +10,10 @@ writes the body on to the engine unchanged over a kept-alive connection (the gat
 routing. The overhead suite measures it next to the gateway in the same run: the
 gateway's added latency over this floor's is what inspection itself costs.
 
-`--allocator gateway` fixes glibc's mmap threshold at 1 MiB as the gateway does at
-start (gateway/allocator.py), so that a 1.3 MB buffer costs both processes the same
-fresh mapping and page faults; `default` leaves glibc's sliding threshold, under which
-such buffers are reused from the heap (what that policy costs the gateway, measured).
+`--allocator gateway` applies the gateway's allocator policy (`tune_allocator`,
+gateway/allocator.py: glibc's mmap and trim thresholds fixed), so that a 1.3 MB buffer
+costs both processes the same; `default` leaves glibc's sliding thresholds (what that
+policy costs, measured).
 """
 
 from __future__ import annotations

@@ -14,18 +14,22 @@ RGBA PNGs, 2 requests at once), RSS 2 s after the answers, from 60 MiB before:
 |----------------------------------------|---------:|----------:|
 | glibc defaults                         |      193 |       161 |
 | MALLOC_ARENA_MAX=2                     |      193 |       114 |
-| mmap threshold fixed at 1 MiB (chosen) |      192 |        65 |
+| mmap threshold fixed at 1 MiB          |      192 |        65 |
 | mmap threshold fixed at 128 KiB        |      192 |        63 |
 
-1 MiB rather than 128 KiB: the few MiB it leaves in arenas are not worth an mmap and a
-page-fault round for every buffer between the two; 4 MiB kept the same 65 MiB but would
-leave images under a million pixels in the arenas. The price: a buffer over 1 MiB is
-mapped afresh each time. Handling a 1 MB image's body (parse, base64 decode and encode,
-serialize; /tmp microbench, 500 rounds, 3 runs) took 981 more minor page faults per
-round, 0.7-1.9 ms more system CPU and 0-4% more CPU in all (15.5-16.7 ms a round).
-malloc_trim after decodes had nothing left to win (5 MiB over the RSS before the
-requests). Pillow's own block cache is off by default (`PIL.Image.core.get_blocks_max()`
-is 0) and is left off.
+Later, from 68 MiB before (two runs each): 1 MiB, 192-201 and 74 MiB; 4 MiB with the
+trim threshold at 8 MiB (chosen), 202 and 74 MiB.
+
+4 MiB: the buffers of a 1 MB image (its 1.3 MB body, the ASCII copy of its base64, the
+decoded bytes, Pillow's pixels) stay under it and are reused from the arenas. Fixing
+the mmap threshold also fixes the trim threshold, at its 128 KiB start, so the free top
+of each heap was given back after every request and faulted in again on the next; it
+is fixed at 8 MiB. That 1 MB image's path in process (join the body's chunks, parse,
+check, hash and decode the base64, Pillow's open and load) took 1,886 minor page faults
+a round at 1 MiB, 327 now, 0 under glibc's defaults; the gateway image bench measured
+the difference (bench/README.md). Images of over a million pixels still take fresh
+mappings, given back as they are freed. Pillow's own block cache is off by default
+(`PIL.Image.core.get_blocks_max()` is 0) and is left off.
 
 What stays below the threshold still piles up in the arenas: request bodies arrive in
 chunks of up to 64 KiB, and twelve chunked bodies over the 32 MiB cap at once left the
@@ -47,23 +51,38 @@ import structlog
 
 log = structlog.get_logger("gateway.allocator")
 
-M_MMAP_THRESHOLD = -3  # malloc.h
-MMAP_THRESHOLD = 1024 * 1024
+M_TRIM_THRESHOLD = -1  # malloc.h
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 4 * 1024 * 1024
+TRIM_THRESHOLD = 8 * 1024 * 1024
 TRIM_INTERVAL = 10.0
 
 
-def tune_allocator(threshold: int = MMAP_THRESHOLD) -> bool:
-    """Fix glibc's mmap threshold at `threshold` bytes; False (and nothing done) on any
-    other C library, or when the operator set MALLOC_MMAP_THRESHOLD_ themselves."""
-    if platform.libc_ver()[0] != "glibc" or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+def tune_allocator(threshold: int = MMAP_THRESHOLD, trim: int = TRIM_THRESHOLD) -> bool:
+    """Fix glibc's mmap threshold at `threshold` bytes and its trim threshold at `trim`;
+    False (and nothing done) on any other C library, or when the operator set
+    MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_ themselves."""
+    if (
+        platform.libc_ver()[0] != "glibc"
+        or {
+            "MALLOC_MMAP_THRESHOLD_",
+            "MALLOC_TRIM_THRESHOLD_",
+        }
+        & os.environ.keys()
+    ):
         return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        done = bool(libc.mallopt(M_MMAP_THRESHOLD, threshold))
-    except (OSError, AttributeError):
-        done = False
-    if not done:
-        log.warning("mallopt_failed", parameter="M_MMAP_THRESHOLD")
+    done = True
+    for parameter, name, value in (
+        (M_MMAP_THRESHOLD, "M_MMAP_THRESHOLD", threshold),
+        (M_TRIM_THRESHOLD, "M_TRIM_THRESHOLD", trim),
+    ):
+        try:
+            ok = bool(ctypes.CDLL("libc.so.6").mallopt(parameter, value))
+        except (OSError, AttributeError):
+            ok = False
+        if not ok:
+            log.warning("mallopt_failed", parameter=name)
+            done = False
     return done
 
 

@@ -15,9 +15,12 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
+import hashlib
 import ipaddress
 import re
 from dataclasses import dataclass
+
+import pybase64
 
 from gateway.errors import MediaInvalid, MediaTooLarge, MediaUrlNotAllowed
 from gateway.media.settings import MediaMode, MediaSettings
@@ -38,7 +41,6 @@ _DIGITS = re.compile(r"[0-9]+")
 # dotted-quad form is accepted; every other numeric form is refused as ambiguous.
 _NUMERIC_LABEL = re.compile(r"(?:0x[0-9a-f]*|[0-9]+)")
 _DOTTED_QUAD = re.compile(r"(?:0|[1-9][0-9]{0,2})(?:\.(?:0|[1-9][0-9]{0,2})){3}")
-_BASE64_ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
 _MIME = re.compile(r"[a-z0-9][a-z0-9!#$&^_.+\-]*/[a-z0-9][a-z0-9!#$&^_.+\-]*")
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -71,11 +73,10 @@ class RemoteUrl:
 class DataUrl:
     """A base64 `data:` URL whose payload passed the strict check (`parse_data_url`).
 
-    The payload is decoded only when `data` is first read: an item whose verdict is
-    cached by the payload's hash (gateway/media/inline.py) is never decoded; decoding
-    1.3 MB of base64 cost 3.8 ms here. For `video/jpeg`, `frames` holds each JPEG,
-    decoded at once. `canonical`: `url` is already the form the gateway would write for
-    these bytes (`data_url`), so forwarding it as sent is forwarding the canonical form.
+    The payload is decoded as it is checked (`parse_data_url`). For `video/jpeg`,
+    `frames` holds each JPEG. `canonical`: `url` is already the form the gateway would
+    write for these bytes (`data_url`), so forwarding it as sent is forwarding the
+    canonical form.
     """
 
     mime: str
@@ -83,14 +84,16 @@ class DataUrl:
     frames: tuple[bytes, ...] = ()
     url: str = ""  # the whole URL, as sent
     canonical: bool = False
+    decoded: bytes = b""  # the payload's bytes (video/jpeg: `frames`)
 
     @functools.cached_property
     def data(self) -> bytes:
-        if self.frames:
-            return b"".join(self.frames)
-        # Cannot fail: the payload passed `_strict_base64` (the same test as
-        # base64.b64decode(validate=True), without the decoding).
-        return binascii.a2b_base64(self.text)
+        return b"".join(self.frames) if self.frames else self.decoded
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """The sha256 of the payload as sent (hex): 1.0 ms for 1.3 MB here."""
+        return hashlib.sha256(self.text).hexdigest()
 
 
 def _refuse(rule: str, detail: str) -> MediaUrlNotAllowed:
@@ -260,28 +263,32 @@ class UrlPolicy:
         return url
 
 
-def _strict_padding(blob: bytes, start: int) -> int | None:
-    """The `=` padding of the base64 payload at `blob[start:]` when
-    base64.b64decode(payload, validate=True) decodes it (to at least one byte), else None.
-    One pass over the bytes, nothing decoded (a regular expression took 10 ms for 1.3 MB
-    here, decoding 3.8 ms). The strict decoder takes characters of the alphabet, then
-    only `=`: any number after a whole last group (`YWJj==`), exactly what a short one
-    needs (`YQ==`, `YWI=`)."""
-    # Whatever is not in the alphabet, in order: the head's (small), then the payload's.
-    others = blob.translate(None, _BASE64_ALPHABET)
-    others = others[len(blob[:start].translate(None, _BASE64_ALPHABET)) :]
-    pad = len(others)
-    if others != b"=" * pad or not blob.endswith(others):
-        return None
-    data = len(blob) - start - pad
+def _strict_decode(payload: memoryview) -> tuple[bytes, int] | None:
+    """The bytes base64.b64decode(payload, validate=True) gives and the payload's `=`
+    padding, or None where that refuses the payload or gives nothing.
+
+    The strict decoder takes characters of the alphabet, then only `=`: any number after
+    a whole last group (`YWJj==`), exactly what a short one needs (`YQ==`, `YWI=`).
+    pybase64 (SIMD) checks the alphabet and decodes in one pass, 0.12 ms for 1.3 MB here
+    (CPython's binascii 3.8 ms, a `bytes.translate` check alone 0.8 ms); its strict mode
+    refuses the padding after a whole group that binascii's allows, so that padding is
+    counted here and left out."""
+    tail = bytes(payload[-4:])
+    pad = len(tail) - len(tail.rstrip(b"="))
+    if pad == len(tail):  # four or more `=` at the end: counted the long way (rare)
+        pad = len(payload) - len(bytes(payload).rstrip(b"="))
+    data = len(payload) - pad
     rest = data % 4
-    if data > 0 and (rest == 0 or (rest == 2 and pad == 2) or (rest == 3 and pad == 1)):
-        return pad
-    return None
+    if not data or not (rest == 0 or (rest == 2 and pad == 2) or (rest == 3 and pad == 1)):
+        return None
+    try:
+        return pybase64.b64decode(payload[:data] if rest == 0 else payload, validate=True), pad
+    except ValueError:  # binascii.Error: outside the alphabet, or `=` inside the payload
+        return None
 
 
 def _canonical_padding(payload: memoryview, pad: int) -> bool:
-    """Whether encoding the bytes of `payload` (checked by `_strict_padding`, `pad` its
+    """Whether encoding the bytes of `payload` (checked by `_strict_decode`, `pad` its
     padding) again gives `payload` back: the padding a short last group needs and no
     more, and zero in the bits that group leaves unused (`YQ==`, not `YR==`)."""
     if pad != (4 - (len(payload) - pad) % 4) % 4:
@@ -293,8 +300,8 @@ def _canonical_padding(payload: memoryview, pad: int) -> bool:
 
 
 def parse_data_url(raw: str, max_bytes: int) -> DataUrl:
-    """Check `data:<type>[;param]*;base64,<payload>` strictly (base64 only, as vLLM).
-    The payload is checked, not decoded (`DataUrl.data` decodes it)."""
+    """Check `data:<type>[;param]*;base64,<payload>` strictly (base64 only, as vLLM),
+    decoding the payload as it is checked."""
     comma = raw.find(",")
     if comma < 0:
         raise _refuse("data_url", "a data: URL needs a comma before its payload")
@@ -326,14 +333,16 @@ def parse_data_url(raw: str, max_bytes: int) -> DataUrl:
     # ASCII only is known so without a scan (CPython keeps it as a flag); the bytes are
     # made once, and the payload is a view of them (a copy of 1.3 MB: 0.1-0.8 ms here).
     blob = raw.encode("ascii") if raw.isascii() else b""
-    pad = _strict_padding(blob, comma + 1) if blob else None
-    if pad is None:
-        raise MediaInvalid("The data: URL payload is not valid base64.")
     text = memoryview(blob)[comma + 1 :]
+    checked = _strict_decode(text) if blob else None
+    if checked is None:
+        raise MediaInvalid("The data: URL payload is not valid base64.")
+    data, pad = checked
     canonical = head == f"data:{mime};base64" and _canonical_padding(text, pad)
-    return DataUrl(mime, text, (), raw, canonical)
+    return DataUrl(mime, text, (), raw, canonical, data)
 
 
 def data_url(mime: str, data: bytes) -> str:
-    """The canonical data: URL for validated bytes."""
-    return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
+    """The canonical data: URL for validated bytes (pybase64: 1 MB in 0.1 ms, CPython's
+    base64 in 1.2)."""
+    return f"data:{mime};base64,{pybase64.b64encode(data).decode('ascii')}"

@@ -162,7 +162,10 @@ class PayloadInspector:
 
 async def _all(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
     """Every result, in order; on the first failure the rest are cancelled (and awaited)
-    and the failure raised."""
+    and the failure raised. One alone is awaited in place (most media requests carry one
+    item): no task, no gather."""
+    if len(coros) == 1:
+        return [await coros[0]]
     tasks = [asyncio.create_task(c) for c in coros]
     task: asyncio.Task[T] | None = None
     try:

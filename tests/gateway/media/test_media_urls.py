@@ -275,6 +275,26 @@ def test_the_base64_check_agrees_on_random_payloads() -> None:
         _assert_check_agrees_with_the_strict_decoder(payload)
 
 
+def test_the_base64_check_and_decoder_agree_on_long_payloads() -> None:
+    """Long payloads take the SIMD decoder's vector paths (short ones its scalar tail):
+    valid ones, with padding the strict decoder lets by, with unused bits set, and with
+    one character anywhere replaced by one outside the alphabet or by `=`."""
+    rng = random.Random(161)
+    for _ in range(1500):
+        data = rng.randbytes(rng.randrange(1, 1000))  # POLICY's max_bytes
+        text = base64.b64encode(data).decode()
+        _assert_check_agrees_with_the_strict_decoder(text)
+        _assert_check_agrees_with_the_strict_decoder(text.rstrip("=") + "=" * rng.randrange(5))
+        if text.endswith("="):
+            last = text.rstrip("=")
+            bits = last[:-1] + rng.choice("BCDEFGHJKLMNOPRS") + text[len(last) :]
+            _assert_check_agrees_with_the_strict_decoder(bits)
+        at = rng.randrange(len(text))
+        bad = text[:at] + rng.choice("=-_ \n.é") + text[at + 1 :]
+        _assert_check_agrees_with_the_strict_decoder(bad)
+    assert data_url("image/png", data) == f"data:image/png;base64,{text}"
+
+
 def _assert_check_agrees_with_the_strict_decoder(payload: str) -> None:
     """The URL check accepts exactly what `b64decode(validate=True)` accepts (an empty
     payload included as refused), and keeps the same bytes."""

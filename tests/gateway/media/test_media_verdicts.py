@@ -21,7 +21,7 @@ from gateway.errors import MediaInvalid, MediaTooLarge
 from gateway.media.inline import fingerprint
 from gateway.media.settings import MediaSettings
 from gateway.payload import PayloadInspector
-from tests.gateway.media.test_media_samples import data_url, png
+from tests.gateway.media.test_media_samples import data_url, media_digest, png
 
 PNG = png(16, 16)
 PNG_URL = data_url("image/png", PNG)
@@ -58,7 +58,7 @@ async def test_a_cached_verdict_is_not_reused_for_other_bytes(inspector: Payload
     # Another, valid, image: a new entry of its own, with its own digest.
     other = png(16, 16, (1, 2, 3))
     inspection = await inspector.inspect(chat(data_url("image/png", other)), None)
-    assert inspection.digests == [hashlib.sha256(other).hexdigest()]
+    assert inspection.digests == [media_digest(other)]
     assert len(cache) == 2
 
 
@@ -78,6 +78,8 @@ async def test_the_same_bytes_in_another_base64_text_are_checked_again(
     inspection = await inspector.inspect(body, None)
     assert len(cache) == 2
     assert inspection.changed and url_of(body) == PNG_URL
+    # Routed as the same image: the digest is the canonical text's, not the variant's.
+    assert inspection.digests == [media_digest(PNG)]
 
 
 async def test_a_cached_verdict_is_not_reused_under_other_settings() -> None:
@@ -121,7 +123,11 @@ async def test_a_canonical_body_is_forwarded_as_sent(inspector: PayloadInspector
         inspection = await inspector.inspect(body, None)
         assert not inspection.changed
         assert url_of(body) is sent
-        assert inspection.digests == [hashlib.sha256(PNG).hexdigest()]
+        assert (
+            inspection.digests
+            == [media_digest(PNG)]
+            == [hashlib.sha256(sent[22:].encode()).hexdigest()]
+        )
 
 
 @pytest.mark.parametrize(
@@ -136,8 +142,9 @@ async def test_a_data_url_in_another_form_is_rewritten(
 ) -> None:
     for _ in range(2):
         body = chat(url)
-        assert (await inspector.inspect(body, None)).changed
-        assert url_of(body) == PNG_URL
+        inspection = await inspector.inspect(body, None)
+        assert inspection.changed and url_of(body) == PNG_URL
+        assert inspection.digests == [media_digest(PNG)]
 
 
 async def test_a_reencoded_image_is_rewritten_with_the_new_bytes() -> None:

@@ -27,12 +27,12 @@ from gateway.errors import (
 )
 from gateway.media.settings import MediaMode, MediaSettings, UuidPolicy
 from gateway.payload import PayloadInspector, PayloadSettings
-from tests.gateway.media.test_media_samples import HTML, SVG, data_url, jpeg, png, wav
+from tests.gateway.media.test_media_samples import HTML, SVG, data_url, jpeg, media_digest, png, wav
 from tests.procs import RecordingServer, Route
 
 PNG = png()
 PNG_B64 = base64.b64encode(PNG).decode()
-PNG_HASH = hashlib.sha256(PNG).hexdigest()
+PNG_HASH = media_digest(PNG)
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +253,7 @@ async def test_same_image_twice_has_the_same_hash_and_is_fetched_once(
     assert hashes == [PNG_HASH] * 3 and again == [PNG_HASH]
     # Two concurrent fetches at most for the first request, none for the cached second.
     assert sum(h.path == "/other.png" for h in origin.hits) - before <= 2
-    other = hashlib.sha256(png(9, 9)).hexdigest()
+    other = media_digest(png(9, 9))
     assert await inspect(
         make_settings(origin), chat(img_part(data_url("image/png", png(9, 9))))
     ) == [other]
@@ -333,7 +333,7 @@ async def test_inline_audio_video_and_base64_sources_are_validated_and_kept(
                                      "data": PNG_B64}},
     ]}]}  # fmt: skip
     hashes = await inspect(make_settings(origin), body)
-    assert hashes[0] == hashes[1] == hashlib.sha256(audio).hexdigest()
+    assert hashes[0] == hashes[1] == media_digest(audio)
     assert hashes[3] == PNG_HASH and len(set(hashes)) == 3
     content = body["messages"][0]["content"]
     assert content[2]["video_url"]["url"] == "data:video/jpeg;base64," + frames
@@ -654,7 +654,7 @@ async def test_media_digests_are_reported_by_path(origin: RecordingServer) -> No
         await inspector.aclose()
     assert inspection.media == (
         ("messages[0].content[1].image_url.url", PNG_HASH),
-        ("messages[0].content[2].image_url", hashlib.sha256(other).hexdigest()),
+        ("messages[0].content[2].image_url", media_digest(other)),
     )
 
 
