@@ -90,6 +90,16 @@ def running(*procs: Proc, ready_path: str = "/health") -> Iterator[Sequence[Proc
             p.stop()
 
 
+def every_worker_lists(gateway: Proc, model: str, headers: Mapping[str, str]) -> bool:
+    """Whether `model` is in the gateway's /v1/models on six fresh connections in a row:
+    with `--workers N` each connection may reach another worker, each with its own pool."""
+    for _ in range(6):
+        r = HTTP.get(gateway.url + "/v1/models", headers=headers, timeout=5)
+        if r.status_code != 200 or model not in r.text:
+            return False
+    return True
+
+
 def metric(url: str, name: str, **labels: str) -> float:
     """The sum of `name`'s samples with these labels on the server at `url` (its /metrics)."""
     return total(scrape(url + "/metrics"), name, **labels)

@@ -23,9 +23,12 @@ import httpx
 import pytest
 
 from bench.redis_server import RedisServer
+from bench.stack import HTTP
+from tests.gateway.routing import test_routing_e2e
+from tests.gateway.routing.test_routing_e2e import served
 from tests.procs import (
     Proc,
-    client_request_id,
+    every_worker_lists,
     free_port,
     gateway_proc,
     metric,
@@ -86,7 +89,7 @@ def start_gateway(tmp: Path, engines: Sequence[Proc], **routing: str) -> Proc:
     proc = gateway_proc(tmp, env).start("/healthz")
 
     def lists_model() -> bool:
-        r = httpx.get(proc.url + "/v1/models", headers=HEADERS, timeout=5)
+        r = HTTP.get(proc.url + "/v1/models", headers=HEADERS, timeout=5)
         return r.status_code == 200 and MODEL in r.text
 
     assert wait_for(lists_model, timeout=20), proc.log()
@@ -110,25 +113,8 @@ def chat(conversation: str, turns: int) -> dict[str, Any]:
 
 
 def send(client: httpx.Client, gateway: Proc, body: dict[str, Any], request_id: str) -> None:
-    r = client.post(
-        gateway.url + "/v1/chat/completions",
-        json=body,
-        headers={**HEADERS, "X-Request-Id": request_id},
-    )
-    assert r.status_code == 200, r.text
-
-
-def served(engines: Sequence[Proc]) -> dict[str, int]:
-    """Request id -> index of the engine that received it, from the engines' recorders."""
-    out: dict[str, int] = {}
-    for index, engine in enumerate(engines):
-        for entry in httpx.get(engine.url + "/sim/requests", timeout=5).json():
-            engine_id = entry["headers"].get("x-request-id")
-            if entry["path"] == "/v1/chat/completions" and engine_id:
-                request_id = client_request_id(engine_id)
-                assert request_id not in out, "one request reached two engines"
-                out[request_id] = index
-    return out
+    """One chat request with this module's key, asserted 200."""
+    test_routing_e2e.send(client, gateway, body, request_id, headers=HEADERS)
 
 
 def conversations_by_engine(
@@ -277,18 +263,10 @@ def test_two_workers_share_the_store(tmp: Path, engines: list[Proc], redis: Redi
     gateway = gateway_proc(tmp, env, "--workers", "2").start("/healthz")
     run = uuid.uuid4().hex[:8]
     try:
-
-        def both_list_the_model() -> bool:
-            for _ in range(6):
-                r = httpx.get(gateway.url + "/v1/models", headers=HEADERS, timeout=5)
-                if r.status_code != 200 or MODEL not in r.text:
-                    return False
-            return True
-
-        assert wait_for(both_list_the_model, timeout=30), gateway.log()
+        assert wait_for(lambda: every_worker_lists(gateway, MODEL, HEADERS), 30), gateway.log()
         for c in range(20):
             for t in range(3):
-                r = httpx.post(
+                r = HTTP.post(
                     gateway.url + "/v1/chat/completions",
                     json=chat(f"{run}-{c}", t + 1),
                     headers={**HEADERS, "X-Request-Id": f"{run}-{c}-{t}", "Connection": "close"},

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from bench.stack import HTTP
-from tests.procs import Proc, gateway_proc, scrape, sim_proc, total, wait_for
+from tests.procs import Proc, every_worker_lists, gateway_proc, scrape, sim_proc, total, wait_for
 
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 KEY = "sk-routing-workers-0123456789abcdef"
@@ -39,16 +39,7 @@ def stack(tmp_path: Path) -> Iterator[tuple[Proc, list[Proc]]]:
         for sim in sims:
             sim.start()
         gateway.start("/healthz")
-
-        def both_list_the_model() -> bool:
-            # Fresh connections reach either worker: ask until a run of them all say yes.
-            for _ in range(6):
-                r = HTTP.get(gateway.url + "/v1/models", headers=HEADERS, timeout=5)
-                if r.status_code != 200 or MODEL not in r.text:
-                    return False
-            return True
-
-        assert wait_for(both_list_the_model, timeout=30), gateway.log()
+        assert wait_for(lambda: every_worker_lists(gateway, MODEL, HEADERS), 30), gateway.log()
         yield gateway, sims
     finally:
         gateway.stop()
