@@ -591,7 +591,8 @@ def image_floor_table(report: Report, figures: dict[str, Any]) -> None:
         rows,
         f"Floor: bench/floor.py in the same blocks (reads the body, parses it, hashes the "
         f"image's base64 text, writes the body on), under the gateway's allocator policy "
-        f"(glibc mmap threshold 4 MiB, trim threshold 8 MiB); under glibc's default, next to the cached case: "
+        f"(glibc mmap threshold 4 MiB, trim threshold 8 MiB); under glibc's default, next "
+        f"to the cached case: "
         f"{fmt(figures.get('floor_default_malloc_added_us'))} us added. Pillow's decode of "
         f"the image alone (open + load, median, on the proxy's core): {fmt(pillow)} us.",
     )
