@@ -90,9 +90,13 @@ def running(*procs: Proc, ready_path: str = "/health") -> Iterator[Sequence[Proc
             p.stop()
 
 
-def every_worker_lists(gateway: Proc, model: str, headers: Mapping[str, str]) -> bool:
-    """Whether `model` is in the gateway's /v1/models on six fresh connections in a row:
-    with `--workers N` each connection may reach another worker, each with its own pool."""
+def every_worker_lists(gateway: Proc, workers: int, model: str, headers: Mapping[str, str]) -> bool:
+    """Whether each of the gateway's `workers` processes has started (its
+    `gateway_started` log line: the kernel hands new connections only to workers already
+    accepting, so answers alone may all come from the first one up) and `model` is in
+    /v1/models on six fresh connections in a row (each worker has its own pool)."""
+    if gateway.log().count('"event":"gateway_started"') < workers:
+        return False
     for _ in range(6):
         r = HTTP.get(gateway.url + "/v1/models", headers=headers, timeout=5)
         if r.status_code != 200 or model not in r.text:

@@ -263,7 +263,7 @@ def test_two_workers_share_the_store(tmp: Path, engines: list[Proc], redis: Redi
     gateway = gateway_proc(tmp, env, "--workers", "2").start("/healthz")
     run = uuid.uuid4().hex[:8]
     try:
-        assert wait_for(lambda: every_worker_lists(gateway, MODEL, HEADERS), 30), gateway.log()
+        assert wait_for(lambda: every_worker_lists(gateway, 2, MODEL, HEADERS), 30), gateway.log()
         for c in range(20):
             for t in range(3):
                 r = HTTP.post(

@@ -39,7 +39,7 @@ def stack(tmp_path: Path) -> Iterator[tuple[Proc, list[Proc]]]:
         for sim in sims:
             sim.start()
         gateway.start("/healthz")
-        assert wait_for(lambda: every_worker_lists(gateway, MODEL, HEADERS), 30), gateway.log()
+        assert wait_for(lambda: every_worker_lists(gateway, 2, MODEL, HEADERS), 30), gateway.log()
         yield gateway, sims
     finally:
         gateway.stop()
