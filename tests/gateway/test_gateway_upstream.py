@@ -3,8 +3,8 @@
 A raw TCP server on loopback plays the engine and answers each request the way its
 `x-scenario` header asks: chunked, read-until-close, `Connection: close`, garbage, a
 stall, a short body, an idle connection closed under the gateway, a request dropped
-unanswered on a reused connection, a large streamed body, error answers and extra
-response headers (`SCENARIOS`). The gateway runs as a real
+unanswered on a reused connection, a large streamed body, error answers, extra
+response headers, a chunked trailer and interim 1xx heads (`SCENARIOS`). The gateway runs as a real
 process in front of it (one for the whole module), with `x-scenario` added to the
 headers it forwards (`forward_headers`). tests/gateway/test_gateway_headers.py and
 tests/gateway/test_engine_errors.py run their own gateways in front of the same kind of engine.
@@ -155,6 +155,14 @@ SCENARIOS: dict[str, bytes] = {
         b"data: " + json.dumps({"text": LEAKY}).encode() + b"\n\ndata: [DONE]\n\n",
         ctype="text/event-stream",
     ),
+    # Fields after the last chunk (a trailer) with allowlisted names: never headers.
+    "trailer": b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+    b"transfer-encoding: chunked\r\n\r\n"
+    b"2\r\n{}\r\n0\r\nmetadata: from-the-trailer\r\nx-after: 1\r\n\r\n",
+    # Interim heads (no body) before the final answer.
+    "early-hints": b"HTTP/1.1 103 Early Hints\r\nlink: </a.css>\r\n\r\n"
+    + _response(b'{"real":1}\n'),
+    "continue": b"HTTP/1.1 100 Continue\r\n\r\n" + _response(b'{"real":1}\n'),
 }
 
 
@@ -495,3 +503,47 @@ def test_a_slow_client_is_not_blamed_on_the_engine(gateway: Proc) -> None:
             received += chunk
     assert received.endswith(b"0\r\n\r\n"), bytes(received[-200:])
     assert received.count(b"x") >= HUGE
+
+
+def _exchange(gateway: Proc, scenario: str) -> bytes:
+    """The raw bytes a client gets for one request with `scenario`, then for a second
+    request pipelined on the same connection (to see where the first answer ends):
+    httpx would hide a second head or a stray chunk."""
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nhost: gw\r\nauthorization: Bearer {KEY}\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
+    )
+    first = (head + f"x-scenario: {scenario}\r\n\r\n").encode() + body
+    second = (head + "connection: close\r\n\r\n").encode() + body
+    out = b""
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=5) as sock:
+        sock.sendall(first + second)
+        try:
+            while chunk := sock.recv(65536):
+                out += chunk
+        except TimeoutError:
+            pass
+    return out
+
+
+def test_an_engine_trailer_never_becomes_a_response_header(gateway: Proc) -> None:
+    """The relay allowlists engine *headers* (headers.py); a trailer field with an
+    allowlisted name (`metadata`) once reached the client's head."""
+    out = _exchange(gateway, "trailer")
+    first_head = out.split(b"\r\n\r\n", 1)[0].lower()
+    assert b"from-the-trailer" not in first_head, out
+    assert b"x-after" not in out.lower()
+
+
+@pytest.mark.parametrize("scenario", ["early-hints", "continue"])
+def test_an_engine_interim_answer_is_not_relayed_as_the_final_one(
+    gateway: Proc, scenario: str
+) -> None:
+    """A 1xx once went to the client as the final answer, with a chunked `0` body that
+    desynchronised its parser, and the engine's real answer was dropped."""
+    out = _exchange(gateway, scenario)
+    assert not out.startswith(b"HTTP/1.1 1"), out
+    assert b"\r\n\r\n0\r\n\r\nHTTP/1.1" not in out, out
+    # The pipelined request behind it is answered on the same connection.
+    assert out.count(b"HTTP/1.1 200 OK") + out.count(b"HTTP/1.1 502") == 2, out
