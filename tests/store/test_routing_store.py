@@ -77,7 +77,7 @@ def store_url(redis: RedisServer) -> str:
     return f"redis://127.0.0.1:{redis.port}/0"
 
 
-def start_gateway(tmp: Path, engines: Sequence[Proc], **routing: str) -> Proc:
+def start_gateway(tmp: Path, engines: Sequence[Proc], workers: int = 1, **routing: str) -> Proc:
     env = {
         "GATEWAY_ENGINES": json.dumps([e.url for e in engines]),
         "GATEWAY_API_KEYS": json.dumps([KEY]),
@@ -86,13 +86,8 @@ def start_gateway(tmp: Path, engines: Sequence[Proc], **routing: str) -> Proc:
         "GATEWAY_PUBLIC_METRICS": "true",
     }
     env.update({f"GATEWAY_ROUTING__{k.upper()}": v for k, v in routing.items()})
-    proc = gateway_proc(tmp, env).start("/healthz")
-
-    def lists_model() -> bool:
-        r = HTTP.get(proc.url + "/v1/models", headers=HEADERS, timeout=5)
-        return r.status_code == 200 and MODEL in r.text
-
-    assert wait_for(lists_model, timeout=20), proc.log()
+    proc = gateway_proc(tmp, env, "--workers", str(workers)).start("/healthz")
+    assert wait_for(lambda: every_worker_lists(proc, workers, MODEL, HEADERS), 30), proc.log()
     return proc
 
 
@@ -251,19 +246,15 @@ def test_two_workers_share_the_store(tmp: Path, engines: list[Proc], redis: Redi
     replicas do. 20 new three-turn conversations, every request on a new connection
     (either worker may take it): none split, 5 on each engine, and both workers
     placed some of them (each scrape reaches one worker and shows its own counts)."""
-    env = {
-        "GATEWAY_ENGINES": json.dumps([e.url for e in engines]),
-        "GATEWAY_API_KEYS": json.dumps([KEY]),
-        "GATEWAY_ROUTING__POLICY": "affinity",
-        "GATEWAY_ROUTING__HEALTH_INTERVAL": "30",
-        "GATEWAY_PUBLIC_METRICS": "true",
-        "GATEWAY_ROUTING__STORE_URL": store_url(redis),
-        "GATEWAY_ROUTING__STORE_PREFIX": f"test-{uuid.uuid4().hex[:8]}",
-    }
-    gateway = gateway_proc(tmp, env, "--workers", "2").start("/healthz")
+    gateway = start_gateway(
+        tmp,
+        engines,
+        workers=2,
+        store_url=store_url(redis),
+        store_prefix=f"test-{uuid.uuid4().hex[:8]}",
+    )
     run = uuid.uuid4().hex[:8]
     try:
-        assert wait_for(lambda: every_worker_lists(gateway, 2, MODEL, HEADERS), 30), gateway.log()
         for c in range(20):
             for t in range(3):
                 r = HTTP.post(
