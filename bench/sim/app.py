@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -146,6 +147,9 @@ class SimApp:
         except SimError as exc:
             await respond(send, exc.status, exc.body(), JSON)
             return
+        if self.config.loop_hold_per_mib and body:
+            # Blocking on purpose: what a server parsing on its event loop does.
+            time.sleep(len(body) / 2**20 * self.config.loop_hold_per_mib)  # noqa: ASYNC251
         req = Request(method, path, scope["query_string"], scope["headers"], body, receive, send)
         if is_recorder:
             assert self.recorder is not None

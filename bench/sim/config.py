@@ -27,6 +27,8 @@ class SimConfig:
     latency: str = "calibrated"
     record_requests: int = 0
     max_body_bytes: int = 256 * 1024 * 1024
+    # Seconds the event loop is held per MiB of request body (0: not at all).
+    loop_hold_per_mib: float = 0.0
     served_model_names: tuple[str, ...] = field(default=())
 
     @property
@@ -144,9 +146,20 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[str, int, SimConfig]:
         help="keep the last N requests and serve them at GET/DELETE /sim/requests "
         "(default: 0, off)",
     )
+    p.add_argument(
+        "--loop-hold-per-mib",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="hold the event loop this long per MiB of each request body, as vLLM's API "
+        "server holds its loop parsing and validating a large body: health checks and "
+        "other requests wait meanwhile (default: 0)",
+    )
     a = p.parse_args(argv)
     if a.block_size < 1 or a.max_model_len < 1 or a.max_num_seqs < 1:
         p.error("--block-size, --max-model-len and --max-num-seqs must be positive")
+    if not 0 <= a.loop_hold_per_mib <= 60:
+        p.error("--loop-hold-per-mib must be between 0 and 60")
     config = SimConfig(
         model=a.model,
         runner=a.runner,
@@ -162,5 +175,6 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[str, int, SimConfig]:
         latency=a.latency,
         record_requests=max(0, a.record_requests),
         served_model_names=tuple(a.served_model_name),
+        loop_hold_per_mib=a.loop_hold_per_mib,
     )
     return a.host, a.port, config

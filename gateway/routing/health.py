@@ -63,6 +63,7 @@ class Verdict:
 
 
 NOT_CHECKED = Verdict("not_checked", "not checked yet")
+TIMEOUT = "timeout"
 INVALID_URL = Verdict("invalid_url", "the engine URL is not http:// or https:// with a host")
 DNS_NO_ADDRESSES = Verdict(
     "dns_no_addresses", "the name has no A or AAAA record: no engine from this entry"
@@ -97,7 +98,7 @@ def error_verdict(exc: UpstreamError | TimeoutError, path: str, limit: float) ->
     if isinstance(exc, ConnectFailed):
         return connect_verdict(exc)
     if isinstance(exc, TimeoutError | FirstByteTimeout | ReadTimeout):
-        return Verdict("timeout", f"GET {path}: no whole answer within {limit:g} s")
+        return Verdict(TIMEOUT, f"GET {path}: no whole answer within {limit:g} s")
     return Verdict("bad_response", f"GET {path}: the connection closed or the answer was not HTTP")
 
 

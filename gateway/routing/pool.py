@@ -6,7 +6,10 @@
 - Health is checked actively (GET /health every `routing.health_interval`) and
   passively: an engine that refuses a connection, or answers `routing.eject_after_5xx`
   5xx in a row, is ejected for a back-off that doubles while it keeps failing, and comes
-  back when a health check passes after the back-off.
+  back when a health check passes after the back-off. A check that times out while the
+  engine answers requests of this process keeps it in rotation for `routing.busy_grace`
+  seconds of timeouts in a row (vLLM parses a body on its server's event loop, and one
+  large body can hold its /health answer for seconds); an idle engine is taken out.
 - An engine is healthy only once its served models are known (GET /v1/models), so a
   ready gateway never refuses a served model as unknown. Models are read again every
   `routing.models_interval` seconds. `index` (models.py) says which healthy engines
@@ -43,6 +46,7 @@ from gateway.routing.health import (
     MODELS_EMPTY,
     MODELS_PATH,
     NOT_CHECKED,
+    TIMEOUT,
     Verdict,
     ejected_verdict,
     error_verdict,
@@ -86,6 +90,7 @@ class Engine:
         "running",
         "scraped",
         "since",
+        "slow_since",
         "stale",
         "url",
         "waiting",
@@ -119,6 +124,9 @@ class Engine:
         self.backoff = 0.0
         self.ejected_until = 0.0
         self.ejections = 0
+        # When this run of timed-out checks began while the engine was busy (None: the
+        # last check did not time out, or it was idle).
+        self.slow_since: float | None = None
 
     @property
     def models(self) -> frozenset[str]:
@@ -389,6 +397,8 @@ class EnginePool:
             verdict = answer
         elif answer[0] != 200:
             verdict = status_verdict(HEALTH_PATH, answer[0], keyed=self._keyed)
+        if self._busy(engine, verdict):
+            return
         models_changed = False
         refresh = self._settings.models_interval
         due = not engine.healthy or time.monotonic() - engine.models_at > refresh
@@ -420,6 +430,27 @@ class EnginePool:
         health_changed = self._judge(engine, verdict)
         if health_changed or models_changed:
             self._changed(engine)
+
+    def _busy(self, engine: Engine, verdict: Verdict | None) -> bool:
+        """True when `verdict` is a timeout that leaves `engine` in rotation: it is
+        healthy, has requests of this process in flight, and its checks have timed out
+        for less than `routing.busy_grace` seconds in a row (logged once per run)."""
+        if verdict is None or verdict.reason != TIMEOUT or not engine.healthy:
+            engine.slow_since = None
+            return False
+        if engine.in_flight == 0:
+            engine.slow_since = None
+            return False
+        now = time.monotonic()
+        if engine.slow_since is None:
+            engine.slow_since = now
+            log.info(
+                "engine_health_slow",
+                engine=engine.public_url,
+                in_flight=engine.in_flight,
+                detail=verdict.detail,
+            )
+        return now - engine.slow_since < self._settings.busy_grace
 
     def _judge(self, engine: Engine, verdict: Verdict | None) -> bool:
         """Record `engine`'s state (`verdict` None: healthy), logging it once when it

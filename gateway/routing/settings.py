@@ -20,6 +20,12 @@ class RoutingSettings(BaseModel):
     policy: RoutingPolicy = RoutingPolicy.affinity
     health_interval: float = Field(default=2.0, gt=0.0)
     health_timeout: float = Field(default=1.0, gt=0.0)
+    # A check that times out while the engine is answering requests of this process
+    # keeps it in rotation for up to this many seconds of checks in a row timing out:
+    # vLLM's API server parses and validates a request body on its event loop, so one
+    # large body can hold its /health answer for seconds while nothing is wrong. An
+    # idle engine that times out, or one still timing out after this, is taken out.
+    busy_grace: float = Field(default=10.0, ge=0.0)
     # A healthy engine's model list (GET /v1/models) is read again this often, at its
     # next health check: what it serves (adapters loaded or unloaded) and the gateway's
     # /v1/models answer follow within about this long (routing/models.py).

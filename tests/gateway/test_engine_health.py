@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,17 @@ from gateway.upstream import (
     TlsFailed,
     UpstreamError,
 )
-from tests.procs import Proc, auth, free_port, gateway_proc, metric, sim_proc, wait_for
+from tests.procs import (
+    Proc,
+    auth,
+    free_port,
+    gateway_proc,
+    metric,
+    running,
+    sim_proc,
+    sim_received,
+    wait_for,
+)
 
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 UPSTREAM = "upstream-health-0123456789-SECRET"
@@ -264,3 +276,99 @@ def test_an_engine_that_needs_a_key_the_gateway_does_not_send(tmp_path: Path) ->
         gateway.stop()
         sim.stop()
     assert_no_secret(gateway.log())
+
+
+# --- an engine busy with a large body ---------------------------------------------------
+
+
+def _slow_lines(gateway: Proc) -> list[dict[str, Any]]:
+    return [
+        line
+        for line in (json.loads(raw) for raw in gateway.log().splitlines() if raw.startswith("{"))
+        if line.get("event") == "engine_health_slow"
+    ]
+
+
+class _Poster(threading.Thread):
+    """Posts `body` to `url` with `key`; the answer's status lands in `status`."""
+
+    def __init__(self, url: str, key: str, body: bytes) -> None:
+        super().__init__(daemon=True)
+        self.url, self.key, self.body = url, key, body
+        self.status = 0
+
+    def run(self) -> None:
+        headers = {**auth(self.key), **JSON}
+        r = HTTP.post(self.url, content=self.body, headers=headers, timeout=60)
+        self.status = r.status_code
+
+
+def _held_chat(gateway: Proc, key: str, mib: int) -> _Poster:
+    """A chat with `mib` MiB of filler (the engine holds its loop for it), not started."""
+    head = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    body = json.dumps({**head, "metadata_filler": "x" * (mib << 20)}).encode()
+    return _Poster(gateway.url + "/v1/chat/completions", key, body)
+
+
+SMALL_CHAT = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+
+
+@contextmanager
+def _busy_stack(tmp_path: Path, hold_per_mib: str, **env: str) -> Iterator[tuple[Proc, Proc]]:
+    """A simulated engine that holds its event loop `hold_per_mib` s per MiB of body (as
+    vLLM's server does parsing one), and a gateway checking it every 0.1 s within 0.2 s."""
+    sim = sim_proc(tmp_path, "--latency", "zero", "--loop-hold-per-mib", hold_per_mib)
+    gateway = gateway_proc(
+        tmp_path,
+        {
+            "GATEWAY_ENGINES": json.dumps([sim.url]),
+            "GATEWAY_API_KEYS": json.dumps([ADMIN, UPSTREAM]),
+            "GATEWAY_ROUTING__HEALTH_INTERVAL": "0.1",
+            "GATEWAY_ROUTING__HEALTH_TIMEOUT": "0.2",
+            **env,
+        },
+    )
+    with running(sim), running(gateway, ready_path="/readyz"):
+        yield sim, gateway
+
+
+def test_an_engine_busy_with_our_request_stays_in_rotation_while_it_misses_checks(
+    tmp_path: Path,
+) -> None:
+    """The engine holds its loop 3 s for a 2 MiB body: its checks time out meanwhile,
+    but a request of ours is in flight, so it stays in rotation (busy_grace, 10 s by
+    default) and another key's request sent then is served, not refused 503."""
+    with _busy_stack(tmp_path, "1.5") as (sim, gateway):
+        before = sim_received(sim.url)
+        big = _held_chat(gateway, ADMIN, 2)
+        big.start()
+        assert wait_for(lambda: _slow_lines(gateway), timeout=20), gateway.log_tail()
+        assert HTTP.get(gateway.url + "/readyz").status_code == 200
+        url = gateway.url + "/v1/chat/completions"
+        small = HTTP.post(url, json=SMALL_CHAT, headers=auth(UPSTREAM), timeout=30)
+        assert small.status_code == 200, small.text
+        big.join(30)
+        assert big.status == 200
+        assert sim_received(sim.url) == before + 2
+        assert not [line for line in health_lines(gateway) if not line["healthy"]]
+        (slow,) = _slow_lines(gateway)
+        assert slow["in_flight"] == 1 and "0.2 s" in slow["detail"]
+
+
+def test_an_engine_still_timing_out_after_its_grace_is_taken_out(tmp_path: Path) -> None:
+    """With busy_grace 0.5 s and a 3 s hold, the engine is taken out (reason timeout)
+    while the request is still in flight, and comes back once it answers checks again;
+    the request in flight is answered."""
+    with _busy_stack(tmp_path, "3", GATEWAY_ROUTING__BUSY_GRACE="0.5") as (_, gateway):
+        big = _held_chat(gateway, ADMIN, 1)
+        big.start()
+        out = lambda: [line for line in health_lines(gateway) if not line["healthy"]]  # noqa: E731
+        assert wait_for(out, timeout=20), gateway.log_tail()
+        assert [line["reason"] for line in out()] == ["timeout"]
+        assert big.is_alive()  # taken out while the request was in flight
+        assert len(_slow_lines(gateway)) == 1
+        big.join(30)
+        assert big.status == 200
+        assert wait_for(lambda: HTTP.get(gateway.url + "/readyz").status_code == 200, timeout=20)
+        # Healthy at start, out, back.
+        assert [line["healthy"] for line in health_lines(gateway)] == [True, False, True]
