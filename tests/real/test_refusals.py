@@ -9,6 +9,7 @@ gateway is what must stop the fetch.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -228,3 +229,107 @@ def test_ssrf_probe_direct_is_fetched_through_the_gateway_refused(
     assert 400 <= via.status_code < 500, via.text
     assert gw_hits == 0
     assert Snapshot.of(stack.mm) == before
+
+
+# --- duplicate JSON keys ----------------------------------------------------------------------
+#
+# The gateway checks the value its JSON parser keeps for a duplicated key (the last) and
+# forwards a body it did not change as sent: it is safe only while the engine keeps the
+# same one. The first test proves vLLM does; the second, that the gateway's reading
+# matches it end to end.
+
+
+def _duplicated(model: str, where: str, first: str, last: str) -> bytes:
+    """A chat body as JSON text naming image `first`, then `last`, under a key given
+    twice at `where` (the part, the image_url object, the message, the messages list)."""
+    part = lambda url: json.dumps(image_part(url))  # noqa: E731
+    text = '{"type": "text", "text": "What is this?"}'
+    if where == "part":
+        content = (
+            f'[{{"type": "image_url", "image_url": {{"url": "{first}"}}, '
+            f'"image_url": {{"url": "{last}"}}}}, {text}]'
+        )
+        messages = f'[{{"role": "user", "content": {content}}}]'
+    elif where == "image_url":
+        content = (
+            f'[{{"type": "image_url", "image_url": {{"url": "{first}", "url": "{last}"}}}}, {text}]'
+        )
+        messages = f'[{{"role": "user", "content": {content}}}]'
+    elif where == "message":
+        messages = (
+            f'[{{"role": "user", "content": [{part(first)}, {text}], '
+            f'"content": [{part(last)}, {text}]}}]'
+        )
+    else:
+        assert where == "messages"
+        messages = (
+            f'[{{"role": "user", "content": [{part(first)}, {text}]}}], '
+            f'"messages": [{{"role": "user", "content": [{part(last)}, {text}]}}]'
+        )
+    raw = f'{{"model": "{model}", "max_tokens": 2, "messages": {messages}}}'
+    assert json.loads(raw)  # valid JSON; Python keeps the last of each duplicate
+    return raw.encode()
+
+
+DUPLICATED = ("part", "image_url", "message", "messages")
+JSON_TYPE = {"Content-Type": "application/json"}
+
+
+@pytest.mark.parametrize("where", DUPLICATED)
+def test_vllm_reads_the_last_of_a_duplicated_key(stack: Stack, where: str) -> None:
+    """Straight to vLLM: the canary first, the origin last: only the origin is fetched."""
+    body = _duplicated(
+        stack.mm.name, where, stack.canary.url + "/img.png", stack.origin.url + "/img.png"
+    )
+    fetched = len(stack.origin.hits)
+    contacts, r = _canary_contacts(
+        stack,
+        lambda: HTTP.post(
+            stack.mm.url + "/v1/chat/completions", content=body, headers=JSON_TYPE, timeout=60
+        ),
+    )
+    assert r.status_code == 200, r.text
+    assert len(stack.origin.hits) > fetched
+    assert contacts == 0
+
+
+@pytest.mark.parametrize("where", DUPLICATED)
+@pytest.mark.parametrize("canary", ["first", "last"])
+def test_the_gateway_checks_the_value_vllm_reads(stack: Stack, where: str, canary: str) -> None:
+    """Through the gateway: the canary last is refused before the engine; the canary
+    first is never fetched (the gateway and vLLM both read the origin)."""
+    evil, good = stack.canary.url + "/img.png", stack.origin.url + "/img.png"
+    first, last = (evil, good) if canary == "first" else (good, evil)
+    body = _duplicated(stack.mm.name, where, first, last)
+    before = Snapshot.of(stack.mm)
+    contacts, r = _canary_contacts(
+        stack,
+        lambda: HTTP.post(
+            stack.mm_gw.url + "/v1/chat/completions",
+            content=body,
+            headers={**AUTH, **JSON_TYPE},
+            timeout=60,
+        ),
+    )
+    assert contacts == 0
+    if canary == "last":
+        assert (r.status_code, r.json()["error"]["code"]) == (400, "media_url_not_allowed")
+        assert Snapshot.of(stack.mm) == before
+    else:
+        assert r.status_code == 200, r.text
+        assert Snapshot.of(stack.mm).finished == before.finished + 1
+
+
+def test_a_duplicated_dangerous_field_is_read_as_vllm_reads_it(stack: Stack) -> None:
+    """`chat_template` null first, a template last: vLLM would apply the template, so
+    the gateway refuses it."""
+    raw = (
+        f'{{"model": "{stack.chat.name}", "max_tokens": 2, "chat_template": null, '
+        '"messages": [{"role": "user", "content": "hello"}], '
+        '"chat_template": "{{ 7 * 7 }}"}'
+    )
+    before = Snapshot.of(stack.chat)
+    r = HTTP.post(stack.chat_gw.url + "/v1/chat/completions", content=raw.encode(),
+                  headers={**AUTH, **JSON_TYPE}, timeout=30)  # fmt: skip
+    assert (r.status_code, r.json()["error"]["code"]) == (400, "field_not_allowed")
+    assert Snapshot.of(stack.chat) == before
