@@ -418,10 +418,10 @@ def store_users_ref(docs: Docs) -> tuple[str, str]:
     """(Secret, key) the store reads its users from: its --aclfile, on a Secret volume."""
     ((spec, c),) = store_containers(docs)
     (aclfile,) = redis_options(c["args"])["aclfile"]
-    found = [(m, v) for m, (v, _) in mounts(spec, c).items()
+    found = [v for m, (v, _) in mounts(spec, c).items()
              if PurePosixPath(aclfile).parent == PurePosixPath(m)]  # fmt: skip
     assert found, f"--aclfile {aclfile} is not a file of a mounted volume"
-    ((mount, volume),) = found
+    (volume,) = found
     assert "secret" in volume, f"--aclfile {aclfile} is not on a Secret volume"
     return volume["secret"]["secretName"], PurePosixPath(aclfile).name
 
