@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The shared-store tier: the routing tests that need redis-server (marked `redis`, left out
 # of the fast suite): two gateway replicas sharing placements through Redis, Redis frozen,
-# stopped and back. Each test starts its own redis-server on a free loopback port.
+# stopped and back; and deploy/k8s/routing-tier-store's Redis (its arguments and example
+# ACL) behind the tier's gateway. Each module starts its own redis-server on a free
+# loopback port.
 # Extra arguments go to pytest.
 #
 #   bash scripts/test-store.sh           # about a minute; needs redis-server on PATH

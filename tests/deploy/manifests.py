@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping
 from functools import cache
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
@@ -22,10 +23,9 @@ from tests.procs import ROOT
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 # The kustomizations under deploy/k8s, by directory name.
-LAYOUTS = ("base", "passthrough", "routing-tier")
+LAYOUTS = ("base", "passthrough", "routing-tier", "routing-tier-store")
 UPSTREAM = "upstream-deploy-test-0123456789abcdef"
-# What the operator puts in the Secrets (secrets.example.yaml names them).
-K8S_SECRETS = {("vllm-upstream-key", "api-key"): UPSTREAM}
+STORE_PASSWORD = "store-deploy-test-0123456789abcdef"
 # Kinds without a namespace among those a kustomization here may hold.
 CLUSTER_SCOPED = frozenset({"Namespace", "PersistentVolume", "StorageClass", "ClusterRole"})
 POD_TEMPLATE_KINDS = frozenset({"Deployment", "StatefulSet", "DaemonSet", "Job", "ReplicaSet"})
@@ -34,6 +34,32 @@ _KUSTOMIZATION_FIELDS = frozenset({"apiVersion", "kind", "resources", "patches",
 
 def load_all(path: Path) -> list[Any]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def example_secrets() -> dict[tuple[str, str], str]:
+    """(Secret, key) -> the placeholder value secrets.example.yaml gives it."""
+    return {
+        (d["metadata"]["name"], key): value
+        for d in load_all(K8S / "secrets.example.yaml")
+        for key, value in d["stringData"].items()
+    }
+
+
+def with_password(url: str, password: str) -> str:
+    """A redis:// URL with its password replaced."""
+    parts = urlsplit(url)
+    netloc = f"{parts.username}:{password}@{parts.hostname}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+# What the operator puts in the Secrets (secrets.example.yaml names them): the store's URL
+# is the example's, with a password.
+K8S_SECRETS = {
+    ("vllm-upstream-key", "api-key"): UPSTREAM,
+    ("vllm-routing-store-url", "url"): with_password(
+        example_secrets()[("vllm-routing-store-url", "url")], STORE_PASSWORD
+    ),
+}
 
 
 def strategic_merge(base: Any, patch: Any) -> Any:

@@ -32,6 +32,7 @@ from gateway.config import Settings, load_settings
 from tests.deploy.manifests import (
     DEPLOY,
     K8S,
+    STORE_PASSWORD,
     UPSTREAM,
     flag_values,
     k8s_env,
@@ -57,8 +58,9 @@ CLIENT_KEY = "sk-deploy-test-0123456789abcdef"
 # What the operator supplies through deploy/.env (compose) or Secrets (Kubernetes).
 COMPOSE_VARS = {"UPSTREAM_API_KEY": UPSTREAM}
 VARIANTS = ("compose", "k8s-base", "k8s-passthrough")
-# Where a gateway is configured: the stack's variants and the routing tier's gateways.
-GATEWAY_VARIANTS = (*VARIANTS, "k8s-routing-tier")
+# Where a gateway is configured: the stack's variants and the routing tier's gateways,
+# without and with the shared placement store.
+GATEWAY_VARIANTS = (*VARIANTS, "k8s-routing-tier", "k8s-routing-tier-store")
 # Where a vLLM runs: (variant, workload) for the Kubernetes ones.
 ENGINES = (
     ("compose", None),
@@ -248,7 +250,14 @@ def test_gateway_env_loads_as_settings(
     assert s.api_keys_file is not None and s.api_keys == []
     assert not s.allow_unauthenticated and not s.public_metrics
     # The sidecar's own engine; the routing tier's two models' headless Services.
-    assert len(s.engines) == (2 if variant == "k8s-routing-tier" else 1)
+    assert len(s.engines) == (2 if variant.startswith("k8s-routing-tier") else 1)
+    # The store's URL, password included, from its Secret; only with the store.
+    store_url = s.routing.store_url
+    if variant == "k8s-routing-tier-store":
+        assert store_url is not None and STORE_PASSWORD in store_url.get_secret_value()
+        assert STORE_PASSWORD not in repr(s)
+    else:
+        assert store_url is None
     expected = "passthrough" if variant == "k8s-passthrough" else "inline"
     assert s.media.mode == expected
     assert s.media.allowed_schemes == ["https"]
@@ -265,6 +274,9 @@ def test_check_config_accepts_the_deploy_env(variant: str, tmp_path: Path) -> No
     # Masked by the settings' own dump (SecretStr), since check-config prints it as is.
     assert data["upstream_api_key"] == "**********"
     assert UPSTREAM not in r.stdout + r.stderr
+    assert STORE_PASSWORD not in r.stdout + r.stderr
+    if variant == "k8s-routing-tier-store":
+        assert data["routing"]["store_url"] == "**********"
 
 
 def test_compose_env_fails_without_the_upstream_key() -> None:

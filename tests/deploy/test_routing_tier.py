@@ -1,22 +1,25 @@
 """deploy/k8s: every rendered manifest against the Kubernetes schemas, and the routing
-tier's security and wiring.
+tier's security and wiring, with and without its shared placement store.
 
-Each property is a check over a whole render (`check_*`), run on the three layouts, and
-run again on renders broken one way each (`BREAKAGES`): a check that passed a broken
+Each property is a check over a whole render (`check_*`), run on the layouts, and run
+again on renders broken one way each (`BREAKAGES`): a check that passed a broken
 manifest would fail test_each_check_catches_its_breakage. The routing tier's gateway is
 also run as a process in front of simulated engines started from the engine manifests,
-discovering them by `dns+http://` as it would the headless Services.
+discovering them by `dns+http://` as it would the headless Services (with a real Redis
+for the store: tests/store/test_routing_tier_store.py).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
+from urllib.parse import urlsplit
 
 import kubernetes_validate
 import pytest
@@ -25,11 +28,14 @@ from kubernetes_validate.utils import all_versions
 
 from bench.stack import HTTP
 from gateway.routing.dns import DnsEntry, is_dns_entry
+from gateway.routing.settings import RoutingSettings
 from tests.deploy.manifests import (
     K8S,
+    K8S_SECRETS,
     LAYOUTS,
     UPSTREAM,
     containers,
+    example_secrets,
     flag_values,
     k8s_env,
     load_all,
@@ -45,11 +51,15 @@ from tests.procs import Proc, gateway_proc, run_cli, running, sim_proc, wait_for
 
 Docs = list[dict[str, Any]]
 TIER = "routing-tier"
+STORE = "routing-tier-store"
+# The routing tier alone and with its shared placement store: every tier check holds in both.
+TIERS = (TIER, STORE)
 CLIENT_KEY = "sk-routing-tier-test-0123456789abcdef"
 # The oldest and the newest Kubernetes the validator bundles schemas for.
 K8S_VERSIONS = (all_versions()[0], all_versions()[-1])
 ENGINE_PORT = 8000
 GATEWAY_PORT = 8080
+STORE_PORT = 6379
 
 
 # --- reading a render ------------------------------------------------------------------
@@ -79,6 +89,14 @@ def gateway_containers(docs: Docs) -> Iterator[tuple[dict[str, Any], dict[str, A
         spec = pod_template(w)["spec"]
         for c in containers(spec):
             if c["image"].startswith("vllm-gateway:"):
+                yield spec, c
+
+
+def store_containers(docs: Docs) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    for w in workloads(docs):
+        spec = pod_template(w)["spec"]
+        for c in containers(spec):
+            if c["image"].startswith("redis:"):
                 yield spec, c
 
 
@@ -327,7 +345,9 @@ def check_gateway_scaling(docs: Docs) -> None:
         0 < pdb["spec"].get("minAvailable", 0) < hpa["spec"]["minReplicas"]
     )
     # The Service clients use sends to the gateways only, on their port.
-    (service,) = [s for s in of_kind(docs, "Service") if s["spec"].get("clusterIP") != "None"]
+    (service,) = [s for s in of_kind(docs, "Service")
+                  if s["spec"].get("clusterIP") != "None"
+                  and selects({"matchLabels": s["spec"]["selector"]}, labels)]  # fmt: skip
     assert selects({"matchLabels": service["spec"]["selector"]}, labels)
     assert not any(selects({"matchLabels": service["spec"]["selector"]}, o) for o in others)
     (c,) = pod_template(gateway)["spec"]["containers"]
@@ -350,6 +370,226 @@ def check_namespace_is_restricted(docs: Docs) -> None:
     assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
     name = ns["metadata"]["name"]
     assert all(d["metadata"]["namespace"] == name for d in docs if d is not ns)
+
+
+# --- the shared placement store (routing-tier-store) -----------------------------------------
+
+# An exact release (`name:1.2.3`, `v1.2.3`, with a `-variant`), never `latest` or a floating
+# `7.4-alpine`, which change under the same manifest.
+IMAGE_TAG = re.compile(r"^[\w./-]+:v?\d+\.\d+\.\d+(-[\w.]+)?$")
+STORE_IMAGE = re.compile(r"^redis:(\d+)\.(\d+)\.(\d+)-alpine$")
+# 7.4.9 fixed CVE-2026-23631 (a Lua use-after-free) and CVE-2026-23479; the gateway user
+# runs Lua scripts.
+STORE_OLDEST = (7, 4, 9)
+# What the placement script needs (gateway/routing/store.py): EVALSHA, and SCRIPT LOAD when
+# Redis does not know the script yet; inside it TIME, HMGET, HSET and PEXPIRE. PING: the
+# probes, and a client checking its connection.
+STORE_COMMANDS = {"evalsha", "script|load", "time", "hmget", "hset", "pexpire", "ping"}
+URL_WITH_PASSWORD = re.compile(r"rediss?://[^\s/@]*:[^\s/@]+@")
+# requirepass and masterauth, an ACL clear password (`>secret`) or a digest (`#<sha256>`).
+PASSWORD_TEXT = re.compile(r"requirepass|masterauth|(^|\s)>\S|#[0-9a-f]{64}")
+_REDIS_UNITS = {"kb": 1024, "mb": 1024**2, "gb": 1024**3}
+_K8S_UNITS = {"Ki": 1024, "Mi": 1024**2, "Gi": 1024**3}
+
+
+def redis_options(args: list[str]) -> dict[str, list[str]]:
+    """redis-server's `--name value...` arguments, by name."""
+    options: dict[str, list[str]] = {}
+    name = None
+    for a in args:
+        if a.startswith("--"):
+            name = a.removeprefix("--")
+            assert name not in options, f"--{name} given twice"
+            options[name] = []
+        else:
+            assert name is not None, f"a value before any option: {a!r}"
+            options[name].append(a)
+    return options
+
+
+def _bytes(size: str, units: dict[str, int]) -> int:
+    for unit, factor in units.items():
+        if size.endswith(unit):
+            return int(size.removesuffix(unit)) * factor
+    return int(size)
+
+
+def store_users_ref(docs: Docs) -> tuple[str, str]:
+    """(Secret, key) the store reads its users from: its --aclfile, on a Secret volume."""
+    ((spec, c),) = store_containers(docs)
+    (aclfile,) = redis_options(c["args"])["aclfile"]
+    found = [v for m, (v, _) in mounts(spec, c).items()
+             if PurePosixPath(aclfile).parent == PurePosixPath(m)]  # fmt: skip
+    assert found, f"--aclfile {aclfile} is not a file of a mounted volume"
+    (volume,) = found
+    assert "secret" in volume, f"--aclfile {aclfile} is not on a Secret volume"
+    return volume["secret"]["secretName"], PurePosixPath(aclfile).name
+
+
+def check_images_pinned(docs: Docs) -> None:
+    for w in workloads(docs):
+        for c in containers(pod_template(w)["spec"]):
+            assert IMAGE_TAG.match(c["image"]), f"{w['metadata']['name']}: {c['image']}"
+
+
+def check_store(docs: Docs) -> None:
+    """One Redis, in memory only, bounded below its memory limit, probed with PING, its
+    users read from a read-only Secret file and no password in its arguments or
+    environment."""
+    (store,) = by_role(docs, "store")
+    assert store["kind"] == "Deployment" and store["spec"]["replicas"] == 1
+    # A rolling update would run the old and the new store side by side.
+    assert store["spec"]["strategy"] == {"type": "Recreate"}
+    spec = pod_template(store)["spec"]
+    (c,) = spec["containers"]
+    version = STORE_IMAGE.match(c["image"])
+    assert version and tuple(map(int, version.groups())) >= STORE_OLDEST, c["image"]
+    assert c["command"] == ["redis-server"]
+    opts = redis_options(c["args"])
+    assert opts["port"] == [str(STORE_PORT)] and container_port(c, "redis") == STORE_PORT
+    assert opts["save"] == [""] and opts["appendonly"] == ["no"], "persistence is on"
+    assert not {"requirepass", "masterauth", "masteruser", "include"} & set(opts)
+    assert "env" not in c and "envFrom" not in c, "a variable could carry a password in"
+    secret, key = store_users_ref(docs)
+    assert (secret, key) in example_secrets()
+    _, read_only = volume_under(spec, c, opts["aclfile"][0])
+    assert read_only, "the users file is writable"
+    assert opts["maxmemory-policy"] in (["allkeys-lru"], ["volatile-lru"])
+    limit = _bytes(c["resources"]["limits"]["memory"], _K8S_UNITS)
+    assert _bytes(opts["maxmemory"][0], _REDIS_UNITS) <= limit // 2, "evicts too late"
+    assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert c[probe]["exec"]["command"] == ["redis-cli", "-p", str(STORE_PORT), "ping"]
+        assert c[probe]["timeoutSeconds"] >= 1, probe
+
+
+def check_store_fence(docs: Docs) -> None:
+    """Every policy that selects the store admits only the gateway pods, on its port, and
+    lets it send nothing; the gateways may reach it."""
+    gateways, stores = pod_labels(docs, "gateway"), pod_labels(docs, "store")
+    others = [pod_template(w)["metadata"]["labels"] for w in workloads(docs)
+              if role(w) != "gateway"]  # fmt: skip
+    assert gateways and stores
+    for labels in stores:
+        policies = policies_selecting(docs, labels)
+        assert policies, f"no NetworkPolicy selects store pods {labels}"
+        for p in policies:
+            spec = p["spec"]
+            assert set(spec["policyTypes"]) == {"Ingress", "Egress"}, p["metadata"]["name"]
+            assert spec.get("egress", []) == [], "the store sends nothing"
+            assert spec["ingress"], "no ingress rule: nobody, not even the gateways"
+            for rule in spec["ingress"]:
+                assert rule.get("from"), "a rule admits every source"
+                for peer in rule["from"]:
+                    assert set(peer) == {"podSelector"}, peer
+                    assert any(selects(peer["podSelector"], g) for g in gateways)
+                    assert not any(selects(peer["podSelector"], o) for o in others)
+                assert rule.get("ports") == [{"protocol": "TCP", "port": STORE_PORT}]
+    for labels in gateways:
+        egress = [r for p in policies_selecting(docs, labels) for r in p["spec"].get("egress", [])]
+        to_store = [
+            r
+            for r in egress
+            if any("podSelector" in t and all(selects(t["podSelector"], s) for s in stores)
+                   for t in r.get("to", []))
+        ]  # fmt: skip
+        assert to_store, "the gateways' policies do not let them reach the store"
+        assert any({"protocol": "TCP", "port": STORE_PORT} in r.get("ports", []) for r in to_store)
+
+
+def check_store_users(acl: str, user: str, prefix: str) -> None:
+    """The store's ACL file: the gateways' user by a password digest only, on the gateways'
+    keys only, with the placement script's commands only; without a password, PING only."""
+    users: dict[str, list[str]] = {}
+    for line in filter(str.strip, acl.splitlines()):
+        word, name, *rules = line.split()
+        assert word == "user" and name not in users, line
+        users[name] = rules
+    assert set(users) == {"default", user}, sorted(users)
+    for name, rules in users.items():
+        # Commands granted before -@all would be taken away again: -@all comes first.
+        grants = [i for i, r in enumerate(rules) if r.startswith("+")]
+        assert "on" in rules and "-@all" in rules, name
+        assert all(rules.index("-@all") < i for i in grants), name
+        for r in rules:
+            assert r[0] not in "><", f"{name}: a clear password"
+            assert r in ("on", "nopass", "resetchannels", "-@all") or r[0] in "#+~", (name, r)
+        commands = {r.removeprefix("+").lower() for r in rules if r.startswith("+")}
+        keys = [r for r in rules if r.startswith("~")]
+        digests = [r for r in rules if r.startswith("#")]
+        if name == "default":
+            assert commands == {"ping"} and keys == [] and digests == [], rules
+        else:
+            assert commands == STORE_COMMANDS and keys == [f"~{prefix}:*"], rules
+            assert len(digests) == 1 and "nopass" not in rules, rules
+
+
+def check_store_url(docs: Docs) -> None:
+    """The gateways read the store's URL, password included, from a Secret key of the
+    example. It names the store's Service by its cluster name, on its port, as a user the
+    store's ACL file (the example's) lets run the placement script on the gateways' keys."""
+    found = list(gateway_containers(docs))
+    assert found
+    for _, c in found:
+        ref = secret_ref(c, "GATEWAY_ROUTING__STORE_URL")
+        assert ref, f"{c['name']}: GATEWAY_ROUTING__STORE_URL not from a Secret"
+        assert ref in example_secrets() and ref in K8S_SECRETS, ref
+        env = k8s_env(c)
+        url = urlsplit(env["GATEWAY_ROUTING__STORE_URL"])
+        assert url.scheme == "redis" and url.username and url.password and url.path == "/0"
+        service, namespace, *suffix = str(url.hostname).split(".")
+        assert suffix == ["svc", "cluster", "local"], url.hostname
+        svcs = [s for s in of_kind(docs, "Service") if s["metadata"]["name"] == service]
+        assert len(svcs) == 1, f"no Service {service} for the store's URL"
+        svc = svcs[0]
+        assert svc["metadata"]["namespace"] == namespace and svc["spec"].get("clusterIP") != "None"
+        (port,) = svc["spec"]["ports"]
+        assert port["port"] == url.port, "the URL's port is not the Service's"
+        behind = [w for w in by_role(docs, "store")
+                  if selects({"matchLabels": svc["spec"]["selector"]},
+                             pod_template(w)["metadata"]["labels"])]  # fmt: skip
+        assert len(behind) == 1, f"{service} does not select the store"
+        (store_c,) = pod_template(behind[0])["spec"]["containers"]
+        assert container_port(store_c, port["targetPort"]) == STORE_PORT
+        prefix = env.get(
+            "GATEWAY_ROUTING__STORE_PREFIX", RoutingSettings.model_fields["store_prefix"].default
+        )
+        check_store_users(example_secrets()[store_users_ref(docs)], url.username, prefix)
+
+
+def _strings(node: Any) -> Iterator[str]:
+    if isinstance(node, str):
+        yield node
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            yield str(k)
+            yield from _strings(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _strings(v)
+
+
+def check_no_password_literal(docs: Docs) -> None:
+    """No manifest holds a password (or a digest of one): no URL with a password, no
+    requirepass, no ACL rule; a variable named for a password, an auth token or the
+    store's URL comes from a Secret."""
+    for doc in docs:
+        where = f"{doc['kind']}/{doc['metadata']['name']}"
+        for text in _strings(doc):
+            assert not URL_WITH_PASSWORD.search(text), f"{where}: a URL with a password"
+            assert not PASSWORD_TEXT.search(text), f"{where}: {text[:60]!r}"
+    for w in workloads(docs):
+        for c in containers(pod_template(w)["spec"]):
+            for e in c.get("env", []):
+                if re.search(r"PASS|AUTH|SECRET|TOKEN|_KEY$|STORE_URL", e["name"]):
+                    assert "secretKeyRef" in e.get("valueFrom", {}), (c["name"], e["name"])
+
+
+STORE_CHECKS: dict[str, Callable[[Docs], None]] = {
+    "store": check_store,
+    "store_fence": check_store_fence,
+    "store_url": check_store_url,
+}
 
 
 TIER_CHECKS: dict[str, Callable[[Docs], None]] = {
@@ -417,9 +657,25 @@ def test_engines_and_gateways_share_one_upstream_key(layout: str) -> None:
     check_upstream_key(render(layout))
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_image_is_an_exact_release(layout: str) -> None:
+    check_images_pinned(render(layout))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_no_manifest_holds_a_password(layout: str) -> None:
+    check_no_password_literal(render(layout))
+
+
 @pytest.mark.parametrize("check", TIER_CHECKS)
-def test_routing_tier(check: str) -> None:
-    TIER_CHECKS[check](render(TIER))
+@pytest.mark.parametrize("layout", TIERS)
+def test_routing_tier(layout: str, check: str) -> None:
+    TIER_CHECKS[check](render(layout))
+
+
+@pytest.mark.parametrize("check", STORE_CHECKS)
+def test_routing_tier_store(check: str) -> None:
+    STORE_CHECKS[check](render(STORE))
 
 
 def test_routing_tier_inventory() -> None:
@@ -446,6 +702,66 @@ def test_routing_tier_inventory() -> None:
     assert named(docs, "PersistentVolumeClaim", "vllm-models")["spec"]["accessModes"] == [
         "ReadWriteMany"
     ]
+
+
+def test_routing_tier_store_inventory() -> None:
+    """The overlay adds the store, its Service, its policy and the gateways' way to it,
+    and changes nothing of the tier but the gateways' store URL."""
+    docs, tier = render(STORE), render(TIER)
+
+    def key(d: dict[str, Any]) -> tuple[str, str]:
+        return d["kind"], d["metadata"]["name"]
+
+    added = sorted({key(d) for d in docs} - {key(d) for d in tier})
+    assert added == [
+        ("Deployment", "routing-store"),
+        ("NetworkPolicy", "routing-store"),
+        ("NetworkPolicy", "vllm-gateway-store"),
+        ("Service", "routing-store"),
+    ]
+    assert {key(d) for d in tier} <= {key(d) for d in docs}
+    gateway = _container(docs, "vllm-gateway", "gateway")
+    gateway["env"] = [e for e in gateway["env"] if e["name"] != "GATEWAY_ROUTING__STORE_URL"]
+    kept = sorted((d for d in docs if key(d) not in added), key=key)
+    assert kept == sorted(tier, key=key)
+
+
+def test_store_users_example() -> None:
+    """The example ACL, for the example URL's user and the gateways' default prefix."""
+    user = urlsplit(example_secrets()[("vllm-routing-store-url", "url")]).username
+    assert user is not None
+    check_store_users(example_secrets()[store_users_ref(render(STORE))], user, "vllm-gateway")
+
+
+def _acl() -> str:
+    return example_secrets()[("vllm-routing-store-users", "users.acl")]
+
+
+# How the store's ACL file is broken; each must make check_store_users fail.
+ACL_BREAKAGES: dict[str, Callable[[str], str]] = {
+    "a clear password": lambda a: re.sub(r"#\S+", ">store-password", a),
+    "a clear password besides the digest": lambda a: a.replace(" ~", " >pw ~"),
+    "the gateways on every key": lambda a: a.replace("~vllm-gateway:*", "~*"),
+    "the gateways on another prefix": lambda a: a.replace("~vllm-gateway:*", "~other:*"),
+    "the gateways may CONFIG": lambda a: a.replace("+pexpire", "+pexpire +config"),
+    "the gateways run every command": lambda a: a.replace("-@all +evalsha", "+@all"),
+    "a grant that -@all takes back": lambda a: a.replace("-@all +evalsha", "+evalsha -@all"),
+    "the gateways cannot load the script": lambda a: a.replace(" +script|load", ""),
+    "the gateways without a password": lambda a: re.sub(r"#\S+", "nopass", a),
+    "default may GET": lambda a: a.replace("-@all +ping\n", "-@all +ping +get\n", 1),
+    "default on every channel": lambda a: a.replace("resetchannels", "&*", 1),
+    "another user": lambda a: a + "user admin on #" + "0" * 64 + " +@all ~*\n",
+    "the gateways' user renamed": lambda a: a.replace("user gateway", "user gateways"),
+}
+
+
+@pytest.mark.parametrize("case", ACL_BREAKAGES)
+def test_store_users_check_catches_its_breakage(case: str) -> None:
+    check_store_users(_acl(), "gateway", "vllm-gateway")  # passes as shipped
+    broken = ACL_BREAKAGES[case](_acl())
+    assert broken != _acl()
+    with pytest.raises(AssertionError):
+        check_store_users(broken, "gateway", "vllm-gateway")
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
@@ -487,6 +803,20 @@ def _set_env(c: dict[str, Any], name: str, value: str) -> None:
     e.update({"name": name, "value": value})
 
 
+def _store(docs: Docs) -> dict[str, Any]:
+    return _container(docs, "routing-store", "redis")
+
+
+def _store_arg(docs: Docs, option: str, value: str) -> None:
+    args = _store(docs)["args"]
+    args[args.index(option) + 1] = value
+
+
+def _store_policy(docs: Docs) -> dict[str, Any]:
+    spec: dict[str, Any] = named(docs, "NetworkPolicy", "routing-store")["spec"]
+    return spec
+
+
 def _engine_policy(docs: Docs) -> dict[str, Any]:
     spec: dict[str, Any] = named(docs, "NetworkPolicy", "engines")["spec"]
     return spec
@@ -497,6 +827,7 @@ def _gateway_engines(docs: Docs, entries: list[str]) -> None:
 
 
 CHAT = "dns+http://engine-chat.vllm-gateway.svc.cluster.local:8000"
+STORE_URL = K8S_SECRETS[("vllm-routing-store-url", "url")]
 EMBED = "dns+http://engine-embed.vllm-gateway.svc.cluster.local:8000"
 
 # (layout, check, how the render is broken). Each must make its check fail.
@@ -594,6 +925,106 @@ BREAKAGES: dict[str, tuple[str, Callable[[Docs], None], Callable[[Docs], None]]]
     "namespace not restricted": (TIER, check_namespace_is_restricted,
         lambda d: of_kind(d, "Namespace")[0]["metadata"]["labels"].update(
             {"pod-security.kubernetes.io/enforce": "baseline"})),
+    "store out of the namespace": (STORE, check_namespace_is_restricted,
+        lambda d: named(d, "Deployment", "routing-store")["metadata"].update(namespace="default")),
+    "gateway image latest": (TIER, check_images_pinned,
+        lambda d: _container(d, "vllm-gateway", "gateway").update(image="vllm-gateway:latest")),
+    "store image by a floating tag": (STORE, check_images_pinned,
+        lambda d: _store(d).update(image="redis:7.4-alpine")),
+    "store: schema, unknown field": (STORE, lambda d: check_schemas(d, K8S_VERSIONS[0]),
+        lambda d: _store(d)["securityContext"].update(readOnlyRootFilesysten=True)),
+    "store runs as root": (STORE, check_non_root,
+        lambda d: (_store(d)["securityContext"].update(runAsUser=0))),
+    "store writable root": (STORE, check_non_root,
+        lambda d: _store(d)["securityContext"].update(readOnlyRootFilesystem=False)),
+    "store keeps a capability": (STORE, check_non_root,
+        lambda d: _store(d)["securityContext"].update(capabilities={"drop": ["NET_RAW"]})),
+    "store gets the API token": (STORE, check_non_root,
+        lambda d: _pod(d, "routing-store").update(automountServiceAccountToken=True)),
+    "store older than the Lua fix": (STORE, check_store,
+        lambda d: _store(d).update(image="redis:7.4.8-alpine")),
+    "two stores": (STORE, check_store,
+        lambda d: named(d, "Deployment", "routing-store")["spec"].update(replicas=2)),
+    "store in a rolling update": (STORE, check_store,
+        lambda d: named(d, "Deployment", "routing-store")["spec"].update(
+            strategy={"type": "RollingUpdate"})),
+    "store appends to a file": (STORE, check_store,
+        lambda d: _store_arg(d, "--appendonly", "yes")),
+    "store saves snapshots": (STORE, check_store,
+        lambda d: _store_arg(d, "--save", "3600 1")),
+    "store password on the command line": (STORE, check_store,
+        lambda d: _store(d)["args"].extend(["--requirepass", "x"])),
+    "store password in a variable": (STORE, check_store,
+        lambda d: _store(d).update(env=[{"name": "REDIS_PASSWORD", "value": "x"}])),
+    "store users on the root filesystem": (STORE, check_store,
+        lambda d: _store_arg(d, "--aclfile", "/etc/redis.acl")),
+    "store users mounted writable": (STORE, check_store,
+        lambda d: [m.pop("readOnly") for m in _store(d)["volumeMounts"] if m["name"] == "users"]),
+    "store users from a Secret the example lacks": (STORE, check_store,
+        lambda d: _pod(d, "routing-store")["volumes"][0]["secret"].update(secretName="other")),
+    "store evicts past its limit": (STORE, check_store,
+        lambda d: _store_arg(d, "--maxmemory", "1gb")),
+    "store never evicts": (STORE, check_store,
+        lambda d: _store_arg(d, "--maxmemory-policy", "noeviction")),
+    "store probe on another port": (STORE, check_store,
+        lambda d: _store(d)["livenessProbe"]["exec"]["command"].__setitem__(2, "6380")),
+    "store ingress from the engines": (STORE, check_store_fence,
+        lambda d: _store_policy(d)["ingress"][0]["from"].append(
+            {"podSelector": {"matchLabels": {"app.kubernetes.io/component": "engine"}}})),
+    "store ingress from any namespace": (STORE, check_store_fence,
+        lambda d: _store_policy(d)["ingress"][0]["from"].append({"namespaceSelector": {}})),
+    "store ingress rule without from": (STORE, check_store_fence,
+        lambda d: _store_policy(d)["ingress"][0].pop("from")),
+    "store ingress on another port": (STORE, check_store_fence,
+        lambda d: _store_policy(d)["ingress"][0]["ports"][0].update(port=6380)),
+    "store egress allowed": (STORE, check_store_fence,
+        lambda d: _store_policy(d).update(egress=[{}])),
+    "store policy selects nothing": (STORE, check_store_fence,
+        lambda d: _store_policy(d)["podSelector"]["matchLabels"].update(
+            {"app.kubernetes.io/component": "redis"})),
+    "a second policy opens the store": (STORE, check_store_fence,
+        lambda d: d.append({"kind": "NetworkPolicy", "metadata": {"name": "open"},
+                            "spec": {"podSelector": {}, "policyTypes": ["Ingress"],
+                                     "ingress": [{}]}})),
+    "gateways cannot reach the store": (STORE, check_store_fence,
+        lambda d: d.remove(named(d, "NetworkPolicy", "vllm-gateway-store"))),
+    "gateways reach the store on another port": (STORE, check_store_fence,
+        lambda d: named(d, "NetworkPolicy", "vllm-gateway-store")["spec"]["egress"][0][
+            "ports"][0].update(port=6380)),
+    "store URL unset": (STORE, check_store_url,
+        lambda d: _container(d, "vllm-gateway", "gateway")["env"].remove(
+            env_var(_container(d, "vllm-gateway", "gateway"), "GATEWAY_ROUTING__STORE_URL"))),
+    "store URL written inline": (STORE, check_store_url,
+        lambda d: _set_env(_container(d, "vllm-gateway", "gateway"), "GATEWAY_ROUTING__STORE_URL",
+                           STORE_URL)),
+    "store URL from a Secret the example lacks": (STORE, check_store_url,
+        lambda d: env_var(_container(d, "vllm-gateway", "gateway"), "GATEWAY_ROUTING__STORE_URL")
+        ["valueFrom"]["secretKeyRef"].update(name="other-url")),
+    "store URL names a missing Service": (STORE, check_store_url,
+        lambda d: named(d, "Service", "routing-store")["metadata"].update(name="redis")),
+    "store Service on another port": (STORE, check_store_url,
+        lambda d: named(d, "Service", "routing-store")["spec"]["ports"][0].update(port=6380)),
+    "store Service headless": (STORE, check_store_url,
+        lambda d: named(d, "Service", "routing-store")["spec"].update(clusterIP="None")),
+    "store Service selects the gateways": (STORE, check_store_url,
+        lambda d: named(d, "Service", "routing-store")["spec"]["selector"].update(
+            {"app.kubernetes.io/component": "gateway"})),
+    "gateways on another key prefix": (STORE, check_store_url,
+        lambda d: _container(d, "vllm-gateway", "gateway")["env"].append(
+            {"name": "GATEWAY_ROUTING__STORE_PREFIX", "value": "tier-a"})),
+    "literal: requirepass": (STORE, check_no_password_literal,
+        lambda d: _store(d)["args"].extend(["--requirepass", "x"])),
+    "literal: the store URL inline": (STORE, check_no_password_literal,
+        lambda d: _set_env(_container(d, "vllm-gateway", "gateway"), "GATEWAY_ROUTING__STORE_URL",
+                           STORE_URL)),
+    "literal: a password variable": (STORE, check_no_password_literal,
+        lambda d: _store(d).update(env=[{"name": "REDISCLI_AUTH", "value": "x"}])),
+    "literal: an ACL in a ConfigMap": (STORE, check_no_password_literal,
+        lambda d: d.append({"kind": "ConfigMap", "metadata": {"name": "users"},
+                            "data": {"users.acl": "user gateway on #" + "ab" * 32 + " ~*"}})),
+    "literal: a URL with a password in args": ("base", check_no_password_literal,
+        lambda d: _container(d, "vllm-gateway", "gateway").update(
+            args=["--config", "redis://:pw@store:6379/0"])),
 }  # fmt: skip
 
 
