@@ -74,6 +74,15 @@ class _Collect:
         self.complete = False
         self.keep_alive = True
         self.now = 0
+        self.parser: httptools.HttpResponseParser | None = None
+
+    def on_headers_complete(self) -> None:
+        # Asked here, while the message is parsed: once it is complete the parser is
+        # reset for the next one and says "not keep-alive" for every answer, which made
+        # this client open a new connection for every request (every target, so every
+        # 1-connection figure carried a connect and an accept per request).
+        if self.parser is not None:
+            self.keep_alive = self.parser.should_keep_alive()
 
     def on_body(self, data: bytes) -> None:
         self.body.append(data)
@@ -110,7 +119,7 @@ class KeepAliveClient:
     def send(self, raw: bytes) -> Response:
         sock = self._sock or self._connect()
         collect = _Collect()
-        parser = httptools.HttpResponseParser(collect)
+        parser = collect.parser = httptools.HttpResponseParser(collect)
         started = time.perf_counter_ns()
         try:
             sock.sendall(raw)
@@ -124,7 +133,7 @@ class KeepAliveClient:
             self.close()
             raise
         done = time.perf_counter_ns()
-        if not parser.should_keep_alive():
+        if not collect.keep_alive:
             self.close()
         return Response(
             parser.get_status_code(), b"".join(collect.body), collect.pieces, started, done

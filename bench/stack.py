@@ -361,9 +361,11 @@ class Fleet:
         name: str = "gateway",
         pin: bool = True,
         tree: Path | None = None,
+        wrap: Sequence[str] = (),
+        timeout: float = 60.0,
     ) -> Server:
         """The gateway in front of `engines`; with `tree`, the gateway package of that
-        checkout instead of this one's."""
+        checkout instead of this one's; `wrap` runs it under a tool (e.g. valgrind)."""
         port = free_port()
         args = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1"]
         if tree is not None:
@@ -383,11 +385,11 @@ class Fleet:
         }
         log = self.workdir / f"{name}-{port}.log"
         cpus = self.cpus.proxy if pin else None
-        server = Server(name, args, port, log, env=clean_env(settings), cpus=cpus)
+        server = Server(name, [*wrap, *args], port, log, env=clean_env(settings), cpus=cpus)
         # /readyz, not /healthz: ready means an engine is healthy and its models are
         # known (a request sent before that was refused, the model unknown, in a bench run).
         server.ready_path = "/readyz"
-        return self._start(server, timeout=60.0)
+        return self._start(server, timeout=timeout)
 
     def floor(self, engine: str, allocator: str = "gateway", name: str = "floor") -> Server:
         """bench/floor.py in front of `engine`, pinned as the gateway is."""
@@ -418,7 +420,12 @@ class Fleet:
         return self._start(server)
 
     def vllm_router(
-        self, engines: Sequence[str], policy: str = "round_robin", name: str = "vllm-router"
+        self,
+        engines: Sequence[str],
+        policy: str = "round_robin",
+        name: str = "vllm-router",
+        wrap: Sequence[str] = (),
+        timeout: float = 60.0,
     ) -> Server | None:
         """vllm-router (PyPI) in front of the engines, or None when it is not installed."""
         binary = Path(sys.executable).parent / "vllm-router"
@@ -431,9 +438,9 @@ class Fleet:
         # (another run) would make this one exit at start.
         args += ["--prometheus-port", str(free_port())]
         log = self.workdir / f"{name}-{port}.log"
-        server = Server(name, args, port, log, cpus=self.cpus.proxy)
+        server = Server(name, [*wrap, *args], port, log, cpus=self.cpus.proxy)
         server.ready_path = "/health"
-        return self._start(server, timeout=60.0)
+        return self._start(server, timeout=timeout)
 
 
 # One worker on one core, upstream keep-alive (without it every request opens a new

@@ -81,10 +81,9 @@ async def read_body(
     The pace is kept by the guard's sweep (gateway/connections.py), not by a timer: the
     body's due time is a dict entry, moved as each chunk arrives; a body late by it is
     cancelled by the sweep, within its interval."""
-    loop = asyncio.get_running_loop()
-    task = asyncio.current_task()
+    loop = guard.running_loop()
+    task = asyncio.current_task(loop)
     assert task is not None
-    guard.start(loop)
     pace = guard.body_pace
     bodies = guard.bodies
     start = loop.time()

@@ -133,22 +133,19 @@ class Relay:
             return
 
         await send({"type": "http.response.start", "status": resp.status, "headers": out_headers})
-        loop = asyncio.get_running_loop()
+        idle = self.idle
         # The answer's last bytes, where the engine reports its usage (gateway/usage.py).
         tail = Tail()
         try:
-            async with asyncio.timeout(self.idle) as deadline:
-                while True:
-                    chunk = await resp.readany()
-                    if not chunk:
-                        break
-                    ex.bytes_out += len(chunk)
-                    tail.add(chunk)
-                    # The deadline is the engine's: paused while a slow client reads.
-                    deadline.reschedule(None)
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    deadline.reschedule(loop.time() + self.idle)
-        except (UpstreamError, TimeoutError) as exc:
+            while True:
+                # The limit is the engine's silence: not counted while a slow client reads.
+                chunk = await resp.readsome(idle)
+                if not chunk:
+                    break
+                ex.bytes_out += len(chunk)
+                tail.add(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except UpstreamError as exc:
             error = gateway_error(exc, answering=True)
             ex.code = error.code
             log.warning("upstream_broken", request_id=ex.request_id, engine=ex.engine)

@@ -99,6 +99,11 @@ class Response(Protocol):
         """The next bytes of the body, b"" at its end; raises ConnectionBroken."""
         ...
 
+    async def readsome(self, limit: float) -> bytes:
+        """`readany`, waiting at most `limit` seconds for the next bytes; raises
+        ReadTimeout or ConnectionBroken."""
+        ...
+
     def close(self) -> None:
         """Release the answer: its connection is reused only if it was read to the end."""
         ...
@@ -381,6 +386,19 @@ class UpstreamResponse:
         self._size = 0
         self._conn.resume()
         return chunk
+
+    async def readsome(self, limit: float) -> bytes:
+        """`readany`, waiting at most `limit` seconds for bytes (ReadTimeout): what is
+        bounded is the engine's silence, not the caller's time between calls. A plain
+        timer, and only when there is nothing to return yet: `asyncio.timeout`'s
+        reschedule per chunk cost a TimerHandle and a getpid() system call (strace)."""
+        if self._chunks or self.complete or self._error is not None:
+            return await self.readany()
+        handle = self._loop.call_later(limit, self._time_out, ReadTimeout)
+        try:
+            return await self.readany()
+        finally:
+            handle.cancel()
 
     async def read(self, limit: float) -> bytes:
         """The whole body (for bodies known to be small), within `limit` seconds."""

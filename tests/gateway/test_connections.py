@@ -715,3 +715,20 @@ def test_raw_response_is_the_rendered_error() -> None:
     assert b"connection: close" in lines
     assert f"content-length: {len(body)}".encode() in lines
     assert json.loads(body)["error"]["code"] == "headers_too_large"
+
+
+def test_the_body_reader_takes_the_loop_the_sweep_runs_on() -> None:
+    guard = _guard()
+    loops: list[asyncio.AbstractEventLoop] = []
+
+    async def scenario() -> None:
+        loops.append(asyncio.get_running_loop())
+        # Not started yet: started here, on the running loop, and kept.
+        assert guard.running_loop() is loops[-1]
+        assert guard.running_loop() is loops[-1]
+        guard.stop()
+
+    asyncio.run(scenario())
+    # Stopped, then used from another loop: it starts again there.
+    asyncio.run(scenario())
+    assert loops[0] is not loops[1]

@@ -33,6 +33,7 @@ from gateway.upstream import (
     ConnectFailed,
     ConnectionBroken,
     Origin,
+    ReadTimeout,
     ReconnectFailed,
     Response,
     Upstream,
@@ -216,6 +217,26 @@ async def test_an_answer_in_pieces() -> None:
         finally:
             await upstream.aclose()
     assert engine.connections == 1
+
+
+async def test_readsome_bounds_the_engines_silence_not_the_callers_time() -> None:
+    async def stall(engine: Engine, seen: Seen) -> Sequence[bytes]:
+        # One chunk, then nothing: the connection stays open, the body unfinished.
+        return [b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n"]
+
+    async with Engine(stall) as engine:
+        upstream = client()
+        try:
+            resp = await upstream.request(engine.origin(), "GET", "/x", [], None)
+            await asyncio.sleep(0.5)  # the caller's own time, longer than the limit
+            assert await resp.readsome(0.3) == b"abc"
+            started = time.monotonic()
+            with pytest.raises(ReadTimeout):
+                await resp.readsome(0.3)
+            assert 0.25 <= time.monotonic() - started < 5
+            resp.close()
+        finally:
+            await upstream.aclose()
 
 
 async def test_a_chunked_answer_is_joined_and_its_connection_reused() -> None:
