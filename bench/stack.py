@@ -230,8 +230,26 @@ def _stat_fields(pid: int) -> list[str] | None:
     return raw[raw.rindex(")") + 2 :].split()
 
 
-def process_tree(pid: int) -> list[int]:
-    """`pid` and all its descendants (uvicorn workers, nginx workers)."""
+def _children(pid: int) -> list[int] | None:
+    """`pid`'s children from its threads' `children` files (proc(5)), which read nothing
+    of other processes; None where the kernel has no such files."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    if not os.path.exists(f"/proc/{pid}/task/{pid}/children"):
+        return None
+    found: list[int] = []
+    for tid in tids:
+        try:
+            found += map(int, Path(f"/proc/{pid}/task/{tid}/children").read_text().split())
+        except OSError:
+            continue  # the thread ended meanwhile
+    return found
+
+
+def _children_by_scan() -> dict[int, list[int]]:
+    """Every process's children, from each /proc/<pid>/stat's parent field."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -239,11 +257,24 @@ def process_tree(pid: int) -> list[int]:
         fields = _stat_fields(int(entry.name))
         if fields is not None:
             children.setdefault(int(fields[1]), []).append(int(entry.name))
+    return children
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and all its descendants (uvicorn workers, nginx workers). Read from the
+    processes' own `children` files, not by scanning every process on the machine: the
+    soak samples it every second, and a scan reads hundreds of other processes' entries
+    while test suites run beside it."""
+    scanned: dict[int, list[int]] | None = None
     tree, todo = [], [pid]
     while todo:
         p = todo.pop()
         tree.append(p)
-        todo.extend(children.get(p, []))
+        kids = _children(p)
+        if kids is None:
+            scanned = scanned if scanned is not None else _children_by_scan()
+            kids = scanned.get(p, [])
+        todo.extend(kids)
     return tree
 
 
