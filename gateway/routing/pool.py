@@ -435,10 +435,8 @@ class EnginePool:
         """True when `verdict` is a timeout that leaves `engine` in rotation: it is
         healthy, has requests of this process in flight, and its checks have timed out
         for less than `routing.busy_grace` seconds in a row (logged once per run)."""
-        if verdict is None or verdict.reason != TIMEOUT or not engine.healthy:
-            engine.slow_since = None
-            return False
-        if engine.in_flight == 0:
+        timed_out = verdict is not None and verdict.reason == TIMEOUT
+        if not (timed_out and engine.healthy and engine.in_flight):
             engine.slow_since = None
             return False
         now = time.monotonic()
@@ -448,7 +446,7 @@ class EnginePool:
                 "engine_health_slow",
                 engine=engine.public_url,
                 in_flight=engine.in_flight,
-                detail=verdict.detail,
+                detail=verdict.detail if verdict is not None else None,
             )
         return now - engine.slow_since < self._settings.busy_grace
 

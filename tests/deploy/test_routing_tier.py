@@ -249,18 +249,20 @@ def check_engines_listen_on_the_pod_ip(docs: Docs) -> None:
             assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
 
 
-def check_engine_fence(docs: Docs) -> None:
-    """Every policy that selects an engine pod admits only the gateway pods, on the
-    engine's port, and lets the engine send nothing; the gateways may reach them."""
-    gateways, engines = pod_labels(docs, "gateway"), pod_labels(docs, "engine")
-    assert gateways and engines
-    for labels in engines:
+def check_fence(docs: Docs, component: str, port: int) -> None:
+    """Every policy that selects a `component` pod admits only the gateway pods, on
+    `port`, and lets the pod send nothing; the gateways' policies let them reach it."""
+    gateways, fenced = pod_labels(docs, "gateway"), pod_labels(docs, component)
+    others = [pod_template(w)["metadata"]["labels"] for w in workloads(docs)
+              if role(w) != "gateway"]  # fmt: skip
+    assert gateways and fenced
+    for labels in fenced:
         policies = policies_selecting(docs, labels)
-        assert policies, f"no NetworkPolicy selects engine pods {labels}"
+        assert policies, f"no NetworkPolicy selects {component} pods {labels}"
         for p in policies:
             spec = p["spec"]
             assert set(spec["policyTypes"]) == {"Ingress", "Egress"}, p["metadata"]["name"]
-            assert spec.get("egress", []) == [], "engines send nothing"
+            assert spec.get("egress", []) == [], f"{component} pods send nothing"
             assert spec["ingress"], "no ingress rule: nobody, not even the gateways"
             for rule in spec["ingress"]:
                 # A rule without `from` admits every source.
@@ -269,19 +271,23 @@ def check_engine_fence(docs: Docs) -> None:
                     # No namespaceSelector (other namespaces) and no ipBlock.
                     assert set(peer) == {"podSelector"}, peer
                     assert any(selects(peer["podSelector"], g) for g in gateways)
-                    assert not any(selects(peer["podSelector"], e) for e in engines)
-                assert rule.get("ports") == [{"protocol": "TCP", "port": ENGINE_PORT}]
-    # The gateways' own policy lets them reach the engines (else every request fails).
+                    assert not any(selects(peer["podSelector"], o) for o in others)
+                assert rule.get("ports") == [{"protocol": "TCP", "port": port}]
+    # The gateways' own policies let them reach the pods (else every request fails).
     for labels in gateways:
-        egress = [r for p in policies_selecting(docs, labels) for r in p["spec"]["egress"]]
-        to_engines = [
+        egress = [r for p in policies_selecting(docs, labels) for r in p["spec"].get("egress", [])]
+        reaching = [
             r
             for r in egress
-            if any("podSelector" in t and all(selects(t["podSelector"], e) for e in engines)
+            if any("podSelector" in t and all(selects(t["podSelector"], f) for f in fenced)
                    for t in r.get("to", []))
         ]  # fmt: skip
-        assert to_engines, "the gateways' policy does not let them reach the engines"
-        assert {"protocol": "TCP", "port": ENGINE_PORT} in to_engines[0]["ports"]
+        assert reaching, f"the gateways' policies do not let them reach the {component} pods"
+        assert any({"protocol": "TCP", "port": port} in r.get("ports", []) for r in reaching)
+
+
+def check_engine_fence(docs: Docs) -> None:
+    check_fence(docs, "engine", ENGINE_PORT)
 
 
 def dns_entries(docs: Docs) -> list[DnsEntry]:
@@ -464,37 +470,7 @@ def check_store(docs: Docs) -> None:
 
 
 def check_store_fence(docs: Docs) -> None:
-    """Every policy that selects the store admits only the gateway pods, on its port, and
-    lets it send nothing; the gateways may reach it."""
-    gateways, stores = pod_labels(docs, "gateway"), pod_labels(docs, "store")
-    others = [pod_template(w)["metadata"]["labels"] for w in workloads(docs)
-              if role(w) != "gateway"]  # fmt: skip
-    assert gateways and stores
-    for labels in stores:
-        policies = policies_selecting(docs, labels)
-        assert policies, f"no NetworkPolicy selects store pods {labels}"
-        for p in policies:
-            spec = p["spec"]
-            assert set(spec["policyTypes"]) == {"Ingress", "Egress"}, p["metadata"]["name"]
-            assert spec.get("egress", []) == [], "the store sends nothing"
-            assert spec["ingress"], "no ingress rule: nobody, not even the gateways"
-            for rule in spec["ingress"]:
-                assert rule.get("from"), "a rule admits every source"
-                for peer in rule["from"]:
-                    assert set(peer) == {"podSelector"}, peer
-                    assert any(selects(peer["podSelector"], g) for g in gateways)
-                    assert not any(selects(peer["podSelector"], o) for o in others)
-                assert rule.get("ports") == [{"protocol": "TCP", "port": STORE_PORT}]
-    for labels in gateways:
-        egress = [r for p in policies_selecting(docs, labels) for r in p["spec"].get("egress", [])]
-        to_store = [
-            r
-            for r in egress
-            if any("podSelector" in t and all(selects(t["podSelector"], s) for s in stores)
-                   for t in r.get("to", []))
-        ]  # fmt: skip
-        assert to_store, "the gateways' policies do not let them reach the store"
-        assert any({"protocol": "TCP", "port": STORE_PORT} in r.get("ports", []) for r in to_store)
+    check_fence(docs, "store", STORE_PORT)
 
 
 def check_store_users(acl: str, user: str, prefix: str) -> None:
