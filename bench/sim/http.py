@@ -7,6 +7,7 @@ against direct calls to it: FastAPI routing costs ~200-270 us of CPU per request
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -51,9 +52,14 @@ class Request:
         media_type = (self.header(b"content-type") or "").split(";", 1)[0].strip().lower()
         if media_type != "application/json":
             raise SimError(415, "Unsupported Media Type: Only 'application/json' is allowed")
+        # Python's json, as vLLM's FastAPI reads a body: it takes what orjson refuses (a
+        # BOM, UTF-16 and -32, lone surrogates, NaN, Infinity, 1e400) and reads integers
+        # past 64 bits as integers, so a test of the gateway against parser differences
+        # meets the engine's reading, not the gateway's own. (3 us more than orjson on a
+        # small chat, 0.45 ms on a 1.3 MB body: direct and proxied alike.)
         try:
-            data = orjson.loads(self.body)
-        except orjson.JSONDecodeError:
+            data = json.loads(self.body)
+        except ValueError:
             raise invalid_body("JSON decode error: the request body is not valid JSON") from None
         if not isinstance(data, dict):
             raise invalid_body("Input should be a valid dictionary or object")

@@ -279,6 +279,26 @@ def test_errors_use_vllm_shape(
     assert fragment in error["message"]
 
 
+_CHAT = '{"messages": [{"role": "user", "content": "hi %s"}], "max_tokens": 2%s}'
+# Bodies Python's json reads (as vLLM's FastAPI does) and orjson refuses.
+LENIENT = {
+    "utf-8 BOM": b"\xef\xbb\xbf" + (_CHAT % ("", "")).encode(),
+    "utf-16": (_CHAT % ("", "")).encode("utf-16"),
+    "NaN": (_CHAT % ("", ', "extra": NaN')).encode(),
+    "1e400": (_CHAT % ("", ', "extra": 1e400')).encode(),
+}
+
+
+@pytest.mark.parametrize("body", LENIENT.values(), ids=LENIENT.keys())
+def test_bodies_are_read_as_vllm_reads_them(client: httpx.Client, body: bytes) -> None:
+    with pytest.raises(orjson.JSONDecodeError):
+        orjson.loads(body)
+    r = client.post(
+        "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 200, r.text
+
+
 # --- counters, metrics, recorder --------------------------------------------------------
 
 
