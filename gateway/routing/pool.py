@@ -435,8 +435,11 @@ class EnginePool:
         """True when `verdict` is a timeout that leaves `engine` in rotation: it is
         healthy, has requests of this process in flight, and its checks have timed out
         for less than `routing.busy_grace` seconds in a row (logged once per run)."""
-        timed_out = verdict is not None and verdict.reason == TIMEOUT
-        if not (timed_out and engine.healthy and engine.in_flight):
+        if (
+            verdict is None
+            or verdict.reason != TIMEOUT
+            or not (engine.healthy and engine.in_flight)
+        ):
             engine.slow_since = None
             return False
         now = time.monotonic()
@@ -446,7 +449,7 @@ class EnginePool:
                 "engine_health_slow",
                 engine=engine.public_url,
                 in_flight=engine.in_flight,
-                detail=verdict.detail if verdict is not None else None,
+                detail=verdict.detail,
             )
         return now - engine.slow_since < self._settings.busy_grace
 

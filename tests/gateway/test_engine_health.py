@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -119,11 +119,11 @@ class Silent:
         self.sock.close()
 
 
-def health_lines(gateway: Proc) -> list[dict[str, Any]]:
+def health_lines(gateway: Proc, event: str = "engine_health") -> list[dict[str, Any]]:
     return [
         line
         for line in (json.loads(raw) for raw in gateway.log().splitlines() if raw.startswith("{"))
-        if line.get("event") == "engine_health"
+        if line.get("event") == event
     ]
 
 
@@ -282,35 +282,20 @@ def test_an_engine_that_needs_a_key_the_gateway_does_not_send(tmp_path: Path) ->
 
 
 def _slow_lines(gateway: Proc) -> list[dict[str, Any]]:
-    return [
-        line
-        for line in (json.loads(raw) for raw in gateway.log().splitlines() if raw.startswith("{"))
-        if line.get("event") == "engine_health_slow"
-    ]
-
-
-class _Poster(threading.Thread):
-    """Posts `body` to `url` with `key`; the answer's status lands in `status`."""
-
-    def __init__(self, url: str, key: str, body: bytes) -> None:
-        super().__init__(daemon=True)
-        self.url, self.key, self.body = url, key, body
-        self.status = 0
-
-    def run(self) -> None:
-        headers = {**auth(self.key), **JSON}
-        r = HTTP.post(self.url, content=self.body, headers=headers, timeout=60)
-        self.status = r.status_code
-
-
-def _held_chat(gateway: Proc, key: str, mib: int) -> _Poster:
-    """A chat with `mib` MiB of filler (the engine holds its loop for it), not started."""
-    head = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
-    body = json.dumps({**head, "metadata_filler": "x" * (mib << 20)}).encode()
-    return _Poster(gateway.url + "/v1/chat/completions", key, body)
+    return health_lines(gateway, "engine_health_slow")
 
 
 SMALL_CHAT = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _held_chat(pool: ThreadPoolExecutor, gateway: Proc, key: str, mib: int) -> Future[int]:
+    """Posts a chat with `mib` MiB of filler (the engine holds its loop for it) from
+    `pool`; the future's result is the answer's status."""
+    body = json.dumps({**SMALL_CHAT, "metadata_filler": "x" * (mib << 20)}).encode()
+    url, headers = gateway.url + "/v1/chat/completions", {**auth(key), **JSON}
+    return pool.submit(
+        lambda: HTTP.post(url, content=body, headers=headers, timeout=60).status_code
+    )
 
 
 @contextmanager
@@ -338,17 +323,15 @@ def test_an_engine_busy_with_our_request_stays_in_rotation_while_it_misses_check
     """The engine holds its loop 3 s for a 2 MiB body: its checks time out meanwhile,
     but a request of ours is in flight, so it stays in rotation (busy_grace, 10 s by
     default) and another key's request sent then is served, not refused 503."""
-    with _busy_stack(tmp_path, "1.5") as (sim, gateway):
+    with _busy_stack(tmp_path, "1.5") as (sim, gateway), ThreadPoolExecutor(1) as pool:
         before = sim_received(sim.url)
-        big = _held_chat(gateway, ADMIN, 2)
-        big.start()
+        big = _held_chat(pool, gateway, ADMIN, 2)
         assert wait_for(lambda: _slow_lines(gateway), timeout=20), gateway.log_tail()
         assert HTTP.get(gateway.url + "/readyz").status_code == 200
         url = gateway.url + "/v1/chat/completions"
         small = HTTP.post(url, json=SMALL_CHAT, headers=auth(UPSTREAM), timeout=30)
         assert small.status_code == 200, small.text
-        big.join(30)
-        assert big.status == 200
+        assert big.result(30) == 200
         assert sim_received(sim.url) == before + 2
         assert not [line for line in health_lines(gateway) if not line["healthy"]]
         (slow,) = _slow_lines(gateway)
@@ -359,16 +342,15 @@ def test_an_engine_still_timing_out_after_its_grace_is_taken_out(tmp_path: Path)
     """With busy_grace 0.5 s and a 3 s hold, the engine is taken out (reason timeout)
     while the request is still in flight, and comes back once it answers checks again;
     the request in flight is answered."""
-    with _busy_stack(tmp_path, "3", GATEWAY_ROUTING__BUSY_GRACE="0.5") as (_, gateway):
-        big = _held_chat(gateway, ADMIN, 1)
-        big.start()
+    grace = {"GATEWAY_ROUTING__BUSY_GRACE": "0.5"}
+    with _busy_stack(tmp_path, "3", **grace) as (_, gateway), ThreadPoolExecutor(1) as pool:
+        big = _held_chat(pool, gateway, ADMIN, 1)
         out = lambda: [line for line in health_lines(gateway) if not line["healthy"]]  # noqa: E731
         assert wait_for(out, timeout=20), gateway.log_tail()
         assert [line["reason"] for line in out()] == ["timeout"]
-        assert big.is_alive()  # taken out while the request was in flight
+        assert not big.done()  # taken out while the request was in flight
         assert len(_slow_lines(gateway)) == 1
-        big.join(30)
-        assert big.status == 200
+        assert big.result(30) == 200
         assert wait_for(lambda: HTTP.get(gateway.url + "/readyz").status_code == 200, timeout=20)
         # Healthy at start, out, back.
         assert [line["healthy"] for line in health_lines(gateway)] == [True, False, True]
