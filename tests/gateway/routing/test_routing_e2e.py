@@ -130,15 +130,25 @@ def test_thirty_turns_of_a_conversation_reach_one_engine(
     assert sorted(delta) == [0, 0, 0, 30]
 
 
-def test_hundred_conversations_spread_over_the_engines(gateway: Proc, engines: list[Proc]) -> None:
+# Conversations under one shared prompt. Where each lands follows from a hash over the
+# engines' URLs, whose ports change every run: the share is a random draw, and with 100
+# conversations one engine took 43 of them (1 in about 100 runs: the prompt's engine
+# also takes those before the prompt turns hot). With 400 the 40% bound holds by a wide
+# margin (about 1 run in 10^8) and still fails if one engine takes the hot prompt.
+CONVERSATIONS = 400
+
+
+def test_conversations_under_one_prompt_spread_over_the_engines(
+    gateway: Proc, engines: list[Proc]
+) -> None:
     system = "You are the support desk of Acme. " * 40  # shared by all: becomes hot
     with httpx.Client(timeout=10) as client:
         before = counts(engines)
-        for i in range(100):
+        for i in range(CONVERSATIONS):
             post(client, gateway, chat(system, f"Customer {i}: my order is late."))
         delta = [a - b for a, b in zip(counts(engines), before, strict=True)]
-    assert sum(delta) == 100
-    assert max(delta) <= 40, delta
+    assert sum(delta) == CONVERSATIONS
+    assert max(delta) <= 0.4 * CONVERSATIONS, delta
 
 
 def test_questions_about_one_image_reach_one_engine(gateway: Proc, engines: list[Proc]) -> None:
