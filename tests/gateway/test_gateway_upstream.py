@@ -207,6 +207,8 @@ def _serve(engine: Engine, conn_id: int, sock: socket.socket) -> None:
             elif scenario == "garbage":
                 sock.sendall(b"SPAM SPAM SPAM\r\n\r\n")
                 return
+            elif scenario == "hang-up":
+                return  # reads the request, closes the fresh connection without a byte
             elif scenario == "stall":
                 time.sleep(3)
                 return
@@ -375,6 +377,7 @@ def test_idle_connection_closed_by_the_engine_is_not_reused(engine: Engine, gate
     ("scenario", "status", "code"),
     [
         ("garbage", 502, "upstream_unavailable"),
+        ("hang-up", 502, "upstream_unavailable"),
         ("stall", 504, "upstream_timeout"),
         ("short", 502, "upstream_broken"),
         # A small answer that stalls is a timeout, as a streamed one is (it was 502).
@@ -384,10 +387,14 @@ def test_idle_connection_closed_by_the_engine_is_not_reused(engine: Engine, gate
 def test_upstream_failures_are_clear_errors(
     gateway: Proc, scenario: str, status: int, code: str
 ) -> None:
-    r = _get(gateway, scenario)
-    assert (r.status_code, r.json()["error"]["code"]) == (status, code)
-    # No library text reaches the client.
-    assert "httptools" not in r.text and "Error" not in r.json()["error"]["message"]
+    """GET and POST alike. Compiled (scripts/compile.py), the failover loop once bound
+    one exception variable to the type of its first `except` clause: every failure
+    before an answer other than a refused connection became a TypeError, a 500."""
+    body = json.dumps({"model": MODEL, "prompt": "hi"}).encode()
+    for r in (_get(gateway, scenario), post_scenario(gateway, scenario, body)):
+        assert (r.status_code, r.json()["error"]["code"]) == (status, code)
+        # No library text reaches the client.
+        assert "httptools" not in r.text and "Error" not in r.json()["error"]["message"]
     assert _get(gateway, "after-" + scenario).status_code == 200
 
 
