@@ -241,6 +241,10 @@ class _Connection(asyncio.Protocol):
             self._interim = True
             response.raw_headers.clear()
             return
+        if status > 599:
+            # No HTTP status, and none a server can relay (uvicorn has no status line
+            # for it): raised here, it fails the response as an invalid one.
+            raise ValueError("status out of range")
         response._headers_complete(status)
 
     def on_body(self, body: bytes) -> None:

@@ -109,6 +109,8 @@ ENGINE_HEADERS = (
 )
 HIDDEN_ALIASES = "The model `gone` does not exist. Valid aliases: public, hidden-tenant-model."
 SCENARIOS: dict[str, bytes] = {
+    # A status no HTTP server has a line for (uvicorn's run from 100 to 599).
+    "status-600": _response(b"{}", status="600 Odd"),
     "error-500": _response(
         _vllm_error(500, "InternalServerError", "Traceback: " + LEAKY), status="500 Internal"
     ),
@@ -378,6 +380,7 @@ def test_idle_connection_closed_by_the_engine_is_not_reused(engine: Engine, gate
     [
         ("garbage", 502, "upstream_unavailable"),
         ("hang-up", 502, "upstream_unavailable"),
+        ("status-600", 502, "upstream_unavailable"),
         ("stall", 504, "upstream_timeout"),
         ("short", 502, "upstream_broken"),
         # A small answer that stalls is a timeout, as a streamed one is (it was 502).
