@@ -36,7 +36,8 @@ class ModelList:
 
 def parse_model_list(body: bytes) -> ModelList | None:
     """An engine's `/v1/models` answer; None when it is not a model list (the engine's
-    models then stay unknown). Entries without a string `id` are left out."""
+    models then stay unknown). Entries without a string `id`, or whose `parent` is
+    neither a name nor null, are left out."""
     try:
         listing: Any = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -53,6 +54,8 @@ def parse_model_list(body: bytes) -> ModelList | None:
         model = entry.get("id")
         if not isinstance(model, str) or not model or model in seen:
             continue
+        if not isinstance(entry.get("parent"), str | None):
+            continue  # not vLLM's shape: `_render` looks its parent up among the ids
         seen.add(model)
         cards.append({**entry, "root": model} if "root" in entry else entry)
         if default is None and entry.get("parent") is None:

@@ -178,3 +178,35 @@ def test_an_adapters_base_model_and_path_are_shown_only_as_far_as_the_key_may_se
     finally:
         HTTP.post(stack.sim.url + "/v1/unload_lora_adapter", json={"lora_name": "adapter-x"})
     assert wait_for(lambda: _ids(_models(stack.gateway.url, ADAPTER)) == [])
+
+
+def test_an_entry_whose_parent_is_not_a_name_is_left_out(tmp_path: Path) -> None:
+    """vLLM's `parent` is a model name or null. An engine listing an entry with a list
+    (unhashable) as its parent once failed every rebuild of the index: start-up failed,
+    and compiled (scripts/compile.py) the worker died of a segmentation fault logging it."""
+    listing = {
+        "object": "list",
+        "data": [
+            {"id": "model-a", "object": "model", "parent": None},
+            {"id": "odd-adapter", "object": "model", "parent": ["model-a"]},
+            {"id": "odd-too", "object": "model", "parent": {"id": "model-a"}},
+        ],
+    }
+    models = Route(body=json.dumps(listing).encode(), headers={"Content-Type": "application/json"})
+    with RecordingServer({"/v1/models": models, "/health": Route()}) as engine:
+        gateway = gateway_proc(tmp_path, _env(engine.url))
+        with running(gateway, ready_path="/readyz"):
+            resp = _models(gateway.url, ALL)
+            assert resp.status_code == 200, resp.text
+            assert _ids(resp) == ["model-a"]
+            chat = {"model": "odd-adapter", "messages": [{"role": "user", "content": "hi"}]}
+            refused = HTTP.post(
+                gateway.url + "/v1/chat/completions",
+                headers={"Authorization": f"Bearer {ALL}"},
+                json=chat,
+                timeout=10,
+            )
+            assert (refused.status_code, error_code(refused)) == (404, "model_not_found")
+            # Its checks, model reads and load scrapes only: the chat went nowhere.
+            assert {h.path for h in engine.hits} <= {"/health", "/v1/models", "/metrics"}
+            assert gateway.popen is not None and gateway.popen.poll() is None
