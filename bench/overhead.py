@@ -441,10 +441,15 @@ def image_cases(
     cases.append(("validation=decode, already validated (cache on)", "decode-cached", {}))
     for title, label, extra in cases:
         depth = label.split("-")[0]
-        gw = fleet.gateway(
-            engines, {"GATEWAY_MEDIA__VALIDATION": depth, **extra}, name=f"gateway-{label}"
-        )
-        name = f"gateway ({label})"
+        env = {"GATEWAY_MEDIA__VALIDATION": depth, **extra}
+        gw = fleet.gateway(engines, env, name=f"gateway-{label}")
+        name, base_name = f"gateway ({label})", f"gateway-baseline ({label})"
+        # With --baseline-tree, the other checkout's gateway in the same blocks.
+        base = None
+        if cfg.baseline_tree is not None:
+            base = fleet.gateway(
+                engines, env, name=f"gateway-baseline-{label}", tree=cfg.baseline_tree
+            )
         try:
             raw = latency_case(
                 report,
@@ -453,6 +458,7 @@ def image_cases(
                     direct,
                     floor,
                     *([plain] if label == "decode-cached" else []),
+                    *([cfg.gateway_target(base.url, base.pid, base_name)] if base else []),
                     cfg.gateway_target(gw.url, gw.pid, name),
                 ],
                 CHAT,
@@ -463,16 +469,21 @@ def image_cases(
             )
         finally:
             gw.stop()
+            if base is not None:
+                base.stop()
         figures["cases"][label] = {
             "floor_added_us": raw["floor"]["added_us"]["p50"],
             "gateway_added_us": raw[name]["added_us"]["p50"],
             "statuses": raw[name]["statuses"],
         }
+        if base is not None:
+            figures["cases"][label]["baseline_added_us"] = raw[base_name]["added_us"]["p50"]
         if label == "decode-cached":
             figures["floor_default_malloc_added_us"] = raw[plain.name]["added_us"]["p50"]
     floor_server.stop()
     plain_server.stop()
     image_floor_table(report, figures)
+    image_against_baseline(report, figures)
     # Two origins, one per inline gateway, so each one's served requests are counted.
     # The gateway caches fetched media by URL (GATEWAY_MEDIA__CACHE_BYTES): with the cache
     # on, every request after the first is a cache hit and measures no fetch at all (the
@@ -647,6 +658,25 @@ def against_router(
         if router is None
         else ("" if gateway is None or gateway <= router else f"by {gateway - router:.0f} {unit}"),
     )
+
+
+def image_against_baseline(report: Report, figures: dict[str, Any]) -> None:
+    """With `--baseline-tree`: each image case, this checkout's gateway against the
+    other's, same blocks."""
+    rows = []
+    for label, case in figures["cases"].items():
+        if "baseline_added_us" in case:
+            before, after = case["baseline_added_us"], case["gateway_added_us"]
+            ratio = after / before if before and after is not None else None
+            rows.append([label, before, after, ratio])
+    if not rows:
+        return
+    report.table(
+        "Images: this gateway against the baseline checkout's (added p50, us, same run)",
+        ["case", "gateway-baseline", "gateway", "ratio"],
+        rows,
+    )
+    report.raw["images_against_baseline"] = rows
 
 
 def against_baseline(

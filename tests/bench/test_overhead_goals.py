@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.overhead import against_baseline, goals
+from bench.overhead import against_baseline, goals, image_against_baseline
 from bench.report import Report
 
 
@@ -71,4 +71,22 @@ def test_against_baseline_table(tmp_path: Path) -> None:
     # Without a baseline: no table.
     empty = Report.create("overhead", tmp_path / "other")
     against_baseline(empty, {"gateway": small["gateway"]}, stream, tput)
+    assert empty.tables == []
+
+
+def test_image_against_baseline_table(tmp_path: Path) -> None:
+    report = Report.create("overhead", tmp_path)
+    figures = {
+        "cases": {
+            "header": {"gateway_added_us": 900.0, "baseline_added_us": 1000.0},
+            "decode": {"gateway_added_us": 12000.0, "baseline_added_us": 0.0},
+        }
+    }
+    image_against_baseline(report, figures)
+    rows = {r[0]: r for r in report.raw["images_against_baseline"]}
+    assert rows["header"][1:] == [1000.0, 900.0, 0.9]
+    assert rows["decode"][3] is None
+    # Without a baseline: no table.
+    empty = Report.create("overhead", tmp_path / "other")
+    image_against_baseline(empty, {"cases": {"header": {"gateway_added_us": 900.0}}})
     assert empty.tables == []
