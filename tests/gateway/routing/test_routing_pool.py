@@ -13,9 +13,11 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from structlog.testing import capture_logs
 
 from bench.origin import RecordingServer, Route
 from bench.stack import HTTP
@@ -184,6 +186,57 @@ async def test_dns_entry_follows_the_answers(sim: Proc) -> None:
     finally:
         await pool.stop()
         await upstream.aclose()
+
+
+async def test_background_loops_outlive_an_unexpected_failure(sim: Proc) -> None:
+    """A resolver and a client that raise what they should not (a bug, not an engine's
+    answer): the round is logged and the next one runs; the loops do not end."""
+    failing = True
+    answers = ["127.0.0.1"]
+
+    async def resolver(host: str, port: int) -> Sequence[str]:
+        if failing:
+            raise RuntimeError("resolver bug")
+        return answers
+
+    class FailingUpstream(Upstream):
+        async def request(self, *args: Any, **kwargs: Any) -> Any:
+            if failing:
+                raise RuntimeError("client bug")
+            return await super().request(*args, **kwargs)
+
+    settings = RoutingSettings(
+        health_interval=0.05, dns_interval=0.05, eject_backoff=0.1, eject_backoff_max=0.1
+    )
+    upstream = FailingUpstream(connect_timeout=1.0, first_byte_timeout=5.0, keepalive=4.0)
+    pool = EnginePool(
+        [sim.url, f"dns+http://engines.test:{sim.port}"],
+        settings,
+        upstream=upstream,
+        resolver=resolver,
+    )
+    with capture_logs() as logs:
+        with pytest.raises(RuntimeError):
+            await pool.start()  # the first rounds run in start(): a failure there is loud
+        failing = False
+        await pool.start()
+        try:
+            direct = next(e for e in pool.engines if e.url == sim.url)
+            assert direct.healthy
+            failing = True
+            failed = lambda: {e["loop"] for e in logs if e["event"] == "engine_loop_failed"}  # noqa: E731
+            await _until(lambda: failed() == {"engine-health", "engine-dns"})
+            await asyncio.sleep(0.2)  # more rounds of each loop fail
+            failing = False
+            # The health loop still runs: an ejected engine comes back after its back-off.
+            pool.eject(direct)
+            await _until(lambda: direct.healthy)
+            # The DNS loop still runs: a new address is picked up.
+            answers = ["127.0.0.1", "127.0.0.2"]
+            await _until(lambda: len(pool.engines) == 3)
+        finally:
+            await pool.stop()
+            await upstream.aclose()
 
 
 async def _until(predicate: object, within: float = 5.0) -> None:
