@@ -272,11 +272,9 @@ class EnginePool:
             await self.scrape_all()
         self._spawn(self._health_loop(), "engine-health")
         if self._dns:
-            dns = self._every(self._settings.dns_interval, self._refresh_dns, "engine-dns")
-            self._spawn(dns, "engine-dns")
+            self._spawn(self._every(self._settings.dns_interval, self._refresh_dns), "engine-dns")
         if self._settings.load_interval > 0:
-            load = self._every(self._settings.load_interval, self.scrape_all, "engine-load")
-            self._spawn(load, "engine-load")
+            self._spawn(self._every(self._settings.load_interval, self.scrape_all), "engine-load")
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         self._tasks.append(asyncio.create_task(coro, name=name))
@@ -295,15 +293,13 @@ class EnginePool:
             if not self._healthy:
                 interval = min(interval, NOT_READY_INTERVAL)
             await asyncio.sleep(interval)
-            await _round("engine-health", self.check_all)
+            await _round(self.check_all)
 
     @staticmethod
-    async def _every(
-        interval: float, job: Callable[[], Coroutine[Any, Any, None]], name: str
-    ) -> None:
+    async def _every(interval: float, job: Callable[[], Coroutine[Any, Any, None]]) -> None:
         while True:
             await asyncio.sleep(interval)
-            await _round(name, job)
+            await _round(job)
 
     # -- DNS entries -----------------------------------------------------------------------
 
@@ -519,10 +515,12 @@ class EnginePool:
         engine.scraped = True
 
 
-async def _round(name: str, job: Callable[[], Coroutine[Any, Any, None]]) -> None:
-    """One round of a background loop. An unexpected failure is logged and the next
-    round runs: escaping, it would end the loop's task, and the checks with it, silently."""
+async def _round(job: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """One round of a background loop. An unexpected failure is logged, under the name
+    `_spawn` gave the loop's task, and the next round runs: escaping, it would end the
+    task, and the checks with it, silently."""
     try:
         await job()
     except Exception:
-        log.exception("engine_loop_failed", loop=name)
+        task = asyncio.current_task()
+        log.exception("engine_loop_failed", loop=task.get_name() if task else None)

@@ -130,9 +130,9 @@ def test_dns_entry_refuses_bad_entries(spec: str) -> None:
 # --- the pool's loops against real engines ------------------------------------------------
 
 
-def _upstream() -> Upstream:
+def _upstream(kind: type[Upstream] = Upstream) -> Upstream:
     """The client the gateway checks engines with (the one it forwards with)."""
-    return Upstream(connect_timeout=1.0, first_byte_timeout=5.0, keepalive=4.0)
+    return kind(connect_timeout=1.0, first_byte_timeout=5.0, keepalive=4.0)
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +208,7 @@ async def test_background_loops_outlive_an_unexpected_failure(sim: Proc) -> None
     settings = RoutingSettings(
         health_interval=0.05, dns_interval=0.05, eject_backoff=0.1, eject_backoff_max=0.1
     )
-    upstream = FailingUpstream(connect_timeout=1.0, first_byte_timeout=5.0, keepalive=4.0)
+    upstream = _upstream(FailingUpstream)
     pool = EnginePool(
         [sim.url, f"dns+http://engines.test:{sim.port}"],
         settings,
