@@ -422,11 +422,14 @@ class Fleet:
         server.ready_path = "/readyz"
         return self._start(server, timeout=timeout)
 
-    def floor(self, engine: str, allocator: str = "gateway", name: str = "floor") -> Server:
-        """bench/floor.py in front of `engine`, pinned as the gateway is."""
+    def floor(
+        self, engine: str, allocator: str = "gateway", name: str = "floor", decode: bool = False
+    ) -> Server:
+        """bench/floor.py in front of `engine`, pinned as the gateway is; `decode`: with
+        Pillow's decode of each data: image."""
         port = free_port()
         args = [sys.executable, "-m", "bench.floor", "--port", str(port), "--engine", engine]
-        args += ["--allocator", allocator]
+        args += ["--allocator", allocator, *(["--decode"] if decode else [])]
         log = self.workdir / f"{name}-{port}.log"
         server = Server(name, args, port, log, cpus=self.cpus.proxy)
         server.ready_path = "/health"

@@ -167,6 +167,11 @@ def test_overhead_measures_every_case(overhead: dict[str, Any]) -> None:
     for label in ("header", "decode", "reencode", "decode-cached"):
         assert floor["cases"][label]["floor_added_us"] is not None
         assert floor["cases"][label]["statuses"] == {"200": 10}
+    # The floor that decodes ran next to the default depth only, and answered.
+    assert floor["floor_decode_statuses"] == {"200": 10}
+    assert floor["floor_decode_added_us"] is not None
+    assert "floor + decode" in raw["1 MB data: image, validation=decode"]
+    assert "floor + decode" not in raw["1 MB data: image, validation=header"]
     cached = raw["1 MB data: image, validation=decode, already validated (cache on)"]
     assert cached["floor"]["statuses"] == cached["floor, glibc default malloc"]["statuses"]
     assert cached["floor"]["statuses"] == {"200": 10}
@@ -182,6 +187,7 @@ def test_overhead_measures_every_case(overhead: dict[str, Any]) -> None:
     assert "streaming first chunk added no more than vllm-router's" in goals
     assert "1 MB image, verdict cached: added p50 within 1.5x of the floor" in goals
     assert "1 MB image, default depth: added p50 <= floor + Pillow's decode alone" in goals
+    assert "1 MB image, default depth: added p50 <= the floor that decodes, same blocks" in goals
     assert any("peers: skipped" in n for n in overhead["notes"])
 
 
@@ -330,6 +336,43 @@ def test_images_only_is_an_option_of_the_overhead_suite() -> None:
     )
     assert proc.returncode == 2
     assert "--images-only is an option of the overhead suite" in proc.stderr
+
+
+def test_the_decoding_floor_decodes_before_it_forwards() -> None:
+    """`bench.floor --decode` really runs Pillow's decode: a PNG cut short fails in the
+    floor, and the engine (a listening socket here) is never contacted."""
+    import asyncio
+    import base64
+    import io
+    import socket
+
+    from PIL import Image
+
+    from bench.floor import Floor
+
+    out = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 10, 10)).save(out, format="PNG")
+    cut = out.getvalue()[:-40]
+    body = json.dumps({"u": "data:image/png;base64," + base64.b64encode(cut).decode()})
+    messages = [{"type": "http.request", "body": body.encode(), "more_body": False}]
+    with socket.socket() as engine:
+        engine.bind(("127.0.0.1", 0))
+        engine.listen()
+        engine.setblocking(False)
+        floor = Floor(f"http://127.0.0.1:{engine.getsockname()[1]}", decode=True)
+
+        async def receive() -> dict[str, Any]:
+            return messages.pop(0)
+
+        async def send(message: dict[str, Any]) -> None:
+            raise AssertionError("the floor answered a cut PNG")
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions"}
+        with pytest.raises(OSError, match="truncated"):
+            asyncio.run(asyncio.wait_for(floor(scope, receive, send), 5))
+        with pytest.raises(BlockingIOError):
+            engine.accept()
+    assert floor.hashes == 1
 
 
 def test_the_floor_finds_every_data_url() -> None:

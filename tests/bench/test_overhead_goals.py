@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.overhead import against_baseline, goals, image_against_baseline
+from bench.overhead import against_baseline, goals, image_against_baseline, image_goals
 from bench.report import Report
 
 
@@ -90,3 +90,37 @@ def test_image_against_baseline_table(tmp_path: Path) -> None:
     empty = Report.create("overhead", tmp_path / "other")
     image_against_baseline(empty, {"cases": {"header": {"gateway_added_us": 900.0}}})
     assert empty.tables == []
+
+
+def test_image_goals_read_the_sum_and_the_decoding_floor(tmp_path: Path) -> None:
+    report = Report.create("overhead", tmp_path)
+    figures = {
+        "pillow_decode_us": 7000.0,
+        "floor_decode_added_us": 10500.0,
+        "cases": {
+            "decode": {"floor_added_us": 3000.0, "gateway_added_us": 10400.0},
+            "decode-cached": {"floor_added_us": 4000.0, "gateway_added_us": 6100.0},
+        },
+    }
+    image_goals(report, figures)
+    found = {g.name: (g.met, g.detail) for g in report.goals}
+    assert found["1 MB image, verdict cached: added p50 within 1.5x of the floor"] == (
+        False,
+        "by 100 us",
+    )
+    assert found["1 MB image, default depth: added p50 <= floor + Pillow's decode alone"] == (
+        False,
+        "by 400 us",
+    )
+    assert found["1 MB image, default depth: added p50 <= the floor that decodes, same blocks"] == (
+        True,
+        "",
+    )
+    # No decoding floor measured: that goal says so, the others stand.
+    other = Report.create("overhead", tmp_path / "other")
+    image_goals(other, {**figures, "floor_decode_added_us": None})
+    found = {g.name: (g.met, g.measured) for g in other.goals}
+    assert found["1 MB image, default depth: added p50 <= the floor that decodes, same blocks"] == (
+        None,
+        "not measured",
+    )
