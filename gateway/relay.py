@@ -4,8 +4,9 @@ Successful answers are streamed chunk by chunk as they arrive: no SSE frame is p
 this path (LiteLLM's per-chunk re-serialisation costs ~1.5 ms); the tokens the engine
 reports are read from the answer's last bytes once it ends (usage.py). Only the allowlisted
 response headers cross (headers.py). Error answers are read whole under a cap and
-scrubbed or replaced (engine_errors.py). (`/v1/models` is answered by the gateway itself,
-from the pool's copy of the engines' lists: routing/models.py.)
+scrubbed or replaced (engine_errors.py). A 204 or 304 is its head alone. (`/v1/models` is
+answered by the gateway itself, from the pool's copy of the engines' lists:
+routing/models.py.)
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from gateway.errors import EngineError, ModelNotFound, send_error, sse_error_fra
 from gateway.exchange import Exchange
 from gateway.forwarder import gateway_error
 from gateway.headers import RESPONSE_HEADERS
-from gateway.upstream import Response, UpstreamError
+from gateway.upstream import NO_CONTENT, Response, UpstreamError
 from gateway.usage import TAIL, Tail, read_usage
 
 log = structlog.get_logger("gateway.relay")
@@ -52,8 +53,19 @@ class Relay:
     ) -> None:
         if resp.status >= 400:
             await self.error(resp, send, ex, watch)
+        elif resp.status in NO_CONTENT:
+            await self.head_only(resp, send, watch)
         else:
             await self.stream(resp, send, ex, watch)
+
+    async def head_only(self, resp: Response, send: Send, watch: DisconnectWatch) -> None:
+        """A 204 or 304: the status and headers alone, as HTTP frames them (RFC 9112 6.3).
+        Nothing is read from the engine, and its Content-Length is not relayed: a 204 may
+        not have one, and uvicorn takes one for the length of a body still to come."""
+        watch.stop()
+        headers = [(n, v) for n, v in response_headers(resp) if n != b"content-length"]
+        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+        await send({"type": "http.response.body", "body": b""})
 
     async def _read_capped(self, resp: Response, limit: int) -> bytes | None:
         """The whole body, or None when it is larger than `limit` (the rest is left

@@ -23,7 +23,7 @@ import socket
 import ssl
 from collections import deque
 from collections.abc import Sequence
-from typing import Protocol, cast
+from typing import Final, Protocol, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -34,6 +34,9 @@ _HIGH_WATER = 256 * 1024
 # Request bodies up to this size go out in the same write as the head (one system call);
 # larger ones in a second write, so an upload is never copied whole.
 _COPY_LIMIT = 64 * 1024
+# Final statuses whose answer ends with its head, whatever its fields say (RFC 9112 6.3;
+# httptools reads them so): no body is read for them, and none is relayed (relay.py).
+NO_CONTENT: Final = frozenset({204, 304})
 
 
 class UpstreamError(Exception):
@@ -256,7 +259,7 @@ class _Connection(asyncio.Protocol):
         response = self.response
         assert response is not None
         if not self._extra and not self._interim:
-            response.keep_alive = self.parser.should_keep_alive()
+            response.keep_alive = self.parser.should_keep_alive() and not response.misframed
             response._finish()
 
     # -- flow control -----------------------------------------------------------------
@@ -294,6 +297,7 @@ class UpstreamResponse:
         "content_type",
         "headers_done",
         "keep_alive",
+        "misframed",
         "raw_headers",
         "status",
         "until_eof",
@@ -309,6 +313,8 @@ class UpstreamResponse:
         self.headers_done = False
         self.complete = False
         self.keep_alive = False
+        # A 204 or 304 that announced a body: it ends with its head all the same.
+        self.misframed = False
         self.until_eof = False
         self._chunks: deque[bytes] = deque()
         self._size = 0
@@ -332,6 +338,12 @@ class UpstreamResponse:
                 self.content_type = value.split(b";", 1)[0].strip().lower().decode("latin-1")
             elif name == b"transfer-encoding":
                 chunked = b"chunked" in value.lower()
+        if status in NO_CONTENT:
+            # Bytes of the body it announced may follow the head: they would be read as
+            # the next request's answer, so the connection is closed, never reused.
+            self.misframed = chunked or bool(self.content_length)
+            self.content_length = 0
+            chunked = False
         self.until_eof = self.content_length is None and not chunked
         self.headers_done = True
         self._wake()

@@ -4,7 +4,8 @@ A raw TCP server on loopback plays the engine and answers each request the way i
 `x-scenario` header asks: chunked, read-until-close, `Connection: close`, garbage, a
 stall, a short body, an idle connection closed under the gateway, a request dropped
 unanswered on a reused connection, a large streamed body, error answers, extra
-response headers, a chunked trailer and interim 1xx heads (`SCENARIOS`). The gateway runs as a real
+response headers, a chunked trailer, interim 1xx heads, and 204 and 304 answers that
+announce a body (`SCENARIOS`). The gateway runs as a real
 process in front of it (one for the whole module), with `x-scenario` added to the
 headers it forwards (`forward_headers`). tests/gateway/test_gateway_headers.py and
 tests/gateway/test_engine_errors.py run their own gateways in front of the same kind of engine.
@@ -27,7 +28,7 @@ import pytest
 
 from bench.stack import HTTP
 from gateway.upstream import Origin
-from tests.procs import Proc, gateway_proc
+from tests.procs import Proc, gateway_proc, wait_for
 
 KEY = "sk-upstream-0123456789abcdef"
 MODEL = "scripted/model"
@@ -166,11 +167,24 @@ SCENARIOS: dict[str, bytes] = {
     + _response(b'{"real":1}\n'),
     "continue": b"HTTP/1.1 100 Continue\r\n\r\n" + _response(b'{"real":1}\n'),
 }
+# Answers that end with their head whatever their fields say (RFC 9112 6.3): a 204 or a
+# 304 with a Content-Length (which a 204 must not have and a 304 may), and with the bytes
+# of the body it announced, which are not one.
+NO_CONTENT_HEADS = {
+    code: f"HTTP/1.1 {code} {reason}\r\ncontent-type: application/json\r\n".encode()
+    for code, reason in ((204, "No Content"), (304, "Not Modified"))
+}
+for _code, _head in NO_CONTENT_HEADS.items():
+    SCENARIOS[f"{_code}-length-0"] = _head + b"content-length: 0\r\n\r\n"
+    SCENARIOS[f"{_code}-length-5"] = _head + b"content-length: 5\r\n\r\n"
+    SCENARIOS[f"{_code}-body"] = _head + b"content-length: 5\r\n\r\nhello"
 
 
 def _serve(engine: Engine, conn_id: int, sock: socket.socket) -> None:
     rfile = sock.makefile("rb")
     index = -1
+    # Bytes sent ahead of the next answer on this connection (`late-body`).
+    stray = b""
     try:
         while True:
             index += 1
@@ -185,6 +199,9 @@ def _serve(engine: Engine, conn_id: int, sock: socket.socket) -> None:
             body = rfile.read(int(headers.get("content-length", "0")))
             with engine.lock:
                 engine.seen.append(Seen(conn_id, method, path, headers, body, index))
+            if stray:
+                sock.sendall(stray)
+                stray = b""
             scenario = headers.get("x-scenario", "")
             if scenario == "drop-reused" and index > 0:
                 # As uvicorn at its keep-alive timeout: a request arriving on a kept-alive
@@ -235,6 +252,11 @@ def _serve(engine: Engine, conn_id: int, sock: socket.socket) -> None:
                 sock.sendall(_response(b'{"ok":1}'))
                 time.sleep(0.1)
                 return  # closes the keep-alive connection while the gateway holds it
+            elif scenario in ("204-late-body", "304-late-body"):
+                # A 204 or 304 announcing 5 bytes, which come once the next request is
+                # written on the connection: the start of that request's answer.
+                sock.sendall(NO_CONTENT_HEADS[int(scenario[:3])] + b"content-length: 5\r\n\r\n")
+                stray = b"hello"
             elif scenario in SCENARIOS:
                 sock.sendall(SCENARIOS[scenario])
             elif scenario in ("big", "huge"):
@@ -324,6 +346,29 @@ def _get(gateway: Proc, scenario: str) -> httpx.Response:
     return HTTP.get(gateway.url + "/version", headers=headers, timeout=10)
 
 
+def _errors_logged(gateway: Proc, since: int, last: httpx.Response) -> list[str]:
+    """What the gateway logged as an error from offset `since` of its log up to the
+    line of the request `last` answered: its own lines at level error (unhandled_error),
+    and every line not in its JSON format (uvicorn's and uvloop's error reports)."""
+    request_id = last.headers["x-request-id"]
+    marker = '"event":"request"'
+
+    def lines() -> list[str]:
+        out: list[str] = []
+        for line in gateway.log()[since:].splitlines():
+            out.append(line)
+            if marker in line and json.loads(line).get("request_id") == request_id:
+                return out
+        return []
+
+    assert wait_for(lambda: bool(lines())), gateway.log_tail()
+    return [
+        line
+        for line in lines()
+        if not line.startswith("{") or json.loads(line).get("level") == "error"
+    ]
+
+
 def test_request_as_the_engine_sees_it(engine: Engine, gateway: Proc) -> None:
     body = b'{"model": "scripted/model",   "prompt": "exact bytes \\u00e9"}'
     r = post_scenario(gateway, "shape", body)
@@ -394,11 +439,64 @@ def test_upstream_failures_are_clear_errors(
     one exception variable to the type of its first `except` clause: every failure
     before an answer other than a refused connection became a TypeError, a 500."""
     body = json.dumps({"model": MODEL, "prompt": "hi"}).encode()
+    since = len(gateway.log())
     for r in (_get(gateway, scenario), post_scenario(gateway, scenario, body)):
         assert (r.status_code, r.json()["error"]["code"]) == (status, code)
         # No library text reaches the client.
         assert "httptools" not in r.text and "Error" not in r.json()["error"]["message"]
-    assert _get(gateway, "after-" + scenario).status_code == 200
+    after = _get(gateway, "after-" + scenario)
+    assert after.status_code == 200
+    assert _errors_logged(gateway, since, after) == []
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    ["204-length-0", "204-length-5", "204-body", "304-length-0", "304-length-5", "304-body"],
+)
+def test_an_answer_that_ends_with_its_head_is_relayed_as_one(
+    engine: Engine, gateway: Proc, scenario: str
+) -> None:
+    """A 204 or 304 is its head alone, whatever Content-Length it carries: the client
+    gets the status and the allowlisted headers without one (a 204 may not have it; a
+    304's would be the length of a body it does not get). The engine's Content-Length
+    once went along, and uvicorn, waiting for that many bytes, logged unhandled_error."""
+    status = int(scenario[:3])
+    body = json.dumps({"model": MODEL, "prompt": "hi"}).encode()
+    since = len(gateway.log())
+    for r in (_get(gateway, scenario), post_scenario(gateway, scenario, body)):
+        assert (r.status_code, r.content) == (status, b"")
+        assert r.headers["content-type"] == "application/json"
+        assert "content-length" not in r.headers and "transfer-encoding" not in r.headers
+    assert [s.method for s in engine.requests(scenario)[-2:]] == ["GET", "POST"]
+    after = _get(gateway, "after-" + scenario)
+    assert (after.status_code, after.json()) == (200, {"ok": True})
+    assert _errors_logged(gateway, since, after) == []
+
+
+@pytest.mark.parametrize("status", [204, 304])
+def test_a_connection_whose_no_content_answer_announced_a_body_is_not_reused(
+    engine: Engine, gateway: Proc, status: int
+) -> None:
+    """The engine announces 5 bytes of body with its 204 or 304 and sends them after
+    the next request written on that connection: read as HTTP frames it, they start that
+    request's answer, which is then invalid. Reused, the connection failed the next
+    request (502); it is closed instead, and the next request gets its answer."""
+    scenario = f"{status}-late-body"
+    body = json.dumps({"model": MODEL, "prompt": "hi"}).encode()
+    since = len(gateway.log())
+    sends = {
+        "GET": lambda: _get(gateway, scenario),
+        "POST": lambda: post_scenario(gateway, scenario, body),
+    }
+    for method, send in sends.items():
+        r = send()
+        assert (r.status_code, r.content) == (status, b"")
+        assert "content-length" not in r.headers
+        after = _get(gateway, "after-" + scenario)
+        assert (after.status_code, after.json()) == (200, {"ok": True})
+        late, next_one = engine.requests(scenario)[-1], engine.requests("after-" + scenario)[-1]
+        assert late.method == method and next_one.conn != late.conn
+    assert _errors_logged(gateway, since, after) == []
 
 
 @pytest.mark.parametrize(
