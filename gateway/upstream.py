@@ -195,7 +195,9 @@ class _Connection(asyncio.Protocol):
             return
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError:
+        # A 101 with an Upgrade header ends the parse with HttpParserUpgrade, which is
+        # not an HttpParserError: escaping here, uvloop logged a fatal transport error.
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade):
             response._fail(ConnectionBroken("The engine sent an invalid HTTP response."))
             self.abort()
             return
@@ -240,7 +242,8 @@ class _Connection(asyncio.Protocol):
         if status < 200:
             # 100 Continue, 103 Early Hints: interim heads with no body, and nothing the
             # client asked for (the gateway forwards no Expect); the final answer follows.
-            # 101 too: the gateway never asks to switch protocols.
+            # Not 101: httptools stops at it (the rest of the connection is another
+            # protocol, which the gateway never asks for), an invalid answer.
             self._interim = True
             response.raw_headers.clear()
             return
@@ -252,6 +255,12 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         assert self.response is not None
+        if self._interim:
+            # No 1xx has content (RFC 9112 6.3), but httptools reads a Content-Length or
+            # chunks after a status it does not know (150) as the interim head's body:
+            # the two readings of the bytes differ, so the answer is invalid (fed to the
+            # final answer, they made its body longer than its Content-Length).
+            raise ValueError("content in an interim answer")
         if not self._extra:
             self.response._feed(body)
 

@@ -166,6 +166,15 @@ SCENARIOS: dict[str, bytes] = {
     "early-hints": b"HTTP/1.1 103 Early Hints\r\nlink: </a.css>\r\n\r\n"
     + _response(b'{"real":1}\n'),
     "continue": b"HTTP/1.1 100 Continue\r\n\r\n" + _response(b'{"real":1}\n'),
+    # Interim heads with content, which no 1xx has (RFC 9112 6.3); httptools reads it as
+    # theirs after a status it does not know (not 100, 102 or 103).
+    "interim-content": b"HTTP/1.1 150 Odd\r\ncontent-length: 5\r\n\r\nhello"
+    + _response(b'{"real":1}\n'),
+    "interim-chunked": b"HTTP/1.1 150 Odd\r\ntransfer-encoding: chunked\r\n\r\n"
+    b"5\r\nhello\r\n0\r\n\r\n" + _response(b'{"real":1}\n'),
+    # A switch of protocols the gateway never asked for.
+    "upgrade": b"HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: h2c\r\n\r\n"
+    + _response(b'{"real":1}\n'),
 }
 # Answers that end with their head whatever their fields say (RFC 9112 6.3): a 204 or a
 # 304 with a Content-Length (which a 204 must not have and a 304 may), and with the bytes
@@ -426,6 +435,13 @@ def test_idle_connection_closed_by_the_engine_is_not_reused(engine: Engine, gate
         ("garbage", 502, "upstream_unavailable"),
         ("hang-up", 502, "upstream_unavailable"),
         ("status-600", 502, "upstream_unavailable"),
+        # Content in a 1xx: httptools read it as the interim head's, and it was fed to
+        # the final answer, longer then than its Content-Length (an unhandled_error).
+        ("interim-content", 502, "upstream_unavailable"),
+        ("interim-chunked", 502, "upstream_unavailable"),
+        # httptools stops at a 101 with its own exception, which escaped the client's
+        # data_received: uvloop logged a fatal transport error.
+        ("upgrade", 502, "upstream_unavailable"),
         ("stall", 504, "upstream_timeout"),
         ("short", 502, "upstream_broken"),
         # A small answer that stalls is a timeout, as a streamed one is (it was 502).
