@@ -199,12 +199,14 @@ class Affinity:
         raise AssertionError("the last candidate always decides")  # pragma: no cover
 
     def order(self, request: RoutingRequest, engines: Sequence[E]) -> list[E]:
-        return self._decide(request, engines, count=True)
+        anchor, ordered, _ = self._decide(request, engines, count=True)
+        return self._bound(request, anchor, ordered)
 
     def peek(self, request: RoutingRequest, engines: Sequence[E]) -> list[E]:
         """The order `order` would return, counting nothing: what this process would
         decide (the bench and the tests compare replicas with it)."""
-        return self._decide(request, engines, count=False)
+        anchor, ordered, _ = self._decide(request, engines, count=False)
+        return self._bound(request, anchor, ordered)
 
     async def place(self, request: RoutingRequest, engines: Sequence[E]) -> list[E]:
         """`order`, with the deciding anchor's engine read from the shared store, or
@@ -213,12 +215,9 @@ class Affinity:
         store = self.store
         if store is None or len(engines) < 2:
             return self.order(request, engines)
-        candidates = self._candidates(request)
-        if not candidates:
-            return self._fallback.order(request, engines)
-        anchor, ordered, choices = self.choose(candidates, engines)
-        if anchor.kind is not AnchorKind.session:
-            self._hot.observe(candidates)
+        anchor, ordered, choices = self._decide(request, engines, count=True)
+        if anchor is None:
+            return ordered
         url = await store.place(anchor.digest, [e.url for e in engines], [e.url for e in choices])
         if url is not None and url != ordered[0].url:
             for i, e in enumerate(ordered):
@@ -227,21 +226,30 @@ class Affinity:
                     break
         return self._bound(request, anchor, ordered)
 
-    def _decide(self, request: RoutingRequest, engines: Sequence[E], count: bool) -> list[E]:
+    def _decide(
+        self, request: RoutingRequest, engines: Sequence[E], count: bool
+    ) -> tuple[Anchor | None, list[E], list[E]]:
+        """`choose` over the request's candidates, which it counts for the hot prefixes
+        when `count` (a session's anchor is not counted): the decision `order`, `peek`
+        and `place` share, before the store and the load bound. A request without
+        candidates (no prompt) gets no anchor and its final order: round robin when
+        counting, the engines as given when not."""
         if not engines:
-            return []
+            return None, [], []
         candidates = self._candidates(request)
         if not candidates:
-            if not count:
-                return list(engines)
-            return self._fallback.order(request, engines)
-        anchor, ordered, _ = self.choose(candidates, engines)
-        if count and anchor.kind is not AnchorKind.session:
+            ordered = self._fallback.order(request, engines) if count else list(engines)
+            return None, ordered, ordered
+        decision = self.choose(candidates, engines)
+        if count and decision[0].kind is not AnchorKind.session:
             self._hot.observe(candidates)
-        return self._bound(request, anchor, ordered)
+        return decision
 
-    def _bound(self, request: RoutingRequest, anchor: Anchor, ordered: list[E]) -> list[E]:
-        """Records the decision on the request, then applies the load bound."""
+    def _bound(self, request: RoutingRequest, anchor: Anchor | None, ordered: list[E]) -> list[E]:
+        """Records the decision on the request, then applies the load bound; an order
+        without an anchor (no prompt) is final."""
+        if anchor is None:
+            return ordered
         request.anchor = anchor.digest.hex()
         request.anchor_kind = anchor.kind.value
         request.first_choice = ordered[0].url
