@@ -90,6 +90,17 @@ def running(*procs: Proc, ready_path: str = "/health") -> Iterator[Sequence[Proc
             p.stop()
 
 
+@contextmanager
+def recording_engines(tmp: Path, count: int, record: int) -> Iterator[list[Proc]]:
+    """`count` simulated engines that answer at once and keep their last `record`
+    requests in /sim/requests (where a test reads which engine got a request);
+    stopped on leaving."""
+    opts = ("--latency", "zero", "--record-requests", str(record))
+    sims = [sim_proc(tmp, *opts) for _ in range(count)]
+    with running(*sims):
+        yield sims
+
+
 def every_worker_lists(gateway: Proc, workers: int, model: str, headers: Mapping[str, str]) -> bool:
     """Whether each of the gateway's `workers` processes has started (its
     `gateway_started` log line: the kernel hands new connections only to workers already

@@ -32,8 +32,8 @@ from tests.procs import (
     free_port,
     gateway_proc,
     metric,
+    recording_engines,
     scrape,
-    sim_proc,
     total,
     wait_for,
 )
@@ -63,14 +63,8 @@ def redis(tmp: Path) -> Iterator[RedisServer]:
 
 @pytest.fixture(scope="module")
 def engines(tmp: Path) -> Iterator[list[Proc]]:
-    sims = [sim_proc(tmp, "--latency", "zero", "--record-requests", "5000") for _ in range(4)]
-    try:
-        for sim in sims:
-            sim.start()
+    with recording_engines(tmp, 4, record=5000) as sims:
         yield sims
-    finally:
-        for sim in sims:
-            sim.stop()
 
 
 def store_url(redis: RedisServer) -> str:

@@ -18,7 +18,14 @@ import pytest
 
 from bench.stack import HTTP
 from bench.workloads import png_data_url
-from tests.procs import Proc, client_request_id, gateway_proc, sim_proc, sim_received, wait_for
+from tests.procs import (
+    Proc,
+    client_request_id,
+    gateway_proc,
+    recording_engines,
+    sim_received,
+    wait_for,
+)
 
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 KEY = "sk-routing-e2e-0123456789abcdef"
@@ -45,15 +52,8 @@ def _gateway(tmp: Path, engines: Sequence[str]) -> Proc:
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Proc]]:
-    tmp = tmp_path_factory.mktemp("routing-e2e")
-    sims = [sim_proc(tmp, "--latency", "zero", "--record-requests", "1000") for _ in range(4)]
-    try:
-        for sim in sims:
-            sim.start()
+    with recording_engines(tmp_path_factory.mktemp("routing-e2e"), 4, record=1000) as sims:
         yield sims
-    finally:
-        for sim in sims:
-            sim.stop()
 
 
 @pytest.fixture(scope="module")
