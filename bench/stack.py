@@ -10,9 +10,11 @@ layer over it): `free_port`, `clean_env`, `Server`, `terminate` and `scrape`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -204,16 +206,20 @@ class Server(LoopbackChild):
         terminate(self.popen)
 
 
-def terminate(popen: subprocess.Popen[bytes] | None) -> None:
-    """SIGTERM a child that is still running, SIGKILL if it has not left in 10 s."""
+def terminate(popen: subprocess.Popen[bytes] | None, grace: float = 10.0) -> None:
+    """SIGTERM a child that is still running; if it has not left in `grace` seconds,
+    SIGKILL it and every process under it (a supervisor killed alone would leave its
+    uvicorn workers running, orphaned)."""
     if popen is None or popen.poll() is not None:
         return
     popen.terminate()
     try:
-        popen.wait(10)
+        popen.wait(grace)
     except subprocess.TimeoutExpired:
-        popen.kill()
-        popen.wait(10)
+        for pid in reversed(process_tree(popen.pid)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        popen.wait(30)
 
 
 # --- process accounting (/proc) ---------------------------------------------------------

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from contextlib import AsyncExitStack, ExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, Self, TypeVar
@@ -81,13 +81,13 @@ def run_cli(
 
 @contextmanager
 def running(*procs: Proc, ready_path: str = "/health") -> Iterator[Sequence[Proc]]:
-    try:
+    """`procs` started in order; on leaving, every one is stopped, even when stopping
+    another raised."""
+    with ExitStack() as stack:
         for p in procs:
+            stack.callback(p.stop)
             p.start(ready_path)
         yield procs
-    finally:
-        for p in procs:
-            p.stop()
 
 
 @contextmanager

@@ -17,7 +17,16 @@ from typing import Any
 import pytest
 
 from bench.stack import HTTP
-from tests.procs import Proc, every_worker_lists, gateway_proc, scrape, sim_proc, total, wait_for
+from tests.procs import (
+    Proc,
+    every_worker_lists,
+    gateway_proc,
+    recording_engines,
+    running,
+    scrape,
+    total,
+    wait_for,
+)
 
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 KEY = "sk-routing-workers-0123456789abcdef"
@@ -27,24 +36,18 @@ SYSTEM = "You are the support desk of Acme: be brief and kind. " * 30
 
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[tuple[Proc, list[Proc]]]:
-    sims = [sim_proc(tmp_path, "--latency", "zero", "--record-requests", "2000") for _ in range(4)]
-    env = {
-        "GATEWAY_ENGINES": json.dumps([s.url for s in sims]),
-        "GATEWAY_API_KEYS": json.dumps([KEY]),
-        "GATEWAY_ROUTING__POLICY": "affinity",
-        "GATEWAY_PUBLIC_METRICS": "true",
-    }
-    gateway = gateway_proc(tmp_path, env, "--workers", "2")
-    try:
-        for sim in sims:
-            sim.start()
-        gateway.start("/healthz")
-        assert wait_for(lambda: every_worker_lists(gateway, 2, MODEL, HEADERS), 30), gateway.log()
-        yield gateway, sims
-    finally:
-        gateway.stop()
-        for sim in sims:
-            sim.stop()
+    with recording_engines(tmp_path, 4, 2000) as sims:
+        env = {
+            "GATEWAY_ENGINES": json.dumps([s.url for s in sims]),
+            "GATEWAY_API_KEYS": json.dumps([KEY]),
+            "GATEWAY_ROUTING__POLICY": "affinity",
+            "GATEWAY_PUBLIC_METRICS": "true",
+        }
+        gateway = gateway_proc(tmp_path, env, "--workers", "2")
+        with running(gateway, ready_path="/healthz"):
+            ready = wait_for(lambda: every_worker_lists(gateway, 2, MODEL, HEADERS), 30)
+            assert ready, gateway.log()
+            yield gateway, sims
 
 
 def body(conversation: int, turns: int) -> dict[str, Any]:
