@@ -33,6 +33,9 @@ Usage = tuple[int, int]
 
 
 def _count(value: Any) -> int | None:
+    if type(value) is float and value.is_integer():
+        # Cohere's chat answers type their counts as floats (`32.0`).
+        value = int(value)
     return value if type(value) is int and value >= 0 else None
 
 
@@ -55,8 +58,9 @@ def _object_end(data: bytes, start: int) -> int:
 def read_usage(data: bytes, start: int = 0) -> Usage | None:
     """The tokens of the last `"usage": {...}` in `data[start:]`: prompt tokens
     (`prompt_tokens`, or the Responses and Messages APIs' `input_tokens`) and completion
-    tokens (`completion_tokens` or `output_tokens`, 0 when absent: pooling answers).
-    None when there is none, or it cannot be read."""
+    tokens (`completion_tokens` or `output_tokens`, 0 when absent: pooling answers); for
+    Cohere's chat API, those of its `tokens` object. None when there is none, or it
+    cannot be read."""
     end = len(data)
     for _ in range(_MAX_TRIES):
         at = data.rfind(_KEY, start, end)
@@ -83,6 +87,9 @@ def read_usage(data: bytes, start: int = 0) -> Usage | None:
         except orjson.JSONDecodeError:
             return None
         get = usage.get
+        if "tokens" in usage and type(usage["tokens"]) is dict:
+            # Cohere's chat API: {"tokens": {"input_tokens", "output_tokens"}, "billed_units"}.
+            get = usage["tokens"].get
         prompt = _count(get("prompt_tokens", get("input_tokens")))
         completion = _count(get("completion_tokens", get("output_tokens")))
         if prompt is None and completion is None:

@@ -90,6 +90,37 @@ CASES: list[tuple[str, bytes, Usage | None]] = [
         ),
         (9, 4),
     ),
+    # Cohere's chat API (vLLM 0.32): counts as floats in an answer, as ints in the
+    # stream's message-end event; `billed_units` repeats them.
+    (
+        "cohere chat answer",
+        orjson.dumps(
+            {
+                "id": "c",
+                "finish_reason": "COMPLETE",
+                "message": {"role": "assistant", "content": []},
+                "usage": {
+                    "billed_units": {"input_tokens": 32.0, "output_tokens": 5.0},
+                    "tokens": {"input_tokens": 32.0, "output_tokens": 5.0},
+                    "cached_tokens": 0.0,
+                },
+            }
+        ),
+        (32, 5),
+    ),
+    (
+        "cohere chat stream's end",
+        b'data: {"type":"message-end","id":"c","delta":{"finish_reason":"COMPLETE","usage":'
+        b'{"billed_units":{"input_tokens":7,"output_tokens":2},'
+        b'"tokens":{"input_tokens":7,"output_tokens":2}}}}\n\n',
+        (7, 2),
+    ),
+    ("a count with a fraction", orjson.dumps({"usage": {"prompt_tokens": 2.5}}), None),
+    (
+        "cohere tokens not an object",
+        orjson.dumps({"usage": {"tokens": 5, "prompt_tokens": 3}}),
+        (3, 0),
+    ),
     (
         "spaces (json.dumps)",
         b'{"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}',
