@@ -72,8 +72,22 @@ def wav(samples: int = 800) -> bytes:
 SVG = b'<?xml version="1.0"?><svg xmlns="http://www.w3.org/2000/svg"><image href="http://169.254.169.254/"/></svg>'
 HTML = b"<!DOCTYPE html><html><body><script>alert(1)</script></body></html>"
 EPS = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n(/etc/passwd) (r) file\nshowpage\n"
-MP4 = b"\x00\x00\x00\x18ftypisom\x00\x00\x02\x00isomiso2" + b"\x00" * 64
-WEBM = b"\x1a\x45\xdf\xa3" + b"\x00" * 64
+# The first structures of an MP4 (an `ftyp` box, then an `mdat` box) and of a WebM (an
+# EBML header naming `webm`, then a Segment of unknown size): what the gateway checks
+# of a video container (gateway/media/av.py). The payloads are not decodable video.
+MP4 = (
+    b"\x00\x00\x00\x18ftypisom\x00\x00\x02\x00isomiso2"
+    + struct.pack(">I", 72)
+    + b"mdat"
+    + bytes(64)
+)
+WEBM = (
+    b"\x1a\x45\xdf\xa3\x9f"
+    + b"\x42\x86\x81\x01\x42\xf7\x81\x01\x42\xf2\x81\x04\x42\xf3\x81\x08"
+    + b"\x42\x82\x84webm\x42\x87\x81\x02\x42\x85\x81\x02"
+    + b"\x18\x53\x80\x67\x01\xff\xff\xff\xff\xff\xff\xff"
+    + bytes(64)
+)
 
 
 def data_url(mime: str, data: bytes) -> str:

@@ -1,14 +1,21 @@
 """Audio and video checks: a type allowlist, magic bytes that match the declared type,
-size caps, and a frame cap for `data:video/jpeg` (comma-separated base64 JPEG frames,
-the form vLLM decodes frame by frame, docs/vllm.md).
+the container's first structures, size caps, and a frame cap for `data:video/jpeg`
+(comma-separated base64 JPEG frames, the form vLLM decodes frame by frame, docs/vllm.md).
 
-The gateway does not decode audio or video (that needs codecs it should not carry);
-it guarantees that only the allowed container formats reach the engine.
+The gateway does not decode audio or video (that needs codecs it should not carry).
+The engine hands the bytes to FFmpeg (or libsndfile), which picks a demuxer by probing
+the content, not by the declared type. So a magic prefix is not enough: FFmpeg skips an
+ID3v2 tag before probing, and some of its text formats (HLS, DASH, SDP, ffconcat) open
+other URLs or files. The checks here parse each container as far as its first real
+chunk, box, page or element, and refuse bytes in which one of those text formats could
+be found.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+import struct
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gateway.errors import MediaInvalid, MediaTooLarge
@@ -61,6 +68,214 @@ def sniff(data: bytes) -> str | None:
     return None
 
 
+# MPEG audio frame headers: bit rates (kbit/s) by (MPEG-1, layer bits), sample rates by
+# version bits (0: MPEG-2.5, 2: MPEG-2, 3: MPEG-1).
+_KBPS: dict[tuple[bool, int], tuple[int, ...]] = {
+    (True, 3): (0, 32, 64, 96, 128, 160, 192, 224, 256, 288, 320, 352, 384, 416, 448),
+    (True, 2): (0, 32, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384),
+    (True, 1): (0, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320),
+    (False, 3): (0, 32, 48, 56, 64, 80, 96, 112, 128, 144, 160, 176, 192, 224, 256),
+    (False, 2): (0, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160),
+    (False, 1): (0, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160),
+}
+_RATES = {3: (44100, 48000, 32000), 2: (22050, 24000, 16000), 0: (11025, 12000, 8000)}
+_SAME_STREAM = 0xFFFE0C00  # sync, version, layer and sample rate agree between frames
+
+
+def id3_length(data: bytes) -> int:
+    """The length of the ID3v2 tag at the start of `data` (0 without one), which FFmpeg
+    skips before it probes the format; -1 for an `ID3` start that is not a tag."""
+    if data[:3] != b"ID3":
+        return 0
+    if len(data) < 10 or 0xFF in data[3:5] or any(b & 0x80 for b in data[6:10]):
+        return -1
+    size = (data[6] << 21) | (data[7] << 14) | (data[8] << 7) | data[9]
+    return 10 + size + (10 if data[5] & 0x10 else 0)
+
+
+def _mpeg_frame(data: bytes, at: int) -> tuple[int, int] | None:
+    """(header, length) of the MPEG audio frame whose header is at `at`, or None. A
+    free-format frame (no bit rate, so no length) counts as invalid."""
+    if at < 0 or at + 4 > len(data):
+        return None
+    header = int.from_bytes(data[at : at + 4], "big")
+    version, layer = (header >> 19) & 3, (header >> 17) & 3
+    rate_index, sample_index = (header >> 12) & 15, (header >> 10) & 3
+    if header & 0xFFE00000 != 0xFFE00000 or version == 1 or layer == 0:
+        return None
+    if rate_index in (0, 15) or sample_index == 3:
+        return None
+    bits = _KBPS[(version == 3, layer)][rate_index] * 1000
+    rate, padding = _RATES[version][sample_index], (header >> 9) & 1
+    if layer == 3:  # layer I: 4-byte slots
+        return header, (12 * bits // rate + padding) * 4
+    per_frame = 72 if layer == 1 and version != 3 else 144  # layer III outside MPEG-1
+    return header, per_frame * bits // rate + padding
+
+
+def _mp3(data: bytes) -> bool:
+    """An optional ID3v2 tag, then an MPEG audio frame, then another frame of the same
+    stream where the first one ends (or the end, or an ID3v1 tag): what FFmpeg's mp3
+    probe looks for after the tag."""
+    start = id3_length(data)
+    first = _mpeg_frame(data, start)
+    if first is None:
+        return False
+    header, length = first
+    after = start + length
+    if after >= len(data) or data[after : after + 3] == b"TAG":
+        return True
+    second = _mpeg_frame(data, after)
+    return second is not None and second[0] & _SAME_STREAM == header & _SAME_STREAM
+
+
+def _fourcc(name: bytes) -> bool:
+    return len(name) == 4 and all(0x20 <= b < 0x7F for b in name)
+
+
+def _wav(data: bytes) -> bool:
+    """RIFF/WAVE, then chunks (at most 16: LIST, JUNK, bext...) up to a `fmt ` chunk
+    that holds a format tag, channels and a sample rate, before any `data` chunk."""
+    if len(data) < 12 or int.from_bytes(data[4:8], "little") < 4 + 8 + 16:
+        return False
+    at = 12
+    for _ in range(16):
+        name, size = data[at : at + 4], int.from_bytes(data[at + 4 : at + 8], "little")
+        if not _fourcc(name) or at + 8 + size > len(data) or name == b"data":
+            return False
+        if name == b"fmt ":
+            if size < 16:
+                return False
+            tag, channels, rate = struct.unpack_from("<HHI", data, at + 8)
+            return bool(tag and channels and rate)
+        at += 8 + size + (size & 1)
+    return False
+
+
+def _flac(data: bytes) -> bool:
+    """`fLaC`, a STREAMINFO block, the other metadata blocks up to the last one, then a
+    frame sync (or the end)."""
+    at, first = 4, True
+    for _ in range(128):
+        if at + 4 > len(data):
+            return False
+        kind, size = data[at] & 0x7F, int.from_bytes(data[at + 1 : at + 4], "big")
+        if first:
+            if kind != 0 or size != 34 or at + 4 + size > len(data):
+                return False
+            min_block, max_block = struct.unpack_from(">HH", data, at + 4)
+            rate = int.from_bytes(data[at + 14 : at + 17], "big") >> 4
+            if min_block < 16 or max_block < min_block or rate == 0:
+                return False
+        elif not 1 <= kind <= 6:
+            return False
+        last, at, first = data[at] & 0x80, at + 4 + size, False
+        if at > len(data):
+            return False
+        if last:
+            return at == len(data) or data[at : at + 2] in (b"\xff\xf8", b"\xff\xf9")
+    return False
+
+
+def _ogg(data: bytes) -> bool:
+    """A first Ogg page (version 0, beginning of stream, not a continuation) that fits,
+    followed by another page or the end."""
+    if len(data) < 27 or data[4] != 0 or data[5] & 0xFB != 0x02 or data[26] == 0:
+        return False
+    table = 27 + data[26]
+    end = table + sum(data[27:table])
+    if table > len(data) or end > len(data):
+        return False
+    return end == len(data) or data[end : end + 5] == b"OggS\x00"
+
+
+def _iso(data: bytes) -> bool:
+    """An `ftyp` box of sane size (a brand, a version, whole compatible brands), then
+    another box whose size fits in the data."""
+    size = int.from_bytes(data[:4], "big")
+    if not 16 <= size <= 1024 or size % 4 or size + 8 > len(data):
+        return False
+    box, name = int.from_bytes(data[size : size + 4], "big"), data[size + 4 : size + 8]
+    if not _fourcc(name):
+        return False
+    if box == 0:  # to the end of the file
+        return True
+    if box == 1:  # a 64-bit size follows the name
+        large = int.from_bytes(data[size + 8 : size + 16], "big")
+        return size + 16 <= len(data) and 16 <= large <= len(data) - size
+    return 8 <= box <= len(data) - size
+
+
+def _vint(data: bytes, at: int, keep_marker: bool) -> tuple[int, int] | None:
+    """(value, length) of the EBML variable-length integer at `at`, or None."""
+    if at >= len(data) or data[at] == 0:
+        return None
+    length = 9 - data[at].bit_length()
+    if at + length > len(data):
+        return None
+    value = int.from_bytes(data[at : at + length], "big")
+    return (value if keep_marker else value & ((1 << (7 * length)) - 1)), length
+
+
+def _ebml(data: bytes) -> bool:
+    """An EBML header whose elements fit in it and whose DocType is `webm` or
+    `matroska`, followed by a Segment element."""
+    size = _vint(data, 4, keep_marker=False)
+    if size is None:
+        return False
+    at, end = 4 + size[1], 4 + size[1] + size[0]
+    if end + 4 > len(data):
+        return False
+    doctype = b""
+    while at < end:
+        element = _vint(data, at, keep_marker=True)
+        size = None if element is None else _vint(data, at + element[1], keep_marker=False)
+        if element is None or size is None:
+            return False
+        body = at + element[1] + size[1]
+        if body + size[0] > end:
+            return False
+        if element[0] == 0x4282:
+            doctype = data[body : body + size[0]].rstrip(b"\0")
+        at = body + size[0]
+    return doctype in (b"webm", b"matroska") and data[end : end + 4] == b"\x18\x53\x80\x67"
+
+
+_WELL_FORMED: dict[str, Callable[[bytes], bool]] = {
+    "wav": _wav,
+    "mp3": _mp3,
+    "flac": _flac,
+    "ogg": _ogg,
+    "mp4": _iso,
+    "m4a": _iso,
+    "mov": _iso,
+    "webm": _ebml,
+}
+
+# FFmpeg's text formats that open other URLs or files, as its probes find them: an HLS
+# playlist or an ffconcat script at the start, a DASH manifest or an IMF composition
+# anywhere before the first NUL byte, an SDP description's lines.
+_TEXT_FORMATS = re.compile(
+    rb"#EXTM3U|ffconcat|<MPD|<\?xml|<CompositionPlaylist|(?:^|[\r\n])(?:v=0|c=IN IP)", re.I
+)
+_PROBE_BYTES = 1 << 20  # FFmpeg's largest probe buffer
+
+
+def carries_text_format(data: bytes) -> bool:
+    """Whether the bytes FFmpeg's probes read as text (from after an ID3v2 tag up to
+    the first NUL byte) hold the signature of one of those text formats."""
+    start = max(id3_length(data), 0)
+    window = data[start : start + _PROBE_BYTES].split(b"\0", 1)[0]
+    return _TEXT_FORMATS.search(window) is not None
+
+
+def well_formed(format_name: str, data: bytes) -> bool:
+    """Whether `data` parses as the sniffed container as far as its first structures
+    and holds no FFmpeg text format where FFmpeg's probes look."""
+    check = _WELL_FORMED.get(format_name)
+    return check is not None and check(data) and not carries_text_format(data)
+
+
 def _compatible(sniffed: str, declared_format: str) -> bool:
     if sniffed == declared_format:
         return True
@@ -84,6 +299,8 @@ def _validate(
     sniffed = sniff(data)
     if sniffed is None or not any(_compatible(sniffed, name) for name in names):
         raise MediaInvalid("The media bytes do not match the declared type.")
+    if not well_formed(sniffed, data):
+        raise MediaInvalid("The media bytes are not a well-formed file of the declared type.")
     return AvInfo(names[0], mime or "", data)
 
 

@@ -174,7 +174,7 @@ def request_for(path: str, method: str) -> dict[str, Any]:
         return {"json": CHAT}
     if route is not None and route.body is BodyKind.multipart:
         return {
-            "files": {"file": ("a.wav", b"RIFF0000WAVE", "audio/wav")},
+            "files": {"file": ("a.wav", wav(), "audio/wav")},
             "data": {"model": MODEL},
         }
     return {}

@@ -42,6 +42,7 @@ from bench.samples import (
     wav,
 )
 from bench.stack import HTTP
+from tests.gateway.media.test_media_samples import av_sample
 from tests.procs import (
     Proc,
     RecordingServer,
@@ -67,6 +68,13 @@ UPLOAD_MAX_PARTS = 6
 PNG = png(64, 64)
 PNG_TWICE = png(96, 96, (10, 200, 10))
 PNG_PASS = png(32, 32, (0, 0, 250))
+
+
+def id3_playlist(segment_url: str) -> bytes:
+    """An empty ID3v2 tag, then an HLS playlist: FFmpeg skips the tag when it probes the
+    format, finds HLS, and before FFmpeg 7 fetches the segment URL from the engine."""
+    return (b"ID3\x04\x00\x00\x00\x00\x00\x00#EXTM3U\n#EXT-X-TARGETDURATION:1\n#EXTINF:1,\n"
+            + segment_url.encode() + b"\n#EXT-X-ENDLIST\n")  # fmt: skip
 
 
 @dataclass
@@ -144,6 +152,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             "/gzip": Route(body=PNG, headers={"Content-Type": "image/png",
                                               "Content-Encoding": "gzip"}),
             "/error": Route(status=500, body=b"boom"),
+            "/playlist.mp3": Route(body=id3_playlist(canary.url + "/seg.ts"),
+                                   headers={"Content-Type": "audio/mpeg"}),
             "/redirect": Route(status=302, headers={"Location": canary.url + "/stolen.png"}),
             "/moved": Route(status=301, headers={"Location": canary.url + "/stolen.png"}),
             "/temporary": Route(status=307, headers={"Location": canary.url + "/stolen.png"}),
@@ -646,6 +656,74 @@ def test_every_url_is_checked_before_anything_is_fetched(stack: Stack) -> None:
     refused(stack, stack.inline, "/v1/chat/completions", body, 400, "media_url_not_allowed",
             "ip_literal")  # fmt: skip
     assert len(stack.origin.hits) == before
+
+
+def _audio_parts(data: bytes, fmt: str, mime: str) -> list[tuple[str, dict[str, Any]]]:
+    return [
+        ("input_audio", {"type": "input_audio", "input_audio": {"data": b64(data), "format": fmt}}),
+        ("audio_url", {"type": "audio_url", "audio_url": {"url": data_url(mime, data)}}),
+    ]  # fmt: skip
+
+
+def test_a_playlist_behind_an_id3_tag_never_reaches_the_engine(stack: Stack) -> None:
+    """The ID3 + HLS body whose segment is the canary, as `input_audio` (mp3), as an
+    `audio_url` data URL, fetched from the allowed origin as audio/mpeg, and uploaded to
+    the transcription route: 400 media_invalid, no engine request, no canary contact."""
+    playlist = id3_playlist(stack.canary.url + "/seg.ts")
+    for label, part in [*_audio_parts(playlist, "mp3", "audio/mpeg"),
+                        ("fetched", {"type": "audio_url", "audio_url": {
+                            "url": stack.o + "/playlist.mp3"}})]:  # fmt: skip
+        error = refused(stack, stack.inline, "/v1/chat/completions", chat(part), 400,
+                        "media_invalid")  # fmt: skip
+        assert "not a well-formed file" in error["message"], label
+    assert len(origin_hits(stack, "/playlist.mp3")) == 1
+    for name, label in [("a.mp3", "audio/mpeg"), ("a.bin", "application/octet-stream")]:
+        before = counts(stack)
+        r = _upload(stack, {"file": (name, playlist, label)})
+        assert (r.status_code, r.json()["error"]["code"]) == (400, "media_invalid"), r.text
+        assert counts(stack) == before
+        stack.untouched()
+
+
+def test_containers_with_a_playlist_after_the_magic_are_refused(stack: Stack) -> None:
+    """The same playlist after each other container's magic bytes."""
+    hls = id3_playlist(stack.canary.url + "/seg.ts")[10:]
+    cases = [
+        *_audio_parts(b"RIFF\x24\x00\x00\x00WAVE" + hls, "wav", "audio/wav"),
+        *_audio_parts(b"fLaC" + hls, "flac", "audio/flac"),
+        *_audio_parts(b"OggS" + hls, "ogg", "audio/ogg"),
+        ("mp4", {"type": "video_url", "video_url": {"url": data_url(
+            "video/mp4", b"\x00\x00\x00\x18ftypisom\x00\x00\x02\x00isomiso2" + hls)}}),
+        ("webm", {"type": "video_url", "video_url": {"url": data_url(
+            "video/webm", b"\x1a\x45\xdf\xa3" + hls)}}),
+    ]  # fmt: skip
+    before = counts(stack)
+    for label, part in cases:
+        error = refused(stack, stack.inline, "/v1/chat/completions", chat(part), 400,
+                        "media_invalid", engines=False)  # fmt: skip
+        assert "not a well-formed file" in error["message"], label
+    assert counts(stack) == before
+
+
+def test_real_audio_reaches_the_engine_unchanged(stack: Stack) -> None:
+    """Real MP3, FLAC and Ogg files (FFmpeg's muxers) pass the container checks and reach
+    the engine byte for byte, in a chat part and as an upload."""
+    for name, fmt, mime in [("tone.mp3", "mp3", "audio/mpeg"), ("tone.flac", "flac",
+                             "audio/flac"), ("tone.ogg", "ogg", "audio/ogg")]:  # fmt: skip
+        audio = av_sample(name)
+        for _label, part in _audio_parts(audio, fmt, mime):
+            clear(stack, stack.gen)
+            r = stack.http.post(stack.inline.url + "/v1/chat/completions", headers=auth(),
+                                json=chat(part))  # fmt: skip
+            assert r.status_code == 200, r.text
+            (record,) = records(stack, stack.gen)
+            assert b64(audio) in record["body"]
+    clear(stack, stack.gen)
+    audio = av_sample("tone.mp3")
+    r = _upload(stack, {"file": ("a.mp3", audio, "application/octet-stream")})
+    assert r.status_code == 200, r.text
+    assert f"{len(audio)} bytes" in r.json()["text"]
+    stack.untouched()
 
 
 def test_size_and_count_caps(stack: Stack) -> None:

@@ -24,6 +24,7 @@ from gateway.errors import GatewayError, MediaInvalid, MediaTooLarge
 from gateway.media.av import validate_audio, validate_jpeg_frames, validate_video
 from gateway.media.images import check_formats, validate_image
 from gateway.media.settings import MediaSettings, ValidationDepth
+from tests.gateway.media.test_media_samples import av_sample
 
 SETTINGS = MediaSettings(max_pixels=1_000_000, max_frames=8, max_bytes=200_000)
 
@@ -125,9 +126,10 @@ def test_format_list_is_explicit() -> None:
     [
         (wav(), "audio/wav", None),
         (wav(), "audio/x-wav", None),
-        (b"ID3\x03\x00" + b"\x00" * 40, "audio/mpeg", None),
-        (b"fLaC" + b"\x00" * 40, "audio/flac", None),
-        (b"OggS" + b"\x00" * 40, "audio/ogg", None),
+        (av_sample("tone.mp3"), "audio/mpeg", None),
+        (av_sample("tone.flac"), "audio/flac", None),
+        (av_sample("tone.ogg"), "audio/ogg", None),
+        (b"ID3\x03\x00" + b"\x00" * 40, "audio/mpeg", MediaInvalid),  # a tag and no frame
         (wav(), "audio/mpeg", MediaInvalid),  # magic must match the label
         (HTML, "audio/wav", MediaInvalid),
         (SVG, "audio/wav", MediaInvalid),
