@@ -13,7 +13,6 @@ be found.
 
 from __future__ import annotations
 
-import re
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -218,13 +217,13 @@ def _vint(data: bytes, at: int, keep_marker: bool) -> tuple[int, int] | None:
 
 
 def _ebml(data: bytes) -> bool:
-    """An EBML header whose elements fit in it and whose DocType is `webm` or
-    `matroska`, followed by a Segment element."""
+    """An EBML header (at most 1 KiB) whose elements fit in it and whose DocType is
+    `webm` or `matroska`, followed by a Segment element."""
     size = _vint(data, 4, keep_marker=False)
     if size is None:
         return False
     at, end = 4 + size[1], 4 + size[1] + size[0]
-    if end + 4 > len(data):
+    if size[0] > 1024 or end + 4 > len(data):  # real headers take some 40 bytes
         return False
     doctype = b""
     while at < end:
@@ -254,10 +253,10 @@ _WELL_FORMED: dict[str, Callable[[bytes], bool]] = {
 
 # FFmpeg's text formats that open other URLs or files, as its probes find them: an HLS
 # playlist or an ffconcat script at the start, a DASH manifest or an IMF composition
-# anywhere before the first NUL byte, an SDP description's lines.
-_TEXT_FORMATS = re.compile(
-    rb"#EXTM3U|ffconcat|<MPD|<\?xml|<CompositionPlaylist|(?:^|[\r\n])(?:v=0|c=IN IP)", re.I
-)
+# anywhere before the first NUL byte, an SDP description's lines. Lower case: the window
+# is lowered first (DASH's probe ignores case).
+_TEXT_FORMATS = (b"#extm3u", b"ffconcat", b"<mpd", b"<?xml", b"<compositionplaylist")
+_SDP_LINES = (b"v=0", b"c=in ip")
 _PROBE_BYTES = 1 << 20  # FFmpeg's largest probe buffer
 
 
@@ -265,8 +264,11 @@ def carries_text_format(data: bytes) -> bool:
     """Whether the bytes FFmpeg's probes read as text (from after an ID3v2 tag up to
     the first NUL byte) hold the signature of one of those text formats."""
     start = max(id3_length(data), 0)
-    window = data[start : start + _PROBE_BYTES].split(b"\0", 1)[0]
-    return _TEXT_FORMATS.search(window) is not None
+    end = data.find(b"\0", start, start + _PROBE_BYTES)
+    window = data[start : end if end >= 0 else start + _PROBE_BYTES].lower()
+    if window.startswith(_SDP_LINES) or any(s in window for s in _TEXT_FORMATS):
+        return True
+    return any(b + line in window for b in (b"\n", b"\r") for line in _SDP_LINES)
 
 
 def well_formed(format_name: str, data: bytes) -> bool:

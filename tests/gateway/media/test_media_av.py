@@ -175,6 +175,8 @@ BAD_VIDEO = [
     ("ebml zeros", b"\x1a\x45\xdf\xa3" + bytes(64), "video/webm"),
     ("ebml of another doctype", WEBM.replace(b"\x84webm", b"\x84html"), "video/webm"),
     ("ebml header without a segment", WEBM[:36] + HLS, "video/webm"),
+    ("ebml header over 1 KiB", b"\x1a\x45\xdf\xa3" + (0x10000000 | 4096 + 31).to_bytes(4, "big")
+     + b"\xec\x80" * 2048 + WEBM[5:], "video/webm"),  # 2,048 empty Void elements
     ("ebml + segment holding a dash manifest", WEBM[:44] + MPD, "video/webm"),
 ]  # fmt: skip
 
