@@ -194,15 +194,17 @@ class MediaInliner:
             # Image.open parse for a while, and the event loop must not wait for it.
             header = await self._decoder.run(read_header, data, declared, settings)
             return Prepared(header.pixels, lambda: self._decode_image(data, header, owner, ref))
+        # Audio and video containers are checked, not decoded (gateway/media/av.py), on
+        # the pool as well: the check scans up to 1 MiB of an item for FFmpeg's text
+        # formats (about 10 ms at worst), and a request holds up to max_items of them.
         if kind is MediaKind.audio:
-            audio = validate_audio(data, declared, settings)
+            audio = await self._decoder.run(validate_audio, data, declared, settings)
             return _ready(_inlined(audio.mime, audio.data))
         if frames:
             headers = await self._decoder.run(read_jpeg_frames, frames, settings)
             pixels = sum(h.pixels for h in headers)
             return Prepared(pixels, lambda: self._decode_frames(frames, headers, pixels, owner))
-        # Containers are checked, not decoded (gateway/media/av.py): nothing to wait for.
-        video = validate_video(data, declared, settings)
+        video = await self._decoder.run(validate_video, data, declared, settings)
         return _ready(_inlined(video.mime, video.data))
 
     async def _decode_image(
