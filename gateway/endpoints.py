@@ -10,6 +10,10 @@ slash, upper case, `;` parameters, NUL or other bytes outside the route alphabet
 never forwarded: it gets the verdict of its canonical form if that is blocked, else 404.
 So a spelling trick can only turn a route into a refusal, never into a different route;
 vLLM's own auth check once trusted a path rebuilt from another source (CVE-2026-48746).
+
+The query string is held to the same rule: a route forwards only the query parameters
+its entry declares (none, for every route but `GET /v1/responses/{id}`), each checked
+and written again by `forwarded_query`; anything else is refused, never passed on.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Final
 from urllib.parse import unquote_to_bytes
+
+from gateway.errors import FieldNotAllowed, InvalidRequest
 
 
 class Group(StrEnum):
@@ -60,6 +66,23 @@ class BodyKind(StrEnum):
     multipart = "multipart"
 
 
+class QueryValue(StrEnum):
+    """What a declared query parameter holds, as the engine's FastAPI handler reads it."""
+
+    # A `bool` parameter: pydantic's spellings, any case; forwarded as `true` or `false`.
+    boolean = "boolean"
+    # An `int` parameter (an index, a count): 0 to 999,999,999 in decimal digits.
+    number = "number"
+
+
+# The strings pydantic 2 reads as a bool (case aside), and the form forwarded for each.
+_BOOLEANS: Final = {
+    **dict.fromkeys(("true", "1", "yes", "on", "t", "y"), "true"),
+    **dict.fromkeys(("false", "0", "no", "off", "f", "n"), "false"),
+}
+_COUNT = re.compile(rb"[0-9]{1,9}")
+
+
 @dataclass(frozen=True, slots=True)
 class Route:
     """One entry of the table. `path` is the canonical path that is forwarded."""
@@ -71,6 +94,8 @@ class Route:
     body: BodyKind = BodyKind.none
     # Why a route is blocked; the reason goes into the error message.
     reason: str = ""
+    # The query parameters the route forwards, by name; any other is refused.
+    query: tuple[tuple[str, QueryValue], ...] = ()
 
     @property
     def label(self) -> str:
@@ -219,7 +244,15 @@ _BLOCKED_PREFIXES: Final[tuple[tuple[str, str], ...]] = (
 
 # Response ids of /v1/responses/{id} and /v1/responses/{id}/cancel.
 _RESPONSE_ID = re.compile(r"/v1/responses/([A-Za-z0-9_-]{1,128})(/cancel)?")
-_RESPONSE_GET = Route("/v1/responses/{id}", Action.forward, Group.inference, _GET)
+# vLLM 0.32's `retrieve_responses(starting_after: int | None, stream: bool | None)`: the
+# only forwarded route whose handler reads the query string.
+_RESPONSE_GET = Route(
+    "/v1/responses/{id}",
+    Action.forward,
+    Group.inference,
+    _GET,
+    query=(("stream", QueryValue.boolean), ("starting_after", QueryValue.number)),
+)
 _RESPONSE_CANCEL = Route("/v1/responses/{id}/cancel", Action.forward, Group.inference, _POST)
 
 UNKNOWN: Final = Route("", Action.unknown)
@@ -288,3 +321,50 @@ def match(raw_path: bytes) -> Match:
     if canonical.route.action is Action.blocked:
         return canonical
     return Match(UNKNOWN, canonical.path)
+
+
+def _query_value(kind: QueryValue, raw: bytes) -> str | None:
+    """The form of `raw` forwarded for a parameter of `kind`, or None if it is not one."""
+    if kind is QueryValue.boolean:
+        return _BOOLEANS.get(raw.decode("latin-1").lower())
+    if _COUNT.fullmatch(raw):
+        return str(int(raw))
+    return None
+
+
+def forwarded_query(route: Route, raw: bytes) -> str:
+    """The query string forwarded for `route`, rebuilt from the checked values ("" for
+    none), from the raw one the client sent. Names and values are compared as sent: a
+    percent-escaped name is not the name, and no declared value needs escaping. An
+    undeclared, repeated or malformed parameter is refused (400): the engine's parser
+    would read something (the last of repeated names, a decoded escape) that this check
+    did not."""
+    if not raw:
+        return ""
+    declared = dict(route.query)
+    seen: dict[str, str] = {}
+    for item in raw.split(b"&"):
+        name_bytes, sep, value = item.partition(b"=")
+        name = name_bytes.decode("latin-1")
+        kind = declared.get(name)
+        if kind is None:
+            allowed = ", ".join(declared) or "none"
+            raise FieldNotAllowed(
+                f"This endpoint does not take this query parameter (it takes: {allowed}).",
+                param="query",
+            )
+        if name in seen:
+            raise InvalidRequest(f"The query parameter '{name}' is repeated.", param=name)
+        checked = _query_value(kind, value) if sep else None
+        if checked is None:
+            raise InvalidRequest(
+                f"The query parameter '{name}' must be {_EXPECTED[kind]}.", param=name
+            )
+        seen[name] = checked
+    return "&".join(f"{name}={value}" for name, value in seen.items())
+
+
+_EXPECTED: Final = {
+    QueryValue.boolean: "true or false",
+    QueryValue.number: "a whole number from 0 to 999999999",
+}

@@ -7,7 +7,8 @@ their text never reaches a client, because Pillow messages have leaked heap addr
 and URL parsers echo attacker input. Raised when:
 
 * GatewayError                500 internal_error: an unexpected failure (middleware.py)
-  + InvalidRequest            400 invalid_request: a body the rules refuse (payload/)
+  + InvalidRequest            400 invalid_request: a body the rules refuse (payload/), a
+  |                           query parameter's value (endpoints.py)
   | + InvalidJson             400 invalid_json: a body not JSON, or not an object (body.py)
   | + ModelRequired           400 model_required: no `model` where the engines' default
   | |                         model is ambiguous, or from a key limited to some models
@@ -15,7 +16,8 @@ and URL parsers echo attacker input. Raised when:
   | + BodyChunksTooSmall      400 body_chunks_too_small: a chunked body in chunks too small
   | |                         on average, written by the connection (server.py), which
   | |                         then closes
-  | + FieldNotAllowed         400 field_not_allowed: a field or form field refused (payload/)
+  | + FieldNotAllowed         400 field_not_allowed: a field or form field (payload/), or a
+  | |                         query parameter (endpoints.py), refused
   | + MediaUrlNotAllowed      400 media_url_not_allowed: a media URL off policy (media/)
   | + MediaInvalid            400 media_invalid: a media item not valid (media/, payload/)
   + InvalidApiKey             401 invalid_api_key: no key, not Bearer, unknown (auth.py)

@@ -24,6 +24,7 @@ from gateway.body import ClientDisconnected, Incoming, header, read_incoming
 from gateway.config import Settings
 from gateway.connections import ConnectionGuard
 from gateway.disconnect import DisconnectWatch
+from gateway.endpoints import forwarded_query
 from gateway.errors import ModelUnavailable, NoEngineAvailable
 from gateway.exchange import Exchange, exchange_of
 from gateway.forwarder import Forwarder
@@ -78,14 +79,22 @@ class Proxy:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ex = exchange_of(scope)
         self.check_request.route(ex)
+        # Checked before the body is read; only the checked parameters are forwarded.
+        query = forwarded_query(ex.route, scope.get("query_string", b""))
         incoming = await read_incoming(scope, receive, ex, self.settings, self.connections)
         ex.bytes_in = incoming.size
         # Counted against max_in_flight from here: a body still arriving holds no slot.
         with self._slot:
-            await self._serve(scope, receive, send, ex, incoming)
+            await self._serve(scope, receive, send, ex, incoming, query)
 
     async def _serve(
-        self, scope: Scope, receive: Receive, send: Send, ex: Exchange, incoming: Incoming
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        ex: Exchange,
+        incoming: Incoming,
+        query: str,
     ) -> None:
         """Everything after the body, holding a global slot."""
         engines = self._engines(ex, incoming)
@@ -96,10 +105,9 @@ class Proxy:
             order: Sequence[Engine] = engines
         else:
             order = await self._choose(scope, ex, incoming, media, engines)
-        target = scope["gateway.path"]
-        query: bytes = scope.get("query_string", b"")
+        target: str = scope["gateway.path"]
         if query:
-            target += "?" + query.decode("latin-1")
+            target += "?" + query
         headers = self._upstream_headers(scope, ex.engine_request_id, incoming.content_type)
 
         loop = self._loop or self._bind_loop()

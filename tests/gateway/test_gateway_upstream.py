@@ -544,13 +544,17 @@ def test_engine_under_a_path_prefix(engine: Engine, tmp_path: Path) -> None:
     proc = gateway_proc(tmp_path, env)
     # Ready: the health check and the model list went under the prefix too.
     proc.start("/readyz")
+    response = "/v1/responses/resp_abc123"
     try:
         headers = {"Authorization": f"Bearer {KEY}", "X-Scenario": "prefixed"}
-        r = HTTP.get(proc.url + "/version?x=1", headers=headers, timeout=10)
+        r = HTTP.get(proc.url + "/version", headers=headers, timeout=10)
+        # The only forwarded route with a query: it follows the prefixed path.
+        r2 = HTTP.get(proc.url + response + "?stream=1", headers=headers, timeout=10)
     finally:
         proc.stop()
-    assert r.status_code == 200
-    assert engine.requests("prefixed")[-1].path == "/prefix/version?x=1"
+    assert r.status_code == 200 and r2.status_code == 200
+    paths = [seen.path for seen in engine.requests("prefixed")[-2:]]
+    assert paths == ["/prefix/version", f"/prefix{response}?stream=true"]
 
 
 def test_a_reused_connection_closed_without_an_answer_is_retried_fresh(
