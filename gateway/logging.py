@@ -21,6 +21,8 @@ from structlog.typing import EventDict, Processor, WrappedLogger
 
 _SECRET_NAMES = re.compile(r"authorization|api_?key|token|secret|password", re.I)
 _DATA_URL = re.compile(r"data:[^,\s]{0,100},[A-Za-z0-9+/=%_-]{16,}")
+# The logger of python-multipart (the upload parser); its modules log under it.
+_MULTIPART_LOGGER = "python_multipart"
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
 
 
@@ -133,6 +135,10 @@ def configure_logging(
         # The console renderer prints the traceback of exc_info itself.
         processors += [redact, structlog.dev.ConsoleRenderer(colors=False)]
         factory = structlog.PrintLoggerFactory(sys.stdout)
+    # python-multipart logs each malformed upload through the standard library, as a
+    # plain-text line outside this format (its byte values, where parsing stopped). The
+    # gateway already refuses that upload (multipart.py) and logs the refusal.
+    logging.getLogger(_MULTIPART_LOGGER).setLevel(logging.CRITICAL)
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS.get(level, logging.ERROR)),
