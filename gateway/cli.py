@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import secrets
 import socket
 import sys
 from collections.abc import Sequence
@@ -30,6 +31,8 @@ from gateway.sources import ConfigError
 
 # uvicorn's exit code when the server could not start (the port taken, say).
 STARTUP_FAILURE = 3
+# The variable each worker reads payload.namespace_secret from.
+_SECRET_ENV = "GATEWAY_PAYLOAD__NAMESPACE_SECRET"  # noqa: S105 (a variable name)
 
 ENVIRONMENT = """\
 settings:
@@ -129,6 +132,10 @@ def _serve(args: argparse.Namespace) -> int:
             os.environ[CONFIG_ENV] = str(args.config.resolve())
         for name, value in overrides.items():
             os.environ[f"GATEWAY_{name.upper()}"] = str(value)
+        if settings.payload.namespace_secret is None:
+            # One generated secret for every worker: the ids it namespaces and the
+            # response ids it binds to a key must read the same on each of them.
+            os.environ[_SECRET_ENV] = secrets.token_hex(32)
         host = f"[{settings.host}]" if ":" in settings.host else settings.host
         _log_serving(settings, [f"http://{host}:{settings.port}"], args.workers)
         uvicorn.run("gateway.app:app_from_env", factory=True, workers=args.workers, **options)

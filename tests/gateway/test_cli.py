@@ -18,7 +18,16 @@ import pytest
 from bench.stack import HTTP
 from gateway.auth import hash_key
 from gateway.cli import parser
-from tests.procs import ROOT, Proc, clean_env, gateway_proc, run_cli, running, wait_for
+from tests.procs import (
+    ROOT,
+    Proc,
+    clean_env,
+    every_worker_lists,
+    gateway_proc,
+    run_cli,
+    running,
+    wait_for,
+)
 
 SECRET = "sk-cli-secret-0123456789abcdef"
 UPSTREAM = "upstream-secret-0123456789"
@@ -142,6 +151,30 @@ def test_serve_with_a_config_file_and_two_workers(
         r = HTTP.get(gw.url + "/v1/models")
         assert r.status_code == 401
     assert "request" in gw.log() and SECRET not in gw.log()
+
+
+def test_workers_share_one_generated_namespace_secret(
+    tmp_path: Path, start_sim: Callable[..., Proc]
+) -> None:
+    """Without `payload.namespace_secret`, `serve --workers 2` generates one for all its
+    workers: a request id (and so a stored response's id, which each worker checks on
+    retrieval) reads the same whichever worker took the request. Each request goes on a
+    new connection, so the kernel hands them to both workers."""
+    sim = start_sim("--latency", "zero", "--record-requests", "100")
+    env = {"GATEWAY_ENGINES": json.dumps([sim.url]), "GATEWAY_API_KEYS": json.dumps([SECRET])}
+    gw = gateway_proc(tmp_path, env, "--workers", "2")
+    headers = {"Authorization": f"Bearer {SECRET}", "Connection": "close"}
+    with running(gw, ready_path="/healthz"):
+        assert wait_for(lambda: every_worker_lists(gw, 2, "Qwen/Qwen3-VL-2B-Instruct", headers))
+        body = {"model": "Qwen/Qwen3-VL-2B-Instruct", "prompt": "x", "max_tokens": 1}
+        for _ in range(20):
+            r = HTTP.post(
+                gw.url + "/v1/completions", json={**body, "request_id": "mine"}, headers=headers
+            )
+            assert r.status_code == 200
+        sent = HTTP.get(sim.url + "/sim/requests").json()
+    ids = {json.loads(e["body"])["request_id"] for e in sent if e["path"] == "/v1/completions"}
+    assert len(ids) == 1
 
 
 def _subcommand(name: str) -> argparse.ArgumentParser:
