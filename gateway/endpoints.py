@@ -128,12 +128,16 @@ _DOCS = "the engine's API docs are not exposed"
 _REALTIME = "WebSocket routes are not proxied by this gateway"
 _WEIGHTS = "weight-transfer routes replace the model's weights"
 
+# Creates a stored response (with vLLM's response store on), which the routes
+# /v1/responses/{id} and /v1/responses/{id}/cancel name (see `stored_response_id`).
+RESPONSES_PATH: Final = "/v1/responses"
+
 _ROUTES: Final[tuple[Route, ...]] = (
     # --- inference: generation, guarded or not by vLLM's own --api-key ---------------
     _json("/v1/chat/completions", Group.inference),
     _json("/v1/chat/completions/batch", Group.inference),
     _json("/v1/completions", Group.inference),
-    _json("/v1/responses", Group.inference),
+    _json(RESPONSES_PATH, Group.inference),
     _json("/v1/messages", Group.inference),
     _json("/v1/messages/count_tokens", Group.inference),
     _json("/cohere/v2/chat", Group.inference),
@@ -281,6 +285,15 @@ def _lookup(path: str) -> Match:
         if path.startswith(prefix):
             return Match(_blocked(prefix, reason), path)
     return Match(UNKNOWN, path)
+
+
+def stored_response_id(route: Route, path: str) -> str | None:
+    """The response id a `/v1/responses/{id}` route names in `path` (the matched one);
+    None for any other route."""
+    if route is not _RESPONSE_GET and route is not _RESPONSE_CANCEL:
+        return None
+    m = _RESPONSE_ID.fullmatch(path)
+    return None if m is None else m.group(1)
 
 
 def canonical_form(raw_path: bytes) -> str:

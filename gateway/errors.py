@@ -28,6 +28,10 @@ and URL parsers echo attacker input. Raised when:
   + UnknownEndpoint           404 unknown_endpoint: a path not in the table
   + ModelNotFound             404 model_not_found: a model no engine serves, or one the
   |                           key may not use: the same answer, so keys cannot probe
+  + ResponseNotFound          404 response_not_found: a stored response id (a path's, or
+  |                           a body's `previous_response_id`) this key did not create
+  |                           through the gateway (walk.py, proxy.py): the same answer for
+  |                           an id that does not exist
   + MethodNotAllowed          405 method_not_allowed: the wrong method for a route
   + RequestTimeout            408 request_timeout: a body too slow or past its deadline
   |                           (body.py); the connection is closed
@@ -181,6 +185,16 @@ class ModelNotFound(GatewayError):
         if isinstance(model, str) and 0 < len(model) <= self.ECHO_LIMIT and model.isprintable():
             message = f"The model `{model}` does not exist or you do not have access to it."
         super().__init__(message)
+
+
+class ResponseNotFound(GatewayError):
+    """A stored response the key did not create, or one that does not exist: one answer
+    for both, so a key cannot probe which ids exist."""
+
+    status = 404
+    code = "response_not_found"
+    type = "invalid_request_error"
+    default_message = "The response does not exist or you do not have access to it."
 
 
 class MethodNotAllowed(GatewayError):

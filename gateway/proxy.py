@@ -24,8 +24,8 @@ from gateway.body import ClientDisconnected, Incoming, header, read_incoming
 from gateway.config import Settings
 from gateway.connections import ConnectionGuard
 from gateway.disconnect import DisconnectWatch
-from gateway.endpoints import forwarded_query
-from gateway.errors import ModelUnavailable, NoEngineAvailable
+from gateway.endpoints import RESPONSES_PATH, forwarded_query, stored_response_id
+from gateway.errors import ModelUnavailable, NoEngineAvailable, ResponseNotFound
 from gateway.exchange import Exchange, exchange_of
 from gateway.forwarder import Forwarder
 from gateway.headers import request_allowlist
@@ -81,6 +81,10 @@ class Proxy:
         self.check_request.route(ex)
         # Checked before the body is read; only the checked parameters are forwarded.
         query = forwarded_query(ex.route, scope.get("query_string", b""))
+        response_id = stored_response_id(ex.route, scope["gateway.path"])
+        if response_id is not None and not self.inspector.owns_response(ex.key, response_id):
+            # Another key's stored response, or one not made through the gateway.
+            raise ResponseNotFound(param="response_id")
         incoming = await read_incoming(scope, receive, ex, self.settings, self.connections)
         ex.bytes_in = incoming.size
         # Counted against max_in_flight from here: a body still arriving holds no slot.
@@ -163,7 +167,8 @@ class Proxy:
         body = incoming.json
         if body is None:
             return incoming.data, {}
-        inspection = await self.inspector.inspect(body, ex.key)
+        creates_response = ex.route.path == RESPONSES_PATH
+        inspection = await self.inspector.inspect(body, ex.key, creates_response=creates_response)
         data = orjson.dumps(body) if inspection.changed else incoming.data
         return data, dict(inspection.media)
 

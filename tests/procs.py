@@ -7,6 +7,8 @@ A thin layer over the bench's toolkit (bench/stack.py, bench/origin.py): the sam
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import socket
 import subprocess
@@ -166,6 +168,17 @@ class SocketCanary:
         self._stop.set()
         self._thread.join(2)
         self.sock.close()
+
+
+def owned_response_id(key: str, namespace_secret: str, part: str = "0" * 32) -> str:
+    """A stored response id that `key` owns behind a gateway configured with
+    `namespace_secret`, in the form the gateway gives `POST /v1/responses`: `gw-`, 32 hex
+    digits, and their tag (HMAC-SHA256 under the secret, over the key's digest and the
+    digits), cut to 32 hex digits. Written out here, so a change of form shows."""
+    owner = hashlib.sha256(key.encode()).hexdigest()
+    material = f"response:{len(owner)}:{owner}:{part}".encode()
+    tag = hmac.new(namespace_secret.encode(), material, hashlib.sha256).hexdigest()[:32]
+    return f"gw-{part}{tag}"
 
 
 def client_request_id(engine_request_id: str) -> str:

@@ -100,10 +100,19 @@ class PayloadInspector:
         tenant = f"tenant:{key.tenant}" if key is not None and key.tenant is not None else owner
         return Identity(owner, tenant, self._secret)
 
-    async def inspect(self, body: dict[str, Any], key: ApiKey | None) -> Inspection:
+    def owns_response(self, key: ApiKey | None, response_id: str) -> bool:
+        """Whether the stored response `response_id` was created by `key` through a
+        gateway with this secret (walk.Identity.response_id)."""
+        return self.identity(key).owns_response(response_id)
+
+    async def inspect(
+        self, body: dict[str, Any], key: ApiKey | None, *, creates_response: bool = False
+    ) -> Inspection:
+        """`creates_response`: the body is a `POST /v1/responses` (walk.Walk.run)."""
         identity = self.identity(key)
         walk = Walk(self._media, self._payload, self._policy, identity)
-        walk.run(body)  # every check that needs no I/O, before any fetch
+        # Every check that needs no I/O, before any fetch.
+        walk.run(body, creates_response=creates_response)
         if not walk.items:
             # Most requests carry no media: no tasks, no gather (~1% of the hot path).
             return Inspection((), True) if walk.changed else _NOTHING

@@ -77,13 +77,21 @@ FORBIDDEN_TOP_LEVEL: Final[dict[str, str]] = {
     "data": "allow_pooling_data",
     "priority": "allow_priority",
 }
-# Top-level identifiers vLLM shares across everyone on an engine (0.32: `request_id`
-# names the engine request and the stored /v1/responses answer; `session_id` is stamped
-# on the engine's KV cache events): namespaced per key, never forwarded as sent.
-NAMESPACED_TOP_LEVEL: Final = ("request_id", "session_id")
+# Top-level identifiers vLLM shares across everyone on an engine (0.32: `session_id` is
+# stamped on the engine's KV cache events): namespaced per key, never forwarded as sent.
+# `request_id`, which also names the stored /v1/responses answer, is bound to the key
+# in a form the gateway can check later (walk.Identity.response_id).
+NAMESPACED_TOP_LEVEL: Final = ("session_id",)
 # Form fields of the audio routes with the same meaning as the JSON fields above.
 FORBIDDEN_FORM_FIELDS: Final = frozenset(
-    {*FORBIDDEN_ANYWHERE, *FORBIDDEN_TOP_LEVEL, *NAMESPACED_TOP_LEVEL, "vllm_xargs", "cache_salt"}
+    {
+        *FORBIDDEN_ANYWHERE,
+        *FORBIDDEN_TOP_LEVEL,
+        *NAMESPACED_TOP_LEVEL,
+        "request_id",
+        "vllm_xargs",
+        "cache_salt",
+    }
 )
 
 # Lists and objects below the body; tool schemas nest deeper than messages do.

@@ -15,11 +15,18 @@ import base64
 import binascii
 import hashlib
 import hmac
+import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.errors import FieldNotAllowed, InvalidRequest, MediaInvalid, MediaTooLarge
+from gateway.errors import (
+    FieldNotAllowed,
+    InvalidRequest,
+    MediaInvalid,
+    MediaTooLarge,
+    ResponseNotFound,
+)
 from gateway.media.av import audio_type
 from gateway.media.inline import MediaKind, Resolved
 from gateway.media.settings import MediaSettings, UuidPolicy
@@ -39,6 +46,8 @@ from gateway.payload.settings import CacheIsolation, PayloadSettings
 
 # Writes an item's resolved form into the body; says whether that changed the body.
 Setter = Callable[[Resolved], bool]
+# `gw-`, 32 hex digits of the id's own part, 32 of its tag.
+_RESPONSE_ID_LENGTH = 67
 # Where the walk is: () at the top, else (parent, key or index), or a rendered path.
 Trail = tuple[Any, ...] | str
 _URL = frozenset({"url"})
@@ -78,6 +87,30 @@ class Identity:
         # Length-prefixed so no (owner, value) pair collides with another's concatenation.
         material = f"{purpose}:{len(owner)}:{owner}:{value}".encode()
         return "gw-" + hmac.new(self.secret, material, hashlib.sha256).hexdigest()
+
+    # --- response ids: bound to the key that created them -----------------------------
+
+    def response_id(self, value: str | None) -> str:
+        """The request id (and stored response id) a body's `request_id` reaches the
+        engine as: `gw-` + a part + the part's tag for this key. The part is namespaced
+        from the client's value (the same value gives the same id, per key) or random
+        when the client named none. `owns_response` checks the tag with nothing stored,
+        so every worker and every replica with the same secret agrees."""
+        part = self.namespaced("request_id", value)[3:35] if value else secrets.token_hex(16)
+        return f"gw-{part}{self._response_tag(part)}"
+
+    def owns_response(self, response_id: str) -> bool:
+        """Whether `response_id` was made by `Identity.response_id` for this key."""
+        if len(response_id) != _RESPONSE_ID_LENGTH or not response_id.isascii():
+            return False
+        if not response_id.startswith("gw-"):
+            return False
+        part, tag = response_id[3:35], response_id[35:]
+        return hmac.compare_digest(tag, self._response_tag(part))
+
+    def _response_tag(self, part: str) -> str:
+        material = f"response:{len(self.owner)}:{self.owner}:{part}".encode()
+        return hmac.new(self.secret, material, hashlib.sha256).hexdigest()[:32]
 
 
 def render(trail: Trail) -> str:
@@ -141,11 +174,16 @@ class Walk:
 
     # --- top level -------------------------------------------------------------------
 
-    def run(self, body: dict[str, Any]) -> None:
+    def run(self, body: dict[str, Any], *, creates_response: bool = False) -> None:
+        """`creates_response`: the body asks for a stored response (`POST
+        /v1/responses`), which gets a request id bound to the key even when it names
+        none (vLLM's own, `resp_` + a random uuid, would be readable by any key)."""
         for field, setting in FORBIDDEN_TOP_LEVEL.items():
             if body.get(field) is not None and not getattr(self.payload, setting):
                 raise FieldNotAllowed(f"The field '{field}' is not allowed.", param=field)
         self._xargs(body.get("vllm_xargs"))
+        self._request_id(body, creates_response)
+        self._previous_response(body.get("previous_response_id"))
         for field in NAMESPACED_TOP_LEVEL:
             self._identifier(body, field)
         self._cache_salt(body)
@@ -162,6 +200,23 @@ class Walk:
                 raise FieldNotAllowed(
                     "This vllm_xargs key is not allowed.", param=f"vllm_xargs.{key}"[:200]
                 )
+
+    def _request_id(self, body: dict[str, Any], creates_response: bool) -> None:
+        value = body.get("request_id")
+        if value is None and not creates_response:
+            return
+        if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 128):
+            raise InvalidRequest("request_id must be a short string.", param="request_id")
+        body["request_id"] = self.identity.response_id(value)
+        self.changed = True
+
+    def _previous_response(self, value: object) -> None:
+        """vLLM continues from the stored response (its output and its messages) that
+        `previous_response_id` names: only one this key created."""
+        if value is None:
+            return
+        if not isinstance(value, str) or not self.identity.owns_response(value):
+            raise ResponseNotFound(param="previous_response_id")
 
     def _identifier(self, body: dict[str, Any], field: str) -> None:
         """A client-chosen identifier the engine shares across keys, namespaced."""

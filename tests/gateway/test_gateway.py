@@ -31,6 +31,7 @@ from tests.procs import (
     error_code,
     gateway_proc,
     held_streams,
+    owned_response_id,
     scrape,
     sim_proc,
     wait_for,
@@ -50,6 +51,9 @@ DATA_URL = "data:image/png;base64," + "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfF
 MAX_BODY = 100_000
 MAX_UPLOAD = 200_000
 MAX_IN_FLIGHT = 3
+NAMESPACE_SECRET = "gateway-test-namespace-secret"
+# A stored response of the full key's (the engines, simulated, store none).
+RESPONSE_ID = owned_response_id(FULL, NAMESPACE_SECRET)
 KEYS = json.dumps(
     [
         FULL,
@@ -84,6 +88,7 @@ def _gateway_env(engines: list[str], **extra: str) -> dict[str, str]:
         "GATEWAY_LIMITS__MAX_BODY_BYTES": str(MAX_BODY),
         "GATEWAY_LIMITS__MAX_UPLOAD_BYTES": str(MAX_UPLOAD),
         "GATEWAY_ROUTING__HEALTH_INTERVAL": "30",
+        "GATEWAY_PAYLOAD__NAMESPACE_SECRET": NAMESPACE_SECRET,
         **extra,
     }
 
@@ -182,7 +187,7 @@ def request_for(path: str, method: str) -> dict[str, Any]:
 
 FORWARDED = sorted(
     [(r.path, m) for r in TABLE.values() if r.action is Action.forward for m in sorted(r.methods)]
-    + [("/v1/responses/resp_abc123", "GET"), ("/v1/responses/resp_abc123/cancel", "POST")]
+    + [(f"/v1/responses/{RESPONSE_ID}", "GET"), (f"/v1/responses/{RESPONSE_ID}/cancel", "POST")]
 )
 BLOCKED = sorted(
     [(r.path, "POST") for r in TABLE.values() if r.action is Action.blocked]

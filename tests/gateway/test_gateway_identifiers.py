@@ -6,6 +6,7 @@ shown by the engine's own prefix-cache counters."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,3 +187,82 @@ def test_routes_that_drop_cache_salt_are_refused_under_isolation(stack: Stack, p
     # Without isolation the same request is forwarded (the engine answers what it will).
     send(stack.shared)
     assert stack.paths() == [path]
+
+
+# --- stored responses: bound to the key that created them --------------------------------
+
+
+def _call(stack: Stack, gateway: Proc, name: str, method: str, path: str) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {KEYS[name]}"}
+    return stack.http.request(method, gateway.url + path, headers=headers)
+
+
+def _create_response(stack: Stack, name: str, **fields: str) -> str:
+    """The id of a response `name` creates through the shared gateway: the request id the
+    engine got (it is the stored response's id; the simulated engine stores none)."""
+    stack.clear()
+    stack.post(stack.shared, name, "/v1/responses", {"model": MODEL, "input": "x", **fields})
+    (body,) = stack.received()
+    rid: str = body["request_id"]
+    stack.clear()
+    return rid
+
+
+def test_a_stored_response_is_read_and_cancelled_only_by_its_key(stack: Stack) -> None:
+    """vLLM names a stored response by the body's `request_id` and serves it to whoever
+    names it: the gateway gives every `POST /v1/responses` an id bound to the key, and
+    forwards a retrieval or a cancel only for an id of the asking key. The binding is
+    an HMAC under the shared secret: the other gateway (a replica) agrees."""
+    rid = _create_response(stack, "a1")
+    assert re.fullmatch(r"gw-[0-9a-f]{64}", rid)
+    for gateway in (stack.shared, stack.isolated):
+        for method, path in (
+            ("GET", f"/v1/responses/{rid}"),
+            ("POST", f"/v1/responses/{rid}/cancel"),
+        ):
+            for name in ("b1", "a2", "gen"):  # another tenant, the same tenant, inference only
+                r = _call(stack, gateway, name, method, path)
+                assert r.status_code == 404, (name, path)
+                assert r.json()["error"]["code"] == "response_not_found"
+            assert stack.paths() == []
+            # Its own key reaches the engine (which, simulated, has no such response).
+            _call(stack, gateway, "a1", method, path)
+            assert stack.paths() == [path]
+            stack.clear()
+
+
+def test_previous_response_id_must_be_the_keys_own(stack: Stack) -> None:
+    """vLLM continues from the stored response `previous_response_id` names (its
+    output and input messages): another key's id is refused before the engine."""
+    rid = _create_response(stack, "a1", request_id="mine")
+    assert _create_response(stack, "a1", request_id="mine") == rid  # the client's name, per key
+    body = {"model": MODEL, "input": "more", "previous_response_id": rid}
+    r = stack.post(stack.shared, "b1", "/v1/responses", body)
+    assert (r.status_code, r.json()["error"]["code"]) == (404, "response_not_found")
+    assert r.json()["error"]["param"] == "previous_response_id"
+    assert stack.paths() == []
+    stack.post(stack.shared, "a1", "/v1/responses", body)
+    (sent,) = stack.received()
+    assert sent["previous_response_id"] == rid and sent["request_id"] != rid
+
+
+@pytest.mark.parametrize(
+    "rid",
+    [
+        "resp_0123456789abcdef0123456789abcdef",  # vLLM's own form: made at the engine
+        "gw-" + "0" * 64,
+        "gw-" + "a" * 63,
+        "mine",
+    ],
+)
+def test_response_ids_not_made_for_the_key_are_refused(stack: Stack, rid: str) -> None:
+    stack.clear()
+    forged = _create_response(stack, "a1")
+    forged = forged[:-1] + ("0" if forged[-1] != "0" else "1")  # its tag altered
+    for candidate in (rid, forged):
+        r = _call(stack, stack.shared, "a1", "GET", f"/v1/responses/{candidate}")
+        assert (r.status_code, r.json()["error"]["code"]) == (404, "response_not_found")
+        body = {"model": MODEL, "input": "x", "previous_response_id": candidate}
+        r = stack.post(stack.shared, "a1", "/v1/responses", body)
+        assert (r.status_code, r.json()["error"]["code"]) == (404, "response_not_found")
+    assert stack.paths() == []

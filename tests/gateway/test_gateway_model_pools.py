@@ -30,6 +30,7 @@ from tests.procs import (
     error_code,
     gateway_proc,
     metric,
+    owned_response_id,
     running,
     sim_proc,
     sim_received,
@@ -42,6 +43,7 @@ ADAPTER = "chat-adapter"
 FULL = "sk-pools-full-0123456789abcdef"
 CHAT_ONLY = "sk-pools-chat-0123456789abcdef"
 KEYS = [FULL, {"key": CHAT_ONLY, "name": "chat-only", "models": [CHAT_MODEL]}]
+NAMESPACE_SECRET = "model-pools-namespace-secret"
 NOT_FOUND = "The model `{}` does not exist or you do not have access to it."
 NOT_FOUND_NAMELESS = "The model does not exist or you do not have access to it."
 
@@ -66,6 +68,7 @@ def _gateway_env(engines: list[str], health_interval: str, **extra: str) -> dict
         "GATEWAY_PUBLIC_METRICS": "true",
         "GATEWAY_ROUTING__HEALTH_INTERVAL": health_interval,
         "GATEWAY_ROUTING__MODELS_INTERVAL": "0.3",
+        "GATEWAY_PAYLOAD__NAMESPACE_SECRET": NAMESPACE_SECRET,
         **extra,
     }
 
@@ -300,7 +303,8 @@ def test_routes_about_an_engine_need_no_model(fleet: Fleet) -> None:
     # A stored response is fetched by id, naming no model: it goes to an engine (the
     # simulator stores none, and says so).
     before = received(fleet)
-    r = HTTP.get(fleet.g.url + "/v1/responses/resp_abc", headers=auth(CHAT_ONLY), timeout=10)
+    path = "/v1/responses/" + owned_response_id(CHAT_ONLY, NAMESPACE_SECRET)
+    r = HTTP.get(fleet.g.url + path, headers=auth(CHAT_ONLY), timeout=10)
     assert error_code(r) != "model_required" and r.status_code == 404
     assert received(fleet) == before + 1
 

@@ -49,6 +49,16 @@ class Stack:
     def clear(self) -> None:
         self.http.delete(self.sim.url + "/sim/requests")
 
+    def response_id(self) -> str:
+        """The id of a response created through the gateway with this key: the request
+        id it gave the body (the simulated engine stores no responses)."""
+        self.clear()
+        self.send("POST", "/v1/responses", json.dumps({"model": MODEL, "input": "hi"}))
+        (created,) = self.received()
+        rid: str = json.loads(created["body"])["request_id"]
+        self.clear()
+        return rid
+
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
@@ -93,15 +103,16 @@ def test_declared_parameters_arrive_as_checked(stack: Stack) -> None:
         ("?", ""),
         ("", ""),
     ]
+    path = "/v1/responses/" + stack.response_id()
     for query, forwarded in cases:
         stack.clear()
-        status, _ = stack.send("GET", "/v1/responses/resp_abc123" + query)
+        status, _ = stack.send("GET", path + query)
         # The engine (simulated here) stores no responses: its 404 is relayed.
         assert status == 404, query
         got = stack.received()
-        assert [(r["method"], r["path"], r["query"]) for r in got] == [
-            ("GET", "/v1/responses/resp_abc123", forwarded)
-        ], query
+        assert [(r["method"], r["path"], r["query"]) for r in got] == [("GET", path, forwarded)], (
+            query
+        )
 
 
 @pytest.mark.parametrize(
@@ -129,14 +140,14 @@ def test_declared_parameters_arrive_as_checked(stack: Stack) -> None:
 def test_bad_parameters_on_the_responses_route_are_refused(
     stack: Stack, query: str, code: str
 ) -> None:
-    stack.clear()
-    status, answer = stack.send("GET", "/v1/responses/resp_abc123" + query)
+    path = "/v1/responses/" + stack.response_id()
+    status, answer = stack.send("GET", path + query)
     assert (status, _code(answer)) == (400, code)
     assert stack.received() == []
 
 
 def test_the_cancel_route_takes_no_query(stack: Stack) -> None:
-    stack.clear()
-    status, answer = stack.send("POST", "/v1/responses/resp_abc123/cancel?stream=true")
+    path = f"/v1/responses/{stack.response_id()}/cancel"
+    status, answer = stack.send("POST", path + "?stream=true")
     assert (status, _code(answer)) == (400, "field_not_allowed")
     assert stack.received() == []

@@ -28,7 +28,7 @@ import pytest
 
 from bench.stack import HTTP
 from gateway.upstream import Origin
-from tests.procs import Proc, gateway_proc, wait_for
+from tests.procs import Proc, gateway_proc, owned_response_id, wait_for
 
 KEY = "sk-upstream-0123456789abcdef"
 MODEL = "scripted/model"
@@ -540,11 +540,12 @@ def test_engine_under_a_path_prefix(engine: Engine, tmp_path: Path) -> None:
         "GATEWAY_ENGINES": f'["{engine.url}/prefix/"]',
         "GATEWAY_API_KEYS": f'["{KEY}"]',
         "GATEWAY_FORWARD_HEADERS": '["x-scenario"]',
+        "GATEWAY_PAYLOAD__NAMESPACE_SECRET": "prefix-namespace-secret",
     }
     proc = gateway_proc(tmp_path, env)
     # Ready: the health check and the model list went under the prefix too.
     proc.start("/readyz")
-    response = "/v1/responses/resp_abc123"
+    response = "/v1/responses/" + owned_response_id(KEY, "prefix-namespace-secret")
     try:
         headers = {"Authorization": f"Bearer {KEY}", "X-Scenario": "prefixed"}
         r = HTTP.get(proc.url + "/version", headers=headers, timeout=10)
