@@ -258,17 +258,29 @@ _WELL_FORMED: dict[str, Callable[[bytes], bool]] = {
 _TEXT_FORMATS = (b"#extm3u", b"ffconcat", b"<mpd", b"<?xml", b"<compositionplaylist")
 _SDP_LINES = (b"v=0", b"c=in ip")
 _PROBE_BYTES = 1 << 20  # FFmpeg's largest probe buffer
+# The line SDP's probe looks for, as it compares it (case and all), after a line feed.
+_SDP_PROBE_LINES = (b"\nc=IN IP", b"\n\rc=IN IP")
 
 
 def carries_text_format(data: bytes) -> bool:
-    """Whether the bytes FFmpeg's probes read as text (from after an ID3v2 tag up to
-    the first NUL byte) hold the signature of one of those text formats."""
+    """Whether FFmpeg's probes could read one of those text formats in `data`.
+
+    FFmpeg skips an ID3v2 tag only when the tag fits in its probe buffer, so the text up
+    to the first NUL byte is read both after the tag and from byte 0 (a real tag's
+    header has a NUL at its fifth byte, so that window is four bytes long). SDP's probe
+    looks at every line start and steps over NUL bytes inside a line: its `c=IN IP`
+    line is looked for in the whole probe buffer, from both places."""
     start = max(id3_length(data), 0)
-    end = data.find(b"\0", start, start + _PROBE_BYTES)
-    window = data[start : end if end >= 0 else start + _PROBE_BYTES].lower()
-    if window.startswith(_SDP_LINES) or any(s in window for s in _TEXT_FORMATS):
-        return True
-    return any(b + line in window for b in (b"\n", b"\r") for line in _SDP_LINES)
+    for at in (0, start) if start else (0,):
+        end = data.find(b"\0", at, at + _PROBE_BYTES)
+        window = data[at : end if end >= 0 else at + _PROBE_BYTES].lower()
+        if window.startswith(_SDP_LINES) or any(s in window for s in _TEXT_FORMATS):
+            return True
+        if any(b + line in window for b in (b"\n", b"\r") for line in _SDP_LINES):
+            return True
+        if any(data.find(line, at, at + _PROBE_BYTES) >= 0 for line in _SDP_PROBE_LINES):
+            return True
+    return False
 
 
 def well_formed(format_name: str, data: bytes) -> bool:

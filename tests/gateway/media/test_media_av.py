@@ -6,6 +6,7 @@ playlist after an ID3 tag is probed as HLS: FFmpeg skips the tag)."""
 from __future__ import annotations
 
 import io
+import random
 import struct
 import wave
 
@@ -193,3 +194,47 @@ def test_video_that_is_not_its_container_is_refused(label: str, data: bytes, dec
     with pytest.raises(MediaInvalid) as caught:
         validate_video(data, declared, SETTINGS)
     assert caught.value.code == "media_invalid"
+
+
+def id3_tag(size: int, header: bytes = b"ID3\x04\x00\x00") -> bytes:
+    """An ID3v2 header (`header`: magic, version, revision, flags) for `size` bytes."""
+    return header + bytes((size >> shift) & 0x7F for shift in (21, 14, 7, 0))
+
+
+# FFmpeg skips an ID3v2 tag only when it fits in its 1 MiB probe buffer: a larger one is
+# probed from byte 0, and SDP's probe steps over NUL bytes inside a line.
+BIG_TAG = 0x204081  # 2,113,665 bytes
+RTP_SDP = b"\nv=0\no=- 0 0 IN IP4 127.0.0.1\ns=x\nc=IN IP4 127.0.0.1\nt=0 0\nm=audio 9 RTP/AVP 0\n"
+LARGE = MediaSettings(audio_formats=list(AUDIO_TYPES), max_bytes=4_000_000)
+PROBED_SDP = [
+    (
+        "an sdp description inside an id3 tag over 1 MiB, header without a nul",
+        id3_tag(BIG_TAG, b"ID3\x04\x01\x01")
+        + RTP_SDP
+        + bytes(BIG_TAG - len(RTP_SDP))
+        + (FRAME + bytes(413)) * 3,
+    ),
+    (
+        "the same with crlf lines",
+        id3_tag(BIG_TAG, b"ID3\x04\x01\x01")
+        + RTP_SDP.replace(b"\n", b"\r\n")
+        + bytes(BIG_TAG - len(RTP_SDP.replace(b"\n", b"\r\n")))
+        + (FRAME + bytes(413)) * 3,
+    ),
+    ("sdp lines after nul bytes inside a line", (FRAME + bytes(413)) * 2 + RTP_SDP),
+]
+
+
+@pytest.mark.parametrize(("label", "data"), PROBED_SDP, ids=[p[0] for p in PROBED_SDP])
+def test_sdp_where_ffmpeg_probes_it_is_refused(label: str, data: bytes) -> None:
+    with pytest.raises(MediaInvalid) as caught:
+        validate_audio(data, "audio/mpeg", LARGE)
+    assert caught.value.code == "media_invalid"
+
+
+def test_an_mp3_with_an_id3_tag_over_1_mib_is_accepted() -> None:
+    """Cover art can make a real tag larger than FFmpeg's probe buffer: its bytes are
+    not text FFmpeg reads."""
+    art = random.Random(7).randbytes(BIG_TAG)
+    data = id3_tag(BIG_TAG) + art + (FRAME + bytes(413)) * 3
+    assert validate_audio(data, "audio/mpeg", LARGE).data == data
