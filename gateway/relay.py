@@ -2,7 +2,7 @@
 
 Successful answers are streamed chunk by chunk as they arrive: no SSE frame is parsed on
 this path (LiteLLM's per-chunk re-serialisation costs ~1.5 ms); the tokens the engine
-reports are read from the answer's last bytes once it ends (usage.py). Only the allowlisted
+reports are read from the answer once it ends (usage.py). Only the allowlisted
 response headers cross (headers.py). Error answers are read whole under a cap and
 scrubbed or replaced (engine_errors.py). A 204 or 304 is its head alone. (`/v1/models` is
 answered by the gateway itself, from the pool's copy of the engines' lists:
@@ -23,7 +23,7 @@ from gateway.exchange import Exchange
 from gateway.forwarder import gateway_error
 from gateway.headers import RESPONSE_HEADERS
 from gateway.upstream import NO_CONTENT, Response, UpstreamError
-from gateway.usage import TAIL, Tail, read_usage
+from gateway.usage import Tail, read_usage
 
 log = structlog.get_logger("gateway.relay")
 
@@ -141,12 +141,12 @@ class Relay:
             )
             await send({"type": "http.response.body", "body": body})
             # Once the client has its answer.
-            ex.usage = read_usage(body, max(0, len(body) - TAIL))
+            ex.usage = read_usage(body)
             return
 
         await send({"type": "http.response.start", "status": resp.status, "headers": out_headers})
         idle = self.idle
-        # The answer's last bytes, where the engine reports its usage (gateway/usage.py).
+        # What the engine reports its usage in, searched as it passes (gateway/usage.py).
         tail = Tail()
         try:
             while True:

@@ -1,14 +1,18 @@
-"""Token counts from an engine's answer: its `usage` object, read from the answer's end.
+"""Token counts from an engine's answer: its `usage` object, found by its key.
 
-vLLM puts `usage` at the end of a non-streamed answer (only engine fields such as
-`prompt_logprobs`, keyed by token ids, follow it), and a stream asked for with
+vLLM puts `usage` near the end of a non-streamed answer, and a stream asked for with
 `stream_options.include_usage` sends it in its last data event, before `data: [DONE]`.
-So only the answer's last `TAIL` bytes are searched, and only the `usage` object itself
-is parsed: a cost that does not grow with the answer. Measured (timeit, best of 7 on
-the shared 2-core machine under load): 2.3-2.9 us for a 750-byte chat answer and for a
-15 KB one, where orjson parsing the whole answer took 2.5 us and 7.4 us; a stream's
-tail costs ~0.3 us a chunk. Answers that report no usage (a stream without
-`include_usage`, one cut off, a refusal) count no tokens.
+What follows it can still be long, and the client decides how long: the rendered prompt
+(`return_prompt_text`), `prompt_logprobs` and `prompt_token_ids` in a chat answer, the
+request's `user` and, when asked for, the raw messages in a Responses answer and in its
+stream's `response.completed` event, the per-question diagnostics of /v1/systemone.
+So a non-streamed answer (held whole, up to 64 KiB: relay.py) is searched from its end
+for the last `"usage":` key, and a stream's bytes are searched as they are dropped from
+the tail it keeps (`Tail`); only the `usage` object itself is parsed. The search is
+`bytes.rfind` (memchr speed), so its cost grows with the answer only by that: 2.3-2.9
+us for a 750-byte chat answer and for a 15 KB one were measured with the tail alone,
+where orjson parsing the whole answer took 2.5 us and 7.4 us. Answers that report no
+usage (a stream without `include_usage`, one cut off, a refusal) count no tokens.
 """
 
 from __future__ import annotations
@@ -99,32 +103,44 @@ def read_usage(data: bytes, start: int = 0) -> Usage | None:
 
 
 class Tail:
-    """The last bytes of a streamed answer, at least `TAIL` of them once that many
-    came: chunks are kept as they arrive and joined only every `2 * TAIL` bytes, so a
-    chunk costs a list append. A chunk of `TAIL` bytes or more replaces what was kept,
-    uncopied: a usage object ends a few bytes before the answer's end (`}`, or
-    `data: [DONE]`), so when it is in the last `TAIL` bytes, no such chunk came after
-    it began."""
+    """The usage a streamed answer reported last. Its last bytes, at least `TAIL` of them
+    once that many came, are kept as they arrive and joined only every `2 * TAIL` bytes,
+    so a chunk costs a list append; a chunk of `TAIL` bytes or more replaces what was
+    kept, uncopied. Bytes about to be dropped are searched first (with what follows them,
+    up to `TAIL` bytes, so an object cut by the drop is whole), so a usage object
+    followed by more than `TAIL` bytes (a Responses stream's `response.completed` event
+    echoes the request's `user` after it) is still found. The usage in the bytes kept at
+    the end, if any, is the last one; else the last one found before."""
 
-    __slots__ = ("_chunks", "_size")
+    __slots__ = ("_chunks", "_seen", "_size")
 
     def __init__(self) -> None:
         self._chunks: list[bytes] = []
         self._size = 0
+        self._seen: Usage | None = None
+
+    def _search(self, data: bytes) -> None:
+        found = read_usage(data)
+        if found is not None:
+            self._seen = found
 
     def add(self, chunk: bytes) -> None:
         size = len(chunk)
         if size >= TAIL:
+            if self._chunks:
+                self._search(b"".join(self._chunks) + chunk[:TAIL])
             self._chunks = [chunk]
             self._size = size
             return
         self._chunks.append(chunk)
         self._size += size
         if self._size > 2 * TAIL:
-            kept = b"".join(self._chunks)[-TAIL:]
+            joined = b"".join(self._chunks)
+            self._search(joined)
+            kept = joined[-TAIL:]
             self._chunks = [kept]
             self._size = len(kept)
 
     def usage(self) -> Usage | None:
-        data = b"".join(self._chunks)
-        return read_usage(data, max(0, len(data) - TAIL))
+        found = read_usage(b"".join(self._chunks))
+        return found if found is not None else self._seen

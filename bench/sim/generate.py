@@ -167,7 +167,12 @@ async def chat(engine: Engine, req: Request) -> None:
                     "usage": usage,
                     "prompt_logprobs": None,
                     "prompt_token_ids": None,
-                    "prompt_text": None,
+                    # The rendered prompt, after usage, as vLLM 0.32 places it.
+                    "prompt_text": (
+                        "".join(s for s in segments if isinstance(s, str))
+                        if _bool_field(body, "return_prompt_text")
+                        else None
+                    ),
                     **RESPONSE_NULLS,
                 },
             )

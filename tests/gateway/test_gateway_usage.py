@@ -18,6 +18,7 @@ from tests.procs import Proc, auth, error_code, gateway_proc, scrape, sim_proc, 
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 ALICE = "sk-usage-alice-0123456789-SECRET"
 BOB = "sk-usage-bob-0123456789-SECRET"
+CAROL = "sk-usage-carol-0123456789-SECRET"
 SCRAPER = "sk-usage-scraper-0123456789-SECRET"
 WRONG = "sk-usage-not-configured-0123456789"
 
@@ -47,6 +48,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     keys = [
         {"key": ALICE, "name": "alice"},
         {"key": BOB, "name": "bob"},
+        {"key": CAROL, "name": "carol"},
         {"key": SCRAPER, "name": "scraper", "scopes": ["metrics"]},
     ]
     gateway = gateway_proc(
@@ -148,7 +150,7 @@ def test_usage_and_requests_are_counted_per_key(stack: Stack) -> None:
     assert stack.metric("gateway_requests_total", key="", group="local") >= 1
     # Keys only ever appear as their names.
     text = HTTP.get(stack.gateway.url + "/metrics", headers=auth(SCRAPER)).text
-    for secret in (ALICE, BOB, SCRAPER, WRONG):
+    for secret in (ALICE, BOB, CAROL, SCRAPER, WRONG):
         assert secret not in text
 
 
@@ -168,3 +170,21 @@ def test_a_scrape_is_counted_under_the_scrapers_name(stack: Stack) -> None:
     assert wait_for(
         lambda: stack.metric("gateway_requests_total", key="scraper", group="metrics") > before
     )
+
+
+def test_usage_followed_by_a_long_field_is_counted(stack: Stack) -> None:
+    # vLLM writes what the client asks for after `usage`: the rendered prompt
+    # (`return_prompt_text`), prompt logprobs, a Responses answer's `user`. A 6 KB prompt
+    # put the answer's usage more than 4 KiB from its end, and it counted no tokens.
+    body = chat("tell me " * 750, return_prompt_text=True)
+    r = HTTP.post(stack.gateway.url + "/v1/chat/completions", headers=auth(CAROL), json=body)
+    assert r.status_code == 200, r.text
+    answer = r.content
+    assert len(answer) - answer.rindex(b'"usage":') > 4096
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens"] > 0
+    assert wait_for(
+        lambda: stack.metric("gateway_prompt_tokens_total", key="carol") == usage["prompt_tokens"]
+    )
+    completion = stack.metric("gateway_completion_tokens_total", key="carol")
+    assert completion == usage["completion_tokens"]

@@ -147,11 +147,45 @@ def test_read_usage(data: bytes, expected: Usage | None) -> None:
     assert read_usage(data) == expected
 
 
-def test_only_the_tail_is_searched() -> None:
-    # A usage object further from the end than TAIL is not looked for.
+def test_a_usage_far_from_the_end_is_found() -> None:
+    # What follows `usage` is the client's to lengthen: the rendered prompt, prompt
+    # logprobs, a Responses answer's `user`. Searching only the last TAIL bytes missed it.
     body = chat_answer(prompt_text="x" * (TAIL + 100))
     assert read_usage(body) == (17, 8)
     assert read_usage(body, max(0, len(body) - TAIL)) is None
+
+
+def responses_stream(user: str) -> bytes:
+    """A Responses stream in vLLM 0.32's order: `response.completed` carries the whole
+    response, whose `usage` is followed by the request's `user`."""
+    events = [
+        {"type": "response.created", "response": {"id": "r", "usage": None, "user": user}},
+        *({"type": "response.output_text.delta", "delta": "x" * 40} for _ in range(100)),
+        {
+            "type": "response.completed",
+            "response": {
+                "id": "r",
+                "output": [],
+                "usage": {"input_tokens": 9, "output_tokens": 4},
+                "user": user,
+                "input_messages": None,
+            },
+        },
+    ]
+    return b"".join(
+        b"event: " + e["type"].encode() + b"\ndata: " + orjson.dumps(e) + b"\n\n"  # type: ignore[attr-defined]
+        for e in events
+    )
+
+
+@pytest.mark.parametrize("size", [1, 7, 300, TAIL - 1, TAIL, TAIL + 1, 3 * TAIL, 10**6])
+@pytest.mark.parametrize("user", ["", "u" * (3 * TAIL)])
+def test_tail_finds_a_usage_followed_by_more_than_its_size(size: int, user: str) -> None:
+    stream = responses_stream(user)
+    tail = Tail()
+    for i in range(0, len(stream), size):
+        tail.add(stream[i : i + size])
+    assert tail.usage() == (9, 4)
 
 
 @pytest.mark.parametrize("size", [1, 7, 64, 300, TAIL - 1, TAIL, TAIL + 1, 3 * TAIL])
