@@ -200,14 +200,20 @@ class MediaFetcher:
             length = response.headers.get("content-length")
             if length is not None and (not length.isdigit() or int(length) > self._max_bytes):
                 raise _failed("size")
+            # An announced size is charged at once (a request over its allowance fails
+            # before the bytes come), and the bytes beyond it as they stream: with
+            # `Transfer-Encoding: chunked` beside it the body is the chunks, whatever the
+            # Content-Length says (`Content-Length: 1` brought 15 MiB charged as 1 byte).
+            charged = 0
             if allowance is not None and length is not None:
-                allowance.take(int(length))
-                allowance = None  # charged whole; the stream is capped at that length
+                charged = int(length)
+                allowance.take(charged)
             body = bytearray()
             async for chunk in response.aiter_raw():
-                if allowance is not None:
-                    allowance.take(len(chunk))
                 body += chunk
+                if allowance is not None and len(body) > charged:
+                    allowance.take(len(body) - charged)
+                    charged = len(body)
                 if len(body) > self._max_bytes:
                     raise _failed("size")
             return Fetched(bytes(body), response.headers.get("content-type"))

@@ -7,11 +7,13 @@ from __future__ import annotations
 import struct
 import zlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from bench.origin import QuietHandler, ThreadedServer
 from bench.samples import png
 from bench.stack import HTTP
 from tests.procs import (
@@ -43,14 +45,31 @@ def padded_png(size: int) -> bytes:
 
 
 Stack = MediaStack[RecordingServer]
+IMAGE = padded_png(ITEM_BYTES)
+
+
+class ChunksUnderALength(QuietHandler):
+    """An origin that answers every GET with IMAGE in chunks under `Content-Length: 1`:
+    HTTP/1.1 clients take the chunks (Transfer-Encoding wins), whatever the length says."""
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        self.send_header("Content-Length", "1")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for i in range(0, len(IMAGE), 8192):
+            piece = IMAGE[i : i + 8192]
+            self.wfile.write(b"%x\r\n" % len(piece) + piece + b"\r\n")
+        self.wfile.write(b"0\r\n\r\n")
+        self.close_connection = True
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("media-bytes")
-    image = padded_png(ITEM_BYTES)
-    assert len(image) == ITEM_BYTES
-    route = Route(body=image, headers={"Content-Type": "image/png"})
+    assert len(IMAGE) == ITEM_BYTES
+    route = Route(body=IMAGE, headers={"Content-Type": "image/png"})
     with RecordingServer({f"/{n}.png": route for n in "abcd"}) as origin:
         host = origin.url.split("//", 1)[1]
         sim = sim_proc(tmp, "--latency", "zero")
@@ -62,7 +81,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             yield Stack(sim, gw, origin)
 
 
-def ask(stack: Stack, names: str) -> httpx.Response:
+def ask(stack: MediaStack[Any], names: str) -> httpx.Response:
     content: list[dict[str, Any]] = [
         {"type": "image_url", "image_url": {"url": f"{stack.origin.url}/{n}.png"}} for n in names
     ]
@@ -103,3 +122,27 @@ def test_cached_items_count_against_the_allowance(stack: Stack) -> None:
     assert sim_received(stack.sim.url) == before
     # a and b came from the cache: at most d was fetched.
     assert len(stack.origin.hits) <= fetched + 1
+
+
+def test_chunks_under_a_smaller_content_length_are_charged(tmp_path: Path) -> None:
+    # The announced length was charged and the stream then taken as capped at it: an
+    # origin sending `Content-Length: 1` with chunks brought each item in for one byte
+    # of the allowance (15 MiB for 1 byte in process; 32 items of 20 MiB a request).
+    with ThreadedServer(ChunksUnderALength) as origin:
+        host = origin.url.split("//", 1)[1]
+        sim = sim_proc(tmp_path, "--latency", "zero")
+        env = media_gateway_env(
+            sim.url, KEY, host, "http", GATEWAY_MEDIA__MAX_REQUEST_FETCH_BYTES=str(LIMIT)
+        )
+        gw = gateway_proc(tmp_path, env)
+        with running(sim, ready_path="/health"), running(gw, ready_path="/readyz"):
+            stack = MediaStack(sim, gw, origin)
+            before = sim_received(sim.url)
+            # Within the allowance, the chunked items are taken whole.
+            resp = ask(stack, "ab")
+            assert resp.status_code == 200, resp.text
+            assert sim_received(sim.url) == before + 1
+            resp = ask(stack, "cde")
+            assert resp.status_code == 413, resp.text
+            assert resp.json()["error"]["code"] == "media_too_large"
+            assert sim_received(sim.url) == before + 1
