@@ -40,6 +40,10 @@ class PayloadSettings(BaseModel):
     allow_pooling_data: bool = False
     # `priority` reorders the engine's queue under `--scheduling-policy priority`.
     allow_priority: bool = False
+    # `background` (POST /v1/responses, with vLLM's response store on): the engine goes
+    # on generating after the answer, outside the key's in-flight cap, and the client
+    # leaving aborts nothing.
+    allow_background: bool = False
     cache_isolation: CacheIsolation = CacheIsolation.off
 
     @field_validator("vllm_xargs_keys")

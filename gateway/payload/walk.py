@@ -182,6 +182,7 @@ class Walk:
             if body.get(field) is not None and not getattr(self.payload, setting):
                 raise FieldNotAllowed(f"The field '{field}' is not allowed.", param=field)
         self._xargs(body.get("vllm_xargs"))
+        self._background(body.get("background"))
         self._request_id(body, creates_response)
         self._previous_response(body.get("previous_response_id"))
         for field in NAMESPACED_TOP_LEVEL:
@@ -200,6 +201,15 @@ class Walk:
                 raise FieldNotAllowed(
                     "This vllm_xargs key is not allowed.", param=f"vllm_xargs.{key}"[:200]
                 )
+
+    def _background(self, value: object) -> None:
+        """vLLM 0.32 answers a `background` Responses request at once (`queued`) and
+        generates on: the key's in-flight cap counts the answered request, not the
+        generation, and no client connection is left to abort it. Anything but
+        absent, null or false is refused (pydantic reads `1` and `"yes"` as true)."""
+        if value is None or value is False or self.payload.allow_background:
+            return
+        raise FieldNotAllowed("The field 'background' is not allowed.", param="background")
 
     def _request_id(self, body: dict[str, Any], creates_response: bool) -> None:
         value = body.get("request_id")

@@ -266,3 +266,24 @@ def test_response_ids_not_made_for_the_key_are_refused(stack: Stack, rid: str) -
         r = stack.post(stack.shared, "a1", "/v1/responses", body)
         assert (r.status_code, r.json()["error"]["code"]) == (404, "response_not_found")
     assert stack.paths() == []
+
+
+@pytest.mark.parametrize("value", [True, 1, "yes"])
+def test_a_background_response_is_refused(stack: Stack, value: object) -> None:
+    """vLLM 0.32 answers a `background` Responses request at once and generates on: the
+    key's in-flight cap counts only the answered request, and no client connection is
+    left whose closing would abort the generation. Refused unless the operator opts in
+    (payload.allow_background); `false` is what every request means without it."""
+    stack.clear()
+    body = {"model": MODEL, "input": "x", "background": value}
+    r = stack.post(stack.shared, "a1", "/v1/responses", body)
+    assert r.status_code == 400, r.text
+    assert (r.json()["error"]["code"], r.json()["error"]["param"]) == (
+        "field_not_allowed",
+        "background",
+    )
+    assert stack.paths() == []
+    body["background"] = False
+    stack.post(stack.shared, "a1", "/v1/responses", body)
+    assert stack.paths() == ["/v1/responses"]
+    stack.clear()

@@ -617,6 +617,7 @@ async def test_without_cache_isolation_a_body_is_forwarded_as_sent() -> None:
          {"vllm_xargs_keys": ["my_processor_arg"]}),
         ({"data": {"plugin": "input"}}, {"allow_pooling_data": True}),
         ({"prompt": "x", "priority": 5}, {"allow_priority": True}),
+        ({"input": "x", "background": True}, {"allow_background": True}),
     ],
 )  # fmt: skip
 async def test_engine_controls_pass_only_as_the_operator_allows(
