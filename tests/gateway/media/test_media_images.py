@@ -4,6 +4,7 @@ truncation, frame caps, declared types that lie."""
 from __future__ import annotations
 
 import base64
+import struct
 
 import pytest
 
@@ -180,3 +181,33 @@ def test_jpeg_frame_video() -> None:
     with pytest.raises(MediaInvalid):
         validate_jpeg_frames([], SETTINGS)
     assert base64.b64encode(frames[0])  # frames stay separate for the data URL
+
+
+def _gif(frames: list[tuple[int, int, int, int]], screen: tuple[int, int] = (8, 8)) -> bytes:
+    """A GIF with a 2-colour screen and one-pixel-coded frames at (x, y, w, h)."""
+    out = b"GIF89a" + struct.pack("<HHBBB", *screen, 0x80, 0, 0) + b"\x00\x00\x00\xff\xff\xff"
+    for x, y, w, h in frames:
+        out += b"\x2c" + struct.pack("<HHHHB", x, y, w, h, 0) + b"\x02\x02\x44\x01\x00"
+    return out + b"\x3b"
+
+
+def test_a_gif_frame_outside_its_image_is_refused_from_the_header() -> None:
+    # A decode grows the image to each frame's extent, past the size the header's caps
+    # and the decode budget were read from.
+    settings = MediaSettings(validation=ValidationDepth.header)
+    assert validate_image(_gif([(0, 0, 8, 8), (0, 0, 8, 8)]), "image/gif", settings)
+    for outside in [(0, 0, 9, 8), (4, 0, 8, 8), (0, 7, 1, 2)]:
+        with pytest.raises(MediaInvalid):
+            validate_image(_gif([(0, 0, 8, 8), outside]), "image/gif", settings)
+
+
+def test_a_gifs_frames_are_counted_only_up_to_the_cap() -> None:
+    # Pillow's n_frames walks every frame before the cap is looked at (a 20 MiB GIF of
+    # 1.3 million frames: ~2 s of a decode thread); the walk stops past the cap, so what
+    # follows is never read: here a truncated block, which Pillow's walk fails on.
+    settings = MediaSettings(max_frames=4)
+    over = _gif([(0, 0, 1, 1)] * 5)[:-1] + b"\x21"
+    with pytest.raises(MediaTooLarge):
+        validate_image(over, "image/gif", settings)
+    with pytest.raises(MediaInvalid):
+        validate_image(_gif([(0, 0, 1, 1)] * 3)[:-1] + b"\x21", "image/gif", settings)

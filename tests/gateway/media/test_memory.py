@@ -7,7 +7,9 @@ simulator's counters)."""
 
 from __future__ import annotations
 
+import io
 import json
+import struct
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from PIL import Image
 
 from bench.decode_memory import SIM_CONTEXT, chat_body, just_under, solid_png, tagged
 from bench.samples import png
@@ -82,6 +85,45 @@ def heavy_png() -> bytes:
     """A solid RGBA PNG just under the default pixel cap (4095 x 4095, ~70 KB; ~1 s to
     make)."""
     return solid_png(just_under(DEFAULTS.max_pixels + 1))
+
+
+def gif_outgrowing_its_screen(side: int) -> bytes:
+    """A GIF whose screen is 8 x 8 and whose second frame is `side` x `side`, one colour
+    (its LZW data compresses to ~48 KB at 8000): the header says 8 x 8, a decode grows
+    the image to the frame."""
+
+    def frame(w: int, h: int) -> bytes:
+        image = Image.new("P", (w, h), 1)
+        image.putpalette([0, 0, 0, 255, 255, 255])
+        out = io.BytesIO()
+        image.save(out, "GIF")
+        gif = out.getvalue()
+        at = gif.index(b"\x2c")  # the image descriptor; Pillow writes no local palette
+        return b"\x2c" + struct.pack("<HHHHB", 0, 0, w, h, 0) + gif[at + 10 : -1]
+
+    screen = b"GIF89a" + struct.pack("<HHBBB", 8, 8, 0x80, 0, 0) + b"\x00\x00\x00\xff\xff\xff"
+    return screen + frame(8, 8) + frame(side, side) + b"\x3b"
+
+
+def test_a_gif_frame_larger_than_its_image_is_refused(tmp_path: Path) -> None:
+    """The budget is charged from the header's size, and a decode grows a GIF to each
+    frame's extent: two requests, each with a 48 KB GIF of an 8 x 8 screen and an
+    8000 x 8000 second frame, were charged 896 bytes each and decoded to ~740 MiB each
+    (in process: 94 -> 835 MiB), past the budget and the 512 MiB this module holds the
+    gateway to. Refused from the header now, before any decode."""
+    gif = gif_outgrowing_its_screen(8000)
+    bodies = [chat_body([("image/gif", gif + f"{r}".encode())]) for r in range(2)]
+    sim, gateway = _stack(tmp_path)
+    with running(sim), running(gateway, ready_path="/readyz"):
+        assert gateway.pid is not None
+        before = sim_received(sim.url)
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(lambda b: _post(gateway, b), bodies))
+        peak_mib = _status_kib(gateway.pid, "VmHWM") / 1024
+        assert [(a.status_code, error_code(a)) for a in answers] == [(400, "media_invalid")] * 2
+        assert sim_received(sim.url) == before
+        assert peak_mib < PEAK_LIMIT_MIB, f"peak RSS {peak_mib:.0f} MiB"
+        assert _post(gateway, _normal()).status_code == 200
 
 
 def test_decode_heavy_requests_keep_peak_rss_under_512_mib(
