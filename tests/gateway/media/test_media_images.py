@@ -4,9 +4,12 @@ truncation, frame caps, declared types that lie."""
 from __future__ import annotations
 
 import base64
+import io
 import struct
+import zlib
 
 import pytest
+from PIL import Image
 
 from bench.samples import (
     EPS,
@@ -211,3 +214,36 @@ def test_a_gifs_frames_are_counted_only_up_to_the_cap() -> None:
         validate_image(over, "image/gif", settings)
     with pytest.raises(MediaInvalid):
         validate_image(_gif([(0, 0, 1, 1)] * 3)[:-1] + b"\x21", "image/gif", settings)
+
+
+def _jpeg(segments: bytes = b"") -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(out, "JPEG")
+    return out.getvalue()[:2] + segments + out.getvalue()[2:]
+
+
+def _png(chunks: int) -> bytes:
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = zlib.crc32(kind + data) & 0xFFFFFFFF
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
+
+    image = png(8, 8)
+    return image[:33] + chunk(b"prVt", b"") * chunks + image[33:]
+
+
+def test_headers_with_more_segments_than_real_files_are_refused() -> None:
+    # Pillow walks a JPEG's markers and a PNG's chunks in Python, keeping each comment
+    # and private chunk: a 20 MB JPEG of 5 million empty comments took 5 s and ~370 MiB
+    # of a decode thread to read its header, outside the decode budget.
+    settings = MediaSettings(validation=ValidationDepth.header)
+    assert validate_image(_jpeg(b"\xff\xfe\x00\x02" * 100), "image/jpeg", settings)
+    assert validate_image(_jpeg(b"\xff" * 100 + b"\xff\xfe\x00\x02"), "image/jpeg", settings)
+    assert validate_image(_png(100), "image/png", settings)
+    for data, declared in [
+        (_jpeg(b"\xff\xfe\x00\x02" * 1100), "image/jpeg"),  # comments
+        (_jpeg(b"\xff\xfe\x00\x02" + b"\x00" * 5000), "image/jpeg"),  # junk after one
+        (_jpeg(b"\xff" * 5000 + b"\xfe\x00\x02"), "image/jpeg"),  # fill bytes
+        (_png(3000), "image/png"),  # empty private chunks
+    ]:
+        with pytest.raises(MediaInvalid):
+            validate_image(data, declared, settings)

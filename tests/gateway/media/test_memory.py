@@ -126,6 +126,37 @@ def test_a_gif_frame_larger_than_its_image_is_refused(tmp_path: Path) -> None:
         assert _post(gateway, _normal()).status_code == 200
 
 
+def test_headers_of_millions_of_segments_are_refused_before_pillow(tmp_path: Path) -> None:
+    """Pillow reads a JPEG's markers up to its first scan in Python, keeping every
+    comment, and header reads run uncharged on the two decode threads, first come first
+    served: two requests at once, each with a 20 MB JPEG of 5 million empty comments,
+    took the gateway from 74 to 944 MiB, were forwarded after 38 s, and another key's
+    16 x 16 PNG sent meanwhile waited 11 s for a thread. Refused before Pillow now."""
+    small = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(small, "JPEG")
+    jpeg = small.getvalue()
+    bodies = [
+        chat_body([("image/jpeg", jpeg[:2] + b"\xff\xfe\x00\x02" * 4_900_000 + tag + jpeg[2:])])
+        for tag in (b"\xff\xfe\x00\x03a", b"\xff\xfe\x00\x03b")
+    ]
+    sim, gateway = _stack(tmp_path, extra={"GATEWAY_API_KEYS": json.dumps([KEY, OTHER_KEY])})
+    with running(sim), running(gateway, ready_path="/readyz"):
+        assert gateway.pid is not None
+        before = sim_received(sim.url)
+        with ThreadPoolExecutor(2) as pool:
+            sent = [pool.submit(_post, gateway, body) for body in bodies]
+            time.sleep(1.0)  # both in the gateway, their headers being read
+            started = time.monotonic()
+            other = _post(gateway, chat_body([png(16, 16)]), OTHER_KEY)
+            waited = time.monotonic() - started
+            answers = [answer.result() for answer in sent]
+        peak_mib = _status_kib(gateway.pid, "VmHWM") / 1024
+        assert [(a.status_code, error_code(a)) for a in answers] == [(400, "media_invalid")] * 2
+        assert other.status_code == 200 and waited < 5, (other.status_code, waited)
+        assert sim_received(sim.url) == before + 1
+        assert peak_mib < PEAK_LIMIT_MIB, f"peak RSS {peak_mib:.0f} MiB"
+
+
 def test_decode_heavy_requests_keep_peak_rss_under_512_mib(
     tmp_path: Path, heavy_png: bytes
 ) -> None:
