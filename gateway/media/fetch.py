@@ -198,6 +198,10 @@ class MediaFetcher:
             if encoding != "identity":
                 raise _failed("content encoding")
             length = response.headers.get("content-length")
+            if length is not None and "transfer-encoding" in response.headers:
+                # Framed two ways (RFC 9112 6.3: a sign of smuggling); the client reads the
+                # chunks whatever the length says.
+                raise _failed("framing")
             if length is not None and (not length.isdigit() or int(length) > self._max_bytes):
                 raise _failed("size")
             # An announced size is charged at once (a request over its allowance fails
