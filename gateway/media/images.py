@@ -345,8 +345,14 @@ def decode_image(data: bytes, header: ImageHeader, settings: MediaSettings) -> I
         scale = _draft_scale(header) if depth is ValidationDepth.decode else 1
         if scale > 1:
             image.draft(image.mode, (header.width // scale, header.height // scale))
+        size = image.size
         for index in range(header.frames):
             image.seek(index)
+            # Pillow grows a GIF to a frame that reaches past it as it seeks there, before
+            # the frame's pixels are allocated: the decode budget was charged for `size`.
+            # gif_frames refuses such frames from the header; this is Pillow's own view.
+            if image.size != size:
+                raise MediaInvalid("A frame of the image lies outside the image.")
             image.load()
         if depth is ValidationDepth.decode:
             return ImageInfo(fmt, mime, header.width, header.height, header.frames, data)

@@ -12,7 +12,13 @@ from PIL import Image
 
 from bench.samples import encode, gif, png
 from gateway.errors import MediaInvalid
-from gateway.media.images import ImageHeader, decode_cost, read_header, validate_image
+from gateway.media.images import (
+    ImageHeader,
+    decode_cost,
+    decode_image,
+    read_header,
+    validate_image,
+)
 from gateway.media.settings import MediaSettings, ValidationDepth
 
 SIDE = 800
@@ -148,3 +154,19 @@ def test_the_header_says_what_a_decode_will_produce(
     header = read_header(data, declared, DECODE)
     assert header.pixels == pixels
     assert header.progressive is progressive
+
+
+def test_a_decode_refuses_a_frame_that_grows_the_image_past_its_header() -> None:
+    # Pillow grows a GIF to a frame that reaches past it as it seeks there, and the
+    # decode budget was charged for the header's size. gif_frames refuses such a file
+    # from the header; the decode checks Pillow's own view of it as well, here with the
+    # header the walk would not give (8 x 8, two frames).
+    from tests.gateway.media.test_memory import gif_outgrowing_its_screen
+
+    gif = gif_outgrowing_its_screen(512)
+    header = ImageHeader("GIF", "image/gif", 8, 8, 2, False, ("GIF",))
+    with pytest.raises(MediaInvalid, match="outside the image"):
+        decode_image(gif, header, DECODE)
+    # The same frames within the screen decode.
+    fits = gif_outgrowing_its_screen(8)
+    assert decode_image(fits, header, DECODE).frames == 2
