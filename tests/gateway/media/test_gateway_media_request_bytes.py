@@ -7,8 +7,9 @@ from __future__ import annotations
 import struct
 import zlib
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -45,6 +46,7 @@ def padded_png(size: int) -> bytes:
 
 
 Stack = MediaStack[RecordingServer]
+OriginT = TypeVar("OriginT", RecordingServer, ThreadedServer)
 IMAGE = padded_png(ITEM_BYTES)
 
 
@@ -65,20 +67,28 @@ class ChunksUnderALength(QuietHandler):
         self.close_connection = True
 
 
+@contextmanager
+def in_front_of(tmp: Path, origin: OriginT) -> Iterator[MediaStack[OriginT]]:
+    """A simulated engine and the gateway, allowed to fetch from `origin`, under the
+    request allowance LIMIT."""
+    host = origin.url.split("//", 1)[1]
+    sim = sim_proc(tmp, "--latency", "zero")
+    env = media_gateway_env(
+        sim.url, KEY, host, "http", GATEWAY_MEDIA__MAX_REQUEST_FETCH_BYTES=str(LIMIT)
+    )
+    gw = gateway_proc(tmp, env)
+    with running(sim, ready_path="/health"), running(gw, ready_path="/readyz"):
+        yield MediaStack(sim, gw, origin)
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("media-bytes")
     assert len(IMAGE) == ITEM_BYTES
     route = Route(body=IMAGE, headers={"Content-Type": "image/png"})
-    with RecordingServer({f"/{n}.png": route for n in "abcd"}) as origin:
-        host = origin.url.split("//", 1)[1]
-        sim = sim_proc(tmp, "--latency", "zero")
-        env = media_gateway_env(
-            sim.url, KEY, host, "http", GATEWAY_MEDIA__MAX_REQUEST_FETCH_BYTES=str(LIMIT)
-        )
-        gw = gateway_proc(tmp, env)
-        with running(sim, ready_path="/health"), running(gw, ready_path="/readyz"):
-            yield Stack(sim, gw, origin)
+    origins = RecordingServer({f"/{n}.png": route for n in "abcd"})
+    with origins as origin, in_front_of(tmp, origin) as stack:
+        yield stack
 
 
 def ask(stack: MediaStack[Any], names: str) -> httpx.Response:
@@ -129,19 +139,11 @@ def test_an_answer_framed_by_a_length_and_chunks_is_refused(tmp_path: Path) -> N
     # wins). The announced length was charged and the stream taken as capped at it, so
     # each item came in for one byte of the allowance (15 MiB for 1 byte in process; 32
     # items of 20 MiB a request). Such an answer is refused now, before its body is read.
-    with ThreadedServer(ChunksUnderALength) as origin:
-        host = origin.url.split("//", 1)[1]
-        sim = sim_proc(tmp_path, "--latency", "zero")
-        env = media_gateway_env(
-            sim.url, KEY, host, "http", GATEWAY_MEDIA__MAX_REQUEST_FETCH_BYTES=str(LIMIT)
-        )
-        gw = gateway_proc(tmp_path, env)
-        with running(sim, ready_path="/health"), running(gw, ready_path="/readyz"):
-            stack = MediaStack(sim, gw, origin)
-            before = sim_received(sim.url)
-            for names in ("a", "cde"):
-                resp = ask(stack, names)
-                assert resp.status_code == 422, resp.text
-                assert resp.json()["error"]["code"] == "media_fetch_failed"
-                assert "framing" in resp.json()["error"]["message"]
-            assert sim_received(sim.url) == before
+    with ThreadedServer(ChunksUnderALength) as origin, in_front_of(tmp_path, origin) as stack:
+        before = sim_received(stack.sim.url)
+        for names in ("a", "cde"):
+            resp = ask(stack, names)
+            assert resp.status_code == 422, resp.text
+            assert resp.json()["error"]["code"] == "media_fetch_failed"
+            assert "framing" in resp.json()["error"]["message"]
+        assert sim_received(stack.sim.url) == before
