@@ -194,6 +194,12 @@ def read_header(
 # few fill bytes. A PNG's chunks: 1,024 and one for every KiB of the file.
 _JPEG_MARKERS = 1024
 _JPEG_JUNK = 4096
+# Scans of a JPEG (its SOS markers, counted in every byte: entropy-coded data never
+# holds one, metadata rarely). libjpeg runs a pass over the whole coefficient buffer
+# for each, and sets no limit of its own: at 4095 x 4095, 12 ms a scan (100 repeated
+# 33-byte scans: 1.24 s), so 10,000 in a 430 KB file hold a decode thread about two
+# minutes. Real progressive files have about ten.
+_JPEG_SCANS = 100
 _PNG_CHUNKS = 1024
 
 
@@ -228,6 +234,8 @@ def _check_structure(data: bytes) -> None:
                 break
         if markers > _JPEG_MARKERS or junk > _JPEG_JUNK:
             raise MediaInvalid("The image's header has more segments than this gateway reads.")
+        if data.count(b"\xff\xda") > _JPEG_SCANS:
+            raise MediaInvalid("The image has more scans than this gateway decodes.")
     elif data[:8] == b"\x89PNG\r\n\x1a\n":
         at, chunks, cap = 8, 0, _PNG_CHUNKS + end // 1024
         while at + 8 <= end:

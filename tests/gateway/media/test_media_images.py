@@ -247,3 +247,23 @@ def test_headers_with_more_segments_than_real_files_are_refused() -> None:
     ]:
         with pytest.raises(MediaInvalid):
             validate_image(data, declared, settings)
+
+
+def _progressive(side: int, extra_scans: int) -> bytes:
+    """A progressive JPEG with its last scan repeated `extra_scans` times."""
+    out = io.BytesIO()
+    Image.new("RGB", (side, side), (10, 200, 30)).save(out, "JPEG", progressive=True)
+    data = out.getvalue()
+    last, end = data.rindex(b"\xff\xda"), data.rindex(b"\xff\xd9")
+    return data[:end] + data[last:end] * extra_scans + data[end:]
+
+
+def test_a_jpeg_with_more_scans_than_real_files_is_refused() -> None:
+    # libjpeg passes over the whole coefficient buffer once a scan, with no limit of its
+    # own: 12 ms a scan at 4095 x 4095, so 10,000 repeated 33-byte scans held a decode
+    # thread for two minutes.
+    settings = MediaSettings()
+    assert validate_image(_progressive(64, 0), "image/jpeg", settings)
+    assert validate_image(_progressive(64, 50), "image/jpeg", settings)
+    with pytest.raises(MediaInvalid):
+        validate_image(_progressive(64, 200), "image/jpeg", settings)

@@ -157,6 +157,28 @@ def test_headers_of_millions_of_segments_are_refused_before_pillow(tmp_path: Pat
         assert peak_mib < PEAK_LIMIT_MIB, f"peak RSS {peak_mib:.0f} MiB"
 
 
+def test_a_jpeg_of_a_thousand_scans_is_refused_before_its_decode(tmp_path: Path) -> None:
+    """A 4095 x 4095 progressive JPEG whose last 33-byte scan is repeated 1,000 times
+    (132 KB): libjpeg passes over the whole image once a scan, so its decode held
+    a decode thread ~12 s before the request was forwarded, and two such requests stop
+    every other key's images for that long. Refused before any decode now."""
+    side = just_under(DEFAULTS.max_pixels + 1)
+    out = io.BytesIO()
+    Image.new("RGB", (side, side), (10, 200, 30)).save(out, "JPEG", progressive=True)
+    data = out.getvalue()
+    last, end = data.rindex(b"\xff\xda"), data.rindex(b"\xff\xd9")
+    hostile = data[:end] + data[last:end] * 1000 + data[end:]
+    sim, gateway = _stack(tmp_path)
+    with running(sim), running(gateway, ready_path="/readyz"):
+        before = sim_received(sim.url)
+        started = time.monotonic()
+        answer = _post(gateway, chat_body([("image/jpeg", hostile)]))
+        took = time.monotonic() - started
+        assert (answer.status_code, error_code(answer)) == (400, "media_invalid"), answer.text
+        assert took < 5, took
+        assert sim_received(sim.url) == before
+
+
 def test_decode_heavy_requests_keep_peak_rss_under_512_mib(
     tmp_path: Path, heavy_png: bytes
 ) -> None:
