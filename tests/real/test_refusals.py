@@ -105,6 +105,11 @@ REFUSALS: list[tuple[str, str, str, dict[str, str], Callable[[Stack], object], i
      "field_not_allowed"),
     ("dangerous field: chat_template", "POST", "/v1/chat/completions", AUTH,
      lambda s: {**_chat(s), "chat_template": "{{ 7 * 7 }}"}, 400, "field_not_allowed"),
+    # Answered `queued` at once by vLLM with its store on, generating on outside the key's
+    # in-flight cap; refused unless payload.allow_background.
+    ("dangerous field: background", "POST", "/v1/responses", AUTH,
+     lambda s: {"model": s.chat.name, "input": "hello", "background": True}, 400,
+     "field_not_allowed"),
     ("media URL refused", "POST", "/v1/chat/completions", AUTH,
      lambda s: chat_body(s.chat.name, [image_part(s.canary.url + "/img.png")]), 400,
      "media_url_not_allowed"),
