@@ -59,24 +59,24 @@ def _object_end(data: bytes, start: int) -> int:
         pos = close + 1
 
 
-def read_usage(data: bytes, start: int = 0) -> Usage | None:
-    """The tokens of the last `"usage": {...}` in `data[start:]`: prompt tokens
+def read_usage(data: bytes) -> Usage | None:
+    """The tokens of the last `"usage": {...}` in `data`: prompt tokens
     (`prompt_tokens`, or the Responses and Messages APIs' `input_tokens`) and completion
     tokens (`completion_tokens` or `output_tokens`, 0 when absent: pooling answers); for
     Cohere's chat API, those of its `tokens` object. None when there is none, or it
     cannot be read."""
     end = len(data)
     for _ in range(_MAX_TRIES):
-        at = data.rfind(_KEY, start, end)
+        at = data.rfind(_KEY, 0, end)
         if at < 0:
             return None
         end = at
         # A key, not text inside a string: a quote inside a JSON string is escaped, so
         # only a quote that opens a key follows `{` or `,`.
         before = at - 1
-        while before >= start and data[before] in _SPACE:
+        while before >= 0 and data[before] in _SPACE:
             before -= 1
-        if before < start or data[before] not in b"{,":
+        if before < 0 or data[before] not in b"{,":
             continue
         value = at + len(_KEY)
         while data[value : value + 1] in _SPACE_BYTES:

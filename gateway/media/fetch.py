@@ -205,9 +205,8 @@ class MediaFetcher:
             if length is not None and (not length.isdigit() or int(length) > self._max_bytes):
                 raise _failed("size")
             # An announced size is charged at once (a request over its allowance fails
-            # before the bytes come), and the bytes beyond it as they stream: with
-            # `Transfer-Encoding: chunked` beside it the body is the chunks, whatever the
-            # Content-Length says (`Content-Length: 1` brought 15 MiB charged as 1 byte).
+            # before the bytes come), and any byte past it as it streams: the charge
+            # follows the bytes read, not what the origin said it would send.
             charged = 0
             if allowance is not None and length is not None:
                 charged = int(length)
