@@ -17,7 +17,7 @@ from two figures taken apart. Anything the gateway does beyond that (its decode 
 checks) counts as the gateway's.
 
 `--allocator gateway` applies the gateway's allocator policy (`tune_allocator`,
-gateway/allocator.py: glibc's mmap and trim thresholds fixed), so that a 1.3 MB buffer
+gateway/server/process.py: glibc's mmap and trim thresholds fixed), so that a 1.3 MB buffer
 costs both processes the same; `default` leaves glibc's sliding thresholds (what that
 policy costs, measured).
 """
@@ -35,10 +35,10 @@ import pybase64
 import uvicorn
 from PIL import Image
 
-from gateway.allocator import tune_allocator
-from gateway.asgi import Receive, Scope, Send
-from gateway.server import GatewayProtocol
-from gateway.upstream import Origin, Upstream
+from gateway.server.process import tune_allocator
+from gateway.server.protocol import GatewayProtocol
+from gateway.types import Receive, Scope, Send
+from gateway.upstream.client import Origin, Upstream
 
 
 def data_urls(value: Any) -> list[str]:

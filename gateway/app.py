@@ -20,25 +20,25 @@ from typing import Any
 
 import structlog
 
-from gateway.admission import Admission
-from gateway.allocator import trim_periodically, tune_allocator
-from gateway.asgi import ASGIApp, Receive, Scope, Send
-from gateway.auth import KeyConfigError, KeyRing, build_keys, load_key_file
-from gateway.config import Settings, load_settings
-from gateway.connections import CONNECTION_GUARD, ConnectionGuard
+from gateway.access.admission import Admission
+from gateway.access.api_keys import KeyConfigError, KeyRing, build_keys, load_key_file
+from gateway.access.endpoints import Action
+from gateway.config.settings import Settings, load_settings
 from gateway.control import control_app
-from gateway.endpoints import Action
 from gateway.errors import NoEngineAvailable
 from gateway.exchange import exchange_of
-from gateway.logging import RequestLog, configure_logging
 from gateway.media.decoder import Decoder
-from gateway.metrics import Metrics
 from gateway.middleware import Authentication, EndpointGuard, KeyLimits, RequestContext
-from gateway.payload import PayloadInspector
-from gateway.proxy import Proxy
+from gateway.observability.logging import RequestLog, configure_logging
+from gateway.observability.metrics import Metrics
+from gateway.payload.inspector import PayloadInspector
+from gateway.proxy.handler import Proxy
 from gateway.routing.policy import make_policy
 from gateway.routing.pool import EnginePool
-from gateway.upstream import Upstream, UpstreamClient
+from gateway.server.limits import CONNECTION_GUARD, ConnectionGuard
+from gateway.server.process import trim_periodically, tune_allocator
+from gateway.types import ASGIApp, Receive, Scope, Send
+from gateway.upstream.client import Upstream, UpstreamClient
 
 # The env var through which `vllm-gateway serve --workers N` hands each worker its
 # config file (uvicorn starts workers from an import string, not an object).
@@ -211,7 +211,7 @@ class Gateway:
         if policy.store is not None:
             self.metrics.watch_store(policy.store)
         # The limits of the client connections themselves, for the connection protocol
-        # (gateway/server.py), which finds the guard in the lifespan state.
+        # (gateway/server/protocol.py), which finds the guard in the lifespan state.
         self.connections = ConnectionGuard(
             settings.timeouts, settings.limits, self.metrics.connections
         )

@@ -2,7 +2,7 @@
 
     GET /healthz                no key     the process is up (liveness probe)
     GET /readyz                 no key     an engine is healthy (readiness probe)
-    GET /metrics                metrics    Prometheus text (gateway/metrics.py)
+    GET /metrics                metrics    Prometheus text (gateway/observability/metrics.py)
     GET /gateway/status         admin      engines, routing policy, key file, version
     GET /gateway/openapi.json   admin      the OpenAPI schema of these routes
 
@@ -27,12 +27,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
-from gateway.asgi import ASGIApp, Message, Receive, Scope, Send
-from gateway.auth import KeyRing
+from gateway.access.api_keys import KeyRing
 from gateway.errors import GatewayError, error_body
 from gateway.exchange import exchange_of
-from gateway.metrics import CONTENT_TYPE, Metrics
+from gateway.observability.metrics import CONTENT_TYPE, Metrics
 from gateway.routing.pool import Engine, EnginePool
+from gateway.types import ASGIApp, Message, Receive, Scope, Send
 
 OPENAPI_URL = "/gateway/openapi.json"
 _BEARER = "bearer"

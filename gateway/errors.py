@@ -8,19 +8,19 @@ and URL parsers echo attacker input. Raised when:
 
 * GatewayError                500 internal_error: an unexpected failure (middleware.py)
   + InvalidRequest            400 invalid_request: a body the rules refuse (payload/), a
-  |                           query parameter's value (endpoints.py)
-  | + InvalidJson             400 invalid_json: a body not JSON, or not an object (body.py)
+  |                           query parameter's value (access/endpoints.py)
+  | + InvalidJson             400 invalid_json: a body not JSON, or not an object (proxy/body.py)
   | + ModelRequired           400 model_required: no `model` where the engines' default
   | |                         model is ambiguous, or from a key limited to some models
-  | |                         (authorize.py)
+  | |                         (access/permissions.py)
   | + BodyChunksTooSmall      400 body_chunks_too_small: a chunked body in chunks too small
-  | |                         on average, written by the connection (server.py), which
+  | |                         on average, written by the connection (server/protocol.py), which
   | |                         then closes
   | + FieldNotAllowed         400 field_not_allowed: a field or form field (payload/), or a
-  | |                         query parameter (endpoints.py), refused
+  | |                         query parameter (access/endpoints.py), refused
   | + MediaUrlNotAllowed      400 media_url_not_allowed: a media URL off policy (media/)
   | + MediaInvalid            400 media_invalid: a media item not valid (media/, payload/)
-  + InvalidApiKey             401 invalid_api_key: no key, not Bearer, unknown (auth.py)
+  + InvalidApiKey             401 invalid_api_key: no key, not Bearer, unknown (access/api_keys.py)
   + PermissionDenied          403 scope_not_allowed: the key lacks the route's group
   | + EndpointBlocked         403 endpoint_blocked: a blocked route (middleware.py)
   | + ModelNotAllowed         403 model_not_allowed: /invocations (which runs the engine's
@@ -30,21 +30,21 @@ and URL parsers echo attacker input. Raised when:
   |                           key may not use: the same answer, so keys cannot probe
   + ResponseNotFound          404 response_not_found: a stored response id (a path's, or
   |                           a body's `previous_response_id`) this key did not create
-  |                           through the gateway (walk.py, proxy.py): the same answer for
+  |                           through the gateway (walk.py, proxy/handler.py): the same answer for
   |                           an id that does not exist
   + MethodNotAllowed          405 method_not_allowed: the wrong method for a route
   + RequestTimeout            408 request_timeout: a body too slow or past its deadline
-  |                           (body.py); the connection is closed
-  + RequestTooLarge           413 request_too_large: a body over its cap (body.py)
+  |                           (proxy/body.py); the connection is closed
+  + RequestTooLarge           413 request_too_large: a body over its cap (proxy/body.py)
   | + MediaTooLarge           413 media_too_large: a media item over its caps (media/)
   + TooManyHeaders            431 too_many_headers: over limits.max_headers
   + HeadersTooLarge           431 headers_too_large: a head over limits.max_header_bytes,
-  |                           written by the connection (server.py), which then closes
+  |                           written by the connection (server/protocol.py), which then closes
   + UnsupportedMediaType      415 unsupported_media_type: a Content-Type the route refuses
   + MediaFetchFailed          422 media_fetch_failed: a media URL could not be fetched
   + RateLimited               429 rate_limited: over the key's in-flight cap or its rate
-                              limit (admission.py)
-  + Overloaded                503 overloaded: over limits.max_in_flight (admission.py)
+                              limit (access/admission.py)
+  + Overloaded                503 overloaded: over limits.max_in_flight (access/admission.py)
   | + NoEngineAvailable       503 no_engine_available: no engine, no healthy engine (for
   | |                         a route about an engine, not a model), or no models known yet
   | + ModelUnavailable        503 upstream_unavailable: every engine serving the model is
@@ -52,12 +52,12 @@ and URL parsers echo attacker input. Raised when:
   | + MediaBusy               503 media_busy: no room in the media decode budget (or no
   |                           decode thread) within media.decode_wait (media/decoder.py)
   + UpstreamUnavailable       502 upstream_unavailable: no engine took the request
-  | + UpstreamBroken          502 upstream_broken: an answer broke off (forwarder.py)
+  | + UpstreamBroken          502 upstream_broken: an answer broke off (proxy/forward.py)
   + EngineError               engine's status, engine_error: an engine's 5xx or unusable
-  |                           4xx, replaced (relay.py)
-  + UpstreamTimeout           504 upstream_timeout: an engine silent too long (forwarder.py)
+  |                           4xx, replaced (proxy/relay.py)
+  + UpstreamTimeout           504 upstream_timeout: an engine silent too long (proxy/forward.py)
 
-The upstream client's own failures (gateway/upstream.py, `UpstreamError`) are mapped to
+The upstream client's own failures (gateway/upstream/client.py, `UpstreamError`) are mapped to
 the last four in one place, `forwarder.gateway_error`.
 """
 
@@ -68,7 +68,7 @@ from http import HTTPStatus
 
 import orjson
 
-from gateway.asgi import Send
+from gateway.types import Send
 
 
 class GatewayError(Exception):
@@ -310,7 +310,7 @@ class UpstreamBroken(UpstreamUnavailable):
 
 class EngineError(GatewayError):
     """An engine's error answer that is not relayed as sent: every 5xx, and a 4xx that
-    is not JSON (engine_errors.py). Keeps the engine's status; the engine's text went
+    is not JSON (proxy/scrub.py). Keeps the engine's status; the engine's text went
     to the gateway's log under the request id the message names."""
 
     code = "engine_error"
@@ -357,7 +357,7 @@ def sse_error_frame(exc: GatewayError) -> bytes:
 
 def raw_response(exc: GatewayError) -> bytes:
     """`exc` as a whole HTTP/1.1 response that closes the connection, for the connection
-    protocol (gateway/server.py), which answers before there is an ASGI request."""
+    protocol (gateway/server/protocol.py), which answers before there is an ASGI request."""
     body = error_body(exc)
     head = [f"HTTP/1.1 {exc.status} {HTTPStatus(exc.status).phrase}"]
     head += ["content-type: application/json", f"content-length: {len(body)}"]

@@ -6,10 +6,10 @@ outermost one turns it into the request's log line and metrics.
 
 from __future__ import annotations
 
-from gateway.asgi import Scope
-from gateway.auth import ApiKey
-from gateway.endpoints import UNKNOWN, Route
-from gateway.usage import Usage
+from gateway.access.api_keys import ApiKey
+from gateway.access.endpoints import UNKNOWN, Route
+from gateway.proxy.usage import Usage
+from gateway.types import Scope
 
 # The scope key under which the exchange travels.
 SCOPE_KEY = "gateway.exchange"
@@ -67,7 +67,7 @@ class Exchange:
         self.anchor_kind: str | None = None
         self.spilled: bool | None = None
         self.failovers = 0
-        # The tokens the engine's answer reported (gateway/usage.py); None: none.
+        # The tokens the engine's answer reported (gateway/proxy/usage.py); None: none.
         self.usage: Usage | None = None
 
 

@@ -11,14 +11,11 @@ import re
 import time
 from typing import Any
 
-from gateway.admission import Admission
-from gateway.asgi import ASGIApp, Message, Receive, Scope, Send
-from gateway.auth import KeyRing
-from gateway.authorize import check_route
-from gateway.body import ClientDisconnected
-from gateway.body import header as _header
-from gateway.config import LimitsSettings
-from gateway.endpoints import Action, Group, match
+from gateway.access.admission import Admission
+from gateway.access.api_keys import KeyRing
+from gateway.access.endpoints import Action, Group, match
+from gateway.access.permissions import check_route
+from gateway.config.settings import LimitsSettings
 from gateway.errors import (
     EndpointBlocked,
     GatewayError,
@@ -29,8 +26,11 @@ from gateway.errors import (
     send_error,
 )
 from gateway.exchange import SCOPE_KEY, Exchange, exchange_of
-from gateway.logging import RequestLog
-from gateway.metrics import Metrics
+from gateway.observability.logging import RequestLog
+from gateway.observability.metrics import Metrics
+from gateway.proxy.body import ClientDisconnected
+from gateway.proxy.body import header as _header
+from gateway.types import ASGIApp, Message, Receive, Scope, Send
 
 # A client's X-Request-Id names the request in logs and in the answer; only a short,
 # plain token is taken, anything else is replaced.
@@ -211,7 +211,7 @@ class Authentication:
 
 class KeyLimits:
     """The key's share, from authentication on: its cap on requests in flight and its
-    rate limit (admission.py); over either, 429 `rate_limited` with Retry-After. The
+    rate limit (access/admission.py); over either, 429 `rate_limited` with Retry-After. The
     global `max_in_flight` slot is taken later, by the proxy, once the body is in."""
 
     def __init__(self, app: ASGIApp, *, admission: Admission) -> None:

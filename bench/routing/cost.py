@@ -31,7 +31,7 @@ def policy_cost() -> None:
     sharing 7 kB."""
     import timeit
 
-    from gateway.routing.keys import candidate_anchors
+    from gateway.routing.anchors import candidate_anchors
     from gateway.routing.policy import Affinity, RoutingRequest
     from gateway.routing.settings import RoutingSettings
 

@@ -57,7 +57,7 @@ class AbuseConfig:
     keys: dict[str, str]
     model: str
     duration: float
-    # What the gateway's defaults are (read by the suite from gateway.config).
+    # What the gateway's defaults are (read by the suite from gateway.config.settings).
     max_in_flight: int
     max_body_bytes: int
     media_max_bytes: int

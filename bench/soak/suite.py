@@ -111,7 +111,7 @@ class Timeline:
 def gateway_defaults() -> dict[str, int]:
     """The gateway's own defaults for what the abuse is sized by (read, not copied, so
     a branch that changes them is soaked at its own values)."""
-    from gateway.config import LimitsSettings
+    from gateway.config.settings import LimitsSettings
     from gateway.media.settings import MediaSettings
 
     limits, media = LimitsSettings(), MediaSettings()
@@ -130,7 +130,7 @@ def pinned_defaults() -> dict[str, str]:
     settings the branch has."""
     from pydantic import BaseModel
 
-    from gateway.config import Settings
+    from gateway.config.settings import Settings
 
     env: dict[str, str] = {}
     for section in ("limits", "timeouts", "media"):

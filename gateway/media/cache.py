@@ -1,4 +1,4 @@
-"""A small cache of fetched, validated media (gateway/media/inline.py builds the keys).
+"""A small cache of fetched, validated media (gateway/media/resolve.py builds the keys).
 
 Bounded in bytes (least recently used entries go first) and in age, so a popular image
 is fetched and decoded once per `cache_ttl` rather than once per request. A remote item

@@ -139,7 +139,7 @@ class MediaSettings(BaseModel):
     @field_validator("ca_file")
     @classmethod
     def _check_ca(cls, path: Path | None) -> Path | None:
-        from gateway.config import check_ca_file  # config.py imports this module
+        from gateway.config.settings import check_ca_file  # config/settings.py imports this module
 
         return check_ca_file(path)
 

@@ -30,14 +30,14 @@ from gateway.errors import MediaInvalid, MediaTooLarge
 from gateway.media.decoder import Decoder
 from gateway.media.fetch import FetchAllowance, MediaFetcher, Resolver
 from gateway.media.images import check_formats
-from gateway.media.inline import MediaInliner, Prepared
+from gateway.media.resolve import MediaInliner, Prepared
 from gateway.media.settings import MediaSettings
 from gateway.media.urls import UrlPolicy
 from gateway.payload.settings import PayloadSettings
 from gateway.payload.walk import Identity, MediaItem, Walk
 
 if TYPE_CHECKING:
-    from gateway.auth import ApiKey
+    from gateway.access.api_keys import ApiKey
 
 log = structlog.get_logger("gateway.payload")
 T = TypeVar("T")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from gateway.media.inline import MediaKind
+from gateway.media.resolve import MediaKind
 
 # Keys whose value vLLM reads as media (a URL string, `{"url": ...}`, or a list of
 # them), with the kind they carry. None: a file-like input the gateway never serves.

@@ -28,7 +28,7 @@ from gateway.errors import (
     ResponseNotFound,
 )
 from gateway.media.av import audio_type
-from gateway.media.inline import MediaKind, Resolved
+from gateway.media.resolve import MediaKind, Resolved
 from gateway.media.settings import MediaSettings, UuidPolicy
 from gateway.media.urls import DataUrl, RemoteUrl, UrlPolicy
 from gateway.payload.rules import (
@@ -145,7 +145,7 @@ def _kind_of_type(ptype: object) -> MediaKind | None:
 def _set(container: Any, key: Any) -> Setter:
     def apply(r: Resolved) -> bool:
         # A data: URL sent in canonical form comes back as the very string sent
-        # (gateway/media/inline.py): the body is then forwarded as the client sent it.
+        # (gateway/media/resolve.py): the body is then forwarded as the client sent it.
         if container[key] == r.url:
             return False
         container[key] = r.url

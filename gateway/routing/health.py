@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import orjson
 
-from gateway.upstream import (
+from gateway.upstream.client import (
     ConnectFailed,
     ConnectRefused,
     ConnectTimeout,

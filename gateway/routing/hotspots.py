@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gateway.routing.keys import Anchor, AnchorKind
+from gateway.routing.anchors import Anchor, AnchorKind
 
 
 class _Stat:

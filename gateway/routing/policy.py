@@ -15,8 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from gateway.routing.anchors import Anchor, AnchorKind, candidate_anchors, session_anchor
 from gateway.routing.hotspots import HotCandidates
-from gateway.routing.keys import Anchor, AnchorKind, candidate_anchors, session_anchor
 from gateway.routing.rendezvous import first_within_bound, fraction, load_of, rendezvous_order
 from gateway.routing.settings import RoutingPolicy, RoutingSettings
 from gateway.routing.store import PlacementStore
@@ -117,7 +117,7 @@ class Affinity:
     request's candidate anchors, their spreads (hotspots.py: counted per process, but
     from samples of the same traffic, and continuous in the share), the set of engine
     URLs, and for the load bound the engines' load as they report it (pool.py). No
-    request history of this process moves an anchor. See keys.py for the candidates
+    request history of this process moves an anchor. See anchors.py for the candidates
     and rendezvous.py for the order and the bound. Requests without a prompt spread
     round robin.
     """

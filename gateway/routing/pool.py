@@ -21,7 +21,7 @@
   (engine_load.py): what every replica and worker process sends it, and sees alike.
 
 Checks, model lists and scrapes go through the upstream client requests are forwarded
-with (gateway/upstream.py): one client, one TLS configuration for everything sent to
+with (gateway/upstream/client.py): one client, one TLS configuration for everything sent to
 engines.
 """
 
@@ -55,7 +55,7 @@ from gateway.routing.health import (
 )
 from gateway.routing.models import ModelIndex, ModelList, parse_model_list
 from gateway.routing.settings import RoutingSettings
-from gateway.upstream import ConnectFailed, Origin, UpstreamClient, UpstreamError
+from gateway.upstream.client import ConnectFailed, Origin, UpstreamClient, UpstreamError
 
 # While no engine is ready, health checks run at least this often, so a gateway that
 # started before its engines (or whose first model listing failed) turns ready soon.

@@ -148,7 +148,7 @@ class PlacementStore:
             decode_responses=True,
         )
         self._script = self._client.register_script(PLACE)
-        # Placements by outcome, plain integer adds read at scrape time (metrics.py):
+        # Placements by outcome, plain integer adds read at scrape time (observability/metrics.py):
         # the anchor's recorded engine was used, a new (or no longer eligible) anchor
         # was placed, or the store failed, was slow or is being left alone: stateless.
         self.read = 0

@@ -32,7 +32,7 @@ from bench.soak.suite import (
     legit_stats,
     pinned_defaults,
 )
-from gateway.config import Settings
+from gateway.config.settings import Settings
 from gateway.errors import MediaInvalid
 from gateway.media.images import validate_image
 from gateway.media.settings import MediaSettings

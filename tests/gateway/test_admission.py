@@ -1,4 +1,4 @@
-"""gateway/admission.py in-process, as tables: the token bucket, Retry-After, the global
+"""gateway/access/admission.py in-process, as tables: the token bucket, Retry-After, the global
 and per-key slots; and the settings that configure them (defaults, per-key overrides
 from settings and key files, bad values refused). Through real processes: in
 test_gateway_fairness.py."""
@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from gateway.admission import Admission, TokenBucket, retry_after
-from gateway.auth import ANONYMOUS, ApiKey, KeyConfigError, build_keys, load_key_file
-from gateway.config import ApiKeyConfig, LimitsSettings, RateLimit, Settings
+from gateway.access.admission import Admission, TokenBucket, retry_after
+from gateway.access.api_keys import ANONYMOUS, ApiKey, KeyConfigError, build_keys, load_key_file
+from gateway.config.settings import ApiKeyConfig, LimitsSettings, RateLimit, Settings
 from gateway.errors import Overloaded, RateLimited
-from gateway.metrics import Metrics
+from gateway.observability.metrics import Metrics
 
 PLAIN = "sk-admission-0123456789abcdef"
 OTHER = "sk-admission-other-0123456789"

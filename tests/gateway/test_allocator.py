@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.allocator import TRIM_INTERVAL, malloc_trim
-from gateway.config import LimitsSettings
+from gateway.config.settings import LimitsSettings
+from gateway.server.process import TRIM_INTERVAL, malloc_trim
 from tests.procs import Proc, auth, gateway_proc, running, sim_proc, sim_received, wait_for
 
 KEY = "sk-allocator-0123456789abcdef"

@@ -10,9 +10,16 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
-from gateway.auth import ANONYMOUS, KeyConfigError, KeyRing, build_keys, hash_key, load_key_file
-from gateway.config import ApiKeyConfig, load_settings
-from gateway.endpoints import FORWARDED_GROUPS, Group
+from gateway.access.api_keys import (
+    ANONYMOUS,
+    KeyConfigError,
+    KeyRing,
+    build_keys,
+    hash_key,
+    load_key_file,
+)
+from gateway.access.endpoints import FORWARDED_GROUPS, Group
+from gateway.config.settings import ApiKeyConfig, load_settings
 from gateway.errors import InvalidApiKey
 
 PLAIN = "plain-key-0123456789abcdef"

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from bench.stack import HTTP
-from gateway.body import COUNT_VALUES_OVER
-from gateway.config import LimitsSettings
+from gateway.config.settings import LimitsSettings
+from gateway.proxy.body import COUNT_VALUES_OVER
 from tests.procs import Proc, auth, error_code, gateway_proc, running, sim_proc, sim_received
 
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"

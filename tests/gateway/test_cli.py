@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from bench.stack import HTTP
-from gateway.auth import hash_key
+from gateway.access.api_keys import hash_key
 from gateway.cli import parser
 from tests.procs import (
     ROOT,

@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 
 from bench.stack import HTTP
-from gateway.body import read_body
-from gateway.config import LimitsSettings, TimeoutSettings
-from gateway.connections import FD_RESERVE, BodyPace, ConnectionGuard, fit_connections
+from gateway.config.settings import LimitsSettings, TimeoutSettings
 from gateway.errors import HeadersTooLarge, RequestTimeout, raw_response
-from gateway.server import MAX_PIPELINED, head_size
+from gateway.proxy.body import read_body
+from gateway.server.limits import FD_RESERVE, BodyPace, ConnectionGuard, fit_connections
+from gateway.server.protocol import MAX_PIPELINED, head_size
 from tests.procs import Proc, gateway_proc, metric, running, sim_proc, sim_received, wait_for
 
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"

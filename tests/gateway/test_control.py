@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from bench.stack import HTTP
-from gateway.endpoints import TABLE, Action
+from gateway.access.endpoints import TABLE, Action
 from tests.procs import (
     Proc,
     auth,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.endpoints import TABLE, Action, BodyKind, Group, canonical_form, match
+from gateway.access.endpoints import TABLE, Action, BodyKind, Group, canonical_form, match
 
 FORWARDED = [
     ("/v1/chat/completions", Group.inference),

@@ -15,11 +15,11 @@ import pytest
 import structlog
 
 from bench.stack import HTTP
-from gateway.engine_errors import ADDRESS, URL, excerpt, scrub, scrub_json
 from gateway.errors import GatewayError
-from gateway.logging import RequestLog, configure_logging
-from gateway.metrics import Metrics
 from gateway.middleware import RequestContext
+from gateway.observability.logging import RequestLog, configure_logging
+from gateway.observability.metrics import Metrics
+from gateway.proxy.scrub import ADDRESS, URL, excerpt, scrub, scrub_json
 from tests.gateway.test_gateway_upstream import (
     LEAKS,
     LEAKY,

@@ -23,7 +23,7 @@ import pytest
 
 from bench.samples import wav
 from bench.stack import HTTP
-from gateway.endpoints import TABLE, Action, BodyKind, Group
+from gateway.access.endpoints import TABLE, Action, BodyKind, Group
 from tests.procs import (
     Proc,
     auth,

@@ -11,12 +11,12 @@ import orjson
 import pytest
 import structlog
 
-from gateway.admission import Admission
+from gateway.access.admission import Admission
 from gateway.app import create_app
-from gateway.config import LimitsSettings, Settings
-from gateway.logging import RequestLog, configure_logging, redact
-from gateway.metrics import Metrics
+from gateway.config.settings import LimitsSettings, Settings
 from gateway.middleware import RequestIds
+from gateway.observability.logging import RequestLog, configure_logging, redact
+from gateway.observability.metrics import Metrics
 
 KEY = "sk-options-0123456789abcdef"
 

@@ -1,4 +1,4 @@
-"""The gateway's upstream client (gateway/upstream.py) against a scripted engine.
+"""The gateway's upstream client (gateway/upstream/client.py) against a scripted engine.
 
 A raw TCP server on loopback plays the engine and answers each request the way its
 `x-scenario` header asks: chunked, read-until-close, `Connection: close`, garbage, a
@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from bench.stack import HTTP
-from gateway.upstream import Origin
+from gateway.upstream.client import Origin
 from tests.procs import Proc, gateway_proc, owned_response_id, wait_for
 
 KEY = "sk-upstream-0123456789abcdef"

@@ -1,4 +1,4 @@
-"""The lock-free request counts and latency histograms (gateway/metrics.py) expose what
+"""The lock-free request counts and latency histograms (observability/metrics.py) expose what
 prometheus_client's own Counter and Histogram would for the same observations."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.metrics import _BUCKETS, NO_KEY, Metrics
+from gateway.observability.metrics import _BUCKETS, NO_KEY, Metrics
 
 
 def samples(text: bytes, prefix: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

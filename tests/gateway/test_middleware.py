@@ -16,16 +16,16 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.admission import Admission
-from gateway.asgi import ASGIApp, Message, Receive, Scope, Send
-from gateway.auth import KeyRing, build_keys
-from gateway.body import ClientDisconnected
-from gateway.config import ApiKeyConfig, LimitsSettings, RateLimit
+from gateway.access.admission import Admission
+from gateway.access.api_keys import KeyRing, build_keys
+from gateway.config.settings import ApiKeyConfig, LimitsSettings, RateLimit
 from gateway.errors import InvalidJson
 from gateway.exchange import exchange_of
-from gateway.logging import RequestLog
-from gateway.metrics import Metrics
 from gateway.middleware import Authentication, EndpointGuard, KeyLimits, RequestContext
+from gateway.observability.logging import RequestLog
+from gateway.observability.metrics import Metrics
+from gateway.proxy.body import ClientDisconnected
+from gateway.types import ASGIApp, Message, Receive, Scope, Send
 
 FULL = "sk-middleware-full-0123456789"
 POOLING = "sk-middleware-pooling-0123456789"

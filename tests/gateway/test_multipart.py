@@ -16,7 +16,7 @@ from gateway.errors import (
     UnsupportedMediaType,
 )
 from gateway.media.settings import MediaSettings
-from gateway.multipart import content_type, validate_upload
+from gateway.proxy.multipart import content_type, validate_upload
 from tests.gateway.media.test_media_samples import HTML, SVG, png, wav
 
 BOUNDARY = "gwtestboundary"

@@ -15,8 +15,8 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from gateway.config import Settings, load_settings
-from gateway.sources import ConfigError, environment_names, models
+from gateway.config.settings import Settings, load_settings
+from gateway.config.sources import ConfigError, environment_names, models
 from tests.procs import ROOT, run_cli
 from tests.procs import clean_env as child_env
 

@@ -1,4 +1,4 @@
-"""The upstream client's connection state machine (gateway/upstream.py), in-process
+"""The upstream client's connection state machine (gateway/upstream/client.py), in-process
 against scripted engines on loopback: asyncio servers that answer each request as the
 test's script says, byte for byte, and record what they received.
 
@@ -23,11 +23,11 @@ import pytest
 
 from gateway.errors import UpstreamUnavailable
 from gateway.exchange import Exchange
-from gateway.forwarder import Forwarder
-from gateway.metrics import Metrics
+from gateway.observability.metrics import Metrics
+from gateway.proxy.forward import Forwarder
 from gateway.routing.pool import EnginePool
 from gateway.routing.settings import RoutingSettings
-from gateway.upstream import (
+from gateway.upstream.client import (
     _HIGH_WATER,
     ClosedUnanswered,
     ConnectFailed,

@@ -1,4 +1,4 @@
-"""gateway/usage.py as tables: the tokens read from the end of an engine's answer, and
+"""gateway/proxy/usage.py as tables: the tokens read from the end of an engine's answer, and
 from the last chunks of a stream however it was cut. The same through a running
 gateway and simulated engine: test_gateway_usage.py."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from gateway.usage import TAIL, Tail, Usage, read_usage
+from gateway.proxy.usage import TAIL, Tail, Usage, read_usage
 
 USAGE = {
     "prompt_tokens": 17,

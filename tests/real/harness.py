@@ -143,7 +143,7 @@ def concrete(path: str) -> str:
 
 def unclassified(engine: Engine) -> list[str]:
     """Routes the engine serves that the gateway's endpoint table does not classify."""
-    from gateway.endpoints import Action, match
+    from gateway.access.endpoints import Action, match
 
     return sorted(
         path

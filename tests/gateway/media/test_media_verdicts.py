@@ -18,9 +18,9 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from gateway.errors import MediaInvalid, MediaTooLarge
-from gateway.media.inline import fingerprint
+from gateway.media.resolve import fingerprint
 from gateway.media.settings import MediaSettings
-from gateway.payload import PayloadInspector
+from gateway.payload.inspector import PayloadInspector
 from tests.gateway.media.test_media_samples import data_url, media_digest, png
 
 PNG = png(16, 16)

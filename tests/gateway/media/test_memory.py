@@ -23,8 +23,8 @@ from bench.decode_memory import SIM_CONTEXT, chat_body, just_under, solid_png, t
 from bench.samples import png
 from bench.soak.payloads import HeavyPng, oversized_media_chat
 from bench.stack import HTTP
-from gateway.allocator import TRIM_INTERVAL
 from gateway.media.settings import MediaSettings
+from gateway.server.process import TRIM_INTERVAL
 from tests.procs import (
     Proc,
     auth,

@@ -14,8 +14,8 @@ import orjson
 import pytest
 from pydantic import SecretStr
 
-from gateway.auth import ApiKey
-from gateway.endpoints import FORWARDED_GROUPS
+from gateway.access.api_keys import ApiKey
+from gateway.access.endpoints import FORWARDED_GROUPS
 from gateway.errors import (
     FieldNotAllowed,
     GatewayError,
@@ -26,7 +26,8 @@ from gateway.errors import (
     MediaUrlNotAllowed,
 )
 from gateway.media.settings import MediaMode, MediaSettings, UuidPolicy
-from gateway.payload import PayloadInspector, PayloadSettings
+from gateway.payload.inspector import PayloadInspector
+from gateway.payload.settings import PayloadSettings
 from tests.gateway.media.test_media_samples import HTML, SVG, data_url, jpeg, media_digest, png, wav
 from tests.procs import RecordingServer, Route
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
+from gateway.routing.anchors import Anchor, AnchorKind, candidate_anchors, session_anchor
 from gateway.routing.hotspots import HotCandidates
-from gateway.routing.keys import Anchor, AnchorKind, candidate_anchors, session_anchor
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 20}
 

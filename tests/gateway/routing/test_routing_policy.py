@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from gateway.config import Settings
+from gateway.config.settings import Settings
 from gateway.routing.policy import (
     Affinity,
     LeastLoaded,

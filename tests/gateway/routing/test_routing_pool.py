@@ -25,7 +25,7 @@ from gateway.routing.dns import DnsEntry, NameNotFound
 from gateway.routing.engine_load import EngineLoad, parse_load
 from gateway.routing.pool import Engine, EnginePool
 from gateway.routing.settings import RoutingSettings
-from gateway.upstream import Upstream
+from gateway.upstream.client import Upstream
 from tests.procs import Proc, gateway_proc, scrape, sim_proc, wait_for
 
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"

@@ -6,7 +6,7 @@ What follows it can still be long, and the client decides how long: the rendered
 (`return_prompt_text`), `prompt_logprobs` and `prompt_token_ids` in a chat answer, the
 request's `user` and, when asked for, the raw messages in a Responses answer and in its
 stream's `response.completed` event, the per-question diagnostics of /v1/systemone.
-So a non-streamed answer (held whole, up to 64 KiB: relay.py) is searched from its end
+So a non-streamed answer (held whole, up to 64 KiB: proxy/relay.py) is searched from its end
 for the last `"usage":` key, and a stream's bytes are searched as they are dropped from
 the tail it keeps (`Tail`); only the `usage` object itself is parsed. The search is
 `bytes.rfind` (memchr speed), so its cost grows with the answer only by that: 2.3-2.9

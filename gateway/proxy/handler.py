@@ -1,12 +1,12 @@
 """The innermost ASGI app: one forwarded request, from its body to the engine's answer.
 
-    read the body (body.py) -> take a global slot (admission.py)
-    -> check the model (authorize.py) and take its healthy engines (routing/models.py)
+    read the body (proxy/body.py) -> take a global slot (access/admission.py)
+    -> check the model (access/permissions.py) and take its healthy engines (routing/models.py)
     -> inspect it (payload/) -> order those engines (routing/policy.py)
-    -> forward with failover (forwarder.py)
-    -> relay the answer (relay.py), watching for the client leaving (disconnect.py)
+    -> forward with failover (proxy/forward.py)
+    -> relay the answer (proxy/relay.py), watching for the client leaving (proxy/disconnect.py)
 
-Requests go out through an `UpstreamClient` (gateway/upstream.py; why not aiohttp or
+Requests go out through an `UpstreamClient` (gateway/upstream/client.py; why not aiohttp or
 httpx: see there), which the app hands in: tests give it a fake engine.
 """
 
@@ -17,24 +17,24 @@ from collections.abc import Sequence
 
 import orjson
 
-from gateway.admission import Admission
-from gateway.asgi import Receive, Scope, Send
-from gateway.authorize import RequestCheck
-from gateway.body import ClientDisconnected, Incoming, header, read_incoming
-from gateway.config import Settings
-from gateway.connections import ConnectionGuard
-from gateway.disconnect import DisconnectWatch
-from gateway.endpoints import RESPONSES_PATH, forwarded_query, stored_response_id
+from gateway.access.admission import Admission
+from gateway.access.endpoints import RESPONSES_PATH, forwarded_query, stored_response_id
+from gateway.access.permissions import RequestCheck
+from gateway.config.settings import Settings
 from gateway.errors import ModelUnavailable, NoEngineAvailable, ResponseNotFound
 from gateway.exchange import Exchange, exchange_of
-from gateway.forwarder import Forwarder
-from gateway.headers import request_allowlist
-from gateway.metrics import Metrics
-from gateway.payload import PayloadInspector
-from gateway.relay import Relay
+from gateway.observability.metrics import Metrics
+from gateway.payload.inspector import PayloadInspector
+from gateway.proxy.body import ClientDisconnected, Incoming, header, read_incoming
+from gateway.proxy.disconnect import DisconnectWatch
+from gateway.proxy.forward import Forwarder
+from gateway.proxy.headers import request_allowlist
+from gateway.proxy.relay import Relay
 from gateway.routing.policy import Policy, RoutingRequest
 from gateway.routing.pool import Engine, EnginePool
-from gateway.upstream import Response, UpstreamClient
+from gateway.server.limits import ConnectionGuard
+from gateway.types import Receive, Scope, Send
+from gateway.upstream.client import Response, UpstreamClient
 
 
 class Proxy:
@@ -176,7 +176,7 @@ class Proxy:
         self, scope: Scope, request_id: str, content_type: tuple[bytes, bytes] | None
     ) -> list[tuple[bytes, bytes]]:
         """The headers an engine gets: the checked Content-Type, the client's headers on
-        the allowlist (headers.py), our request id and the engine key. The client's
+        the allowlist (proxy/headers.py), our request id and the engine key. The client's
         Authorization, Connection and every header vLLM acts on stay behind."""
         headers: list[tuple[bytes, bytes]] = [] if content_type is None else [content_type]
         forward = self._forwarded

@@ -102,7 +102,7 @@ class StoreCollector(Collector):
 
 
 class ConnectionCounts:
-    """Client connections the gateway closed itself, by reason (gateway/server.py):
+    """Client connections the gateway closed itself, by reason (gateway/server/protocol.py):
     plain integer adds on the connection path, read at scrape time."""
 
     __slots__ = (
@@ -141,7 +141,7 @@ class ConnectionCounts:
 
 
 class TokenCounts(Collector):
-    """Tokens the engines reported in their answers (gateway/usage.py), by key name:
+    """Tokens the engines reported in their answers (gateway/proxy/usage.py), by key name:
     plain integer adds per answer, read at scrape time (a labelled prometheus counter
     takes a lock per increment)."""
 

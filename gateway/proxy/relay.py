@@ -2,9 +2,9 @@
 
 Successful answers are streamed chunk by chunk as they arrive: no SSE frame is parsed on
 this path (LiteLLM's per-chunk re-serialisation costs ~1.5 ms); the tokens the engine
-reports are read from the answer once it ends (usage.py). Only the allowlisted
-response headers cross (headers.py). Error answers are read whole under a cap and
-scrubbed or replaced (engine_errors.py). A 204 or 304 is its head alone. (`/v1/models` is
+reports are read from the answer once it ends (proxy/usage.py). Only the allowlisted
+response headers cross (proxy/headers.py). Error answers are read whole under a cap and
+scrubbed or replaced (proxy/scrub.py). A 204 or 304 is its head alone. (`/v1/models` is
 answered by the gateway itself, from the pool's copy of the engines' lists:
 routing/models.py.)
 """
@@ -15,17 +15,17 @@ import asyncio
 
 import structlog
 
-from gateway.asgi import Send
-from gateway.disconnect import DisconnectWatch
-from gateway.engine_errors import about_model, excerpt, scrub_json
 from gateway.errors import EngineError, ModelNotFound, send_error, sse_error_frame
 from gateway.exchange import Exchange
-from gateway.forwarder import gateway_error
-from gateway.headers import RESPONSE_HEADERS
-from gateway.upstream import NO_CONTENT, Response, UpstreamError
-from gateway.usage import Tail, read_usage
+from gateway.proxy.disconnect import DisconnectWatch
+from gateway.proxy.forward import gateway_error
+from gateway.proxy.headers import RESPONSE_HEADERS
+from gateway.proxy.scrub import about_model, excerpt, scrub_json
+from gateway.proxy.usage import Tail, read_usage
+from gateway.types import Send
+from gateway.upstream.client import NO_CONTENT, Response, UpstreamError
 
-log = structlog.get_logger("gateway.relay")
+log = structlog.get_logger("gateway.proxy.relay")
 
 # Error answers are read whole up to this size, to be scrubbed or replaced; a larger
 # one is replaced unread (vLLM's error bodies are a few hundred bytes).
@@ -146,7 +146,7 @@ class Relay:
 
         await send({"type": "http.response.start", "status": resp.status, "headers": out_headers})
         idle = self.idle
-        # What the engine reports its usage in, searched as it passes (gateway/usage.py).
+        # What the engine reports its usage in, searched as it passes (gateway/proxy/usage.py).
         tail = Tail()
         try:
             while True:

@@ -137,7 +137,7 @@ def configure_logging(
         factory = structlog.PrintLoggerFactory(sys.stdout)
     # python-multipart logs each malformed upload through the standard library, as a
     # plain-text line outside this format (its byte values, where parsing stopped). The
-    # gateway already refuses that upload (multipart.py) and logs the refusal.
+    # gateway already refuses that upload (proxy/multipart.py) and logs the refusal.
     logging.getLogger(_MULTIPART_LOGGER).setLevel(logging.CRITICAL)
     structlog.configure(
         processors=processors,

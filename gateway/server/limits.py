@@ -1,6 +1,6 @@
 """What every client connection of a process is held to, and the one sweep that keeps
-the deadlines: the head's, the keep-alive wait's, an unread answer's (gateway/server.py)
-and the request body's (gateway/body.py).
+the deadlines: the head's, the keep-alive wait's, an unread answer's (gateway/server/protocol.py)
+and the request body's (gateway/proxy/body.py).
 
 The app builds one `ConnectionGuard` from settings and hands it to the connection
 protocol through the lifespan state (the dict uvicorn gives every connection it opens)
@@ -24,9 +24,9 @@ from typing import Any, Protocol
 
 import structlog
 
-from gateway.config import LimitsSettings, TimeoutSettings
+from gateway.config.settings import LimitsSettings, TimeoutSettings
 from gateway.errors import Overloaded
-from gateway.metrics import ConnectionCounts
+from gateway.observability.metrics import ConnectionCounts
 
 # The lifespan state key under which the app hands the guard to the protocol.
 CONNECTION_GUARD = "gateway.connection_guard"
@@ -39,7 +39,7 @@ SWEEP_INTERVAL = 0.5
 # so the answer is not lost to a reset while the client is still sending its head.
 LINGER = 2.0
 
-log = structlog.get_logger("gateway.connections")
+log = structlog.get_logger("gateway.server.limits")
 
 
 class Timed(Protocol):

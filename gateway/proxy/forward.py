@@ -7,7 +7,7 @@ so it is never sent again elsewhere, with one exception: an engine that closed a
 connection without answering and then refused a fresh one (`ReconnectFailed`) is going
 away; a GET or HEAD then moves on, a POST (which that engine may have read) does not.
 The upstream client already sent the request once more to the same engine on a fresh
-connection (gateway/upstream.py): a keep-alive connection closed under a request is
+connection (gateway/upstream/client.py): a keep-alive connection closed under a request is
 neither an error nor a health failure.
 """
 
@@ -18,9 +18,9 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from gateway.errors import GatewayError, UpstreamBroken, UpstreamTimeout, UpstreamUnavailable
 from gateway.exchange import Exchange
-from gateway.metrics import Metrics
+from gateway.observability.metrics import Metrics
 from gateway.routing.pool import Engine, EnginePool, Lease
-from gateway.upstream import (
+from gateway.upstream.client import (
     ConnectFailed,
     FirstByteTimeout,
     ReadTimeout,

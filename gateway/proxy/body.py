@@ -3,7 +3,7 @@
     incoming = await read_incoming(scope, receive, ex, settings, guard)
 
 A JSON body is read whole and parsed once into an object; a multipart upload is read
-whole and validated (gateway/multipart.py); other routes take no body. The cap is
+whole and validated (gateway/proxy/multipart.py); other routes take no body. The cap is
 enforced while reading, so a body sent without `Content-Length` (chunked) is cut off at
 the cap instead of being buffered whole first, and so is the pace
 (`connections.BodyPace`): a body that stalls or trickles is cut with 408 before it
@@ -20,13 +20,13 @@ from typing import Any
 
 import orjson
 
-from gateway.asgi import Receive, Scope
-from gateway.config import Settings
-from gateway.connections import BodyPace, ConnectionGuard
-from gateway.endpoints import BodyKind
+from gateway.access.endpoints import BodyKind
+from gateway.config.settings import Settings
 from gateway.errors import InvalidJson, RequestTimeout, RequestTooLarge, UnsupportedMediaType
 from gateway.exchange import Exchange
-from gateway.multipart import Upload, content_type, validate_upload
+from gateway.proxy.multipart import Upload, content_type, validate_upload
+from gateway.server.limits import BodyPace, ConnectionGuard
+from gateway.types import Receive, Scope
 
 # The Content-Type a JSON request is forwarded with: the media type that was checked,
 # never the client's header (a `Connection: content-type` once stripped that header
@@ -78,7 +78,7 @@ async def read_body(
     `owner` (the key's digest): 40 bodies of 32 MiB held a byte short of their end kept
     1.3 GiB for a minute.
 
-    The pace is kept by the guard's sweep (gateway/connections.py), not by a timer: the
+    The pace is kept by the guard's sweep (gateway/server/limits.py), not by a timer: the
     body's due time is a dict entry, moved as each chunk arrives; a body late by it is
     cancelled by the sweep, within its interval."""
     loop = guard.running_loop()

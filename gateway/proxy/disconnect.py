@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from gateway.asgi import Receive
 from gateway.exchange import Exchange
+from gateway.types import Receive
 
 # How long a request is forwarded before a task starts watching for its client leaving.
 # A task per request (created, stepped, cancelled) cost ~70 us of event-loop work at 64

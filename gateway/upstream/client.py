@@ -35,7 +35,7 @@ _HIGH_WATER = 256 * 1024
 # larger ones in a second write, so an upload is never copied whole.
 _COPY_LIMIT = 64 * 1024
 # Final statuses whose answer ends with its head, whatever its fields say (RFC 9112 6.3;
-# httptools reads them so): no body is read for them, and none is relayed (relay.py).
+# httptools reads them so): no body is read for them, and none is relayed (proxy/relay.py).
 NO_CONTENT: Final = frozenset({204, 304})
 
 

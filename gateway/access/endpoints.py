@@ -36,7 +36,7 @@ class Group(StrEnum):
     audio = "audio"
     models = "models"
     info = "info"
-    # The gateway's own /metrics; never granted implicitly (see auth.py).
+    # The gateway's own /metrics; never granted implicitly (see access/api_keys.py).
     metrics = "metrics"
     # The gateway's control routes (/gateway/status, its OpenAPI schema); never
     # granted implicitly either.

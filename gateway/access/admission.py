@@ -3,7 +3,7 @@
     admission.enter_key(key)               # at authentication (middleware.KeyLimits)
     try:
         incoming = await read_incoming(...)
-        with admission.slot():             # once the body is in (proxy.py)
+        with admission.slot():             # once the body is in (proxy/handler.py)
             ...inspect, forward, relay...
     finally:
         admission.leave_key(key)
@@ -29,10 +29,10 @@ import time
 from collections.abc import Callable
 from types import TracebackType
 
-from gateway.auth import ApiKey
-from gateway.config import LimitsSettings, RateLimit
+from gateway.access.api_keys import ApiKey
+from gateway.config.settings import LimitsSettings, RateLimit
 from gateway.errors import Overloaded, RateLimited
-from gateway.metrics import Metrics
+from gateway.observability.metrics import Metrics
 
 
 class TokenBucket:

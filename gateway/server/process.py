@@ -49,7 +49,7 @@ from collections.abc import Callable
 
 import structlog
 
-log = structlog.get_logger("gateway.allocator")
+log = structlog.get_logger("gateway.server.process")
 
 M_TRIM_THRESHOLD = -1  # malloc.h
 M_MMAP_THRESHOLD = -3

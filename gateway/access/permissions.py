@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.auth import ApiKey
-from gateway.body import Incoming
-from gateway.endpoints import Group, Route
+from gateway.access.api_keys import ApiKey
+from gateway.access.endpoints import Group, Route
 from gateway.errors import (
     EndpointBlocked,
     FieldNotAllowed,
@@ -24,7 +23,8 @@ from gateway.errors import (
     PermissionDenied,
 )
 from gateway.exchange import Exchange
-from gateway.payload import CacheIsolation, PayloadSettings
+from gateway.payload.settings import CacheIsolation, PayloadSettings
+from gateway.proxy.body import Incoming
 from gateway.routing.pool import EnginePool
 
 # vLLM's SageMaker wrapper: its body `model` is replaced before vLLM reads it.
@@ -90,7 +90,7 @@ class RequestCheck:
         (0.1.16), whose `inject_adapter_id(adapter_path="model")` sets the body's `model`
         to the `X-Amzn-SageMaker-Adapter-Identifier` header, or to null when the header
         is absent, before vLLM reads the body. The gateway never forwards that header
-        (headers.py), so vLLM always runs its default model there, whatever the body
+        (proxy/headers.py), so vLLM always runs its default model there, whatever the body
         names: a key limited to some models cannot be held to them and is refused, and
         the request goes to the engines of the default model.
         Stateful-session requests (`requestType`) are the wrapper's, not inference."""

@@ -33,9 +33,9 @@ protocol with limits on the connection itself, which uvicorn does not have.
   app waits to send) for `timeouts.response_stall` is dropped; the app sees a disconnect
   and the engine's request is aborted.
 
-The request body's pace is the app's to enforce (gateway/body.py), where a 408 can be
+The request body's pace is the app's to enforce (gateway/proxy/body.py), where a 408 can be
 answered in the gateway's error format. The deadlines are kept by the guard's sweep
-(gateway/connections.py); per request this costs a few attribute writes, and no timer.
+(gateway/server/limits.py); per request this costs a few attribute writes, and no timer.
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from gateway.config import LimitsSettings, TimeoutSettings
-from gateway.connections import CONNECTION_GUARD, ConnectionGuard
+from gateway.config.settings import LimitsSettings, TimeoutSettings
 from gateway.errors import BodyChunksTooSmall, HeadersTooLarge, raw_response
+from gateway.server.limits import CONNECTION_GUARD, ConnectionGuard
 
 _HEADERS_TOO_LARGE = raw_response(HeadersTooLarge())
 _CHUNKS_TOO_SMALL = raw_response(BodyChunksTooSmall())

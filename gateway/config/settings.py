@@ -6,7 +6,7 @@ the YAML file, defaults. Secrets are `SecretStr`, so they never show in a repr o
 Strict at every depth: every model refuses keys it does not declare, `load_settings`
 refuses `GATEWAY_*` variables that name no setting, and each value is checked here with
 the code that later uses it (engine URLs, keys, the key file, media rules), so settings
-that load are settings `serve` starts with (gateway/sources.py explains the mistakes).
+that load are settings `serve` starts with (gateway/config/sources.py explains the mistakes).
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from gateway.headers import forwardable
+from gateway.config.sources import Sources, YamlFile, check_environment, explain, read_yaml
 from gateway.media.settings import MediaSettings
 from gateway.payload.settings import PayloadSettings
+from gateway.proxy.headers import forwardable
 from gateway.routing.settings import RoutingSettings
-from gateway.sources import Sources, YamlFile, check_environment, explain, read_yaml
 
 # The schemes an engine entry may have: a URL, or a DNS name resolved to every address.
 ENGINE_SCHEMES = ("http", "https", "dns+http", "dns+https")
@@ -74,7 +74,7 @@ class ApiKeyConfig(BaseModel):
     # Keys with the same tenant share a prefix-cache salt (payload.cache_isolation: tenant).
     tenant: str | None = None
     # This key's own limits, in place of limits.max_in_flight_per_key and
-    # limits.rate_per_key (gateway/admission.py).
+    # limits.rate_per_key (gateway/access/admission.py).
     max_in_flight: int | None = Field(default=None, gt=0)
     rate: RateLimit | None = None
 
@@ -96,7 +96,7 @@ class LimitsSettings(BaseModel):
     # bodies are not counted: ~160 MiB parsed at most). Parsed, a value costs up to ~180
     # bytes: 32 MiB of
     # `[],` were 11 million lists, 1 GiB and seconds of the event loop; at this cap a
-    # body parses into at most ~180 MiB, in ~0.3 s (gateway/body.py parse_json).
+    # body parses into at most ~180 MiB, in ~0.3 s (gateway/proxy/body.py parse_json).
     max_json_values: int = Field(default=2_000_000, gt=0)
     # Bytes of request bodies still arriving, held in memory, in all; one key may hold
     # half (503 overloaded beyond). 40 bodies of 32 MiB held a byte short of their end
@@ -106,12 +106,12 @@ class LimitsSettings(BaseModel):
     # nor, with httptools, their total size; every header loop on the way is linear in it.
     max_headers: int = Field(default=100, gt=0)
     # Bytes of a request head (request line and header lines), 431 `headers_too_large`
-    # beyond (gateway/server.py). httptools buffers a header value whole before handing
+    # beyond (gateway/server/protocol.py). httptools buffers a header value whole before handing
     # it over, at any size: 2 MB of headers were accepted.
     max_header_bytes: int = Field(default=64 * 1024, ge=1024)
     # Open client connections per process; beyond it a new connection is closed at once
-    # (gateway/server.py). Each holds a file descriptor, as does each in-flight request's
-    # engine connection: lowered at start to fit RLIMIT_NOFILE (gateway/connections.py).
+    # (gateway/server/protocol.py). Each holds a file descriptor, as does each in-flight request's
+    # engine connection: lowered at start to fit RLIMIT_NOFILE (gateway/server/limits.py).
     max_connections: int = Field(default=4096, gt=0)
     # Slowest average a request body may arrive at once `timeouts.request_body_grace` has
     # passed, in bytes per second (408 `request_timeout` below it); 0: no minimum.
@@ -121,12 +121,12 @@ class LimitsSettings(BaseModel):
 class TimeoutSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    # --- client side (gateway/server.py, gateway/body.py) ---
+    # --- client side (gateway/server/protocol.py, gateway/proxy/body.py) ---
     # Time a client has to send a request's head (request line and headers): from the
     # connection's opening, and on a keep-alive connection from the end of the previous
     # response. Beyond it the connection is closed without an answer (slowloris).
     request_head: float = Field(default=10.0, gt=0)
-    # An idle keep-alive connection is closed after this (gateway/server.py; in place of
+    # An idle keep-alive connection is closed after this (gateway/server/protocol.py; in place of
     # uvicorn's timeout_keep_alive, whose timer was armed per request).
     client_keepalive: float = Field(default=5.0, gt=0)
     # Time a client has to send a whole request body, from when the gateway starts
@@ -165,7 +165,7 @@ def check_ca_file(path: Path | None) -> Path | None:
 def check_engine(entry: str) -> str:
     """Raise ValueError unless `entry` is an engine the pool can use (the same parsers)."""
     from gateway.routing.dns import DnsEntry, is_dns_entry
-    from gateway.upstream import Origin
+    from gateway.upstream.client import Origin
 
     scheme, sep, _ = entry.partition("://")
     if not sep or scheme.lower() not in ENGINE_SCHEMES:
@@ -215,7 +215,7 @@ class Settings(BaseSettings):
     # Serve the gateway's own /metrics without a key (for scrapers inside the pod).
     public_metrics: bool = False
     # Request headers forwarded to engines besides the fixed allowlist, e.g. tracing's
-    # [traceparent, tracestate]; names vLLM acts on are refused (gateway/headers.py).
+    # [traceparent, tracestate]; names vLLM acts on are refused (gateway/proxy/headers.py).
     forward_headers: list[str] = Field(default_factory=list)
     log_format: Literal["json", "console"] = "json"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -238,7 +238,7 @@ class Settings(BaseSettings):
     @field_validator("api_keys")
     @classmethod
     def _check_keys(cls, entries: list[SecretStr | ApiKeyConfig]) -> list[SecretStr | ApiKeyConfig]:
-        from gateway.auth import build_keys  # auth.py imports this module
+        from gateway.access.api_keys import build_keys  # access/api_keys.py imports this module
 
         build_keys(entries)
         return entries
@@ -246,7 +246,7 @@ class Settings(BaseSettings):
     @field_validator("api_keys_file")
     @classmethod
     def _check_key_file(cls, path: Path | None) -> Path | None:
-        from gateway.auth import load_key_file  # auth.py imports this module
+        from gateway.access.api_keys import load_key_file  # access/api_keys.py imports this module
 
         if path is not None:
             load_key_file(path)

@@ -18,10 +18,10 @@ from typing import Any
 import yaml
 from pydantic import SecretStr, TypeAdapter, ValidationError
 
-from gateway.config import ApiKeyConfig, RateLimit
-from gateway.endpoints import ALL_SCOPES, FORWARDED_GROUPS, Group
+from gateway.access.endpoints import ALL_SCOPES, FORWARDED_GROUPS, Group
+from gateway.config.settings import ApiKeyConfig, RateLimit
+from gateway.config.sources import repeated_key, suggest
 from gateway.errors import InvalidApiKey
-from gateway.sources import repeated_key, suggest
 
 _DIGEST_PREFIX = "sha256:"
 _BEARER = b"bearer "

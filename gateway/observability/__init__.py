@@ -1,0 +1,1 @@
+"""What the gateway reports about itself: Prometheus metrics and structured logs."""
