@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import gc
 import os
-import ssl
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,9 +20,11 @@ from typing import Any
 import structlog
 
 from gateway.access.admission import Admission
-from gateway.access.api_keys import KeyConfigError, KeyRing, build_keys, load_key_file
+from gateway.access.api_keys import KeyRing
 from gateway.access.endpoints import Action
+from gateway.config.key_file import KeyConfigError, build_keys, load_key_file
 from gateway.config.settings import Settings, load_settings
+from gateway.config.tls import client_context
 from gateway.control import control_app
 from gateway.errors import NoEngineAvailable
 from gateway.exchange import exchange_of
@@ -189,7 +190,7 @@ class Gateway:
             # is bounded separately by `timeouts.idle`.
             first_byte_timeout=t.first_byte,
             keepalive=t.upstream_keepalive,
-            ssl_context=ssl.create_default_context(cafile=settings.engine_ca_file)
+            ssl_context=client_context(settings.engine_ca_file)
             if settings.engine_ca_file is not None
             else None,
         )

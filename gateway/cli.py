@@ -22,12 +22,13 @@ from urllib.parse import urlsplit
 import orjson
 import structlog
 
-from gateway.access.api_keys import hash_key
 from gateway.app import CONFIG_ENV, Gateway, create_app, engine_states, tune_collector
+from gateway.config.key_file import hash_key
 from gateway.config.settings import Settings, load_settings
 from gateway.config.sources import ConfigError
 from gateway.observability.logging import configure_logging
 from gateway.server.limits import raise_fd_limit
+from gateway.server.protocol import GatewayProtocol
 
 # uvicorn's exit code when the server could not start (the port taken, say).
 STARTUP_FAILURE = 3
@@ -92,8 +93,6 @@ def _address(sock: socket.socket) -> str:
 
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
-
-    from gateway.server.protocol import GatewayProtocol
 
     overrides: dict[str, Any] = {}
     if args.host is not None:

@@ -6,8 +6,8 @@ outermost one turns it into the request's log line and metrics.
 
 from __future__ import annotations
 
-from gateway.access.api_keys import ApiKey
 from gateway.access.endpoints import UNKNOWN, Route
+from gateway.config.key_file import ApiKey
 from gateway.proxy.usage import Usage
 from gateway.types import Scope
 

@@ -29,8 +29,8 @@ import time
 from collections.abc import Callable
 from types import TracebackType
 
-from gateway.access.api_keys import ApiKey
-from gateway.config.settings import LimitsSettings, RateLimit
+from gateway.config.key_file import ApiKey, RateLimit
+from gateway.config.settings import LimitsSettings
 from gateway.errors import Overloaded, RateLimited
 from gateway.observability.metrics import Metrics
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.access.api_keys import ApiKey
 from gateway.access.endpoints import Group, Route
+from gateway.config.key_file import ApiKey
 from gateway.errors import (
     EndpointBlocked,
     FieldNotAllowed,

@@ -11,9 +11,7 @@ that load are settings `serve` starts with (gateway/config/sources.py explains t
 
 from __future__ import annotations
 
-import math
 import os
-import ssl
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -35,48 +33,18 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from gateway.config.key_file import ApiKeyConfig, RateLimit, build_keys, load_key_file
 from gateway.config.sources import Sources, YamlFile, check_environment, explain, read_yaml
+from gateway.config.tls import check_ca_file
 from gateway.media.settings import MediaSettings
 from gateway.payload.settings import PayloadSettings
 from gateway.proxy.headers import forwardable
+from gateway.routing.dns import DnsEntry, is_dns_entry
 from gateway.routing.settings import RoutingSettings
+from gateway.upstream.client import Origin
 
 # The schemes an engine entry may have: a URL, or a DNS name resolved to every address.
 ENGINE_SCHEMES = ("http", "https", "dns+http", "dns+https")
-
-
-class RateLimit(BaseModel):
-    """A token bucket: `requests_per_second` refill, up to `burst` requests at once."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    requests_per_second: float = Field(gt=0)
-    # None: one second's worth of requests (at least 1).
-    burst: int | None = Field(default=None, ge=1)
-
-    @property
-    def capacity(self) -> int:
-        return self.burst if self.burst is not None else max(1, math.ceil(self.requests_per_second))
-
-
-class ApiKeyConfig(BaseModel):
-    """One client key. `key` is the plain key or its `sha256:<hex>` digest."""
-
-    # A misspelt `scopes` must not silently leave a key with every scope.
-    model_config = ConfigDict(extra="forbid")
-
-    key: SecretStr
-    name: str | None = None
-    # None: every forwarded route group. A list: only these groups (and `metrics`).
-    scopes: list[str] | None = None
-    # None: every served model. A list: only these.
-    models: list[str] | None = None
-    # Keys with the same tenant share a prefix-cache salt (payload.cache_isolation: tenant).
-    tenant: str | None = None
-    # This key's own limits, in place of limits.max_in_flight_per_key and
-    # limits.rate_per_key (gateway/access/admission.py).
-    max_in_flight: int | None = Field(default=None, gt=0)
-    rate: RateLimit | None = None
 
 
 class LimitsSettings(BaseModel):
@@ -151,22 +119,8 @@ class TimeoutSettings(BaseModel):
     upstream_keepalive: float = Field(default=4.0, gt=0, lt=5.0)
 
 
-def check_ca_file(path: Path | None) -> Path | None:
-    """Raise ValueError unless `path` holds CA certificates TLS can load, read as the
-    gateway reads it when it starts (engine_ca_file, media.ca_file)."""
-    if path is not None:
-        try:
-            ssl.create_default_context(cafile=path)
-        except (ssl.SSLError, OSError):
-            raise ValueError("the file holds no PEM certificate TLS can load") from None
-    return path
-
-
 def check_engine(entry: str) -> str:
     """Raise ValueError unless `entry` is an engine the pool can use (the same parsers)."""
-    from gateway.routing.dns import DnsEntry, is_dns_entry
-    from gateway.upstream.client import Origin
-
     scheme, sep, _ = entry.partition("://")
     if not sep or scheme.lower() not in ENGINE_SCHEMES:
         raise ValueError(
@@ -238,16 +192,12 @@ class Settings(BaseSettings):
     @field_validator("api_keys")
     @classmethod
     def _check_keys(cls, entries: list[SecretStr | ApiKeyConfig]) -> list[SecretStr | ApiKeyConfig]:
-        from gateway.access.api_keys import build_keys  # access/api_keys.py imports this module
-
         build_keys(entries)
         return entries
 
     @field_validator("api_keys_file")
     @classmethod
     def _check_key_file(cls, path: Path | None) -> Path | None:
-        from gateway.access.api_keys import load_key_file  # access/api_keys.py imports this module
-
         if path is not None:
             load_key_file(path)
         return path

@@ -20,21 +20,7 @@ from dataclasses import dataclass
 from gateway.errors import MediaInvalid, MediaTooLarge
 from gateway.media.images import ImageHeader, base_type, decode_image, read_header
 from gateway.media.settings import MediaSettings
-
-AUDIO_TYPES: dict[str, frozenset[str]] = {
-    "wav": frozenset({"audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave"}),
-    "mp3": frozenset({"audio/mpeg", "audio/mp3"}),
-    "flac": frozenset({"audio/flac", "audio/x-flac"}),
-    "ogg": frozenset({"audio/ogg"}),
-    "m4a": frozenset({"audio/mp4", "audio/m4a", "audio/x-m4a"}),
-    "webm": frozenset({"audio/webm"}),
-}
-VIDEO_TYPES: dict[str, frozenset[str]] = {
-    "mp4": frozenset({"video/mp4"}),
-    "webm": frozenset({"video/webm"}),
-    "mkv": frozenset({"video/x-matroska"}),
-    "mov": frozenset({"video/quicktime"}),
-}
+from gateway.media.types import AUDIO_TYPES, VIDEO_TYPES
 
 
 @dataclass(frozen=True)

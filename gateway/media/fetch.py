@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from gateway.config.tls import client_context
 from gateway.errors import MediaFetchFailed, MediaTooLarge
 from gateway.media.addresses import Address, AddressPolicy
 from gateway.media.settings import MediaSettings
@@ -150,7 +151,7 @@ class MediaFetcher:
         if transport is None:
             verify: ssl.SSLContext | bool = True
             if settings.ca_file is not None:
-                verify = ssl.create_default_context(cafile=settings.ca_file)
+                verify = client_context(settings.ca_file)
             transport = default_inner_transport(verify)
         safe = SafeTransport(
             transport,

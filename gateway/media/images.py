@@ -3,11 +3,11 @@ declared type that must match the bytes.
 
 Two steps, both synchronous (run them on the decode pool, gateway/media/decoder.py):
 `read_header` opens the image and checks type and caps from its header alone;
-`decode_image` then decodes it as deep as `MediaSettings.validation` says, and
+`decode_image` then decodes it as deep as ``media.validation`` says, and
 `decode_cost` is what that decode holds in memory, charged against the decode budget
 before it starts. `validate_image` is both in one call.
 
-Depth (`MediaSettings.validation`):
+Depth (``media.validation``):
 - `header` reads only the header (size, format, frame count, mode).
 - `decode` (default) also decodes every frame, which catches truncated and corrupt
   files. A single-frame JPEG is decoded at 1/8 scale (Pillow's `draft`): libjpeg still
@@ -27,27 +27,32 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import ParamSpec, TypeVar
+from typing import ParamSpec, Protocol, TypeVar
 
 from PIL import Image
 
 from gateway.errors import MediaInvalid, MediaTooLarge
-from gateway.media.settings import MediaSettings, ValidationDepth
+from gateway.media.types import FORMAT_TYPES, ValidationDepth
 
 P = ParamSpec("P")
 T = TypeVar("T")
 
-# The MIME types each format may be declared as. vLLM ignores a data URL's type and
-# lets Pillow sniff (docs/vllm.md); the gateway insists they agree, so an SVG, HTML or
-# PostScript file cannot hide behind an image label.
-FORMAT_TYPES: dict[str, frozenset[str]] = {
-    "PNG": frozenset({"image/png"}),
-    "JPEG": frozenset({"image/jpeg", "image/jpg", "image/pjpeg"}),
-    "WEBP": frozenset({"image/webp"}),
-    "GIF": frozenset({"image/gif"}),
-    "BMP": frozenset({"image/bmp", "image/x-ms-bmp"}),
-    "TIFF": frozenset({"image/tiff"}),
-}
+
+class ImageLimits(Protocol):
+    """The media settings an image is checked against (`MediaSettings` has each)."""
+
+    @property
+    def image_formats(self) -> Sequence[str]: ...
+    @property
+    def max_bytes(self) -> int: ...
+    @property
+    def max_pixels(self) -> int: ...
+    @property
+    def min_dimension(self) -> int: ...
+    @property
+    def max_frames(self) -> int: ...
+    @property
+    def validation(self) -> ValidationDepth: ...
 
 
 # What a decode holds at its peak, in bytes per pixel of the image, measured on 4000 x
@@ -157,7 +162,7 @@ def _opened(data: bytes, formats: Sequence[str]) -> Iterator[Image.Image]:
 def read_header(
     data: bytes,
     declared: str | None,
-    settings: MediaSettings,
+    settings: ImageLimits,
     *,
     formats: Sequence[str] | None = None,
 ) -> ImageHeader:
@@ -327,7 +332,7 @@ def decode_cost(header: ImageHeader, depth: ValidationDepth) -> int:
     return cost
 
 
-def worst_cost(settings: MediaSettings) -> int:
+def worst_cost(settings: ImageLimits) -> int:
     """The most one item allowed by `settings` can be charged: a square image at
     `max_pixels` in the costliest allowed format, frame count and JPEG kind."""
     side = max(1, math.isqrt(settings.max_pixels))
@@ -341,7 +346,7 @@ def worst_cost(settings: MediaSettings) -> int:
 
 
 @_refusing
-def decode_image(data: bytes, header: ImageHeader, settings: MediaSettings) -> ImageInfo:
+def decode_image(data: bytes, header: ImageHeader, settings: ImageLimits) -> ImageInfo:
     """Decode `data` (whose header `read_header` passed) as deep as the settings say."""
     depth = settings.validation
     fmt, mime = header.format, header.mime
@@ -371,7 +376,7 @@ def decode_image(data: bytes, header: ImageHeader, settings: MediaSettings) -> I
 def validate_image(
     data: bytes,
     declared: str | None,
-    settings: MediaSettings,
+    settings: ImageLimits,
     *,
     formats: Sequence[str] | None = None,
 ) -> ImageInfo:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 
 import pybase64
 
@@ -40,14 +39,9 @@ from gateway.media.cache import MediaCache
 from gateway.media.decoder import Decoder
 from gateway.media.fetch import FetchAllowance, MediaFetcher
 from gateway.media.images import ImageHeader, decode_cost, decode_image, read_header
-from gateway.media.settings import MediaMode, MediaSettings
+from gateway.media.settings import MediaSettings
+from gateway.media.types import MediaKind, MediaMode
 from gateway.media.urls import DataUrl, RemoteUrl
-
-
-class MediaKind(StrEnum):
-    image = "image"
-    audio = "audio"
-    video = "video"
 
 
 @dataclass(frozen=True)

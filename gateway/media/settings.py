@@ -6,7 +6,6 @@ no remote domains, https only, no non-public networks, no dangerous fields.
 
 from __future__ import annotations
 
-from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Self
 
@@ -21,31 +20,16 @@ from pydantic import (
     model_validator,
 )
 
-
-class MediaMode(StrEnum):
-    inline = "inline"
-    passthrough = "passthrough"
-    data_only = "data_only"
-
-
-class ValidationDepth(StrEnum):
-    header = "header"
-    decode = "decode"
-    reencode = "reencode"
-
-
-class UuidPolicy(StrEnum):
-    # Rewrite a client's media `uuid` into a per-key namespace (sha256 of key name + uuid).
-    namespace = "namespace"
-    # Remove it; a part that names media only by uuid is then refused.
-    drop = "drop"
+from gateway.config.tls import check_ca_file
+from gateway.errors import MediaUrlNotAllowed
+from gateway.media.addresses import parse_networks
+from gateway.media.images import check_formats, worst_cost
+from gateway.media.types import AUDIO_TYPES, VIDEO_TYPES, MediaMode, UuidPolicy, ValidationDepth
+from gateway.media.urls import parse_domain_rule
 
 
 def check_domain(entry: str) -> str:
     """Raise ValueError unless `entry` is an allowed_domains entry the URL policy reads."""
-    from gateway.errors import MediaUrlNotAllowed
-    from gateway.media.urls import parse_domain_rule  # urls.py imports this module
-
     try:
         parse_domain_rule(entry)
     except MediaUrlNotAllowed as exc:
@@ -134,13 +118,10 @@ class MediaSettings(BaseModel):
 
     # Each list is read here by the code that uses it at serving time, so an entry it
     # cannot use is refused when the settings load, not when the gateway starts.
-    # (The media modules import this one: imported inside the checks.)
 
     @field_validator("ca_file")
     @classmethod
     def _check_ca(cls, path: Path | None) -> Path | None:
-        from gateway.config.settings import check_ca_file  # config/settings.py imports this module
-
         return check_ca_file(path)
 
     @field_validator("allowed_schemes")
@@ -154,8 +135,6 @@ class MediaSettings(BaseModel):
     @field_validator("allowed_networks")
     @classmethod
     def _check_networks(cls, entries: list[str]) -> list[str]:
-        from gateway.media.addresses import parse_networks
-
         for entry in entries:
             try:
                 parse_networks([entry])
@@ -169,16 +148,12 @@ class MediaSettings(BaseModel):
     @field_validator("image_formats")
     @classmethod
     def _check_image_formats(cls, formats: list[str]) -> list[str]:
-        from gateway.media.images import check_formats
-
         check_formats(formats)
         return formats
 
     @field_validator("audio_formats", "video_formats")
     @classmethod
     def _check_av_formats(cls, formats: list[str], info: ValidationInfo) -> list[str]:
-        from gateway.media.av import AUDIO_TYPES, VIDEO_TYPES
-
         table = AUDIO_TYPES if info.field_name == "audio_formats" else VIDEO_TYPES
         unknown = [f for f in formats if f not in table]
         if unknown:
@@ -190,8 +165,6 @@ class MediaSettings(BaseModel):
     @model_validator(mode="after")
     def _budget_fits_an_item(self) -> Self:
         # An item the budget can never hold would wait decode_wait, then fail, every time.
-        from gateway.media.images import worst_cost  # images.py imports this module
-
         worst = worst_cost(self)
         if self.decode_budget_bytes < worst:
             raise ValueError(

@@ -18,12 +18,14 @@ import functools
 import hashlib
 import ipaddress
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import pybase64
 
 from gateway.errors import MediaInvalid, MediaTooLarge, MediaUrlNotAllowed
-from gateway.media.settings import MediaMode, MediaSettings
+from gateway.media.types import MediaMode
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 # Only these schemes can ever be fetched; settings may narrow the list, never widen it.
@@ -44,6 +46,21 @@ _DOTTED_QUAD = re.compile(r"(?:0|[1-9][0-9]{0,2})(?:\.(?:0|[1-9][0-9]{0,2})){3}"
 _MIME = re.compile(r"[a-z0-9][a-z0-9!#$&^_.+\-]*/[a-z0-9][a-z0-9!#$&^_.+\-]*")
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+class UrlLimits(Protocol):
+    """The media settings a URL is checked against (`MediaSettings` has each)."""
+
+    @property
+    def mode(self) -> MediaMode: ...
+    @property
+    def allowed_domains(self) -> Sequence[str]: ...
+    @property
+    def allowed_schemes(self) -> Sequence[str]: ...
+    @property
+    def max_bytes(self) -> int: ...
+    @property
+    def max_url_length(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -198,7 +215,7 @@ def parse_domain_rule(entry: str) -> _DomainRule:
 class UrlPolicy:
     """Decides, from settings, whether a media reference may be used, and in what form."""
 
-    def __init__(self, settings: MediaSettings) -> None:
+    def __init__(self, settings: UrlLimits) -> None:
         self._settings = settings
         try:
             self._rules = [parse_domain_rule(entry) for entry in settings.allowed_domains]

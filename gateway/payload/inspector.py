@@ -21,11 +21,12 @@ import asyncio
 import os
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import httpx
 import structlog
 
+from gateway.config.key_file import ApiKey
 from gateway.errors import MediaInvalid, MediaTooLarge
 from gateway.media.decoder import Decoder
 from gateway.media.fetch import FetchAllowance, MediaFetcher, Resolver
@@ -35,9 +36,6 @@ from gateway.media.settings import MediaSettings
 from gateway.media.urls import UrlPolicy
 from gateway.payload.settings import PayloadSettings
 from gateway.payload.walk import Identity, MediaItem, Walk
-
-if TYPE_CHECKING:
-    from gateway.access.api_keys import ApiKey
 
 log = structlog.get_logger("gateway.payload")
 T = TypeVar("T")

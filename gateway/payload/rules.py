@@ -12,38 +12,6 @@ from __future__ import annotations
 
 from typing import Final
 
-from gateway.media.resolve import MediaKind
-
-# Keys whose value vLLM reads as media (a URL string, `{"url": ...}`, or a list of
-# them), with the kind they carry. None: a file-like input the gateway never serves.
-MEDIA_KEYS: Final[dict[str, MediaKind | None]] = {
-    "image_url": MediaKind.image,
-    "input_image": MediaKind.image,
-    "image": MediaKind.image,
-    "image_pil": MediaKind.image,
-    "images": MediaKind.image,  # /v2/embed, /v1/systemone
-    "video_url": MediaKind.video,
-    "video": MediaKind.video,
-    "videos": MediaKind.video,
-    "audio_url": MediaKind.audio,
-    "audio": MediaKind.audio,
-    "audios": MediaKind.audio,
-    "input_audio": MediaKind.audio,  # {"data": base64, "format": ...}
-    "file": None,
-    "file_url": None,
-    "file_data": None,
-    "file_id": None,
-    "input_file": None,
-}
-# Anthropic-style `{"type": ..., "source": {"type": "url"|"base64", ...}}` (/v1/messages).
-SOURCE_KEY: Final = "source"
-# Part types that make an object a media part even when no media key is set (a uuid-only
-# reference to a cached item, or an embeds part).
-MEDIA_TYPES: Final = frozenset(
-    {"image_url", "input_image", "image", "image_pil", "video_url", "video", "audio_url",
-     "audio", "input_audio", "file", "input_file", "document", "image_embeds",
-     "audio_embeds", "video_embeds", "prompt_embeds"}
-)  # fmt: skip
 # A media part's own keys that are never a URL vLLM fetches; any other string on a
 # media part that looks like a URL is refused (default deny for shapes vLLM may add).
 URLISH_KEYS: Final = frozenset({"url", "uri", "src", "href"})

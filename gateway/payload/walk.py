@@ -28,18 +28,16 @@ from gateway.errors import (
     ResponseNotFound,
 )
 from gateway.media.av import audio_type
-from gateway.media.resolve import MediaKind, Resolved
-from gateway.media.settings import MediaSettings, UuidPolicy
+from gateway.media.resolve import Resolved
+from gateway.media.settings import MediaSettings
+from gateway.media.types import MEDIA_KEYS, MEDIA_TYPES, SOURCE_KEY, MediaKind, UuidPolicy
 from gateway.media.urls import DataUrl, RemoteUrl, UrlPolicy
 from gateway.payload.rules import (
     FORBIDDEN_ANYWHERE,
     FORBIDDEN_TOP_LEVEL,
     FORBIDDEN_TYPES,
     MAX_DEPTH,
-    MEDIA_KEYS,
-    MEDIA_TYPES,
     NAMESPACED_TOP_LEVEL,
-    SOURCE_KEY,
     URLISH_KEYS,
 )
 from gateway.payload.settings import CacheIsolation, PayloadSettings

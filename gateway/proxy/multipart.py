@@ -28,8 +28,9 @@ from gateway.errors import (
     MediaTooLarge,
     UnsupportedMediaType,
 )
-from gateway.media.av import AUDIO_TYPES, sniff, validate_audio
+from gateway.media.av import sniff, validate_audio
 from gateway.media.settings import MediaSettings
+from gateway.media.types import AUDIO_TYPES
 from gateway.payload.rules import FORBIDDEN_FORM_FIELDS
 
 _MAX_HEADER_BYTES = 4096

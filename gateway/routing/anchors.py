@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from gateway.payload.rules import MEDIA_KEYS, MEDIA_TYPES, SOURCE_KEY
+from gateway.media.types import MEDIA_KEYS, MEDIA_TYPES, SOURCE_KEY
 
 DIGEST_SIZE = 16
 

@@ -27,7 +27,7 @@ from pydantic import BaseModel
 
 from bench.samples import data_url, png
 from bench.stack import HTTP
-from gateway.access.api_keys import load_key_file
+from gateway.config.key_file import load_key_file
 from gateway.config.settings import Settings, load_settings
 from tests.deploy.manifests import (
     DEPLOY,

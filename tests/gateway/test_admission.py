@@ -14,8 +14,16 @@ import pytest
 from pydantic import ValidationError
 
 from gateway.access.admission import Admission, TokenBucket, retry_after
-from gateway.access.api_keys import ANONYMOUS, ApiKey, KeyConfigError, build_keys, load_key_file
-from gateway.config.settings import ApiKeyConfig, LimitsSettings, RateLimit, Settings
+from gateway.config.key_file import (
+    ANONYMOUS,
+    ApiKey,
+    ApiKeyConfig,
+    KeyConfigError,
+    RateLimit,
+    build_keys,
+    load_key_file,
+)
+from gateway.config.settings import LimitsSettings, Settings
 from gateway.errors import Overloaded, RateLimited
 from gateway.observability.metrics import Metrics
 

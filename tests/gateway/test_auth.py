@@ -10,16 +10,17 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
-from gateway.access.api_keys import (
+from gateway.access.api_keys import KeyRing
+from gateway.access.endpoints import FORWARDED_GROUPS, Group
+from gateway.config.key_file import (
     ANONYMOUS,
+    ApiKeyConfig,
     KeyConfigError,
-    KeyRing,
     build_keys,
     hash_key,
     load_key_file,
 )
-from gateway.access.endpoints import FORWARDED_GROUPS, Group
-from gateway.config.settings import ApiKeyConfig, load_settings
+from gateway.config.settings import load_settings
 from gateway.errors import InvalidApiKey
 
 PLAIN = "plain-key-0123456789abcdef"

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from bench.stack import HTTP
-from gateway.access.api_keys import hash_key
 from gateway.cli import parser
+from gateway.config.key_file import hash_key
 from tests.procs import (
     ROOT,
     Proc,

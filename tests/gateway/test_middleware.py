@@ -17,8 +17,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.access.admission import Admission
-from gateway.access.api_keys import KeyRing, build_keys
-from gateway.config.settings import ApiKeyConfig, LimitsSettings, RateLimit
+from gateway.access.api_keys import KeyRing
+from gateway.config.key_file import ApiKeyConfig, RateLimit, build_keys
+from gateway.config.settings import LimitsSettings
 from gateway.errors import InvalidJson
 from gateway.exchange import exchange_of
 from gateway.middleware import Authentication, EndpointGuard, KeyLimits, RequestContext

@@ -13,7 +13,8 @@ import subprocess
 import pytest
 
 from bench.realvllm.home import Home
-from gateway.payload.rules import FORBIDDEN_ANYWHERE, FORBIDDEN_TYPES, MEDIA_KEYS, MEDIA_TYPES
+from gateway.media.types import MEDIA_KEYS, MEDIA_TYPES
+from gateway.payload.rules import FORBIDDEN_ANYWHERE, FORBIDDEN_TYPES
 
 pytestmark = pytest.mark.real_vllm
 

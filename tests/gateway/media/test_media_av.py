@@ -14,8 +14,9 @@ import pytest
 
 from bench.samples import MP4, WEBM, wav
 from gateway.errors import MediaInvalid
-from gateway.media.av import AUDIO_TYPES, VIDEO_TYPES, validate_audio, validate_video
+from gateway.media.av import validate_audio, validate_video
 from gateway.media.settings import MediaSettings
+from gateway.media.types import AUDIO_TYPES, VIDEO_TYPES
 from tests.gateway.media.test_media_samples import av_sample
 
 SETTINGS = MediaSettings(

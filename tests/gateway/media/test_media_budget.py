@@ -15,7 +15,8 @@ from gateway.errors import MediaBusy, MediaInvalid
 from gateway.media.budget import Budget
 from gateway.media.decoder import Decoder
 from gateway.media.images import decode_cost, read_header
-from gateway.media.settings import MediaSettings, ValidationDepth
+from gateway.media.settings import MediaSettings
+from gateway.media.types import ValidationDepth
 
 
 async def _settle() -> None:

@@ -19,7 +19,8 @@ from gateway.media.images import (
     read_header,
     validate_image,
 )
-from gateway.media.settings import MediaSettings, ValidationDepth
+from gateway.media.settings import MediaSettings
+from gateway.media.types import ValidationDepth
 
 SIDE = 800
 DECODE = MediaSettings()

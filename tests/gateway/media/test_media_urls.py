@@ -10,7 +10,8 @@ import random
 import pytest
 
 from gateway.errors import MediaInvalid, MediaTooLarge, MediaUrlNotAllowed
-from gateway.media.settings import MediaMode, MediaSettings
+from gateway.media.settings import MediaSettings
+from gateway.media.types import MediaMode
 from gateway.media.urls import DataUrl, RemoteUrl, UrlPolicy, data_url, parse_domain_rule
 
 POLICY = UrlPolicy(

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.samples import WEBM, png, wav
-from gateway.payload.rules import MEDIA_KEYS, MEDIA_TYPES
+from gateway.media.types import MEDIA_KEYS, MEDIA_TYPES
 
 ORIGIN = "@@ORIGIN@@"
 CANARY = "@@CANARY@@"

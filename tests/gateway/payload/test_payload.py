@@ -14,8 +14,8 @@ import orjson
 import pytest
 from pydantic import SecretStr
 
-from gateway.access.api_keys import ApiKey
 from gateway.access.endpoints import FORWARDED_GROUPS
+from gateway.config.key_file import ApiKey
 from gateway.errors import (
     FieldNotAllowed,
     GatewayError,
@@ -25,7 +25,8 @@ from gateway.errors import (
     MediaTooLarge,
     MediaUrlNotAllowed,
 )
-from gateway.media.settings import MediaMode, MediaSettings, UuidPolicy
+from gateway.media.settings import MediaSettings
+from gateway.media.types import MediaMode, UuidPolicy
 from gateway.payload.inspector import PayloadInspector
 from gateway.payload.settings import PayloadSettings
 from tests.gateway.media.test_media_samples import HTML, SVG, data_url, jpeg, media_digest, png, wav
