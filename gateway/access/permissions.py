@@ -9,7 +9,7 @@ header (below); each is checked here.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from gateway.access.endpoints import Group, Route
 from gateway.config.key_file import ApiKey
@@ -24,8 +24,7 @@ from gateway.errors import (
 )
 from gateway.exchange import Exchange
 from gateway.payload.settings import CacheIsolation, PayloadSettings
-from gateway.proxy.body import Incoming
-from gateway.routing.pool import EnginePool
+from gateway.routing.models import ModelIndex
 
 # vLLM's SageMaker wrapper: its body `model` is replaced before vLLM reads it.
 _INVOCATIONS = "/invocations"
@@ -54,13 +53,36 @@ def check_route(key: ApiKey, route: Route) -> None:
         raise PermissionDenied(f"This endpoint needs the scopes: {needed}.")
 
 
+class Form(Protocol):
+    """A validated multipart upload (proxy/multipart.py's `Upload`)."""
+
+    @property
+    def model(self) -> str | None: ...
+
+
+class Body(Protocol):
+    """A request's body as read (proxy/body.py's `Incoming`)."""
+
+    @property
+    def json(self) -> dict[str, Any] | None: ...
+    @property
+    def upload(self) -> Form | None: ...
+
+
+class Models(Protocol):
+    """Where the served models are known (routing/pool.py's `EnginePool`)."""
+
+    @property
+    def index(self) -> ModelIndex: ...
+
+
 class RequestCheck:
     """What a request's body asks for must be allowed: the model for its key, and a
     route that keeps tenants' caches apart when the deployment isolates them. Calling
     it gives the model whose engines may take the request (models.py)."""
 
-    def __init__(self, pool: EnginePool, payload: PayloadSettings) -> None:
-        self.pool = pool
+    def __init__(self, models: Models, payload: PayloadSettings) -> None:
+        self.models = models
         self.isolated = payload.cache_isolation is not CacheIsolation.off
 
     def route(self, ex: Exchange) -> None:
@@ -71,7 +93,7 @@ class RequestCheck:
                 "cache_salt there), and this gateway isolates them."
             )
 
-    def __call__(self, ex: Exchange, incoming: Incoming) -> str | None:
+    def __call__(self, ex: Exchange, incoming: Body) -> str | None:
         """The model the request runs on, or None for a route without a body that is
         about an engine or what it stores rather than a model (`/health`, `/version`,
         `/v1/responses/{id}` ...): any healthy engine takes it."""
@@ -130,7 +152,7 @@ class RequestCheck:
         # decided before the pool is consulted, so a key cannot tell which it was.
         if not isinstance(model, str) or (key is not None and not key.allows_model(model)):
             raise ModelNotFound(model)
-        index = self.pool.index
+        index = self.models.index
         if not index.known:
             # No engine has listed its models yet (they are all down or starting): the
             # model may well be served, so "retry shortly", not "not found".
@@ -143,7 +165,7 @@ class RequestCheck:
     def _default(self, ex: Exchange, ambiguous: str) -> str:
         """The default model of every engine whose models are known; `ambiguous` is the
         message when they differ."""
-        index = self.pool.index
+        index = self.models.index
         if not index.known:
             raise NoEngineAvailable()
         if index.default is None:
