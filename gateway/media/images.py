@@ -41,18 +41,12 @@ T = TypeVar("T")
 class ImageLimits(Protocol):
     """The media settings an image is checked against (`MediaSettings` has each)."""
 
-    @property
-    def image_formats(self) -> Sequence[str]: ...
-    @property
-    def max_bytes(self) -> int: ...
-    @property
-    def max_pixels(self) -> int: ...
-    @property
-    def min_dimension(self) -> int: ...
-    @property
-    def max_frames(self) -> int: ...
-    @property
-    def validation(self) -> ValidationDepth: ...
+    image_formats: list[str]
+    max_bytes: int
+    max_pixels: int
+    min_dimension: int
+    max_frames: int
+    validation: ValidationDepth
 
 
 # What a decode holds at its peak, in bytes per pixel of the image, measured on 4000 x

@@ -18,7 +18,6 @@ import functools
 import hashlib
 import ipaddress
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -51,16 +50,11 @@ Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 class UrlLimits(Protocol):
     """The media settings a URL is checked against (`MediaSettings` has each)."""
 
-    @property
-    def mode(self) -> MediaMode: ...
-    @property
-    def allowed_domains(self) -> Sequence[str]: ...
-    @property
-    def allowed_schemes(self) -> Sequence[str]: ...
-    @property
-    def max_bytes(self) -> int: ...
-    @property
-    def max_url_length(self) -> int: ...
+    mode: MediaMode
+    allowed_domains: list[str]
+    allowed_schemes: list[str]
+    max_bytes: int
+    max_url_length: int
 
 
 @dataclass(frozen=True)
