@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from gateway.config.settings import LimitsSettings
-from gateway.server.process import TRIM_INTERVAL, malloc_trim
+from gateway.server.process import TRIM_INTERVAL
 from tests.procs import Proc, auth, gateway_proc, running, sim_proc, sim_received, wait_for
 
 KEY = "sk-allocator-0123456789abcdef"
@@ -45,12 +45,6 @@ def _oversized_chunked_body(gateway: Proc) -> None:
                 conn.sendall(piece)
         except OSError:
             pass  # refused at the cap: the gateway closed the connection
-
-
-def test_malloc_trim_is_found_on_glibc() -> None:
-    trim = malloc_trim()
-    assert trim is not None
-    trim()
 
 
 def test_memory_of_refused_bodies_goes_back_to_the_system(tmp_path: Path) -> None:

@@ -4,22 +4,15 @@ vLLM 0.32 writes them; and the traceback of an unhandled error in the gateway's 
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import orjson
 import pytest
-import structlog
 
 from bench.stack import HTTP
-from gateway.errors import GatewayError
-from gateway.middleware import RequestContext
-from gateway.observability.logging import RequestLog, configure_logging
-from gateway.observability.metrics import Metrics
-from gateway.proxy.scrub import ADDRESS, URL, excerpt, scrub, scrub_json
+from gateway.proxy.scrub import ADDRESS, URL, scrub
 from tests.e2e.test_upstream import (
     LEAKS,
     LEAKY,
@@ -31,96 +24,6 @@ from tests.e2e.test_upstream import (
 from tests.procs import Proc, wait_for
 
 KEY = "sk-engine-errors-0123456789abcdef"
-
-SCRUB = [
-    # URLs, with the sentence's punctuation kept outside.
-    ("fetch http://10.0.0.1:8000/a.png failed", f"fetch {URL} failed"),
-    ("see https://example.com/x?y=1#z.", f"see {URL}."),
-    ("(url='http://a.b/c')", f"(url='{URL}')"),
-    ("got file:///etc/passwd", f"got {URL}"),
-    ("bad data:image/png;base64,iVBORw0KGgo=", f"bad {URL}"),
-    ("HTTP://UPPER.EXAMPLE/X", URL),
-    ("ws://[::1]:9000/socket", URL),
-    ("s3://bucket/key and gs://b/k", f"{URL} and {URL}"),
-    # host:port, IPv4 and IPv6, with or without a port.
-    ("Cannot connect to host engine-0.svc.cluster.local:8000 ssl:default",
-     f"Cannot connect to host {ADDRESS} ssl:default"),
-    ("connect to localhost:5432", f"connect to {ADDRESS}"),
-    ("127.0.0.1:9 refused", f"{ADDRESS} refused"),
-    ("[::1]:8000 refused", f"{ADDRESS} refused"),
-    ("peer 10.20.30.40 reset", f"peer {ADDRESS} reset"),
-    ("resolved to 192.168.0.1.", f"resolved to {ADDRESS}."),
-    ("v6 fe80::1 and ::1 and 2001:db8::8a2e:370:7334", f"v6 {ADDRESS} and {ADDRESS} and {ADDRESS}"),
-    ("mapped ::ffff:127.0.0.1 here", f"mapped {ADDRESS} here"),
-    ("full 2001:0db8:85a3:0000:0000:8a2e:0370:7334", f"full {ADDRESS}"),
-    ("Connect call failed ('127.0.0.1', 9)", f"Connect call failed {ADDRESS}"),
-    ("Connect call failed ('::1', 9, 0, 0)", f"Connect call failed {ADDRESS}"),
-    ("[Errno 111] Connect call failed ('internal', 80)",
-     f"[Errno 111] Connect call failed {ADDRESS}"),
-    # Memory addresses.
-    ("<_io.BytesIO object at 0x7f3c2c1d4a40>", f"<_io.BytesIO object at {ADDRESS}>"),
-    ("at 0X7FFF0000ABCD", f"at {ADDRESS}"),
-    # Left alone: what error messages legitimately say.
-    ("The model `Qwen/Qwen3-VL-2B-Instruct` does not exist.",
-     "The model `Qwen/Qwen3-VL-2B-Instruct` does not exist."),
-    ("This model's maximum context length is 32768 tokens.",
-     "This model's maximum context length is 32768 tokens."),
-    ("Expecting value: line 1 column 2 (char 1)", "Expecting value: line 1 column 2 (char 1)"),
-    ("max_tokens:5 must be at least 1", "max_tokens:5 must be at least 1"),
-    ("at 12:30:45 on 2026-11-30", "at 12:30:45 on 2026-11-30"),
-    ("ratio 16:9 and 1:2", "ratio 16:9 and 1:2"),
-    ("model llama3:8b", "model llama3:8b"),
-    ("version 0.32.0 of vllm", "version 0.32.0 of vllm"),
-    ("invalid start byte 0xff", "invalid start byte 0xff"),
-    ("metadata: none, std::vector", "metadata: none, std::vector"),
-    ("a :: b", "a :: b"),
-    ("", ""),
-]  # fmt: skip
-
-
-@pytest.mark.parametrize(("text", "expected"), SCRUB)
-def test_scrub(text: str, expected: str) -> None:
-    assert scrub(text) == expected
-
-
-def test_scrub_removes_every_leak_of_a_real_shaped_message() -> None:
-    cleaned = scrub(LEAKY)
-    for leak in LEAKS:
-        assert leak not in cleaned, leak
-    assert "cannot identify image file" in cleaned and "Cannot connect to host" in cleaned
-
-
-def test_scrub_is_linear_on_hostile_text() -> None:
-    # Long runs that almost match: a quadratic pattern would take minutes here.
-    hostile = ("a" * 60_000, "a." * 30_000 + ":", "1." * 30_000, ":" * 60_000, "0x" * 30_000,
-               "a-" * 30_000 + ":1", "ab:" * 20_000)  # fmt: skip
-    for text in hostile:
-        assert len(scrub(text)) >= 1
-
-
-def test_scrub_json_keeps_the_shape_and_scrubs_every_string() -> None:
-    body = {
-        "error": {"message": LEAKY, "type": "BadRequestError", "param": "url", "code": 400},
-        "detail": [{"msg": "at 10.0.0.1:80", "n": 3, "ok": True, "none": None}],
-        "http://k.example/": "key too",
-    }
-    out = orjson.loads(scrub_json(json.dumps(body).encode()) or b"")
-    assert out["error"]["type"] == "BadRequestError" and out["error"]["code"] == 400
-    assert out["error"]["param"] == "url"
-    assert out["detail"] == [{"msg": f"at {ADDRESS}", "n": 3, "ok": True, "none": None}]
-    assert URL in out
-    assert not any(leak in json.dumps(out) for leak in LEAKS)
-    assert scrub_json(b"<html>not json</html>") is None
-    deep: Any = "http://x.example/"
-    for _ in range(100):
-        deep = [deep]
-    assert "x.example" not in (scrub_json(json.dumps(deep).encode()) or b"").decode()
-
-
-def test_excerpt_is_bounded() -> None:
-    assert excerpt(b"x" * 5000).endswith("...") and len(excerpt(b"x" * 5000)) == 1003
-    assert excerpt(None).startswith("(not read")
-    assert excerpt(b"\xff\xfe ok") == "\ufffd\ufffd ok"
 
 
 # --- through the gateway -------------------------------------------------------------
@@ -254,42 +157,3 @@ def test_successful_answers_are_relayed_byte_for_byte(gateway: Proc) -> None:
 
 
 # --- unhandled errors ----------------------------------------------------------------
-
-
-def test_unhandled_error_logs_its_traceback_and_tells_the_client_nothing(
-    capsysbinary: pytest.CaptureFixture[bytes],
-) -> None:
-    secret_text = "internal detail 0x7f00deadbeef at /srv/gateway/state"
-
-    async def broken_handler(scope: Any, receive: Any, send: Any) -> None:
-        raise RuntimeError(secret_text)
-
-    async def call() -> httpx.Response:
-        logger = structlog.get_logger("gateway")
-        app = RequestContext(
-            broken_handler,
-            metrics=Metrics(),
-            logger=logger,
-            request_log=RequestLog(logger, "json", "info"),
-        )
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
-            return await client.get("/v1/models", headers={"X-Request-Id": "req-tb-1"})
-
-    configure_logging("json", "info")
-    try:
-        r = asyncio.run(call())
-    finally:
-        structlog.reset_defaults()
-    assert r.status_code == 500
-    assert r.json()["error"]["code"] == GatewayError.code == "internal_error"
-    assert secret_text not in r.text and "RuntimeError" not in r.text
-    lines = [orjson.loads(x) for x in capsysbinary.readouterr().out.splitlines()]
-    [unhandled] = [x for x in lines if x["event"] == "unhandled_error"]
-    assert unhandled["request_id"] == "req-tb-1" and unhandled["level"] == "error"
-    assert unhandled["exception"].startswith("Traceback (most recent call last):")
-    assert "in broken_handler" in unhandled["exception"]
-    assert f"RuntimeError: {secret_text}" in unhandled["exception"]
-    assert "exc_info" not in unhandled
-    [request] = [x for x in lines if x["event"] == "request"]
-    assert (request["status"], request["code"]) == (500, "internal_error")

@@ -21,9 +21,8 @@ from structlog.testing import capture_logs
 
 from bench.origin import RecordingServer, Route
 from bench.stack import HTTP
-from gateway.routing.dns import DnsEntry, NameNotFound
-from gateway.routing.engine_load import EngineLoad, parse_load
-from gateway.routing.pool import Engine, EnginePool
+from gateway.routing.dns import NameNotFound
+from gateway.routing.pool import EnginePool
 from gateway.routing.settings import RoutingSettings
 from gateway.upstream.client import Upstream
 from tests.procs import Proc, gateway_proc, scrape, sim_proc, wait_for
@@ -37,94 +36,6 @@ CHAT_BODY = json.dumps({"id": "x", "object": "chat.completion", "choices": []}).
 JSON = {"Content-Type": "application/json"}
 
 # --- tables ------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        (b'vllm:num_requests_waiting{model_name="m",engine="0"} 3\n', EngineLoad(3, 0.0)),
-        (b"vllm:num_requests_waiting 4", EngineLoad(4, 0.0)),
-        # Data-parallel ranks: queues add up, KV usage is the fullest rank's.
-        (
-            b'vllm:num_requests_waiting{engine="0"} 2\nvllm:num_requests_waiting{engine="1"} 5\n'
-            b'vllm:kv_cache_usage_perc{engine="0"} 0.25\nvllm:kv_cache_usage_perc{engine="1"} 0.5',
-            EngineLoad(7, 0.5),
-        ),
-        # HELP/TYPE lines and longer names with the same prefix are not samples.
-        (
-            b"# HELP vllm:num_requests_waiting 9\n# TYPE vllm:num_requests_waiting gauge\n"
-            b'vllm:num_requests_waiting_by_reason{reason="x"} 100\n'
-            b"vllm:num_requests_waiting 1 1700000000000\n",
-            EngineLoad(1, 0.0),
-        ),
-        (b'vllm:kv_cache_usage_perc{a="} 9"} 0.75', EngineLoad(0, 0.75)),
-        # Running requests (what every replica sends), summed over ranks like the queue.
-        (
-            b'vllm:num_requests_running{engine="0"} 6\nvllm:num_requests_running{engine="1"} 2\n'
-            b"vllm:num_requests_waiting 1\n",
-            EngineLoad(1, 0.0, 8),
-        ),
-        (b"vllm:num_requests_running 3", EngineLoad(0, 0.0, 3)),
-        # Garbage values are skipped, never raised; out-of-range usage is clamped.
-        (b"vllm:num_requests_waiting NaN\nvllm:kv_cache_usage_perc 7", EngineLoad(0, 1.0)),
-        (b"vllm:num_requests_waiting -3\nvllm:num_requests_waiting abc", None),
-        (b"not metrics at all", None),
-        (b"", None),
-    ],
-)
-def test_engine_load_parsing(text: bytes, expected: EngineLoad | None) -> None:
-    assert parse_load(text) == expected
-
-
-@pytest.mark.parametrize(
-    ("in_flight", "running", "waiting", "scraped", "load"),
-    [
-        (3, 0, 0, False, 3),  # nothing read: this process's own count
-        (3, 5, 2, True, 7),  # the engine's own count, which every replica reads alike
-        (9, 5, 2, True, 9),  # more sent since the last read than the engine reported
-        (0, 0, 0, True, 0),
-    ],
-)
-def test_engine_load_is_what_the_engine_reports(
-    in_flight: int, running: int, waiting: int, scraped: bool, load: int
-) -> None:
-    engine = Engine("http://10.0.0.1:8000")
-    engine.in_flight, engine.running, engine.waiting, engine.scraped = (
-        in_flight, running, waiting, scraped
-    )  # fmt: skip
-    assert engine.load == load
-
-
-@pytest.mark.parametrize(
-    ("spec", "address", "url"),
-    [
-        ("dns+http://vllm.ns.svc:8000", "10.0.0.7", "http://10.0.0.7:8000"),
-        ("dns+http://vllm:8000/", "fd00::7", "http://[fd00::7]:8000"),
-        ("dns+https://vllm", "10.0.0.7", "https://10.0.0.7:443"),
-        ("dns+http://vllm", "10.0.0.7", "http://10.0.0.7:80"),
-        ("dns+http://vllm:8000/prefix/", "10.0.0.7", "http://10.0.0.7:8000/prefix"),
-    ],
-)
-def test_dns_entry_urls(spec: str, address: str, url: str) -> None:
-    assert DnsEntry(spec).url(address) == url
-
-
-@pytest.mark.parametrize(
-    "spec",
-    [
-        "dns+ftp://vllm:8000",
-        "dns+http://:8000",
-        "dns+http://user:pw@vllm:8000",
-        "dns+http://vllm:8000/?x=1",
-        "dns+http://vllm:99999",
-        "dns+http://vllm:port",
-    ],
-)
-def test_dns_entry_refuses_bad_entries(spec: str) -> None:
-    with pytest.raises(ValueError, match="engine entry"):
-        DnsEntry(spec)
-    with pytest.raises(ValueError, match="engine entry"):
-        EnginePool([spec], RoutingSettings(), upstream=_upstream())
 
 
 # --- the pool's loops against real engines ------------------------------------------------

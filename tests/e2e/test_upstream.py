@@ -27,7 +27,6 @@ import httpx
 import pytest
 
 from bench.stack import HTTP
-from gateway.upstream.client import Origin
 from tests.procs import Proc, gateway_proc, owned_response_id, wait_for
 
 KEY = "sk-upstream-0123456789abcdef"
@@ -513,26 +512,6 @@ def test_a_connection_whose_no_content_answer_announced_a_body_is_not_reused(
         late, next_one = engine.requests(scenario)[-1], engine.requests("after-" + scenario)[-1]
         assert late.method == method and next_one.conn != late.conn
     assert _errors_logged(gateway, since, after) == []
-
-
-@pytest.mark.parametrize(
-    ("url", "expected"),
-    [
-        ("http://127.0.0.1:8000", ("127.0.0.1", 8000, False, b"127.0.0.1:8000", "")),
-        ("http://engine/", ("engine", 80, False, b"engine", "")),
-        ("https://engine.svc:8443/vllm/", ("engine.svc", 8443, True, b"engine.svc:8443", "/vllm")),
-        ("http://[::1]:9000", ("::1", 9000, False, b"[::1]:9000", "")),
-    ],
-)
-def test_origin_of_an_engine_url(url: str, expected: tuple[object, ...]) -> None:
-    o = Origin(url)
-    assert (o.host, o.port, o.ssl, o.host_header, o.base_path) == expected
-
-
-@pytest.mark.parametrize("url", ["ftp://engine", "engine:8000", "http://", "unix:///tmp/x"])
-def test_unusable_engine_urls(url: str) -> None:
-    with pytest.raises(ValueError):
-        Origin(url)
 
 
 def test_engine_under_a_path_prefix(engine: Engine, tmp_path: Path) -> None:

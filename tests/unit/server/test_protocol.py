@@ -16,8 +16,17 @@ from uvicorn.config import Config
 from uvicorn.server import ServerState
 
 from gateway.config.settings import LimitsSettings, TimeoutSettings
-from gateway.server.limits import CONNECTION_GUARD, ConnectionGuard
-from gateway.server.protocol import MAX_PIPELINED, MIN_CHUNK_BYTES, MIN_CHUNKS, GatewayProtocol
+from gateway.server.limits import (
+    CONNECTION_GUARD,
+    ConnectionGuard,
+)
+from gateway.server.protocol import (
+    MAX_PIPELINED,
+    MIN_CHUNK_BYTES,
+    MIN_CHUNKS,
+    GatewayProtocol,
+    head_size,
+)
 from gateway.types import Message, Receive, Scope, Send
 
 MAX_HEADER_BYTES = 4096
@@ -425,3 +434,10 @@ async def test_at_the_cap_a_new_connection_evicts_the_longest_waiting(
     await busy.loop.run_all()
     await newcomer.loop.run_all()
     assert app.paths == ["/healthz", "/healthz"]
+
+
+def test_head_size_counts_the_head_as_sent() -> None:
+    url = b"/v1/chat/completions"
+    headers = [(b"host", b"gw"), (b"content-length", b"12")]
+    sent = b"POST " + url + b" HTTP/1.1\r\nhost: gw\r\ncontent-length: 12\r\n\r\n"
+    assert abs(head_size(url, headers) - len(sent)) <= 2
