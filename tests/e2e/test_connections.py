@@ -1,6 +1,7 @@
 """Limits on client connections, through the gateway under uvicorn on loopback: the head
 deadline (slowloris), idle and keep-alive connections, the body's pace (408), the header
-bytes cap (431) and the connection cap; and the rules behind them, in process.
+bytes cap (431) and the connection cap. The rules behind them, in process:
+tests/unit/server/ and tests/unit/proxy/test_body.py.
 
 Gateway G has short limits (head 2 s, body 3 s with 1 s of grace at 1,000 bytes a
 second, 8 KiB of head); gateway C has a cap of 8 connections and a 1 s keep-alive.

@@ -1,6 +1,7 @@
-"""Engine error answers: the scrub table (in-process), then a gateway under uvicorn in
+"""Engine error answers: a gateway under uvicorn in
 front of the scripted engine of tests/e2e/test_upstream.py answering errors the way
-vLLM 0.32 writes them; and the traceback of an unhandled error in the gateway's log."""
+vLLM 0.32 writes them. In process: the scrub table, tests/unit/proxy/test_scrub.py;
+the traceback of an unhandled error in the gateway's log, tests/unit/test_errors.py."""
 
 from __future__ import annotations
 

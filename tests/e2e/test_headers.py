@@ -1,7 +1,7 @@
 """Headers both ways by allowlist, and the cap on their number: a gateway under uvicorn in
 front of the scripted engine of tests/e2e/test_upstream.py, which records every
-header it receives and adds headers of its own to its answers; the `forward_headers`
-setting's validation in-process."""
+header it receives and adds headers of its own to its answers. The `forward_headers`
+setting's validation, in process: tests/unit/proxy/test_headers.py."""
 
 from __future__ import annotations
 

@@ -6,9 +6,10 @@ Certificates in tests/data/tls (test only, valid to 2126): `ca.pem` (its key was
 discarded), `media.pem` for `media.test` and `loopback.pem` for the address 127.0.0.1,
 both signed by it, and `selfsigned.pem` for `media.test`, signed by nobody trusted.
 
-The name checks run at the transport level with an injected resolver (the gateway
-process resolves with the system). Through the gateway under uvicorn the origin is
-named by its address, with and without `media.ca_file`.
+The name checks run at the transport level with an injected resolver in
+tests/unit/media/test_fetch_tls.py (the gateway process resolves with the system).
+Here, through the gateway under uvicorn, the origin is named by its address, with
+and without `media.ca_file`.
 """
 
 from __future__ import annotations

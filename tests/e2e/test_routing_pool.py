@@ -1,6 +1,6 @@
 """The engine pool: DNS entries, passive ejection and back-off, readiness, scraped load.
 
-Tables of small cases run in-process; the pool's loops run in-process against real
+Its tables run in tests/unit/routing/; the pool's loops run in-process against real
 simulated engines (only the DNS resolver is swapped, to change the answers); the rest
 runs the real gateway in front of real engines and recording servers on loopback.
 """
