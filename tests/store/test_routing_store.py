@@ -24,8 +24,8 @@ import pytest
 
 from bench.redis_server import RedisServer
 from bench.stack import HTTP
-from tests.gateway.routing import test_routing_e2e
-from tests.gateway.routing.test_routing_e2e import served
+from tests.e2e import test_routing as test_routing_e2e
+from tests.e2e.test_routing import served
 from tests.procs import (
     Proc,
     every_worker_lists,

@@ -1,0 +1,115 @@
+"""The request body's pace (gateway/proxy/body.py, gateway/server/limits.py's BodyPace),
+in process. Through the gateway under uvicorn: tests/e2e/test_connections.py."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from gateway.config.settings import LimitsSettings, TimeoutSettings
+from gateway.errors import RequestTimeout
+from gateway.proxy.body import read_body
+from gateway.server.limits import BodyPace, ConnectionGuard
+
+PACE = BodyPace(deadline=60.0, grace=5.0, rate=1000.0)
+
+
+@pytest.mark.parametrize(
+    ("pace", "received", "due"),
+    [
+        (PACE, 0, 5.0),  # nothing yet: the grace
+        (PACE, 1000, 6.0),  # 1,000 bytes buy a second after the grace
+        (PACE, 25_000, 30.0),
+        (PACE, 55_000, 60.0),  # never past the deadline
+        (PACE, 10**9, 60.0),
+        (BodyPace(deadline=60.0, grace=5.0, rate=0), 0, 60.0),  # no minimum rate
+        (BodyPace(deadline=60.0, grace=5.0, rate=0), 10**9, 60.0),
+    ],
+)
+def test_body_pace_due(pace: BodyPace, received: int, due: float) -> None:
+    assert pace.due(received) == pytest.approx(due)
+
+
+def _receive(script: list[tuple[float, bytes, bool]]) -> Any:
+    """An ASGI receive that waits, then returns each (delay, body, more_body) in turn."""
+    steps = iter(script)
+
+    async def receive() -> dict[str, Any]:
+        delay, body, more = next(steps)
+        await asyncio.sleep(delay)
+        return {"type": "http.request", "body": body, "more_body": more}
+
+    return receive
+
+
+def _guard() -> ConnectionGuard:
+    """Bodies whole within 1.2 s, at 1,000 bytes a second after 0.4 s; swept every 0.1 s
+    (a quarter of the grace)."""
+    timeouts = TimeoutSettings(request_body=1.2, request_body_grace=0.4)
+    return ConnectionGuard(timeouts, LimitsSettings(min_body_rate=1000))
+
+
+@pytest.mark.parametrize(
+    ("script", "outcome"),
+    [
+        ([(0, b"x" * 10, False)], b"x" * 10),  # whole at once
+        ([(0.1, b"a", True), (0.1, b"b", False)], b"ab"),  # within the grace
+        # 200 bytes buy 0.2 s past the grace (until 0.6 s); the rest came at 0.45 s.
+        ([(0, b"a" * 200, True), (0.45, b"b", False)], b"a" * 200 + b"b"),
+        ([(0.9, b"a", False)], "rate"),  # nothing within the grace
+        ([(0, b"a" * 200, True), (1.0, b"b", False)], "rate"),  # behind from 0.6 s
+        # 400 bytes a second is behind 1,000 from about 0.73 s.
+        ([(0, b"a" * 50, True)] + [(0.1, b"a" * 40, True)] * 30, "rate"),
+        # Ahead of the rate, but not whole by the deadline.
+        ([(0, b"a" * 5000, True)] + [(0.2, b"a", True)] * 20, "deadline"),
+    ],
+)
+def test_read_body_keeps_the_pace(script: list[tuple[float, bytes, bool]], outcome: Any) -> None:
+    async def read() -> bytes:
+        guard = _guard()
+        try:
+            return await read_body(_receive(script), 10**6, guard)
+        finally:
+            assert not guard.bodies and not guard.late
+            guard.stop()
+
+    if isinstance(outcome, bytes):
+        assert asyncio.run(read()) == outcome
+        return
+    with pytest.raises(RequestTimeout) as caught:
+        asyncio.run(read())
+    assert caught.value.code == "request_timeout"
+    assert ("bytes a second" in caught.value.message) == (outcome == "rate")
+
+
+def test_read_body_lets_other_cancellations_through() -> None:
+    async def scenario() -> None:
+        guard = _guard()
+        task = asyncio.create_task(read_body(_receive([(5, b"a", False)]), 100, guard))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not guard.bodies and not guard.late
+        guard.stop()
+
+    asyncio.run(scenario())
+
+
+def test_the_body_reader_takes_the_loop_the_sweep_runs_on() -> None:
+    guard = _guard()
+    loops: list[asyncio.AbstractEventLoop] = []
+
+    async def scenario() -> None:
+        loops.append(asyncio.get_running_loop())
+        # Not started yet: started here, on the running loop, and kept.
+        assert guard.running_loop() is loops[-1]
+        assert guard.running_loop() is loops[-1]
+        guard.stop()
+
+    asyncio.run(scenario())
+    # Stopped, then used from another loop: it starts again there.
+    asyncio.run(scenario())
+    assert loops[0] is not loops[1]

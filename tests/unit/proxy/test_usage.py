@@ -1,0 +1,213 @@
+"""gateway/proxy/usage.py as tables: the tokens read from the end of an engine's answer, and
+from the last chunks of a stream however it was cut. The same through a running
+gateway and simulated engine: tests/e2e/test_usage.py."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from gateway.proxy.usage import TAIL, Tail, Usage, read_usage
+
+USAGE = {
+    "prompt_tokens": 17,
+    "total_tokens": 25,
+    "completion_tokens": 8,
+    "prompt_tokens_details": {"cached_tokens": 16},
+    "completion_tokens_details": None,
+}
+
+
+def chat_answer(content: str = "hello", **extra: object) -> bytes:
+    """A non-streamed chat answer in vLLM 0.32's field order (usage near the end)."""
+    return orjson.dumps(
+        {
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "model": "m",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}}],
+            "usage": USAGE,
+            "prompt_logprobs": None,
+            **extra,
+        }
+    )
+
+
+def sse(*events: dict[str, object]) -> bytes:
+    return b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+def delta(text: str) -> dict[str, object]:
+    return {
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {"content": text}}],
+    }
+
+
+STREAM = sse(
+    delta("a"), delta("b"), {"object": "chat.completion.chunk", "choices": [], "usage": USAGE}
+)
+
+CASES: list[tuple[str, bytes, Usage | None]] = [
+    ("chat answer", chat_answer(), (17, 8)),
+    ("stream with include_usage", STREAM, (17, 8)),
+    ("stream without usage", sse(delta("a"), delta("b")), None),
+    # Text quoting a usage object is inside a string: its quotes are escaped.
+    ("usage quoted in the content", chat_answer('"usage": {"prompt_tokens": 999}'), (17, 8)),
+    (
+        "quoted usage in a string after the real one",
+        chat_answer(prompt_text='x"usage":{"prompt_tokens":999,"completion_tokens":9}'),
+        (17, 8),
+    ),
+    # Completions' top_logprobs are objects keyed by token text, which a client steers.
+    (
+        "a token key ending in usage",
+        orjson.dumps({"choices": [{"logprobs": {"top_logprobs": [{'"usage': -0.1}]}}]}),
+        None,
+    ),
+    ("a token key usage with a number", orjson.dumps({"top": [{"usage": -0.1}]}), None),
+    ("usage null", orjson.dumps({"choices": [], "usage": None}), None),
+    ("usage not an object", orjson.dumps({"usage": "many"}), None),
+    ("no usage", orjson.dumps({"status": "ok"}), None),
+    ("empty", b"", None),
+    ("cut inside the usage", chat_answer()[: chat_answer().index(b"completion_tokens")], None),
+    ("usage without counts", orjson.dumps({"usage": {"total_tokens": 5}}), None),
+    ("negative count", orjson.dumps({"usage": {"prompt_tokens": -5}}), None),
+    ("boolean count", orjson.dumps({"usage": {"prompt_tokens": True}}), None),
+    ("counts not numbers", orjson.dumps({"usage": {"prompt_tokens": "5"}}), None),
+    ("malformed object", b'{"usage":{"prompt_tokens":5,,}}', None),
+    # Pooling answers report prompt tokens only.
+    (
+        "embeddings",
+        orjson.dumps({"data": [], "usage": {"prompt_tokens": 12, "total_tokens": 12}}),
+        (12, 0),
+    ),
+    # The Responses and Messages APIs name them input and output tokens.
+    (
+        "responses",
+        orjson.dumps(
+            {"output": [], "usage": {"input_tokens": 9, "output_tokens": 4}, "user": None}
+        ),
+        (9, 4),
+    ),
+    # Cohere's chat API (vLLM 0.32): counts as floats in an answer, as ints in the
+    # stream's message-end event; `billed_units` repeats them.
+    (
+        "cohere chat answer",
+        orjson.dumps(
+            {
+                "id": "c",
+                "finish_reason": "COMPLETE",
+                "message": {"role": "assistant", "content": []},
+                "usage": {
+                    "billed_units": {"input_tokens": 32.0, "output_tokens": 5.0},
+                    "tokens": {"input_tokens": 32.0, "output_tokens": 5.0},
+                    "cached_tokens": 0.0,
+                },
+            }
+        ),
+        (32, 5),
+    ),
+    (
+        "cohere chat stream's end",
+        b'data: {"type":"message-end","id":"c","delta":{"finish_reason":"COMPLETE","usage":'
+        b'{"billed_units":{"input_tokens":7,"output_tokens":2},'
+        b'"tokens":{"input_tokens":7,"output_tokens":2}}}}\n\n',
+        (7, 2),
+    ),
+    ("a count with a fraction", orjson.dumps({"usage": {"prompt_tokens": 2.5}}), None),
+    (
+        "cohere tokens not an object",
+        orjson.dumps({"usage": {"tokens": 5, "prompt_tokens": 3}}),
+        (3, 0),
+    ),
+    (
+        "spaces (json.dumps)",
+        b'{"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}',
+        (3, 2),
+    ),
+    (
+        "completion tokens null",
+        orjson.dumps({"usage": {"prompt_tokens": 3, "completion_tokens": None}}),
+        (3, 0),
+    ),
+    (
+        "the last of several (continuous usage stats)",
+        sse(
+            {"usage": {"prompt_tokens": 3, "completion_tokens": 1}},
+            {"usage": {"prompt_tokens": 3, "completion_tokens": 2}},
+        ),
+        (3, 2),
+    ),
+]
+
+
+@pytest.mark.parametrize(("data", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_read_usage(data: bytes, expected: Usage | None) -> None:
+    assert read_usage(data) == expected
+
+
+def test_a_usage_far_from_the_end_is_found() -> None:
+    # What follows `usage` is the client's to lengthen: the rendered prompt, prompt
+    # logprobs, a Responses answer's `user`. Searching only the last TAIL bytes missed it.
+    body = chat_answer(prompt_text="x" * (TAIL + 100))
+    assert read_usage(body) == (17, 8)
+    assert len(body) - body.rindex(b'"usage":') > TAIL
+
+
+def responses_stream(user: str) -> bytes:
+    """A Responses stream in vLLM 0.32's order: `response.completed` carries the whole
+    response, whose `usage` is followed by the request's `user`."""
+    events = [
+        {"type": "response.created", "response": {"id": "r", "usage": None, "user": user}},
+        *({"type": "response.output_text.delta", "delta": "x" * 40} for _ in range(100)),
+        {
+            "type": "response.completed",
+            "response": {
+                "id": "r",
+                "output": [],
+                "usage": {"input_tokens": 9, "output_tokens": 4},
+                "user": user,
+                "input_messages": None,
+            },
+        },
+    ]
+    return b"".join(
+        b"event: " + e["type"].encode() + b"\ndata: " + orjson.dumps(e) + b"\n\n"  # type: ignore[attr-defined]
+        for e in events
+    )
+
+
+@pytest.mark.parametrize("size", [1, 7, 300, TAIL - 1, TAIL, TAIL + 1, 3 * TAIL, 10**6])
+@pytest.mark.parametrize("user", ["", "u" * (3 * TAIL)])
+def test_tail_finds_a_usage_followed_by_more_than_its_size(size: int, user: str) -> None:
+    stream = responses_stream(user)
+    tail = Tail()
+    for i in range(0, len(stream), size):
+        tail.add(stream[i : i + size])
+    assert tail.usage() == (9, 4)
+
+
+@pytest.mark.parametrize("size", [1, 7, 64, 300, TAIL - 1, TAIL, TAIL + 1, 3 * TAIL])
+def test_tail_reads_a_stream_however_it_was_cut(size: int) -> None:
+    head = sse(*(delta("x" * 50) for _ in range(200)))[: -len(b"data: [DONE]\n\n")]
+    stream = head + STREAM
+    tail = Tail()
+    for i in range(0, len(stream), size):
+        tail.add(stream[i : i + size])
+    assert tail.usage() == (17, 8)
+
+
+def test_tail_of_a_stream_without_usage_or_empty() -> None:
+    tail = Tail()
+    assert tail.usage() is None
+    for _ in range(100):
+        tail.add(orjson.dumps(delta("y" * 100)))
+    assert tail.usage() is None
+
+
+def test_tail_keeps_a_bounded_number_of_bytes() -> None:
+    tail = Tail()
+    for _ in range(10_000):
+        tail.add(b"z" * 97)
+    assert TAIL <= sum(len(c) for c in tail._chunks) <= 2 * TAIL

@@ -1,0 +1,65 @@
+"""An engine's load (gateway/routing/engine_load.py): its /metrics parsed, and the
+load the pool reads from it."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.routing.engine_load import EngineLoad, parse_load
+from gateway.routing.pool import Engine
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (b'vllm:num_requests_waiting{model_name="m",engine="0"} 3\n', EngineLoad(3, 0.0)),
+        (b"vllm:num_requests_waiting 4", EngineLoad(4, 0.0)),
+        # Data-parallel ranks: queues add up, KV usage is the fullest rank's.
+        (
+            b'vllm:num_requests_waiting{engine="0"} 2\nvllm:num_requests_waiting{engine="1"} 5\n'
+            b'vllm:kv_cache_usage_perc{engine="0"} 0.25\nvllm:kv_cache_usage_perc{engine="1"} 0.5',
+            EngineLoad(7, 0.5),
+        ),
+        # HELP/TYPE lines and longer names with the same prefix are not samples.
+        (
+            b"# HELP vllm:num_requests_waiting 9\n# TYPE vllm:num_requests_waiting gauge\n"
+            b'vllm:num_requests_waiting_by_reason{reason="x"} 100\n'
+            b"vllm:num_requests_waiting 1 1700000000000\n",
+            EngineLoad(1, 0.0),
+        ),
+        (b'vllm:kv_cache_usage_perc{a="} 9"} 0.75', EngineLoad(0, 0.75)),
+        # Running requests (what every replica sends), summed over ranks like the queue.
+        (
+            b'vllm:num_requests_running{engine="0"} 6\nvllm:num_requests_running{engine="1"} 2\n'
+            b"vllm:num_requests_waiting 1\n",
+            EngineLoad(1, 0.0, 8),
+        ),
+        (b"vllm:num_requests_running 3", EngineLoad(0, 0.0, 3)),
+        # Garbage values are skipped, never raised; out-of-range usage is clamped.
+        (b"vllm:num_requests_waiting NaN\nvllm:kv_cache_usage_perc 7", EngineLoad(0, 1.0)),
+        (b"vllm:num_requests_waiting -3\nvllm:num_requests_waiting abc", None),
+        (b"not metrics at all", None),
+        (b"", None),
+    ],
+)
+def test_engine_load_parsing(text: bytes, expected: EngineLoad | None) -> None:
+    assert parse_load(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("in_flight", "running", "waiting", "scraped", "load"),
+    [
+        (3, 0, 0, False, 3),  # nothing read: this process's own count
+        (3, 5, 2, True, 7),  # the engine's own count, which every replica reads alike
+        (9, 5, 2, True, 9),  # more sent since the last read than the engine reported
+        (0, 0, 0, True, 0),
+    ],
+)
+def test_engine_load_is_what_the_engine_reports(
+    in_flight: int, running: int, waiting: int, scraped: bool, load: int
+) -> None:
+    engine = Engine("http://10.0.0.1:8000")
+    engine.in_flight, engine.running, engine.waiting, engine.scraped = (
+        in_flight, running, waiting, scraped
+    )  # fmt: skip
+    assert engine.load == load
