@@ -165,7 +165,7 @@ def check_ca_file(path: Path | None) -> Path | None:
 def check_engine(entry: str) -> str:
     """Raise ValueError unless `entry` is an engine the pool can use (the same parsers)."""
     from gateway.routing.dns import DnsEntry, is_dns_entry
-    from gateway.upstream.client import Origin
+    from gateway.upstream.origin import Origin
 
     scheme, sep, _ = entry.partition("://")
     if not sep or scheme.lower() not in ENGINE_SCHEMES:

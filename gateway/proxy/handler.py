@@ -30,11 +30,12 @@ from gateway.proxy.disconnect import DisconnectWatch
 from gateway.proxy.forward import Forwarder
 from gateway.proxy.headers import request_allowlist
 from gateway.proxy.relay import Relay
+from gateway.routing.engine import Engine
 from gateway.routing.policy import Policy, RoutingRequest
-from gateway.routing.pool import Engine, EnginePool
+from gateway.routing.pool import EnginePool
 from gateway.server.limits import ConnectionGuard
 from gateway.types import Receive, Scope, Send
-from gateway.upstream.client import Response, UpstreamClient
+from gateway.upstream.interfaces import Response, UpstreamClient
 
 
 class Proxy:
@@ -50,6 +51,8 @@ class Proxy:
         upstream: UpstreamClient,
         admission: Admission,
         connections: ConnectionGuard,
+        *,
+        engine_auth: Sequence[tuple[bytes, bytes]],
     ) -> None:
         self.settings = settings
         self.connections = connections
@@ -61,12 +64,8 @@ class Proxy:
         self.forwarder = Forwarder(upstream, pool, metrics)
         self.relay = Relay(settings.timeouts.idle)
         self._counts = metrics.routing
-        upstream_key = settings.upstream_api_key
-        self._auth_header: list[tuple[bytes, bytes]] = (
-            [(b"authorization", f"Bearer {upstream_key.get_secret_value()}".encode())]
-            if upstream_key is not None
-            else []
-        )
+        # The engine's own key (app.py builds it), after the client's headers.
+        self._auth_header = list(engine_auth)
         self._forwarded = request_allowlist(settings.forward_headers)
         header_name = settings.routing.session_header
         # ASGI header names are lowercase bytes.

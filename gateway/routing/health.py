@@ -8,7 +8,6 @@ logged once (`engine_health`), and shows on /readyz (the reason) and /gateway/st
 Reasons are stable strings, for alerts and scripts:
 
     not_checked           not checked yet
-    invalid_url           the engine URL cannot be connected to
     connect_refused       nothing listens at the engine's address and port
     connect_timeout       no connection within timeouts.connect
     connect_failed        the connection could not be opened (unreachable, reset)
@@ -39,7 +38,7 @@ from dataclasses import dataclass
 
 import orjson
 
-from gateway.upstream.client import (
+from gateway.upstream.errors import (
     ConnectFailed,
     ConnectRefused,
     ConnectTimeout,
@@ -64,7 +63,6 @@ class Verdict:
 
 NOT_CHECKED = Verdict("not_checked", "not checked yet")
 TIMEOUT = "timeout"
-INVALID_URL = Verdict("invalid_url", "the engine URL is not http:// or https:// with a host")
 DNS_NO_ADDRESSES = Verdict(
     "dns_no_addresses", "the name has no A or AAAA record: no engine from this entry"
 )

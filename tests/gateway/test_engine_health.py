@@ -22,7 +22,7 @@ import pytest
 from bench.origin import RecordingServer, Route
 from bench.stack import HTTP
 from gateway.routing.health import error_verdict, status_verdict, unreadable_models
-from gateway.upstream.client import (
+from gateway.upstream.errors import (
     ClosedUnanswered,
     ConnectFailed,
     ConnectRefused,

@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from bench.stack import HTTP
-from gateway.upstream.client import Origin
+from gateway.upstream.origin import Origin
 from tests.procs import Proc, gateway_proc, owned_response_id, wait_for
 
 KEY = "sk-upstream-0123456789abcdef"

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
+from gateway.routing.engine import Engine
 from gateway.routing.policy import Affinity, RoutingRequest
-from gateway.routing.pool import Engine
 from gateway.routing.settings import RoutingSettings
 from tests.gateway.routing.test_routing_keys import placed
 

@@ -22,8 +22,9 @@ from structlog.testing import capture_logs
 from bench.origin import RecordingServer, Route
 from bench.stack import HTTP
 from gateway.routing.dns import DnsEntry, NameNotFound
+from gateway.routing.engine import Engine
 from gateway.routing.engine_load import EngineLoad, parse_load
-from gateway.routing.pool import Engine, EnginePool
+from gateway.routing.pool import EnginePool
 from gateway.routing.settings import RoutingSettings
 from gateway.upstream.client import Upstream
 from tests.procs import Proc, gateway_proc, scrape, sim_proc, wait_for
