@@ -207,15 +207,12 @@ class Proxy:
             key_name=ex.key_name,
             session=session,
         )
-        if self.policy.store is None:
-            order = self.policy.order(request, engines)
-        else:  # the shared placement store (routing/store.py): one round trip
-            order = await self.policy.place(request, engines)
+        decision = await self.policy.choose(request, engines)
         ex.policy = self.policy.name
-        ex.anchor_kind = request.anchor_kind
-        ex.spilled = request.spilled
-        if request.spilled:
+        ex.anchor_kind = decision.anchor_kind
+        ex.spilled = decision.spilled
+        if decision.spilled:
             self._counts.spilled += 1
         else:
             self._counts.first += 1
-        return order
+        return decision.engines
