@@ -80,9 +80,6 @@ class Forwarder:
             with Lease(engine):
                 sent_at = time.perf_counter()
                 try:
-                    if engine.origin is None:
-                        # Not a usable engine URL: nothing can reach it.
-                        raise ConnectFailed("engine URL")
                     resp = await self.upstream.request(engine.origin, method, target, headers, data)
                 except ConnectFailed as exc:
                     # Nothing reached this engine: eject it and try the next one.
