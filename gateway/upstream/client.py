@@ -157,7 +157,7 @@ class Upstream:
         reused = conn is not None
         if conn is None:
             conn = await self._open(origin, loop)
-        response = conn.send(loop, method, target, headers, body)
+        response = conn.send(loop, origin, method, target, headers, body)
         try:
             await response.start(self._first_byte)
         except ClosedUnanswered:
@@ -169,7 +169,7 @@ class Upstream:
                 conn = await self._open(origin, loop)
             except ConnectFailed:
                 raise ReconnectFailed("reconnect") from None
-            response = conn.send(loop, method, target, headers, body)
+            response = conn.send(loop, origin, method, target, headers, body)
             try:
                 await response.start(self._first_byte)
             except BaseException:

@@ -173,14 +173,16 @@ class Connection(asyncio.Protocol):
     def send(
         self,
         loop: asyncio.AbstractEventLoop,
+        origin: Origin,
         method: str,
         target: str,
         headers: Sequence[tuple[bytes, bytes]],
         body: bytes | None,
     ) -> UpstreamResponse:
-        """Write one request; its response is fed by this connection. `target` and
-        `headers` must already be free of CR and LF."""
-        origin = self.origin
+        """Write one request; its response is fed by this connection. `origin` is the
+        request's (its base path and Host): a connection is shared by origins with the
+        same `key`, which may differ in those. `target` and `headers` must already be
+        free of CR and LF."""
         response = UpstreamResponse(self, loop)
         self.response = response
         self.answered = False
