@@ -57,7 +57,7 @@ and URL parsers echo attacker input. Raised when:
   |                           4xx, replaced (proxy/relay.py)
   + UpstreamTimeout           504 upstream_timeout: an engine silent too long (proxy/forward.py)
 
-The upstream client's own failures (gateway/upstream/client.py, `UpstreamError`) are mapped to
+The upstream client's own failures (gateway/upstream/errors.py, `UpstreamError`) are mapped to
 the last four in one place, `forwarder.gateway_error`.
 """
 

@@ -6,8 +6,9 @@
     -> forward with failover (proxy/forward.py)
     -> relay the answer (proxy/relay.py), watching for the client leaving (proxy/disconnect.py)
 
-Requests go out through an `UpstreamClient` (gateway/upstream/client.py; why not aiohttp or
-httpx: see there), which the app hands in: tests give it a fake engine.
+Requests go out through an `UpstreamClient` (gateway/upstream/interfaces.py; the real one,
+and why not aiohttp or httpx: gateway/upstream/client.py), which the app hands in: tests
+give it a fake engine.
 """
 
 from __future__ import annotations

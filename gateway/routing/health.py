@@ -1,9 +1,9 @@
 """Why an engine is out of rotation: a stable reason and a detail for people.
 
-The pool (pool.py) gives each engine a `Verdict` at every health check, and one when the
-proxy ejects it; `Engine.reason` is None while it is healthy. A change of verdict is
-logged once (`engine_health`), and shows on /readyz (the reason) and /gateway/status
-(reason and detail).
+The checks (checks.py) give each engine a `Verdict` at every health check, and the pool
+(pool.py) one when the proxy ejects it; `Engine.reason` is None while it is healthy. A
+change of verdict is logged once (`engine_health`), and shows on /readyz (the reason)
+and /gateway/status (reason and detail).
 
 Reasons are stable strings, for alerts and scripts:
 

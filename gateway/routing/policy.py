@@ -135,7 +135,7 @@ class Affinity:
     Every replica and worker process decides alike: the engine is a function of the
     request's candidate anchors, their spreads (hotspots.py: counted per process, but
     from samples of the same traffic, and continuous in the share), the set of engine
-    URLs, and for the load bound the engines' load as they report it (pool.py). No
+    URLs, and for the load bound the engines' load as they report it (engine.py). No
     request history of this process moves an anchor. See anchors.py for the candidates
     and rendezvous.py for the order and the bound. Requests without a prompt spread
     round robin.
