@@ -38,7 +38,8 @@ from PIL import Image
 from gateway.server.process import tune_allocator
 from gateway.server.protocol import GatewayProtocol
 from gateway.types import Receive, Scope, Send
-from gateway.upstream.client import Origin, Upstream
+from gateway.upstream.client import Upstream
+from gateway.upstream.origin import Origin
 
 
 def data_urls(value: Any) -> list[str]:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+from pydantic import SecretStr
 
 from gateway.access.admission import Admission
 from gateway.access.api_keys import KeyRing
@@ -39,7 +40,8 @@ from gateway.routing.pool import EnginePool
 from gateway.server.limits import CONNECTION_GUARD, ConnectionGuard
 from gateway.server.process import trim_periodically, tune_allocator
 from gateway.types import ASGIApp, Receive, Scope, Send
-from gateway.upstream.client import Upstream, UpstreamClient
+from gateway.upstream.client import Upstream
+from gateway.upstream.interfaces import UpstreamClient
 
 # The env var through which `vllm-gateway serve --workers N` hands each worker its
 # config file (uvicorn starts workers from an import string, not an object).
@@ -194,11 +196,13 @@ class Gateway:
             if settings.engine_ca_file is not None
             else None,
         )
+        # The engine's own key, sent with everything that goes to an engine.
+        engine_auth = engine_auth_headers(settings.upstream_api_key)
         self.pool = EnginePool(
             settings.engines,
             settings.routing,
             upstream=self.upstream,
-            headers=self._upstream_auth(),
+            headers=engine_auth,
             served_models=settings.served_models,
         )
         self.decoder = Decoder(settings.media)
@@ -229,6 +233,7 @@ class Gateway:
             self.upstream,
             self.admission,
             self.connections,
+            engine_auth=engine_auth,
         )
         self.watcher = (
             KeyFileWatcher(settings.api_keys_file, self.keyring, settings, file_keys)
@@ -266,10 +271,6 @@ class Gateway:
         for cls, options in reversed(middleware):
             app = cls(app, **options)
         self.stack = app
-
-    def _upstream_auth(self) -> list[tuple[bytes, bytes]]:
-        key = self.settings.upstream_api_key
-        return [(b"authorization", f"Bearer {key.get_secret_value()}".encode())] if key else []
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -374,3 +375,11 @@ def app_from_env() -> Gateway:
     app = create_app(settings)
     tune_collector()
     return app
+
+
+def engine_auth_headers(key: SecretStr | None) -> list[tuple[bytes, bytes]]:
+    """The headers that carry the engine's own key (`upstream_api_key`) to it: the one
+    place they are built, for forwarded requests and the pool's checks alike."""
+    if key is None:
+        return []
+    return [(b"authorization", f"Bearer {key.get_secret_value()}".encode())]

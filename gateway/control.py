@@ -31,7 +31,8 @@ from gateway.access.api_keys import KeyRing
 from gateway.errors import GatewayError, error_body
 from gateway.exchange import exchange_of
 from gateway.observability.metrics import CONTENT_TYPE, Metrics
-from gateway.routing.pool import Engine, EnginePool
+from gateway.routing.engine import Engine
+from gateway.routing.pool import EnginePool
 from gateway.types import ASGIApp, Message, Receive, Scope, Send
 
 OPENAPI_URL = "/gateway/openapi.json"

@@ -47,7 +47,7 @@ and URL parsers echo attacker input. Raised when:
   + Overloaded                503 overloaded: over limits.max_in_flight (access/admission.py)
   | + NoEngineAvailable       503 no_engine_available: no engine, no healthy engine (for
   | |                         a route about an engine, not a model), or no models known yet
-  | + ModelUnavailable        503 upstream_unavailable: every engine serving the model is
+  | + ModelUnavailable        503 model_unavailable: every engine serving the model is
   | |                         down (failed its checks, or ejected); nothing was sent
   | + MediaBusy               503 media_busy: no room in the media decode budget (or no
   |                           decode thread) within media.decode_wait (media/decoder.py)
@@ -57,7 +57,7 @@ and URL parsers echo attacker input. Raised when:
   |                           4xx, replaced (proxy/relay.py)
   + UpstreamTimeout           504 upstream_timeout: an engine silent too long (proxy/forward.py)
 
-The upstream client's own failures (gateway/upstream/client.py, `UpstreamError`) are mapped to
+The upstream client's own failures (gateway/upstream/errors.py, `UpstreamError`) are mapped to
 the last four in one place, `forwarder.gateway_error`.
 """
 
@@ -287,7 +287,7 @@ class NoEngineAvailable(Overloaded):
 
 
 class ModelUnavailable(Overloaded):
-    code = "upstream_unavailable"
+    code = "model_unavailable"
     default_message = "The engines serving this model are unavailable; retry shortly."
 
 

@@ -41,7 +41,7 @@ from gateway.payload.settings import PayloadSettings
 from gateway.proxy.headers import forwardable
 from gateway.routing.dns import DnsEntry, is_dns_entry
 from gateway.routing.settings import RoutingSettings
-from gateway.upstream.client import Origin
+from gateway.upstream.origin import Origin
 
 # The schemes an engine entry may have: a URL, or a DNS name resolved to every address.
 ENGINE_SCHEMES = ("http", "https", "dns+http", "dns+https")

@@ -19,16 +19,16 @@ from collections.abc import Awaitable, Callable, Sequence
 from gateway.errors import GatewayError, UpstreamBroken, UpstreamTimeout, UpstreamUnavailable
 from gateway.exchange import Exchange
 from gateway.observability.metrics import Metrics
-from gateway.routing.pool import Engine, EnginePool, Lease
-from gateway.upstream.client import (
+from gateway.routing.engine import Engine, Lease
+from gateway.routing.pool import EnginePool
+from gateway.upstream.errors import (
     ConnectFailed,
     FirstByteTimeout,
     ReadTimeout,
     ReconnectFailed,
-    Response,
-    UpstreamClient,
     UpstreamError,
 )
+from gateway.upstream.interfaces import Response, UpstreamClient
 
 Relay = Callable[[Response], Awaitable[None]]
 # Methods that may go to another engine after ReconnectFailed: they change nothing.
@@ -80,9 +80,6 @@ class Forwarder:
             with Lease(engine):
                 sent_at = time.perf_counter()
                 try:
-                    if engine.origin is None:
-                        # Not a usable engine URL: nothing can reach it.
-                        raise ConnectFailed("engine URL")
                     resp = await self.upstream.request(engine.origin, method, target, headers, data)
                 except ConnectFailed as exc:
                     # Nothing reached this engine: eject it and try the next one.

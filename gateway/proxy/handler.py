@@ -6,8 +6,9 @@
     -> forward with failover (proxy/forward.py)
     -> relay the answer (proxy/relay.py), watching for the client leaving (proxy/disconnect.py)
 
-Requests go out through an `UpstreamClient` (gateway/upstream/client.py; why not aiohttp or
-httpx: see there), which the app hands in: tests give it a fake engine.
+Requests go out through an `UpstreamClient` (gateway/upstream/interfaces.py; the real one,
+and why not aiohttp or httpx: gateway/upstream/client.py), which the app hands in: tests
+give it a fake engine.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ from gateway.proxy.disconnect import DisconnectWatch
 from gateway.proxy.forward import Forwarder
 from gateway.proxy.headers import request_allowlist
 from gateway.proxy.relay import Relay
+from gateway.routing.engine import Engine
 from gateway.routing.policy import Policy, RoutingRequest
-from gateway.routing.pool import Engine, EnginePool
+from gateway.routing.pool import EnginePool
 from gateway.server.limits import ConnectionGuard
 from gateway.types import Receive, Scope, Send
-from gateway.upstream.client import Response, UpstreamClient
+from gateway.upstream.interfaces import Response, UpstreamClient
 
 
 class Proxy:
@@ -50,6 +52,8 @@ class Proxy:
         upstream: UpstreamClient,
         admission: Admission,
         connections: ConnectionGuard,
+        *,
+        engine_auth: Sequence[tuple[bytes, bytes]],
     ) -> None:
         self.settings = settings
         self.connections = connections
@@ -61,12 +65,8 @@ class Proxy:
         self.forwarder = Forwarder(upstream, pool, metrics)
         self.relay = Relay(settings.timeouts.idle)
         self._counts = metrics.routing
-        upstream_key = settings.upstream_api_key
-        self._auth_header: list[tuple[bytes, bytes]] = (
-            [(b"authorization", f"Bearer {upstream_key.get_secret_value()}".encode())]
-            if upstream_key is not None
-            else []
-        )
+        # The engine's own key (app.py builds it), after the client's headers.
+        self._auth_header = list(engine_auth)
         self._forwarded = request_allowlist(settings.forward_headers)
         header_name = settings.routing.session_header
         # ASGI header names are lowercase bytes.
@@ -208,15 +208,12 @@ class Proxy:
             key_name=ex.key_name,
             session=session,
         )
-        if self.policy.store is None:
-            order = self.policy.order(request, engines)
-        else:  # the shared placement store (routing/store.py): one round trip
-            order = await self.policy.place(request, engines)
+        decision = await self.policy.choose(request, engines)
         ex.policy = self.policy.name
-        ex.anchor_kind = request.anchor_kind
-        ex.spilled = request.spilled
-        if request.spilled:
+        ex.anchor_kind = decision.anchor_kind
+        ex.spilled = decision.spilled
+        if decision.spilled:
             self._counts.spilled += 1
         else:
             self._counts.first += 1
-        return order
+        return decision.engines

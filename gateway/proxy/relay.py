@@ -23,7 +23,8 @@ from gateway.proxy.headers import RESPONSE_HEADERS
 from gateway.proxy.scrub import about_model, excerpt, scrub_json
 from gateway.proxy.usage import Tail, read_usage
 from gateway.types import Send
-from gateway.upstream.client import NO_CONTENT, Response, UpstreamError
+from gateway.upstream.errors import UpstreamError
+from gateway.upstream.interfaces import NO_CONTENT, Response
 
 log = structlog.get_logger("gateway.proxy.relay")
 

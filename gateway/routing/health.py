@@ -1,14 +1,13 @@
 """Why an engine is out of rotation: a stable reason and a detail for people.
 
-The pool (pool.py) gives each engine a `Verdict` at every health check, and one when the
-proxy ejects it; `Engine.reason` is None while it is healthy. A change of verdict is
-logged once (`engine_health`), and shows on /readyz (the reason) and /gateway/status
-(reason and detail).
+The checks (checks.py) give each engine a `Verdict` at every health check, and the pool
+(pool.py) one when the proxy ejects it; `Engine.reason` is None while it is healthy. A
+change of verdict is logged once (`engine_health`), and shows on /readyz (the reason)
+and /gateway/status (reason and detail).
 
 Reasons are stable strings, for alerts and scripts:
 
     not_checked           not checked yet
-    invalid_url           the engine URL cannot be connected to
     connect_refused       nothing listens at the engine's address and port
     connect_timeout       no connection within timeouts.connect
     connect_failed        the connection could not be opened (unreachable, reset)
@@ -39,7 +38,7 @@ from dataclasses import dataclass
 
 import orjson
 
-from gateway.upstream.client import (
+from gateway.upstream.errors import (
     ConnectFailed,
     ConnectRefused,
     ConnectTimeout,
@@ -64,7 +63,6 @@ class Verdict:
 
 NOT_CHECKED = Verdict("not_checked", "not checked yet")
 TIMEOUT = "timeout"
-INVALID_URL = Verdict("invalid_url", "the engine URL is not http:// or https:// with a host")
 DNS_NO_ADDRESSES = Verdict(
     "dns_no_addresses", "the name has no A or AAAA record: no engine from this entry"
 )

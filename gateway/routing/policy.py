@@ -1,11 +1,11 @@
 """Routing policies: given a request and the healthy engines, the order to try them in.
 
 The contract between the proxy and the policies: the proxy hands a `RoutingRequest`
-and the healthy engines; the policy returns every one of those engines, best first.
-The proxy tries them in that order (failover walks the same order). A policy also
-records its decision on the request (`anchor`, `first_choice`, `spilled`) for the log
-line and the metrics. With a shared placement store (store.py; affinity only) the
-proxy awaits `place` instead of calling `order`.
+and the healthy engines to `choose`, and gets a `Decision`: every one of those engines,
+best first, and what decided it (`anchor`, `first_choice`, `spilled`) for the log line
+and the metrics. The proxy tries them in that order (failover walks the same order).
+A policy with a shared placement store (store.py; affinity only) consults it inside
+`choose`; `order` is the same decision without the store, for the bench and the tests.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from gateway.routing.anchors import Anchor, AnchorKind, candidate_anchors, session_anchor
 from gateway.routing.hotspots import HotCandidates
@@ -55,26 +55,45 @@ class RoutingRequest:
     spilled: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class Decision(Generic[E]):
+    """A policy's answer for one request: `engines` best first (every engine it was
+    given), and the request's decision fields as the policy set them."""
+
+    engines: list[E]
+    anchor: str | None = None
+    anchor_kind: str | None = None
+    first_choice: str | None = None
+    spilled: bool = False
+
+    @classmethod
+    def of(cls, request: RoutingRequest, engines: list[E]) -> Decision[E]:
+        return cls(
+            engines, request.anchor, request.anchor_kind, request.first_choice, request.spilled
+        )
+
+
 class Policy(Protocol):
     name: str
-    # The shared placement store, when one is configured: then `place` decides.
+    # The shared placement store `choose` consults (None: none is configured); the
+    # app watches it and the lifespan closes it.
     store: PlacementStore | None
 
-    def order(self, request: RoutingRequest, engines: Sequence[E]) -> list[E]: ...
-
-    async def place(self, request: RoutingRequest, engines: Sequence[E]) -> list[E]: ...
+    async def choose(self, request: RoutingRequest, engines: Sequence[E]) -> Decision[E]:
+        """The order to try `engines` in for `request`, and why."""
+        ...
 
 
 class Stateless:
-    """A policy without a store: `place` is `order`."""
+    """A policy without a store: `choose` is `order`."""
 
     store: PlacementStore | None = None
 
     def order(self, request: RoutingRequest, engines: Sequence[E]) -> list[E]:
         raise NotImplementedError
 
-    async def place(self, request: RoutingRequest, engines: Sequence[E]) -> list[E]:
-        return self.order(request, engines)
+    async def choose(self, request: RoutingRequest, engines: Sequence[E]) -> Decision[E]:
+        return Decision.of(request, self.order(request, engines))
 
 
 class RoundRobin(Stateless):
@@ -116,7 +135,7 @@ class Affinity:
     Every replica and worker process decides alike: the engine is a function of the
     request's candidate anchors, their spreads (hotspots.py: counted per process, but
     from samples of the same traffic, and continuous in the share), the set of engine
-    URLs, and for the load bound the engines' load as they report it (pool.py). No
+    URLs, and for the load bound the engines' load as they report it (engine.py). No
     request history of this process moves an anchor. See anchors.py for the candidates
     and rendezvous.py for the order and the bound. Requests without a prompt spread
     round robin.
@@ -149,7 +168,7 @@ class Affinity:
             max_candidates=self._settings.max_candidates,
         )
 
-    def choose(
+    def narrow(
         self, candidates: Sequence[Anchor], engines: Sequence[E]
     ) -> tuple[Anchor, list[E], list[E]]:
         """The deciding anchor, the engines in order before the load bound, and the
@@ -208,10 +227,13 @@ class Affinity:
         anchor, ordered, _ = self._decide(request, engines, count=False)
         return self._bound(request, anchor, ordered)
 
-    async def place(self, request: RoutingRequest, engines: Sequence[E]) -> list[E]:
-        """`order`, with the deciding anchor's engine read from the shared store, or
-        placed there on the least busy of the engines it chooses among (store.py).
-        Without an answer from the store, `order`'s stateless choice."""
+    async def choose(self, request: RoutingRequest, engines: Sequence[E]) -> Decision[E]:
+        """`order`; with a shared store, the deciding anchor's engine is read from it,
+        or placed there on the least busy of the engines the anchor chooses among
+        (store.py). Without an answer from the store, `order`'s stateless choice."""
+        return Decision.of(request, await self._place(request, engines))
+
+    async def _place(self, request: RoutingRequest, engines: Sequence[E]) -> list[E]:
         store = self.store
         if store is None or len(engines) < 2:
             return self.order(request, engines)
@@ -229,9 +251,9 @@ class Affinity:
     def _decide(
         self, request: RoutingRequest, engines: Sequence[E], count: bool
     ) -> tuple[Anchor | None, list[E], list[E]]:
-        """`choose` over the request's candidates, which it counts for the hot prefixes
+        """`narrow` over the request's candidates, which it counts for the hot prefixes
         when `count` (a session's anchor is not counted): the decision `order`, `peek`
-        and `place` share, before the store and the load bound. A request without
+        and `choose` share, before the store and the load bound. A request without
         candidates (no prompt) gets no anchor and its final order: round robin when
         counting, the engines as given when not."""
         if not engines:
@@ -240,7 +262,7 @@ class Affinity:
         if not candidates:
             ordered = self._fallback.order(request, engines) if count else list(engines)
             return None, ordered, ordered
-        decision = self.choose(candidates, engines)
+        decision = self.narrow(candidates, engines)
         if count and decision[0].kind is not AnchorKind.session:
             self._hot.observe(candidates)
         return decision

@@ -20,9 +20,9 @@
   seconds `running` and `waiting` are read from the engine's own /metrics
   (engine_load.py): what every replica and worker process sends it, and sees alike.
 
-Checks, model lists and scrapes go through the upstream client requests are forwarded
-with (gateway/upstream/client.py): one client, one TLS configuration for everything sent to
-engines.
+The checks themselves (health, model lists, load scrapes) are checks.py's; the pool
+decides when they run and rebuilds `index` from what they find. An engine and a
+request's hold on it: engine.py.
 """
 
 from __future__ import annotations
@@ -32,144 +32,23 @@ import contextlib
 import time
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import structlog
 
+from gateway.routing.checks import EngineChecks, judge
 from gateway.routing.dns import DnsEntry, NameNotFound, Resolver, is_dns_entry, resolve
-from gateway.routing.engine_load import parse_load
-from gateway.routing.health import (
-    DNS_FAILED,
-    DNS_NO_ADDRESSES,
-    HEALTH_PATH,
-    INVALID_URL,
-    MODELS_EMPTY,
-    MODELS_PATH,
-    NOT_CHECKED,
-    TIMEOUT,
-    Verdict,
-    ejected_verdict,
-    error_verdict,
-    status_verdict,
-    unreadable_models,
-)
-from gateway.routing.models import ModelIndex, ModelList, parse_model_list
+from gateway.routing.engine import Engine
+from gateway.routing.health import DNS_FAILED, DNS_NO_ADDRESSES, Verdict, ejected_verdict
+from gateway.routing.models import ModelIndex
 from gateway.routing.settings import RoutingSettings
-from gateway.upstream.client import ConnectFailed, Origin, UpstreamClient, UpstreamError
+from gateway.upstream.errors import UpstreamError
+from gateway.upstream.interfaces import UpstreamClient
 
 # While no engine is ready, health checks run at least this often, so a gateway that
 # started before its engines (or whose first model listing failed) turns ready soon.
 NOT_READY_INTERVAL = 0.25
 
 log = structlog.get_logger("gateway.pool")
-
-
-class Engine:
-    """One engine. `in_flight` counts requests this process is forwarding to it;
-    `running` and `waiting` are the engine's own counts as last scraped (0 when not).
-    `origin` is where requests go (None: the URL is unusable, nothing can reach it);
-    `server_name` names an engine whose URL holds a resolved address (see Origin).
-    `reason` and `detail` say why it is not healthy (None while it is; health.py),
-    `since` (time.time()) when that last changed; `public_url` is `url` without any
-    user:password@, for logs and answers."""
-
-    __slots__ = (
-        "backoff",
-        "detail",
-        "ejected_until",
-        "ejections",
-        "failures",
-        "healthy",
-        "in_flight",
-        "kv_cache_usage",
-        "listing",
-        "models_at",
-        "origin",
-        "public_url",
-        "reason",
-        "running",
-        "scraped",
-        "since",
-        "slow_since",
-        "stale",
-        "url",
-        "waiting",
-    )
-
-    def __init__(self, url: str, server_name: str | None = None) -> None:
-        self.url = url.rstrip("/")
-        try:
-            self.origin: Origin | None = Origin(self.url, server_name)
-        except ValueError:
-            self.origin = None
-        self.public_url = public_url(self.url)
-        self.healthy = False
-        self.reason: str | None = NOT_CHECKED.reason
-        self.detail: str | None = NOT_CHECKED.detail
-        self.since = time.time()
-        # Why the last re-read of a healthy engine's models failed (None: it did not);
-        # its last good list stays in use meanwhile.
-        self.stale: Verdict | None = None
-        self.in_flight = 0
-        self.running = 0
-        self.waiting = 0
-        self.kv_cache_usage = 0.0
-        # True once `running`, `waiting` and `kv_cache_usage` come from a scrape.
-        self.scraped = False
-        self.listing = ModelList()
-        # When the models were last read; 0: never (the engine cannot be healthy yet).
-        self.models_at = 0.0
-        # Passive ejection: 5xx answers in a row, the current back-off, until when.
-        self.failures = 0
-        self.backoff = 0.0
-        self.ejected_until = 0.0
-        self.ejections = 0
-        # When this run of timed-out checks began while the engine was busy (None: the
-        # last check did not time out, or it was idle).
-        self.slow_since: float | None = None
-
-    @property
-    def models(self) -> frozenset[str]:
-        """The models (and LoRA adapters) the engine listed when last read."""
-        return self.listing.ids
-
-    @property
-    def load(self) -> int:
-        """What the load bound and `least_loaded` compare: the engine's own count of
-        requests running and waiting, which every replica and worker reads alike, or
-        this process's requests in flight when that is higher (sent since the last
-        scrape) or nothing was scraped."""
-        if not self.scraped:
-            return self.in_flight
-        return max(self.in_flight, self.running + self.waiting)
-
-    def __repr__(self) -> str:
-        return f"Engine({self.url!r}, healthy={self.healthy}, in_flight={self.in_flight})"
-
-
-def public_url(url: str) -> str:
-    """`url` without the user:password@ part a configured URL may carry."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
-
-
-class Lease:
-    """An engine held for one request: counted in its `in_flight` from entering the
-    `with` block to leaving it, however the request ends, so the count cannot drift."""
-
-    __slots__ = ("engine",)
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-
-    def __enter__(self) -> Engine:
-        self.engine.in_flight += 1
-        return self.engine
-
-    def __exit__(self, *exc: object) -> None:
-        self.engine.in_flight -= 1
 
 
 class EnginePool:
@@ -193,10 +72,7 @@ class EnginePool:
         resolver: Resolver = resolve,
     ) -> None:
         self._settings = settings
-        self._upstream = upstream
-        self._headers = list(headers)
-        # Whether the engine key goes with each request (health reasons name it).
-        self._keyed = any(name.lower() == b"authorization" for name, _ in self._headers)
+        self._checks = EngineChecks(settings, upstream, headers)
         self._on_health = on_health
         self._resolver = resolver
         self._static: list[Engine] = []
@@ -246,7 +122,7 @@ class EnginePool:
         engine.ejections += 1
         after = engine.failures if reason == "5xx" else None
         engine.failures = 0
-        self._judge(engine, ejected_verdict(error, after_5xx=after, backoff=engine.backoff))
+        judge(engine, ejected_verdict(error, after_5xx=after, backoff=engine.backoff))
         self._changed(engine)
 
     def failed(self, engine: Engine) -> None:
@@ -361,158 +237,17 @@ class EnginePool:
                 kept=kept,
             )
 
-    # -- active checks -----------------------------------------------------------------------
+    # -- active checks (checks.py) ----------------------------------------------------------
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self._check(e) for e in self.engines))
 
-    async def _get(self, engine: Engine, path: str) -> tuple[int, bytes]:
-        """GET `path` and its whole answer within `routing.health_timeout`. Raises
-        UpstreamError or TimeoutError."""
-        if engine.origin is None:
-            raise ConnectFailed("engine URL")
-        limit = self._settings.health_timeout
-        async with asyncio.timeout(limit):
-            resp = await self._upstream.request(engine.origin, "GET", path, self._headers, None)
-            try:
-                return resp.status, await resp.read(limit)
-            finally:
-                resp.close()
-
-    async def _probe(self, engine: Engine, path: str) -> tuple[int, bytes] | Verdict:
-        """GET `path`: the status and body, or why there was no answer."""
-        if engine.origin is None:
-            return INVALID_URL
-        try:
-            return await self._get(engine, path)
-        except (UpstreamError, TimeoutError) as exc:
-            return error_verdict(exc, path, self._settings.health_timeout)
-
     async def _check(self, engine: Engine) -> None:
-        if not engine.healthy and time.monotonic() < engine.ejected_until:
-            return  # ejected: not tried again before its back-off ends
-        verdict: Verdict | None = None
-        answer = await self._probe(engine, HEALTH_PATH)
-        if isinstance(answer, Verdict):
-            verdict = answer
-        elif answer[0] != 200:
-            verdict = status_verdict(HEALTH_PATH, answer[0], keyed=self._keyed)
-        if self._busy(engine, verdict):
-            return
-        models_changed = False
-        refresh = self._settings.models_interval
-        due = not engine.healthy or time.monotonic() - engine.models_at > refresh
-        if verdict is None and due:
-            listing = await self._models(engine)
-            if isinstance(listing, ModelList):
-                # vLLM stamps each entry with the time of the listing: a new list
-                # rebuilds the index (cheap, every models_interval): its answers stay fresh.
-                models_changed = True
-                engine.listing = listing
-                engine.models_at = time.monotonic()
-                if engine.stale is not None:
-                    engine.stale = None
-                    log.info("engine_models_stale", engine=engine.public_url, reason=None)
-            elif not engine.healthy or listing.reason == "upstream_key_refused":
-                # Healthy needs known models: a gateway that routed to an engine before
-                # knowing what it serves would refuse its models as not served (404
-                # model_not_found). A refused key fails every request: out of rotation.
-                verdict = listing
-            elif listing != engine.stale:
-                # A healthy engine keeps its last good list through a failed re-read.
-                engine.stale = listing
-                log.warning(
-                    "engine_models_stale",
-                    engine=engine.public_url,
-                    reason=listing.reason,
-                    detail=listing.detail,
-                )
-        health_changed = self._judge(engine, verdict)
-        if health_changed or models_changed:
+        if await self._checks.check(engine):
             self._changed(engine)
 
-    def _busy(self, engine: Engine, verdict: Verdict | None) -> bool:
-        """True when `verdict` is a timeout that leaves `engine` in rotation: it is
-        healthy, has requests of this process in flight, and its checks have timed out
-        for less than `routing.busy_grace` seconds in a row (logged once per run)."""
-        if (
-            verdict is None
-            or verdict.reason != TIMEOUT
-            or not (engine.healthy and engine.in_flight)
-        ):
-            engine.slow_since = None
-            return False
-        now = time.monotonic()
-        if engine.slow_since is None:
-            engine.slow_since = now
-            log.info(
-                "engine_health_slow",
-                engine=engine.public_url,
-                in_flight=engine.in_flight,
-                detail=verdict.detail,
-            )
-        return now - engine.slow_since < self._settings.busy_grace
-
-    def _judge(self, engine: Engine, verdict: Verdict | None) -> bool:
-        """Record `engine`'s state (`verdict` None: healthy), logging it once when it
-        changes; True when its health changed."""
-        reason = None if verdict is None else verdict.reason
-        detail = None if verdict is None else verdict.detail
-        healthy = verdict is None
-        if (healthy, reason, detail) == (engine.healthy, engine.reason, engine.detail):
-            return False
-        changed = healthy != engine.healthy
-        engine.healthy, engine.reason, engine.detail = healthy, reason, detail
-        engine.since = time.time()
-        if healthy:
-            log.info("engine_health", engine=engine.public_url, healthy=True, reason=None)
-        else:
-            log.warning(
-                "engine_health",
-                engine=engine.public_url,
-                healthy=False,
-                reason=reason,
-                detail=detail,
-            )
-        return changed
-
-    async def _models(self, engine: Engine) -> ModelList | Verdict:
-        """The engine's model list, or why it could not be read."""
-        answer = await self._probe(engine, MODELS_PATH)
-        if isinstance(answer, Verdict):
-            return answer
-        status, body = answer
-        if status != 200:
-            return status_verdict(MODELS_PATH, status, keyed=self._keyed)
-        listing = parse_model_list(body)
-        if listing is None:
-            return unreadable_models(body)
-        if not listing.ids:
-            return MODELS_EMPTY
-        return listing
-
-    # -- engine-reported load -------------------------------------------------------------
-
     async def scrape_all(self) -> None:
-        await asyncio.gather(*(self._scrape(e) for e in self._healthy))
-
-    async def _scrape(self, engine: Engine) -> None:
-        try:
-            status, body = await self._get(engine, "/metrics")
-        except (UpstreamError, TimeoutError):
-            status, body = 0, b""
-        load = parse_load(body) if status == 200 else None
-        if load is None:
-            # Unknown is not busy: fall back to this process's own count.
-            engine.running, engine.waiting, engine.kv_cache_usage = 0, 0, 0.0
-            engine.scraped = False
-            return
-        engine.running, engine.waiting, engine.kv_cache_usage = (
-            load.running,
-            load.waiting,
-            load.kv_cache_usage,
-        )
-        engine.scraped = True
+        await asyncio.gather(*(self._checks.scrape(e) for e in self._healthy))
 
 
 async def _round(job: Callable[[], Coroutine[Any, Any, None]]) -> None:

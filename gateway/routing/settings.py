@@ -43,7 +43,7 @@ class RoutingSettings(BaseModel):
     # Scrape each healthy engine's /metrics this often for `vllm:num_requests_running`,
     # `vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc` (0: off). The load
     # bound and `least_loaded` then compare the engines' own running + waiting, which
-    # every replica and worker process sees alike (pool.py, Engine.load).
+    # every replica and worker process sees alike (engine.py, Engine.load).
     load_interval: float = Field(default=1.0, ge=0.0)
     # Load bound for affinity: an engine is skipped while it carries more than
     # (1 + load_epsilon) * mean + 1 requests. Generous, because a request it moves

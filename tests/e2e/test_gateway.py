@@ -608,7 +608,7 @@ def test_dead_engine_is_502_then_503(stack: Stack) -> None:
     assert (r.status_code, error_code(r)) == (502, "upstream_unavailable")
     # Ejected: the model has no engine left, so nothing is tried ("retry shortly").
     r = HTTP.post(stack.e.url + "/v1/chat/completions", headers=auth(FULL), json=CHAT)
-    assert (r.status_code, error_code(r)) == (503, "upstream_unavailable")
+    assert (r.status_code, error_code(r)) == (503, "model_unavailable")
     assert r.headers["retry-after"] == "1"
     assert HTTP.get(stack.e.url + "/readyz").status_code == 503
 

@@ -364,7 +364,7 @@ def test_a_model_whose_engines_are_all_down_is_503_while_others_work(fleet: Flee
     )
     HTTP.delete(fleet.chat_b.url + "/sim/requests")
     r = embed(fleet.g, FULL, EMBED_MODEL)
-    assert (r.status_code, error_code(r)) == (503, "upstream_unavailable")
+    assert (r.status_code, error_code(r)) == (503, "model_unavailable")
     assert r.headers["retry-after"] == "1"
     # Unavailable is not unknown: a model no engine serves is still 404, and a key that
     # may not use the model still cannot tell it is served.
@@ -382,6 +382,6 @@ def test_a_model_whose_engines_are_all_down_is_503_while_others_work(fleet: Flee
     fleet.chat_b.kill()
     assert wait_for(lambda: HTTP.get(fleet.g.url + "/readyz").status_code == 503)
     r = chat(fleet.g, FULL, CHAT_MODEL)
-    assert (r.status_code, error_code(r)) == (503, "upstream_unavailable")
+    assert (r.status_code, error_code(r)) == (503, "model_unavailable")
     r = HTTP.get(fleet.g.url + "/v1/models", headers=auth(FULL))
     assert (r.status_code, error_code(r)) == (503, "no_engine_available")

@@ -332,14 +332,17 @@ def test_refused_connections_fail_over_once_per_engine(stack: Stack) -> None:
     # The last one dies: it refuses its request (a clear 502) and is ejected. With no
     # engine of the model in rotation nothing is tried: 503, "retry shortly".
     stack.sims[0].kill()
-    for request_id, status in (("last-dead", 502), ("all-dead", 503)):
+    for request_id, status, code in (
+        ("last-dead", 502, "upstream_unavailable"),
+        ("all-dead", 503, "model_unavailable"),
+    ):
         r = HTTP.post(
             stack.slow.url + "/v1/chat/completions",
             headers={**HEADERS, "X-Request-Id": request_id},
             json=chat("Anyone there?"),
             timeout=10,
         )
-        assert (r.status_code, r.json()["error"]["code"]) == (status, "upstream_unavailable")
+        assert (r.status_code, r.json()["error"]["code"]) == (status, code)
         assert request_lines(stack.slow, [request_id])[request_id]["failovers"] == 0
     assert metric(stack.slow.url, "gateway_engine_ejections_total", engine=stack.sims[0].url) == 1
     assert HTTP.get(stack.slow.url + "/readyz").status_code == 503

@@ -101,7 +101,7 @@ def test_a_stopped_engines_model_is_503_while_the_other_serves(
         lambda: HTTP.get(pair.gw.url + "/readyz").json()["healthy_engines"] == 1, timeout=20
     )
     r = post(pair.gw.url + "/v1/embeddings", {"model": pair.embed.name, "input": "a bird"})
-    assert (r.status_code, error_code(r)) == (503, "upstream_unavailable")
+    assert (r.status_code, error_code(r)) == (503, "model_unavailable")
     assert "retry-after" in r.headers
     seen = len(received(pair.chat))
     r = post(pair.gw.url + "/v1/chat/completions", chat_body(pair.chat.name, "hello"))

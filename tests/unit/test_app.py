@@ -18,7 +18,7 @@ import pytest
 from gateway.app import Gateway, create_app
 from gateway.config.settings import Settings
 from gateway.types import Message
-from gateway.upstream.client import Origin
+from gateway.upstream.origin import Origin
 
 KEY = "sk-unit-app-0123456789abcdef"
 MODEL = "unit-model"

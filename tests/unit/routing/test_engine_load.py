@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.routing.engine import Engine
 from gateway.routing.engine_load import EngineLoad, parse_load
-from gateway.routing.pool import Engine
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.routing.health import error_verdict, status_verdict, unreadable_models
-from gateway.upstream.client import (
+from gateway.upstream.errors import (
     ClosedUnanswered,
     ConnectFailed,
     ConnectRefused,

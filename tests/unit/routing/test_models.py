@@ -8,8 +8,9 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.routing.models import ModelIndex, ModelList, parse_model_list
-from gateway.routing.pool import Engine
+from gateway.routing.engine import Engine
+from gateway.routing.model_list import ModelList, parse_model_list
+from gateway.routing.models import ModelIndex
 
 
 def card(model: str, parent: str | None = None, root: str = "/srv/models/x") -> dict[str, Any]:

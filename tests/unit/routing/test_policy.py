@@ -18,6 +18,7 @@ import pytest
 from gateway.config.settings import Settings
 from gateway.routing.policy import (
     Affinity,
+    Decision,
     LeastLoaded,
     RoundRobin,
     RoutingRequest,
@@ -498,3 +499,26 @@ def test_one_engine_takes_everything() -> None:
     policy, pool = affinity(), engines(1)
     for i in range(12):  # past the point where the shared prompt spreads
         assert route(policy, chat_request(conversation(i, 1 + i % 3)), pool) == pool[0].url
+
+
+# --- choose: what the proxy awaits ---------------------------------------------------------
+
+
+async def test_choose_returns_the_order_and_the_decision_order_records() -> None:
+    """Without a store, `choose` is `order` (same engines, same fields set on the
+    request), as a Decision the proxy reads its log fields and counts from."""
+    pool = engines()
+    for make in (RoundRobin, LeastLoaded, affinity):
+        a, b = make(), make()
+        probe = chat_request(conversation(3, 2))
+        expected = a.order(probe, pool)
+        req = chat_request(conversation(3, 2))
+        decision = await b.choose(req, pool)
+        assert isinstance(decision, Decision)
+        assert decision.engines == expected
+        assert (decision.anchor, decision.anchor_kind, decision.first_choice) == (
+            probe.anchor,
+            probe.anchor_kind,
+            probe.first_choice,
+        )
+        assert decision.spilled == probe.spilled == req.spilled

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
+from gateway.routing.engine import Engine
 from gateway.routing.policy import Affinity, RoutingRequest
-from gateway.routing.pool import Engine
 from gateway.routing.settings import RoutingSettings
 from tests.unit.routing.test_anchors import placed
 

@@ -27,17 +27,17 @@ from gateway.observability.metrics import Metrics
 from gateway.proxy.forward import Forwarder
 from gateway.routing.pool import EnginePool
 from gateway.routing.settings import RoutingSettings
-from gateway.upstream.client import (
-    _HIGH_WATER,
+from gateway.upstream.client import Upstream
+from gateway.upstream.connection import _HIGH_WATER
+from gateway.upstream.errors import (
     ClosedUnanswered,
     ConnectFailed,
     ConnectionBroken,
-    Origin,
     ReadTimeout,
     ReconnectFailed,
-    Response,
-    Upstream,
 )
+from gateway.upstream.interfaces import Response
+from gateway.upstream.origin import Origin
 from tests.procs import ROOT
 
 TLS = ROOT / "tests" / "data" / "tls"

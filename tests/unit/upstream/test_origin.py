@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.upstream.client import Origin
+from gateway.upstream.origin import Origin
 
 
 @pytest.mark.parametrize(

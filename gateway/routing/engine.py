@@ -1,0 +1,116 @@
+"""One engine as the pool sees it (`Engine`), and the hold a request keeps on it (`Lease`)."""
+
+from __future__ import annotations
+
+import time
+from urllib.parse import urlsplit, urlunsplit
+
+from gateway.routing.health import NOT_CHECKED, Verdict
+from gateway.routing.model_list import ModelList
+from gateway.upstream.origin import Origin
+
+
+class Engine:
+    """One engine. `in_flight` counts requests this process is forwarding to it;
+    `running` and `waiting` are the engine's own counts as last scraped (0 when not).
+    `origin` is where requests go, parsed from `url` once (ValueError when it is not
+    http:// or https:// with a host); `server_name` names an engine whose URL holds a
+    resolved address (see Origin).
+    `reason` and `detail` say why it is not healthy (None while it is; health.py),
+    `since` (time.time()) when that last changed; `public_url` is `url` without any
+    user:password@, for logs and answers."""
+
+    __slots__ = (
+        "backoff",
+        "detail",
+        "ejected_until",
+        "ejections",
+        "failures",
+        "healthy",
+        "in_flight",
+        "kv_cache_usage",
+        "listing",
+        "models_at",
+        "origin",
+        "public_url",
+        "reason",
+        "running",
+        "scraped",
+        "since",
+        "slow_since",
+        "stale",
+        "url",
+        "waiting",
+    )
+
+    def __init__(self, url: str, server_name: str | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.origin = Origin(self.url, server_name)
+        self.public_url = public_url(self.url)
+        self.healthy = False
+        self.reason: str | None = NOT_CHECKED.reason
+        self.detail: str | None = NOT_CHECKED.detail
+        self.since = time.time()
+        # Why the last re-read of a healthy engine's models failed (None: it did not);
+        # its last good list stays in use meanwhile.
+        self.stale: Verdict | None = None
+        self.in_flight = 0
+        self.running = 0
+        self.waiting = 0
+        self.kv_cache_usage = 0.0
+        # True once `running`, `waiting` and `kv_cache_usage` come from a scrape.
+        self.scraped = False
+        self.listing = ModelList()
+        # When the models were last read; 0: never (the engine cannot be healthy yet).
+        self.models_at = 0.0
+        # Passive ejection: 5xx answers in a row, the current back-off, until when.
+        self.failures = 0
+        self.backoff = 0.0
+        self.ejected_until = 0.0
+        self.ejections = 0
+        # When this run of timed-out checks began while the engine was busy (None: the
+        # last check did not time out, or it was idle).
+        self.slow_since: float | None = None
+
+    @property
+    def models(self) -> frozenset[str]:
+        """The models (and LoRA adapters) the engine listed when last read."""
+        return self.listing.ids
+
+    @property
+    def load(self) -> int:
+        """What the load bound and `least_loaded` compare: the engine's own count of
+        requests running and waiting, which every replica and worker reads alike, or
+        this process's requests in flight when that is higher (sent since the last
+        scrape) or nothing was scraped."""
+        if not self.scraped:
+            return self.in_flight
+        return max(self.in_flight, self.running + self.waiting)
+
+    def __repr__(self) -> str:
+        return f"Engine({self.url!r}, healthy={self.healthy}, in_flight={self.in_flight})"
+
+
+def public_url(url: str) -> str:
+    """`url` without the user:password@ part a configured URL may carry."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+
+
+class Lease:
+    """An engine held for one request: counted in its `in_flight` from entering the
+    `with` block to leaving it, however the request ends, so the count cannot drift."""
+
+    __slots__ = ("engine",)
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def __enter__(self) -> Engine:
+        self.engine.in_flight += 1
+        return self.engine
+
+    def __exit__(self, *exc: object) -> None:
+        self.engine.in_flight -= 1
