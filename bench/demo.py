@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 from PIL import Image
 
-from bench.stack import terminate
+from bench.harness.server import terminate
 
 ROOT = Path(__file__).resolve().parent.parent
 

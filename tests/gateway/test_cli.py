@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
 from gateway.access.api_keys import hash_key
 from gateway.cli import parser
 from tests.procs import (

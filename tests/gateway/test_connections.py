@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
 from gateway.config.settings import LimitsSettings, TimeoutSettings
 from gateway.errors import HeadersTooLarge, RequestTimeout, raw_response
 from gateway.proxy.body import read_body

@@ -14,7 +14,7 @@ import orjson
 import pytest
 import structlog
 
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
 from gateway.errors import GatewayError
 from gateway.middleware import RequestContext
 from gateway.observability.logging import RequestLog, configure_logging

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
 from gateway.config.settings import Settings, load_settings
 from tests.gateway.media.test_media_samples import wav
 from tests.gateway.test_gateway_upstream import MODEL, Engine, Seen, scripted_engine

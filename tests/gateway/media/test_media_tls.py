@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from bench.samples import png
+from bench.harness.samples import png
 from gateway.errors import MediaFetchFailed
 from gateway.media.fetch import MediaFetcher, default_inner_transport
 from gateway.media.settings import MediaSettings
