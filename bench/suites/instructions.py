@@ -27,8 +27,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.suites.fleet import BENCH_KEY, CpuPlan, Fleet, discover_model
-from bench.suites.loadgen import KeepAliveClient, Target, raw_request
+from bench.suites.fleet import BENCH_KEY, CpuPlan, Fleet, Target, discover_model
+from bench.suites.loadgen import KeepAliveClient, raw_request
 from bench.suites.overhead import CHAT, small_chat
 from bench.suites.report import progress
 

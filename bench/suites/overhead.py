@@ -15,7 +15,7 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
@@ -25,8 +25,8 @@ from bench.harness.process_tree import cpu_seconds
 from bench.harness.realvllm.launcher import Engine
 from bench.harness.server import Server
 from bench.suites import loadgen
-from bench.suites.fleet import Fleet, RunConfig, discover_model
-from bench.suites.loadgen import KeepAliveClient, Load, LoadResult, Target, raw_request
+from bench.suites.fleet import Fleet, RunConfig, Target, discover_model
+from bench.suites.loadgen import KeepAliveClient, Load, LoadResult, raw_request
 from bench.suites.real_engines import RealRunConfig
 from bench.suites.report import Report, fmt, paired_ratios, progress, spread
 
@@ -711,8 +711,8 @@ def against_baseline(
     """With `--baseline-tree`: this checkout's gateway against the other's, same run."""
     if "gateway-baseline" not in small:
         return
-    rows = []
-    for label, of in (
+    # Each figure: its label, and how to read it for a target.
+    figures: list[tuple[str, Callable[[str], float | None]]] = [
         (
             "added p50 at 1 connection, us",
             lambda t: small.get(t, {}).get("added_us", {}).get("p50"),
@@ -721,14 +721,16 @@ def against_baseline(
             "streaming first chunk added, us",
             lambda t: stream.get(t, {}).get("added_first_chunk_us"),
         ),
-        *(
-            (
-                f"CPU per request at {c} connections, us",
-                lambda t, c=c: tput[c].get(t, {}).get("cpu_us_per_request_median"),
-            )
-            for c in sorted(tput)
-        ),
-    ):
+    ]
+
+    def cpu_per_request(connections: int) -> Callable[[str], float | None]:
+        return lambda t: tput[connections].get(t, {}).get("cpu_us_per_request_median")
+
+    figures += [
+        (f"CPU per request at {c} connections, us", cpu_per_request(c)) for c in sorted(tput)
+    ]
+    rows = []
+    for label, of in figures:
         before, after, router = of("gateway-baseline"), of("gateway"), of("vllm-router")
         ratio = after / before if before and after is not None else None
         rows.append([label, before, after, ratio, router])

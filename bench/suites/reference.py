@@ -20,8 +20,8 @@ from bench.harness.origin import RecordingServer
 from bench.harness.realvllm.launcher import Engine
 from bench.harness.server import Server
 from bench.suites import loadgen
-from bench.suites.fleet import Fleet, RunConfig, discover_model
-from bench.suites.loadgen import KeepAliveClient, Target, raw_request
+from bench.suites.fleet import Fleet, RunConfig, Target, discover_model
+from bench.suites.loadgen import KeepAliveClient, raw_request
 from bench.suites.overhead import CHAT, EMBED, data_url, embeddings_body, sentences
 from bench.suites.real_engines import RealRunConfig
 from bench.suites.report import Report, fmt, progress, spread

@@ -14,8 +14,8 @@ from typing import Any
 from bench.harness.background import InThread
 from bench.harness.process_tree import rss_bytes
 from bench.suites import loadgen
-from bench.suites.fleet import Fleet, RunConfig, discover_model
-from bench.suites.loadgen import Load, LoadResult, Target
+from bench.suites.fleet import Fleet, RunConfig, Target, discover_model
+from bench.suites.loadgen import Load, LoadResult
 from bench.suites.overhead import CHAT, small_chat
 from bench.suites.report import Report, fmt, progress
 
@@ -173,13 +173,13 @@ def summarise(
             lambda d: f"{d:.1%}",
             at_most=False,
         )
-        mem = rss.get(t.name, {})
-        if 0 in mem and -1 in mem and mem[0]:
-            growth = mem[-1] / mem[0] - 1
+        resident = rss.get(t.name, {})
+        if 0 in resident and -1 in resident and resident[0]:
+            growth = resident[-1] / resident[0] - 1
             report.bound(
                 f"{t.name}: memory stays flat",
                 f"growth <= {RSS_GROWTH_LIMIT:.0%}",
-                f"{mem[0] / 2**20:.0f} -> {mem[-1] / 2**20:.0f} MiB ({growth:+.0%})",
+                f"{resident[0] / 2**20:.0f} -> {resident[-1] / 2**20:.0f} MiB ({growth:+.0%})",
                 growth,
                 RSS_GROWTH_LIMIT,
                 lambda d: f"{d:.1%}",

@@ -33,7 +33,7 @@ SIZES = (1_000, 30_000, 1_000_000, 30_000_000)
 
 def _chat(size: int, turn_chars: int) -> dict[str, Any]:
     turn = ("word " * (turn_chars // 5))[:turn_chars]
-    messages = [{"role": "system", "content": turn}]
+    messages: list[dict[str, Any]] = [{"role": "system", "content": turn}]
     while len(messages) * (turn_chars + 40) < size:
         role = "user" if len(messages) % 2 else "assistant"
         messages.append({"role": role, "content": [{"type": "text", "text": turn}]})

@@ -27,7 +27,7 @@ def version(distribution_name: str) -> str:
 
 def main() -> int:
     importlib.metadata.version = version
-    from vllm.entrypoints.cli.main import main as vllm_main  # type: ignore[import-not-found]
+    from vllm.entrypoints.cli.main import main as vllm_main
 
     vllm_main()
     return 0

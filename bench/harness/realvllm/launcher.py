@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.harness.process_tree import process_tree
+from bench.harness.process_tree import process_tree, rss_bytes
 from bench.harness.realvllm.home import Home
 from bench.harness.server import ROOT, LoopbackChild
 
@@ -139,17 +139,15 @@ class Engine(LoopbackChild):
     home: Home = field(default_factory=Home.default)
     popen: subprocess.Popen[bytes] | None = None
     startup_seconds: float = 0.0
+    # In the work directory.
+    log_path: Path = field(init=False)
 
     def __post_init__(self) -> None:
         self.port = self.port or free_port()
         self.name = self.served_name or Path(self.model).name
         # Short: vLLM's ipc socket paths below it must fit in 107 bytes.
         self.workdir = self.workdir or self.home.run / f"{self.name}-{self.port}"
-
-    @property
-    def log_path(self) -> Path:
-        assert self.workdir is not None
-        return self.workdir / "engine.log"
+        self.log_path = self.workdir / "engine.log"
 
     @property
     def model_path(self) -> Path:
@@ -249,8 +247,6 @@ class Engine(LoopbackChild):
         return routes
 
     def rss_bytes(self) -> int:
-        from bench.harness.process_tree import rss_bytes
-
         return rss_bytes(self.pid) if self.pid is not None else 0
 
     def stop(self, grace: float = 20.0) -> None:

@@ -245,7 +245,8 @@ def _max_over_mean(values: Sequence[float]) -> float | None:
 
 
 def _start_sims(fleet: Fleet, opts: Options) -> list[Server]:
-    args = ("--kv-cache-tokens", str(opts.kv_cache_tokens), "--latency", "calibrated")
+    args: tuple[str, ...] = ("--kv-cache-tokens", str(opts.kv_cache_tokens))
+    args += ("--latency", "calibrated")
     # The recorder tells where each call went (`served`); it also keeps the load polls.
     args += ("--record-requests", "50000")
     # In parallel: each start waits for /health, and there are 4 x 7 x 4 of them a run.
