@@ -114,7 +114,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def suite_runner(name: str) -> Callable[[RunConfig, Report], None]:
-    module = importlib.import_module(f"bench.{name}")
+    module = importlib.import_module(f"bench.suites.{name}")
     runner: Callable[[RunConfig, Report], None] = module.run
     return runner
 
