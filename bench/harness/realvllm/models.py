@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.harness.realvllm.home import Home
+
 SEED = 1234
 BPE_VOCAB = 4096
 WORDPIECE_VOCAB = 3000
@@ -450,8 +452,6 @@ def files(model_dir: Path) -> Iterator[Path]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from bench.harness.realvllm.home import Home
-
     p = argparse.ArgumentParser(prog="python -m bench.harness.realvllm.models", description=__doc__)
     p.add_argument("out_dir", nargs="?", type=Path, default=Home.default().models)
     p.add_argument("--only", default=",".join(ALL), help="comma-separated model names")

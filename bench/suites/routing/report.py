@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bench.suites.report import Report, fmt
-from bench.suites.routing.fronts import STORE, front_name
+from bench.suites.routing.fronts import FAMILIES, STORE, front_name
 from bench.suites.routing.live import Result
 from bench.suites.routing.workloads import Workload
 
@@ -153,8 +153,6 @@ def _replica_goals(
 def plot_replicas(report: Report, results: list[Result], workloads: list[Workload]) -> None:
     """Hit rate by replica count (1, 2, 4) for each policy and vllm-router, per workload;
     below it, max / mean requests per engine for affinity with and without the store."""
-    from bench.suites.routing.fronts import FAMILIES
-
     counts = sorted({int(r.front.split(", ")[1].split()[0]) if ", " in r.front else 1
                      for r in results if not r.front.startswith("ideal")})  # fmt: skip
     if len(counts) < 2:
