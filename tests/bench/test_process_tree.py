@@ -1,4 +1,4 @@
-"""bench.harness.process_tree.process_tree: a process and its descendants, read from the kernel's
+"""bench/harness/process_tree.py: a process and its descendants, read from the kernel's
 `children` files, agree with a scan of every process's parent."""
 
 from __future__ import annotations
