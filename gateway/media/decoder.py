@@ -3,7 +3,7 @@ their decodes share (docs/media.md, "Media memory").
 
 The pool has `media.decode_threads` threads whatever the host's core count; asyncio's
 default executor, which decoding used before, has cores + 4, and on 2 cores six
-160 MiB decodes at once took the gateway to 990 MiB (bench/decode_memory.py).
+160 MiB decodes at once took the gateway to 990 MiB (bench/suites/decode_memory.py).
 Decodes wait in the budget's line, fair between keys, for their bytes and a thread, so
 the pool's own first-come-first-served queue never holds a decode.
 """

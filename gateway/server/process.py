@@ -6,7 +6,7 @@ freed; below, from an arena, which keeps freed memory. The threshold starts at 1
 and rises to the size of any mmapped block that is freed (up to 32 MiB), so once one
 image buffer was freed, later ones (Pillow allocates them in blocks of up to 16 MiB)
 came from arenas and stayed there: after two requests of eight 6324 x 6324 RGBA PNGs
-the gateway kept 989 of its 990 MiB peak (bench/decode_memory.py). A fixed threshold
+the gateway kept 989 of its 990 MiB peak (bench/suites/decode_memory.py). A fixed threshold
 turns the rise off. Measured on the decode-heavy pair at default settings (8 x 4095^2
 RGBA PNGs, 2 requests at once), RSS 2 s after the answers, from 60 MiB before:
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from bench.floor import data_urls
-from bench.loadgen import percentile
-from bench.report import paired_ratios, spread
+from bench.suites.floor import data_urls
+from bench.suites.loadgen import percentile
+from bench.suites.report import paired_ratios, spread
 from tests.procs import ROOT, gateway_proc, running, sim_proc
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -339,7 +339,7 @@ def test_images_only_is_an_option_of_the_overhead_suite() -> None:
 
 
 def test_the_decoding_floor_decodes_before_it_forwards() -> None:
-    """`bench.floor --decode` really runs Pillow's decode: a PNG cut short fails in the
+    """`bench.suites.floor --decode` really runs Pillow's decode: a PNG cut short fails in the
     floor, and the engine (a listening socket here) is never contacted."""
     import asyncio
     import base64
@@ -348,7 +348,7 @@ def test_the_decoding_floor_decodes_before_it_forwards() -> None:
 
     from PIL import Image
 
-    from bench.floor import Floor
+    from bench.suites.floor import Floor
 
     out = io.BytesIO()
     Image.new("RGB", (64, 64), (200, 10, 10)).save(out, format="PNG")

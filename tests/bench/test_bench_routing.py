@@ -1,5 +1,5 @@
-"""The routing bench's workload machinery and its in-process replay (bench/routing/,
-bench/workloads.py). The live run through real engines is in test_bench.py."""
+"""The routing bench's workload machinery and its in-process replay (bench/suites/routing/,
+bench/suites/routing/workloads.py). The live run through real engines is in test_bench.py."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.routing import Options, offline
-from bench.routing.inprocess import balls_into_bins
-from bench.workloads import CHAT, Call, Workload, build, follow, interleave
+from bench.suites.routing import Options, offline
+from bench.suites.routing.inprocess import balls_into_bins
+from bench.suites.routing.workloads import CHAT, Call, Workload, build, follow, interleave
 
 
 def _call(tag: str, follow_up: bool = False) -> Call:
@@ -123,7 +123,7 @@ def test_balls_into_bins_is_the_spread_of_random_placement() -> None:
 
 
 def test_the_store_rows_run_only_when_asked_for() -> None:
-    from bench.routing.fronts import STORE, fronts
+    from bench.suites.routing.fronts import STORE, fronts
 
     names = [f.name for f in fronts(Options(store=False))]
     assert not any(STORE in n for n in names)
@@ -140,7 +140,7 @@ def test_the_store_rows_run_only_when_asked_for() -> None:
 
 
 def test_merged_rows_fill_in_the_front_ends_not_run_again(tmp_path: Path) -> None:
-    from bench.routing.live import Result, merged_rows
+    from bench.suites.routing.live import Result, merged_rows
 
     def row(front: str, workload: str) -> Result:
         return Result(front, workload, 0.5, 10.0, 1.0, 2.0, 1.1, 1.1, [1, 2], 0, 1.0)

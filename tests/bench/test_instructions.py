@@ -1,10 +1,10 @@
-"""bench/instructions.py's arithmetic: a callgrind dump's count, the count per request."""
+"""bench/suites/instructions.py's arithmetic: a callgrind dump's count, the count per request."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.instructions import dump_total, per_request
+from bench.suites.instructions import dump_total, per_request
 
 DUMP = b"""# callgrind format
 version: 1

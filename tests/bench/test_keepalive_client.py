@@ -1,4 +1,4 @@
-"""bench/loadgen.py's KeepAliveClient keeps its connection while the server does: the
+"""bench/suites/loadgen.py's KeepAliveClient keeps its connection while the server does: the
 1-connection latency figures are meant to measure requests, not connection setup."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.loadgen import KeepAliveClient
+from bench.suites.loadgen import KeepAliveClient
 
 REQUEST = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
 

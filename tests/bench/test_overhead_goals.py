@@ -1,4 +1,4 @@
-"""The overhead suite's goals against vllm-router (bench/overhead.py), from figures."""
+"""The overhead suite's goals against vllm-router (bench/suites/overhead.py), from figures."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.overhead import against_baseline, goals, image_against_baseline, image_goals
-from bench.report import Report
+from bench.suites.overhead import against_baseline, goals, image_against_baseline, image_goals
+from bench.suites.report import Report
 
 
 def run(tmp_path: Path, router: bool) -> dict[str, tuple[bool | None, str]]:

@@ -1,4 +1,4 @@
-"""bench.stack.process_tree: a process and its descendants, read from the kernel's
+"""bench/harness/process_tree.py: a process and its descendants, read from the kernel's
 `children` files, agree with a scan of every process's parent."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import subprocess
 import time
 
-from bench.stack import _children_by_scan, cpu_seconds, process_tree, terminate
+from bench.harness.process_tree import _children_by_scan, cpu_seconds, process_tree
+from bench.harness.server import terminate
 
 
 def _scanned_tree(pid: int) -> list[int]:

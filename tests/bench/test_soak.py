@@ -1,4 +1,4 @@
-"""The soak suite (bench/soak/): its quick form run whole against a real gateway and a
+"""The soak suite (bench/suites/soak/): its quick form run whole against a real gateway and a
 simulated engine, and its pieces. It asserts that the soak measures (traffic in every
 phase, every kind of abuse sent and accounted for, resources sampled throughout), not
 that the gateway withstands the abuse: that is what the soak reports."""
@@ -21,9 +21,9 @@ import pytest
 from PIL import Image
 
 from bench.__main__ import parse_args
-from bench.soak.legit import Outcome
-from bench.soak.payloads import HeavyPng
-from bench.soak.suite import (
+from bench.suites.soak.legit import Outcome
+from bench.suites.soak.payloads import HeavyPng
+from bench.suites.soak.suite import (
     PHASES,
     QUICK_DURATION,
     RATE,

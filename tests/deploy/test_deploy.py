@@ -25,8 +25,8 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from bench.samples import data_url, png
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
+from bench.harness.samples import data_url, png
 from gateway.config.key_file import load_key_file
 from gateway.config.settings import Settings, load_settings
 from tests.deploy.manifests import (

@@ -26,7 +26,7 @@ import pytest
 import yaml
 from kubernetes_validate.utils import all_versions
 
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
 from gateway.routing.dns import DnsEntry, is_dns_entry
 from gateway.routing.settings import RoutingSettings
 from tests.deploy.manifests import (

@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.samples import WEBM, png, wav
+from bench.harness.samples import WEBM, png, wav
 from gateway.media.types import MEDIA_KEYS, MEDIA_TYPES
 
 ORIGIN = "@@ORIGIN@@"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
 from gateway.config.settings import LimitsSettings
 from gateway.proxy.body import COUNT_VALUES_OVER
 from tests.procs import Proc, auth, error_code, gateway_proc, running, sim_proc, sim_received

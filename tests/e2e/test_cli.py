@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
 from gateway.cli import parser
 from gateway.config.key_file import hash_key
 from tests.procs import (

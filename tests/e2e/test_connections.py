@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
 from gateway.server.protocol import MAX_PIPELINED
 from tests.procs import Proc, gateway_proc, metric, running, sim_proc, sim_received, wait_for
 

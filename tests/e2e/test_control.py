@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
 from gateway.access.endpoints import TABLE, Action
 from tests.procs import (
     Proc,

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
 from gateway.proxy.scrub import ADDRESS, URL, scrub
 from tests.e2e.test_upstream import (
     LEAKS,

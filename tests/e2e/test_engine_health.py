@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from bench.origin import RecordingServer, Route
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
+from bench.harness.origin import RecordingServer, Route
 from tests.procs import (
     Proc,
     auth,

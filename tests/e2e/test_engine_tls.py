@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
 from tests.procs import ROOT, Proc, RecordingServer, Route, gateway_proc, wait_for
 
 TLS = ROOT / "tests" / "data" / "tls"

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
 from tests.procs import (
     Proc,
     auth,

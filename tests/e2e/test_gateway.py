@@ -21,8 +21,8 @@ import httpx
 import openai
 import pytest
 
-from bench.samples import wav
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
+from bench.harness.samples import wav
 from gateway.access.endpoints import TABLE, Action, BodyKind, Group
 from tests.procs import (
     Proc,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
 from tests.e2e.test_upstream import MODEL, Engine, Seen, scripted_engine
 from tests.procs import Proc, gateway_proc
 from tests.unit.media.test_samples import wav

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.samples import wav
+from bench.harness.samples import wav
 from tests.procs import Proc, gateway_proc, running, scrape, sim_proc, wait_for
 
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"

@@ -29,7 +29,8 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.samples import (
+from bench.harness.metrics import HTTP
+from bench.harness.samples import (
     EPS,
     HTML,
     SVG,
@@ -41,7 +42,6 @@ from bench.samples import (
     png_header_only,
     wav,
 )
-from bench.stack import HTTP
 from tests.procs import (
     Proc,
     RecordingServer,

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.samples import png
+from bench.harness.samples import png
 from tests.procs import (
     MediaStack,
     RecordingServer,

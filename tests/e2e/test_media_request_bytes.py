@@ -14,9 +14,9 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 
-from bench.origin import QuietHandler, ThreadedServer
-from bench.samples import png
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
+from bench.harness.origin import QuietHandler, ThreadedServer
+from bench.harness.samples import png
 from tests.procs import (
     MediaStack,
     RecordingServer,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from bench.samples import png
+from bench.harness.samples import png
 from tests.procs import (
     ROOT,
     Proc,

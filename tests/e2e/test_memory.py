@@ -19,10 +19,10 @@ import httpx
 import pytest
 from PIL import Image
 
-from bench.decode_memory import SIM_CONTEXT, chat_body, just_under, solid_png, tagged
-from bench.samples import png
-from bench.soak.payloads import HeavyPng, oversized_media_chat
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
+from bench.harness.samples import png
+from bench.suites.decode_memory import SIM_CONTEXT, chat_body, just_under, solid_png, tagged
+from bench.suites.soak.payloads import HeavyPng, oversized_media_chat
 from gateway.media.settings import MediaSettings
 from gateway.server.process import TRIM_INTERVAL
 from tests.procs import (
@@ -184,7 +184,7 @@ def test_decode_heavy_requests_keep_peak_rss_under_512_mib(
 ) -> None:
     """Two requests at once, each with 8 RGBA PNGs just under the default cap (64 MiB
     decoded each, 1 GiB for all 16): the budget holds what decodes at once, so the
-    gateway peaks at ~190 MiB (bench/decode_memory.py). At default settings both fit the
+    gateway peaks at ~190 MiB (bench/suites/decode_memory.py). At default settings both fit the
     per-request cap (8 x the pixel cap) and get their share of the budget well within
     decode_wait: both are answered 200."""
     side = just_under(DEFAULTS.max_pixels + 1)
@@ -332,7 +332,7 @@ def noisy_png() -> bytes:
     """1000 x 1000 RGBA: decoding takes tens of milliseconds."""
     from PIL import Image
 
-    from bench.samples import encode
+    from bench.harness.samples import encode
 
     return encode(Image.effect_noise((SIDE, SIDE), 60).convert("RGBA"), "PNG")
 

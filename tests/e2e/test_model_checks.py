@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.samples import wav
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
+from bench.harness.samples import wav
 from tests.procs import (
     Proc,
     auth,

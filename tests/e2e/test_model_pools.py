@@ -22,8 +22,8 @@ import httpx
 import openai
 import pytest
 
-from bench.samples import wav
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
+from bench.harness.samples import wav
 from tests.procs import (
     Proc,
     auth,

@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.origin import RecordingServer, Route
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
+from bench.harness.origin import RecordingServer, Route
 from tests.procs import Proc, error_code, gateway_proc, running, scrape, sim_proc, wait_for
 
 ALL = "sk-models-all-0123456789abcdef"

@@ -31,8 +31,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from bench.origin import QuietHandler, ThreadedServer
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
+from bench.harness.origin import QuietHandler, ThreadedServer
 from tests.e2e import corpus
 from tests.e2e.corpus import Case, Fill, Outcome
 from tests.procs import (

@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.stack import HTTP
-from bench.workloads import png_data_url
+from bench.harness.metrics import HTTP
+from bench.suites.routing.workloads import png_data_url
 from tests.procs import (
     Proc,
     client_request_id,

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
 from tests.procs import (
     Proc,
     client_request_id,

@@ -19,8 +19,8 @@ import httpx
 import pytest
 from structlog.testing import capture_logs
 
-from bench.origin import RecordingServer, Route
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
+from bench.harness.origin import RecordingServer, Route
 from gateway.routing.dns import NameNotFound
 from gateway.routing.pool import EnginePool
 from gateway.routing.settings import RoutingSettings

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
 from tests.procs import (
     Proc,
     every_worker_lists,

@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
 from tests.procs import Proc, gateway_proc, owned_response_id, wait_for
 
 KEY = "sk-upstream-0123456789abcdef"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
 from tests.procs import Proc, auth, error_code, gateway_proc, scrape, sim_proc, total, wait_for
 
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"

@@ -12,7 +12,7 @@ For other modules of the tier:
   configuration (it fetches any URL it is given: send it loopback URLs only);
 - `real_engines.get(label)` for another engine by label (`ENGINES`), and
   `real_engines.stop(label)` to free it before the session ends.
-Each is a `bench.realvllm.launcher.Engine`: `.url`, `.name` (the model id to send),
+Each is a `bench.harness.realvllm.launcher.Engine`: `.url`, `.name` (the model id to send),
 `.log()` (its log, access log included).
 """
 
@@ -25,9 +25,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
-from bench.realvllm.home import Home
-from bench.realvllm.launcher import Engine
-from bench.realvllm.models import ALL, CHAT, EMBED, MULTIMODAL, RERANK
+from bench.harness.realvllm.home import Home
+from bench.harness.realvllm.launcher import Engine
+from bench.harness.realvllm.models import ALL, CHAT, EMBED, MULTIMODAL, RERANK
 
 # Label -> model. Two chat engines for the routing comparison.
 ENGINES = {

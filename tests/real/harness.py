@@ -12,8 +12,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.realvllm.launcher import Engine
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
+from bench.harness.realvllm.launcher import Engine
 from tests.procs import Proc, gateway_proc, scrape, total, wait_for
 
 KEY = "sk-real-tier-0123456789abcdef"

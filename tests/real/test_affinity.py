@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.realvllm.launcher import Engine
-from bench.realvllm.models import WORDS
+from bench.harness.realvllm.launcher import Engine
+from bench.harness.realvllm.models import WORDS
 from tests.real.conftest import Engines
 from tests.real.harness import AUTH, gateway, metric
 

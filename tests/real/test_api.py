@@ -9,8 +9,8 @@ import httpx
 import openai
 import pytest
 
-from bench.realvllm.launcher import Engine
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
+from bench.harness.realvllm.launcher import Engine
 from tests.procs import Proc, RecordingServer, Route
 from tests.real.harness import AUTH, KEY, Snapshot, chat_body, gateway, image_part, post, received
 from tests.unit.media.test_samples import data_url, png

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from bench.realvllm.launcher import Engine
+from bench.harness.realvllm.launcher import Engine
 from tests.procs import Proc, wait_for
 from tests.real.harness import AUTH, Snapshot, chat_body, gateway, raw_chat_request
 

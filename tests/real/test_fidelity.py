@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.realvllm.launcher import Engine
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
+from bench.harness.realvllm.launcher import Engine
 from tests.procs import Proc, running, scrape, sim_proc, wait_for
 from tests.real.harness import raw_chat_request
 

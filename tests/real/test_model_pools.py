@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import openai
 import pytest
 
-from bench.realvllm.launcher import Engine
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
+from bench.harness.realvllm.launcher import Engine
 from tests.procs import Proc, error_code, wait_for
 from tests.real.conftest import Engines
 from tests.real.harness import AUTH, KEY, Snapshot, chat_body, gateway, metric, post, received

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.realvllm.home import Home
-from bench.realvllm.models import ALL, files
-from bench.stack import ROOT
+from bench.harness.realvllm.home import Home
+from bench.harness.realvllm.models import ALL, files
+from bench.harness.server import ROOT
 
 pytestmark = pytest.mark.real_vllm
 
@@ -25,7 +25,7 @@ def test_two_builds_are_byte_identical(real_home: Home, tmp_path: Path) -> None:
     outs = [tmp_path / "first", tmp_path / "second"]
     builds = [
         subprocess.Popen(
-            [str(real_home.python), "-m", "bench.realvllm.models", str(out)],
+            [str(real_home.python), "-m", "bench.harness.realvllm.models", str(out)],
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,

@@ -25,8 +25,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.realvllm.launcher import Engine
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
+from bench.harness.realvllm.launcher import Engine
 from tests.e2e import corpus
 from tests.e2e.corpus import Case, Fill
 from tests.procs import Proc, RecordingServer, Route, gateway_proc, wait_for

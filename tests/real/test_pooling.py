@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import openai
 import pytest
 
-from bench.realvllm.launcher import Engine
+from bench.harness.realvllm.launcher import Engine
 from tests.procs import Proc
 from tests.real.conftest import Engines
 from tests.real.harness import (

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from bench.realvllm.launcher import Engine
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
+from bench.harness.realvllm.launcher import Engine
 from tests.procs import Proc, RecordingServer, Route, wait_for
 from tests.real.harness import (
     AUTH,

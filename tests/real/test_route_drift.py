@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.realvllm.launcher import Engine
+from bench.harness.realvllm.launcher import Engine
 from tests.real.harness import engine_routes, unclassified
 
 pytestmark = pytest.mark.real_vllm

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from bench.realvllm.home import Home
+from bench.harness.realvllm.home import Home
 from gateway.media.types import MEDIA_KEYS, MEDIA_TYPES
 from gateway.payload.rules import FORBIDDEN_ANYWHERE, FORBIDDEN_TYPES
 

@@ -22,8 +22,8 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.redis_server import RedisServer
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
+from bench.harness.redis_server import RedisServer
 from tests.e2e import test_routing as test_routing_e2e
 from tests.e2e.test_routing import served
 from tests.procs import (

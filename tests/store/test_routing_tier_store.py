@@ -24,8 +24,8 @@ import pytest
 import redis
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
-from bench.redis_server import RedisServer, redis_server_path
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
+from bench.harness.redis_server import RedisServer, redis_server_path
 from tests.deploy.manifests import STORE_PASSWORD, example_secrets, k8s_env, pod_template, render
 from tests.deploy.test_routing_tier import (
     CLIENT_KEY,

@@ -12,7 +12,7 @@ import openai
 import orjson
 import pytest
 
-from bench.stack import HTTP
+from bench.harness.metrics import HTTP
 from tests.procs import Proc, metric, running, scrape, sim_proc
 
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"

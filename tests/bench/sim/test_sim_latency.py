@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from bench.harness.metrics import HTTP
 from bench.sim.engine import prefill_seconds
 from bench.sim.media import MediaItem, image_tokens
-from bench.stack import HTTP
 from tests.procs import Proc, metric, running, scrape, sim_proc, wait_for
 
 LONG = {"messages": [{"role": "user", "content": "Write a long essay."}],

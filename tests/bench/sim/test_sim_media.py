@@ -12,12 +12,12 @@ import httpcore
 import httpx
 import pytest
 
-from bench.samples import data_url, png
+from bench.harness.metrics import HTTP
+from bench.harness.samples import data_url, png
 from bench.sim import guard
 from bench.sim.app import SimApp
 from bench.sim.config import SimConfig, parse_args
 from bench.sim.guard import LoopbackOnly
-from bench.stack import HTTP
 from tests.procs import Proc, RecordingServer, Route, running, scrape, sim_proc, total
 
 SMALL = png(448, 448)

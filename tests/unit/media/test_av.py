@@ -12,7 +12,7 @@ import wave
 
 import pytest
 
-from bench.samples import MP4, WEBM, wav
+from bench.harness.samples import MP4, WEBM, wav
 from gateway.errors import MediaInvalid
 from gateway.media.av import validate_audio, validate_video
 from gateway.media.settings import MediaSettings

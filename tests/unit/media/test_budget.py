@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from bench.samples import png
+from bench.harness.samples import png
 from gateway.errors import MediaBusy, MediaInvalid
 from gateway.media.budget import Budget
 from gateway.media.decoder import Decoder

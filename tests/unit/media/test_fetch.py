@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 import httpx
 import pytest
 
-from bench.samples import png
+from bench.harness.samples import png
 from gateway.errors import MediaFetchFailed, MediaTooLarge
 from gateway.media.addresses import Address
 from gateway.media.fetch import FetchAllowance, MediaFetcher

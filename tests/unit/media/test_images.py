@@ -11,7 +11,7 @@ import zlib
 import pytest
 from PIL import Image
 
-from bench.samples import (
+from bench.harness.samples import (
     EPS,
     HTML,
     MP4,

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 from PIL import Image
 
-from bench.samples import encode, gif, png
+from bench.harness.samples import encode, gif, png
 from gateway.errors import MediaInvalid
 from gateway.media.images import (
     ImageHeader,

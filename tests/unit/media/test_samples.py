@@ -1,4 +1,4 @@
-"""A check that each sample medium (bench/samples.py, shared with the bench) is what its
+"""A check that each sample medium (bench/harness/samples.py, shared with the bench) is what its
 name says; some tests import the samples through here."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from bench.samples import HTML, SVG, data_url, gif, jpeg, png, wav
+from bench.harness.samples import HTML, SVG, data_url, gif, jpeg, png, wav
 from gateway.media.av import sniff
 
 # What the payload, multipart and real-engine tests import from here.

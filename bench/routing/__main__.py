@@ -1,7 +1,0 @@
-"""`python -m bench.routing`."""
-
-import sys
-
-from bench.routing import main
-
-sys.exit(main())
