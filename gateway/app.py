@@ -33,6 +33,7 @@ from gateway.observability.logging import RequestLog, configure_logging
 from gateway.observability.metrics import Metrics
 from gateway.payload.inspector import PayloadInspector
 from gateway.proxy.handler import Proxy
+from gateway.responses import send_json
 from gateway.routing.policy import make_policy
 from gateway.routing.pool import EnginePool
 from gateway.server.limits import CONNECTION_GUARD, ConnectionGuard
@@ -68,12 +69,7 @@ class ModelList:
         key = ex.key
         body = self.pool.index.listing(None if key is None else key.models)
         ex.bytes_out = len(body)
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-        ]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        await send_json(send, 200, body)
 
 
 class Dispatch:

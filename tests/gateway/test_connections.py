@@ -23,8 +23,9 @@ import pytest
 
 from bench.stack import HTTP
 from gateway.config.settings import LimitsSettings, TimeoutSettings
-from gateway.errors import HeadersTooLarge, RequestTimeout, raw_response
+from gateway.errors import HeadersTooLarge, RequestTimeout
 from gateway.proxy.body import read_body
+from gateway.responses import raw_response
 from gateway.server.limits import FD_RESERVE, BodyPace, ConnectionGuard, fit_connections
 from gateway.server.protocol import MAX_PIPELINED, head_size
 from tests.procs import Proc, gateway_proc, metric, running, sim_proc, sim_received, wait_for
