@@ -30,8 +30,8 @@ and URL parsers echo attacker input. Raised when:
   |                           key may not use: the same answer, so keys cannot probe
   + ResponseNotFound          404 response_not_found: a stored response id (a path's, or
   |                           a body's `previous_response_id`) this key did not create
-  |                           through the gateway (walk.py, proxy/handler.py): the same answer for
-  |                           an id that does not exist
+  |                           through the gateway (payload/fields.py, proxy/handler.py):
+  |                           the same answer for an id that does not exist
   + MethodNotAllowed          405 method_not_allowed: the wrong method for a route
   + RequestTimeout            408 request_timeout: a body too slow or past its deadline
   |                           (proxy/body.py); the connection is closed
