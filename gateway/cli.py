@@ -114,14 +114,14 @@ def _serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--workers: must be at least 1, not {args.workers}")
     settings = load_settings(args.config, **overrides)
     configure_logging(settings.log_format, settings.log_level)
+    # Each client connection holds a descriptor: the soft limit up to the hard one
+    # (workers inherit it); the app lowers max_connections to fit what remains.
+    raise_fd_limit()
     # Workers build their own app; their parent checks what the app would refuse
     # before any worker starts.
     app = _build(settings) if args.workers == 1 else None
     if app is None:
         _validate(settings)
-    # Each client connection holds a descriptor: the soft limit up to the hard one
-    # (workers inherit it); the app lowers max_connections to fit what remains.
-    raise_fd_limit()
     options: dict[str, Any] = {
         "host": settings.host,
         "port": settings.port,
