@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import os
 import time
 from collections.abc import Callable
@@ -23,7 +22,7 @@ from pydantic import SecretStr
 from gateway.access.admission import Admission
 from gateway.access.api_keys import KeyRing
 from gateway.access.endpoints import Action
-from gateway.config.key_file import KeyConfigError, build_keys, load_key_file
+from gateway.config.key_file import ApiKey, KeyConfigError, build_keys, load_key_file
 from gateway.config.settings import Settings, load_settings
 from gateway.config.tls import client_context
 from gateway.control import control_app
@@ -35,10 +34,11 @@ from gateway.observability.logging import RequestLog, configure_logging
 from gateway.observability.metrics import Metrics
 from gateway.payload.inspector import PayloadInspector
 from gateway.proxy.handler import Proxy
+from gateway.responses import send_json
 from gateway.routing.policy import make_policy
 from gateway.routing.pool import EnginePool
 from gateway.server.limits import CONNECTION_GUARD, ConnectionGuard
-from gateway.server.process import trim_periodically, tune_allocator
+from gateway.server.process import trim_periodically, tune_allocator, tune_collector
 from gateway.types import ASGIApp, Receive, Scope, Send
 from gateway.upstream.client import Upstream
 from gateway.upstream.interfaces import UpstreamClient
@@ -48,10 +48,6 @@ from gateway.upstream.interfaces import UpstreamClient
 CONFIG_ENV = "VLLM_GATEWAY_CONFIG"
 MODELS_PATH = "/v1/models"
 KEY_FILE_POLL = 1.0
-# Young-generation threshold of the cyclic collector. Python's default (700) ran a gen-0
-# collection every few requests at 64 connections: 1,552 of them in one 12 s run, 8-9%
-# of the gateway's CPU (py-spy, gc.callbacks). At 20,000 the same run made 5.
-GC_THRESHOLDS = (20_000, 10, 10)
 
 log = structlog.get_logger("gateway.app")
 
@@ -71,12 +67,7 @@ class ModelList:
         key = ex.key
         body = self.pool.index.listing(None if key is None else key.models)
         ex.bytes_out = len(body)
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-        ]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        await send_json(send, 200, body)
 
 
 class Dispatch:
@@ -165,6 +156,17 @@ class KeyFileWatcher:
             self.poll()
 
 
+def load_keys(settings: Settings) -> tuple[tuple[ApiKey, ...], int]:
+    """The keys `settings` configure (their own, then the key file's) and how many came
+    from the file: what building the app checks beyond the settings' own validation.
+    Raises KeyConfigError for unusable keys."""
+    keys = build_keys(settings.api_keys)
+    if settings.api_keys_file is None:
+        return keys, 0
+    from_file = load_key_file(settings.api_keys_file)
+    return keys + from_file, len(from_file)
+
+
 class Gateway:
     """The ASGI application: the middleware stack for HTTP, and the lifespan.
 
@@ -176,12 +178,7 @@ class Gateway:
     def __init__(self, settings: Settings, *, upstream: UpstreamClient | None = None) -> None:
         self.settings = settings
         self.metrics = Metrics()
-        keys = build_keys(settings.api_keys)
-        file_keys = 0
-        if settings.api_keys_file is not None:
-            from_file = load_key_file(settings.api_keys_file)
-            keys += from_file
-            file_keys = len(from_file)
+        keys, file_keys = load_keys(settings)
         self.keyring = KeyRing(keys, allow_unauthenticated=settings.allow_unauthenticated)
         t = settings.timeouts
         # One client for everything sent to engines: forwarded requests, health checks,
@@ -291,7 +288,12 @@ class Gateway:
             stack.push_async_callback(self.upstream.aclose)
             stack.push_async_callback(self.decoder.aclose)
             stack.push_async_callback(self.inspector.aclose)
-            self.request_log.bind(asyncio.get_running_loop())
+            # The loop, looked up once and handed in: asyncio's lookup costs a getpid()
+            # system call on Python 3.11. The connection guard keeps it for the body
+            # reader and the proxy.
+            loop = asyncio.get_running_loop()
+            self.request_log.bind(loop)
+            self.connections.start(loop)
             await self.pool.start()
             stack.push_async_callback(self.pool.stop)
             if self.proxy.policy.store is not None:
@@ -354,17 +356,6 @@ def create_app(settings: Settings, *, upstream: UpstreamClient | None = None) ->
     """Build the gateway for `settings`, forwarding through `upstream` (default: the
     gateway's own keep-alive client). Raises KeyConfigError for unusable keys."""
     return Gateway(settings, upstream=upstream)
-
-
-def tune_collector() -> None:
-    """Collector settings for a serving process; called once the app is built.
-
-    The objects that exist by then (modules, settings, tables) live as long as the
-    process: frozen, later collections do not walk them again.
-    """
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def app_from_env() -> Gateway:

@@ -21,13 +21,14 @@ from urllib.parse import urlsplit
 
 import orjson
 import structlog
+import uvicorn
 
-from gateway.app import CONFIG_ENV, Gateway, create_app, engine_states, tune_collector
+from gateway.app import CONFIG_ENV, Gateway, create_app, engine_states, load_keys
 from gateway.config.key_file import hash_key
 from gateway.config.settings import Settings, load_settings
 from gateway.config.sources import ConfigError
 from gateway.observability.logging import configure_logging
-from gateway.server.limits import raise_fd_limit
+from gateway.server.process import raise_fd_limit, tune_collector
 from gateway.server.protocol import GatewayProtocol
 
 # uvicorn's exit code when the server could not start (the port taken, say).
@@ -56,6 +57,16 @@ def _build(settings: Settings) -> Gateway:
     them; should a part of the app still refuse one, that is one line here too."""
     try:
         return create_app(settings)
+    except ValueError as exc:  # KeyConfigError included
+        raise ConfigError(f"invalid settings: {exc}") from None
+
+
+def _validate(settings: Settings) -> None:
+    """What building the gateway checks beyond the settings' own validation (the keys,
+    the key file), without building one: for the parent of `--workers N`, which serves
+    nothing itself."""
+    try:
+        load_keys(settings)
     except ValueError as exc:  # KeyConfigError included
         raise ConfigError(f"invalid settings: {exc}") from None
 
@@ -92,8 +103,6 @@ def _address(sock: socket.socket) -> str:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     overrides: dict[str, Any] = {}
     if args.host is not None:
         overrides["host"] = args.host
@@ -105,12 +114,14 @@ def _serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--workers: must be at least 1, not {args.workers}")
     settings = load_settings(args.config, **overrides)
     configure_logging(settings.log_format, settings.log_level)
-    # Built here even for workers, which build their own: the parent refuses settings
-    # the app cannot use before any worker starts.
-    app = _build(settings)
     # Each client connection holds a descriptor: the soft limit up to the hard one
     # (workers inherit it); the app lowers max_connections to fit what remains.
     raise_fd_limit()
+    # Workers build their own app; their parent checks what the app would refuse
+    # before any worker starts.
+    app = _build(settings) if args.workers == 1 else None
+    if app is None:
+        _validate(settings)
     options: dict[str, Any] = {
         "host": settings.host,
         "port": settings.port,
@@ -139,6 +150,7 @@ def _serve(args: argparse.Namespace) -> int:
         _log_serving(settings, [f"http://{host}:{settings.port}"], args.workers)
         uvicorn.run("gateway.app:app_from_env", factory=True, workers=args.workers, **options)
         return 0
+    assert app is not None
     tune_collector()
 
     class Server(uvicorn.Server):

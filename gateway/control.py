@@ -28,9 +28,10 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
 from gateway.access.api_keys import KeyRing
-from gateway.errors import GatewayError, error_body
+from gateway.errors import GatewayError
 from gateway.exchange import exchange_of
 from gateway.observability.metrics import CONTENT_TYPE, Metrics
+from gateway.responses import error_body
 from gateway.routing.engine import Engine
 from gateway.routing.pool import EnginePool
 from gateway.types import ASGIApp, Message, Receive, Scope, Send
@@ -220,7 +221,7 @@ class _ControlApp(FastAPI):
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
-    # Starlette's last-resort handler: the gateway's 500 body (errors.error_body, the
+    # Starlette's last-resort handler: the gateway's 500 body (responses.error_body, the
     # bytes send_error writes) instead of its plain text; the exception goes on to
     # RequestContext, which logs it.
     error = GatewayError()

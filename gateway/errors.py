@@ -1,4 +1,4 @@
-"""The one error tree of the gateway, and the one place errors are rendered.
+"""The one error tree of the gateway (rendered in one place: gateway/responses.py).
 
 Every refusal the gateway makes is a `GatewayError` subclass with a fixed HTTP status
 and a stable `code` that clients and tests can rely on. Foreign exceptions (httpx,
@@ -30,8 +30,8 @@ and URL parsers echo attacker input. Raised when:
   |                           key may not use: the same answer, so keys cannot probe
   + ResponseNotFound          404 response_not_found: a stored response id (a path's, or
   |                           a body's `previous_response_id`) this key did not create
-  |                           through the gateway (walk.py, proxy/handler.py): the same answer for
-  |                           an id that does not exist
+  |                           through the gateway (payload/fields.py, proxy/handler.py):
+  |                           the same answer for an id that does not exist
   + MethodNotAllowed          405 method_not_allowed: the wrong method for a route
   + RequestTimeout            408 request_timeout: a body too slow or past its deadline
   |                           (proxy/body.py); the connection is closed
@@ -64,11 +64,6 @@ the last four in one place, `forwarder.gateway_error`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from http import HTTPStatus
-
-import orjson
-
-from gateway.types import Send
 
 
 class GatewayError(Exception):
@@ -332,50 +327,3 @@ class UpstreamTimeout(GatewayError):
     code = "upstream_timeout"
     type = "server_error"
     default_message = "The engine did not answer in time."
-
-
-def error_payload(exc: GatewayError) -> dict[str, dict[str, str | None]]:
-    """The OpenAI-style error object for `exc`."""
-    return {
-        "error": {
-            "message": exc.message,
-            "type": exc.type,
-            "param": exc.param,
-            "code": exc.code,
-        }
-    }
-
-
-def error_body(exc: GatewayError) -> bytes:
-    return orjson.dumps(error_payload(exc))
-
-
-def sse_error_frame(exc: GatewayError) -> bytes:
-    """A mid-stream error, framed the way vLLM frames one."""
-    return b"data: " + error_body(exc) + b"\n\n"
-
-
-def raw_response(exc: GatewayError) -> bytes:
-    """`exc` as a whole HTTP/1.1 response that closes the connection, for the connection
-    protocol (gateway/server/protocol.py), which answers before there is an ASGI request."""
-    body = error_body(exc)
-    head = [f"HTTP/1.1 {exc.status} {HTTPStatus(exc.status).phrase}"]
-    head += ["content-type: application/json", f"content-length: {len(body)}"]
-    head += [f"{name.lower()}: {value}" for name, value in exc.headers.items()]
-    head += ["connection: close", "", ""]
-    return "\r\n".join(head).encode("latin-1") + body
-
-
-async def send_error(
-    send: Send, exc: GatewayError, headers: Mapping[str, str] | None = None
-) -> None:
-    """Render `exc` as a complete ASGI HTTP response: the only place errors are rendered."""
-    body = error_body(exc)
-    raw_headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-    ]
-    for name, value in {**exc.headers, **(headers or {})}.items():
-        raw_headers.append((name.lower().encode("latin-1"), value.encode("latin-1")))
-    await send({"type": "http.response.start", "status": exc.status, "headers": raw_headers})
-    await send({"type": "http.response.body", "body": body})

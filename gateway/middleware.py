@@ -1,7 +1,7 @@
 """The gateway's middleware: plain ASGI classes, composed in app.py.
 
 Refusals are raised as `GatewayError`; `RequestContext`, the outermost, renders them
-(through `errors.send_error`, the one renderer) and writes the request's log line.
+(through `responses.send_error`, the one renderer) and writes the request's log line.
 """
 
 from __future__ import annotations
@@ -22,14 +22,13 @@ from gateway.errors import (
     MethodNotAllowed,
     TooManyHeaders,
     UnknownEndpoint,
-    error_body,
-    send_error,
 )
 from gateway.exchange import SCOPE_KEY, Exchange, exchange_of
 from gateway.observability.logging import RequestLog
 from gateway.observability.metrics import Metrics
 from gateway.proxy.body import ClientDisconnected
 from gateway.proxy.body import header as _header
+from gateway.responses import error_body, send_error
 from gateway.types import ASGIApp, Message, Receive, Scope, Send
 
 # A client's X-Request-Id names the request in logs and in the answer; only a short,

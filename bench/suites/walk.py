@@ -25,8 +25,10 @@ import orjson
 from bench.suites.report import RESULTS
 from gateway.media.settings import MediaSettings
 from gateway.media.urls import UrlPolicy
+from gateway.payload.fields import FieldRules
+from gateway.payload.identity import Identity
 from gateway.payload.settings import PayloadSettings
-from gateway.payload.walk import Identity, Walk
+from gateway.payload.walk import Walk
 
 SIZES = (1_000, 30_000, 1_000_000, 30_000_000)
 
@@ -81,12 +83,13 @@ def measure(raw: bytes, repeats: int) -> tuple[list[float], list[float]]:
     policy = UrlPolicy(media)
     payload = PayloadSettings()
     identity = Identity("bench", "bench", b"0" * 32)
+    fields = FieldRules(media, payload)
     parse, walk = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
         body = orjson.loads(raw)
         t1 = time.perf_counter()
-        Walk(media, payload, policy, identity).run(body)
+        Walk(media, fields, policy, identity).run(body)
         t2 = time.perf_counter()
         parse.append(t1 - t0)
         walk.append(t2 - t1)

@@ -34,8 +34,10 @@ from gateway.media.images import check_formats
 from gateway.media.resolve import MediaInliner, Prepared
 from gateway.media.settings import MediaSettings
 from gateway.media.urls import UrlPolicy
+from gateway.payload.fields import FieldRules
+from gateway.payload.identity import Identity
 from gateway.payload.settings import PayloadSettings
-from gateway.payload.walk import Identity, MediaItem, Walk
+from gateway.payload.walk import MediaItem, Walk
 
 log = structlog.get_logger("gateway.payload")
 T = TypeVar("T")
@@ -76,6 +78,7 @@ class PayloadInspector:
         check_formats(media.image_formats)
         self._media = media
         self._payload = payload or PayloadSettings()
+        self._fields = FieldRules(media, self._payload)
         secret = self._payload.namespace_secret
         if secret is None:
             log.info(
@@ -100,7 +103,7 @@ class PayloadInspector:
 
     def owns_response(self, key: ApiKey | None, response_id: str) -> bool:
         """Whether the stored response `response_id` was created by `key` through a
-        gateway with this secret (walk.Identity.response_id)."""
+        gateway with this secret (identity.Identity.response_id)."""
         return self.identity(key).owns_response(response_id)
 
     async def inspect(
@@ -108,7 +111,7 @@ class PayloadInspector:
     ) -> Inspection:
         """`creates_response`: the body is a `POST /v1/responses` (walk.Walk.run)."""
         identity = self.identity(key)
-        walk = Walk(self._media, self._payload, self._policy, identity)
+        walk = Walk(self._media, self._fields, self._policy, identity)
         # Every check that needs no I/O, before any fetch.
         walk.run(body, creates_response=creates_response)
         if not walk.items:

@@ -10,45 +10,63 @@ whatever the object's other keys are.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Final
+
+
+class OptIn(StrEnum):
+    """A refused field or part type that a setting lets through (fields.opted_in
+    reads each from its boolean setting: `media.allow_<name>`, `payload.allow_<name>`)."""
+
+    prompt_embeds = "prompt_embeds"
+    embeds_parts = "embeds_parts"
+    kv_transfer_params = "kv_transfer_params"
+    ec_transfer_params = "ec_transfer_params"
+    media_io_kwargs = "media_io_kwargs"
+    mm_processor_kwargs = "mm_processor_kwargs"
+    chat_template = "chat_template"
+    pooling_data = "pooling_data"
+    priority = "priority"
+    background = "background"
+
 
 # A media part's own keys that are never a URL vLLM fetches; any other string on a
 # media part that looks like a URL is refused (default deny for shapes vLLM may add).
 URLISH_KEYS: Final = frozenset({"url", "uri", "src", "href"})
 
-# Fields refused wherever they sit unless the named media setting opts in (None: never).
+# Fields refused wherever they sit unless their opt-in is on (None: never).
 # Torch deserialization, engine connection steering, processor and template control.
-FORBIDDEN_ANYWHERE: Final[dict[str, str | None]] = {
-    "prompt_embeds": "allow_prompt_embeds",
-    "image_embeds": "allow_embeds_parts",
-    "audio_embeds": "allow_embeds_parts",
-    "video_embeds": "allow_embeds_parts",
-    "kv_transfer_params": "allow_kv_transfer_params",
-    "ec_transfer_params": "allow_ec_transfer_params",
+FORBIDDEN_ANYWHERE: Final[dict[str, OptIn | None]] = {
+    "prompt_embeds": OptIn.prompt_embeds,
+    "image_embeds": OptIn.embeds_parts,
+    "audio_embeds": OptIn.embeds_parts,
+    "video_embeds": OptIn.embeds_parts,
+    "kv_transfer_params": OptIn.kv_transfer_params,
+    "ec_transfer_params": OptIn.ec_transfer_params,
     "kv_cache_report_mode": None,
-    "media_io_kwargs": "allow_media_io_kwargs",
-    "mm_processor_kwargs": "allow_mm_processor_kwargs",
-    "chat_template": "allow_chat_template",
+    "media_io_kwargs": OptIn.media_io_kwargs,
+    "mm_processor_kwargs": OptIn.mm_processor_kwargs,
+    "chat_template": OptIn.chat_template,
     "multi_modal_data": None,
     "multi_modal_uuids": None,
 }
 # Part types with the same meaning as a forbidden field.
-FORBIDDEN_TYPES: Final[dict[str, str]] = {
-    "prompt_embeds": "allow_prompt_embeds",
-    "image_embeds": "allow_embeds_parts",
-    "audio_embeds": "allow_embeds_parts",
-    "video_embeds": "allow_embeds_parts",
+FORBIDDEN_TYPES: Final[dict[str, OptIn]] = {
+    "prompt_embeds": OptIn.prompt_embeds,
+    "image_embeds": OptIn.embeds_parts,
+    "audio_embeds": OptIn.embeds_parts,
+    "video_embeds": OptIn.embeds_parts,
 }
-# Top-level fields refused unless the named payload setting opts in. Top level only:
+# Top-level fields refused unless their opt-in is on. Top level only:
 # these are common property names in tool schemas, where vLLM never reads them.
-FORBIDDEN_TOP_LEVEL: Final[dict[str, str]] = {
-    "data": "allow_pooling_data",
-    "priority": "allow_priority",
+FORBIDDEN_TOP_LEVEL: Final[dict[str, OptIn]] = {
+    "data": OptIn.pooling_data,
+    "priority": OptIn.priority,
 }
 # Top-level identifiers vLLM shares across everyone on an engine (0.32: `session_id` is
 # stamped on the engine's KV cache events): namespaced per key, never forwarded as sent.
 # `request_id`, which also names the stored /v1/responses answer, is bound to the key
-# in a form the gateway can check later (walk.Identity.response_id).
+# in a form the gateway can check later (identity.Identity.response_id).
 NAMESPACED_TOP_LEVEL: Final = ("session_id",)
 # Form fields of the audio routes with the same meaning as the JSON fields above.
 FORBIDDEN_FORM_FIELDS: Final = frozenset(

@@ -13,39 +13,22 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
-import hmac
-import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.errors import (
-    FieldNotAllowed,
-    InvalidRequest,
-    MediaInvalid,
-    MediaTooLarge,
-    ResponseNotFound,
-)
+from gateway.errors import FieldNotAllowed, InvalidRequest, MediaInvalid, MediaTooLarge
 from gateway.media.av import audio_type
 from gateway.media.resolve import Resolved
 from gateway.media.settings import MediaSettings
 from gateway.media.types import MEDIA_KEYS, MEDIA_TYPES, SOURCE_KEY, MediaKind, UuidPolicy
 from gateway.media.urls import DataUrl, RemoteUrl, UrlPolicy
-from gateway.payload.rules import (
-    FORBIDDEN_ANYWHERE,
-    FORBIDDEN_TOP_LEVEL,
-    FORBIDDEN_TYPES,
-    MAX_DEPTH,
-    NAMESPACED_TOP_LEVEL,
-    URLISH_KEYS,
-)
-from gateway.payload.settings import CacheIsolation, PayloadSettings
+from gateway.payload.fields import FieldRules
+from gateway.payload.identity import Identity
+from gateway.payload.rules import FORBIDDEN_ANYWHERE, FORBIDDEN_TYPES, MAX_DEPTH, URLISH_KEYS
 
 # Writes an item's resolved form into the body; says whether that changed the body.
 Setter = Callable[[Resolved], bool]
-# `gw-`, 32 hex digits of the id's own part, 32 of its tag.
-_RESPONSE_ID_LENGTH = 67
 # Where the walk is: () at the top, else (parent, key or index), or a rendered path.
 Trail = tuple[Any, ...] | str
 _URL = frozenset({"url"})
@@ -69,46 +52,6 @@ class MediaItem:
     raw: tuple[bytes, str | None] | None = None
     fixed: str | None = None
     apply: Setter | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Identity:
-    """Who is asking, for namespacing what a client names: the key (its digest), the
-    tenant its cache salt is shared with, and the deployment's HMAC secret."""
-
-    owner: str
-    tenant: str
-    secret: bytes
-
-    def namespaced(self, purpose: str, value: str, *, tenant: bool = False) -> str:
-        owner = self.tenant if tenant else self.owner
-        # Length-prefixed so no (owner, value) pair collides with another's concatenation.
-        material = f"{purpose}:{len(owner)}:{owner}:{value}".encode()
-        return "gw-" + hmac.new(self.secret, material, hashlib.sha256).hexdigest()
-
-    # --- response ids: bound to the key that created them -----------------------------
-
-    def response_id(self, value: str | None) -> str:
-        """The request id (and stored response id) a body's `request_id` reaches the
-        engine as: `gw-` + a part + the part's tag for this key. The part is namespaced
-        from the client's value (the same value gives the same id, per key) or random
-        when the client named none. `owns_response` checks the tag with nothing stored,
-        so every worker and every replica with the same secret agrees."""
-        part = self.namespaced("request_id", value)[3:35] if value else secrets.token_hex(16)
-        return f"gw-{part}{self._response_tag(part)}"
-
-    def owns_response(self, response_id: str) -> bool:
-        """Whether `response_id` was made by `Identity.response_id` for this key."""
-        if len(response_id) != _RESPONSE_ID_LENGTH or not response_id.isascii():
-            return False
-        if not response_id.startswith("gw-"):
-            return False
-        part, tag = response_id[3:35], response_id[35:]
-        return hmac.compare_digest(tag, self._response_tag(part))
-
-    def _response_tag(self, part: str) -> str:
-        material = f"response:{len(self.owner)}:{self.owner}:{part}".encode()
-        return hmac.new(self.secret, material, hashlib.sha256).hexdigest()[:32]
 
 
 def render(trail: Trail) -> str:
@@ -153,103 +96,31 @@ def _set(container: Any, key: Any) -> Setter:
 
 
 class Walk:
-    """The checks of one body. `run` raises on anything refused; afterwards `items`
-    holds the media to resolve and `changed` says whether the body was rewritten."""
+    """The checks of one body: its top-level fields (`FieldRules`), then every object
+    in it. `run` raises on anything refused; afterwards `items` holds the media to
+    resolve and `changed` says whether the body was rewritten."""
 
     def __init__(
         self,
         media: MediaSettings,
-        payload: PayloadSettings,
+        fields: FieldRules,
         policy: UrlPolicy,
         identity: Identity,
     ) -> None:
         self.media = media
-        self.payload = payload
+        self.fields = fields
         self.policy = policy
         self.identity = identity
         self.items: list[MediaItem] = []
         self.changed = False
 
-    # --- top level -------------------------------------------------------------------
-
     def run(self, body: dict[str, Any], *, creates_response: bool = False) -> None:
         """`creates_response`: the body asks for a stored response (`POST
-        /v1/responses`), which gets a request id bound to the key even when it names
-        none (vLLM's own, `resp_` + a random uuid, would be readable by any key)."""
-        for field, setting in FORBIDDEN_TOP_LEVEL.items():
-            if body.get(field) is not None and not getattr(self.payload, setting):
-                raise FieldNotAllowed(f"The field '{field}' is not allowed.", param=field)
-        self._xargs(body.get("vllm_xargs"))
-        self._background(body.get("background"))
-        self._request_id(body, creates_response)
-        self._previous_response(body.get("previous_response_id"))
-        for field in NAMESPACED_TOP_LEVEL:
-            self._identifier(body, field)
-        self._cache_salt(body)
-        self.visit(body, (), 0)
-
-    def _xargs(self, xargs: object) -> None:
-        if xargs is None:
-            return
-        if not isinstance(xargs, dict):
-            raise InvalidRequest("vllm_xargs must be an object.", param="vllm_xargs")
-        allowed = self.payload.vllm_xargs_keys
-        for key in xargs:
-            if key not in allowed:
-                raise FieldNotAllowed(
-                    "This vllm_xargs key is not allowed.", param=f"vllm_xargs.{key}"[:200]
-                )
-
-    def _background(self, value: object) -> None:
-        """vLLM 0.32 answers a `background` Responses request at once (`queued`) and
-        generates on: the key's in-flight cap counts the answered request, not the
-        generation, and no client connection is left to abort it. Anything but
-        absent, null or false is refused (pydantic reads `1` and `"yes"` as true)."""
-        if value is None or value is False or self.payload.allow_background:
-            return
-        raise FieldNotAllowed("The field 'background' is not allowed.", param="background")
-
-    def _request_id(self, body: dict[str, Any], creates_response: bool) -> None:
-        value = body.get("request_id")
-        if value is None and not creates_response:
-            return
-        if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 128):
-            raise InvalidRequest("request_id must be a short string.", param="request_id")
-        body["request_id"] = self.identity.response_id(value)
-        self.changed = True
-
-    def _previous_response(self, value: object) -> None:
-        """vLLM continues from the stored response (its output and its messages) that
-        `previous_response_id` names: only one this key created."""
-        if value is None:
-            return
-        if not isinstance(value, str) or not self.identity.owns_response(value):
-            raise ResponseNotFound(param="previous_response_id")
-
-    def _identifier(self, body: dict[str, Any], field: str) -> None:
-        """A client-chosen identifier the engine shares across keys, namespaced."""
-        value = body.get(field)
-        if value is None:
-            return
-        if not isinstance(value, str) or not 0 < len(value) <= 128:
-            raise InvalidRequest(f"{field} must be a short string.", param=field)
-        body[field] = self.identity.namespaced(field, value)
-        self.changed = True
-
-    def _cache_salt(self, body: dict[str, Any]) -> None:
-        salt = body.get("cache_salt")
-        if salt is not None and (
-            not isinstance(salt, str) or not 0 < len(salt) <= self.media.max_cache_salt_length
-        ):
-            raise InvalidRequest("cache_salt is not a string or is too long.", param="cache_salt")
-        mode = self.payload.cache_isolation
-        if mode is CacheIsolation.off:
-            return
-        # The client's own salt still partitions the cache, but only within its tenant.
-        body["cache_salt"] = self.identity.namespaced(
-            "cache_salt", salt or "", tenant=mode is CacheIsolation.tenant
+        /v1/responses`), which gets a request id bound to the key (fields.py)."""
+        self.changed = self.fields.check_top_level(
+            body, self.identity, creates_response=creates_response
         )
-        self.changed = True
+        self.visit(body, (), 0)
 
     # --- the walk ----------------------------------------------------------------------
 
@@ -291,7 +162,7 @@ class Walk:
                 continue
             path = render((trail, key))
             if key in FORBIDDEN_ANYWHERE:
-                self._forbidden(key, value, path)
+                self.fields.check_anywhere(key, value, path)
                 # An embeds key makes a part, uuid and all (vLLM infers its type so).
                 is_part = is_part or key in FORBIDDEN_TYPES
             if key in MEDIA_KEYS:
@@ -306,11 +177,6 @@ class Walk:
         if is_part:
             self.part(obj, ptype, render(trail), skip, has_media=len(self.items) > before)
 
-    def _forbidden(self, key: str, value: object, path: str) -> None:
-        setting = FORBIDDEN_ANYWHERE[key]
-        if value is not None and (setting is None or not getattr(self.media, setting)):
-            raise FieldNotAllowed(f"The field '{key}' is not allowed.", param=path)
-
     def part(
         self,
         part: dict[str, Any],
@@ -322,9 +188,7 @@ class Walk:
     ) -> None:
         """Checks on an object that vLLM may read as a media part."""
         if isinstance(ptype, str) and ptype in FORBIDDEN_TYPES:
-            setting = FORBIDDEN_TYPES[ptype]
-            if not getattr(self.media, setting):
-                raise FieldNotAllowed(f"The content part '{ptype}' is not allowed.", param=path)
+            self.fields.check_part_type(ptype, path)
         if isinstance(ptype, str) and ptype in MEDIA_TYPES:
             if not isinstance(part.get(SOURCE_KEY), dict | None):
                 raise MediaInvalid("The media source must be an object.", param=path)

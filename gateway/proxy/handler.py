@@ -73,8 +73,6 @@ class Proxy:
         self._session_header = (
             header_name.strip().lower().encode("latin-1") if header_name else None
         )
-        # The loop, looked up once: asyncio's lookup costs a getpid() call on Python 3.11.
-        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ex = exchange_of(scope)
@@ -114,7 +112,8 @@ class Proxy:
             target += "?" + query
         headers = self._upstream_headers(scope, ex.engine_request_id, incoming.content_type)
 
-        loop = self._loop or self._bind_loop()
+        # The loop the lifespan bound (gateway/app.py), kept by the connection guard.
+        loop = self.connections.running_loop()
         task = asyncio.current_task(loop)
         assert task is not None
         # The body is consumed: from now on `receive` only reports a disconnect.
@@ -152,10 +151,6 @@ class Proxy:
         if not engines:
             raise ModelUnavailable()
         return engines
-
-    def _bind_loop(self) -> asyncio.AbstractEventLoop:
-        self._loop = asyncio.get_running_loop()
-        return self._loop
 
     async def _inspect(
         self, incoming: Incoming, ex: Exchange

@@ -15,13 +15,14 @@ import asyncio
 
 import structlog
 
-from gateway.errors import EngineError, ModelNotFound, send_error, sse_error_frame
+from gateway.errors import EngineError, ModelNotFound
 from gateway.exchange import Exchange
 from gateway.proxy.disconnect import DisconnectWatch
 from gateway.proxy.forward import gateway_error
 from gateway.proxy.headers import RESPONSE_HEADERS
 from gateway.proxy.scrub import about_model, excerpt, scrub_json
 from gateway.proxy.usage import Tail, read_usage
+from gateway.responses import send_error, send_json, sse_error_frame
 from gateway.types import Send
 from gateway.upstream.errors import UpstreamError
 from gateway.upstream.interfaces import NO_CONTENT, Response
@@ -106,12 +107,7 @@ class Relay:
             cleaned = scrub_json(body)
             if cleaned is not None:
                 ex.bytes_out = len(cleaned)
-                headers = [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(cleaned)).encode("ascii")),
-                ]
-                await send({"type": "http.response.start", "status": status, "headers": headers})
-                await send({"type": "http.response.body", "body": cleaned})
+                await send_json(send, status, cleaned)
                 return
         log.warning(
             "engine_error",

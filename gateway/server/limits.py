@@ -17,7 +17,6 @@ timer was one more.
 from __future__ import annotations
 
 import asyncio
-import resource
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -27,6 +26,7 @@ import structlog
 from gateway.config.settings import LimitsSettings, TimeoutSettings
 from gateway.errors import Overloaded
 from gateway.observability.metrics import ConnectionCounts
+from gateway.server.process import fd_limit as process_fd_limit
 
 # The lifespan state key under which the app hands the guard to the protocol.
 CONNECTION_GUARD = "gateway.connection_guard"
@@ -53,21 +53,6 @@ class Timed(Protocol):
 
     def evict(self) -> None:
         """Close the connection to make room for a new one (it is waiting for a head)."""
-
-
-def raise_fd_limit() -> int:
-    """Raise this process's soft RLIMIT_NOFILE to its hard limit (children inherit it);
-    return the soft limit now in force."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    # An unlimited hard limit still stops at the kernel's nr_open (2**20 by default).
-    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
-    if soft != resource.RLIM_INFINITY and soft < target:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        except (ValueError, OSError):
-            return soft
-        return target
-    return soft
 
 
 def fit_connections(max_connections: int, max_in_flight: int, fd_limit: int) -> int:
@@ -151,9 +136,7 @@ class ConnectionGuard:
         fd_limit: int | None = None,
     ) -> None:
         if fd_limit is None:
-            fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-            if fd_limit == resource.RLIM_INFINITY:
-                fd_limit = 1 << 20
+            fd_limit = process_fd_limit()
         self.request_head = timeouts.request_head
         self.keepalive = timeouts.client_keepalive
         self.response_stall = timeouts.response_stall
@@ -209,15 +192,16 @@ class ConnectionGuard:
         return True
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Start the sweep on `loop` (the first connection or body does)."""
+        """Start the sweep on `loop`: the lifespan does, with the loop it binds (or, in
+        an app run without one, the first connection or body)."""
         if self._timer is None:
             self._loop = loop
             self._timer = loop.call_later(self.interval, self._sweep)
 
     def running_loop(self) -> asyncio.AbstractEventLoop:
-        """The loop the sweep runs on, started on the running loop if it is not running.
-        Kept rather than looked up per request: asyncio's lookup costs a getpid() system
-        call on Python 3.11 (two per request in read_body, strace)."""
+        """The loop the sweep runs on (the lifespan's), started on the running loop if
+        it is not running. Kept rather than looked up per request: asyncio's lookup costs
+        a getpid() system call on Python 3.11 (two per request in read_body, strace)."""
         if self._timer is None:
             self.start(asyncio.get_running_loop())
         assert self._loop is not None

@@ -50,7 +50,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from gateway.config.settings import LimitsSettings, TimeoutSettings
-from gateway.errors import BodyChunksTooSmall, HeadersTooLarge, raw_response
+from gateway.errors import BodyChunksTooSmall, HeadersTooLarge
+from gateway.responses import raw_response
 from gateway.server.limits import CONNECTION_GUARD, ConnectionGuard
 
 _HEADERS_TOO_LARGE = raw_response(HeadersTooLarge())

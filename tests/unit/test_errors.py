@@ -12,10 +12,11 @@ import orjson
 import pytest
 import structlog
 
-from gateway.errors import GatewayError, HeadersTooLarge, raw_response
+from gateway.errors import GatewayError, HeadersTooLarge
 from gateway.middleware import RequestContext
 from gateway.observability.logging import RequestLog, configure_logging
 from gateway.observability.metrics import Metrics
+from gateway.responses import raw_response
 
 
 def test_unhandled_error_logs_its_traceback_and_tells_the_client_nothing(
