@@ -53,7 +53,7 @@ log = structlog.get_logger("gateway.app")
 
 
 class ModelList:
-    """`GET /v1/models`, answered from the pool's copy of the engines' lists (models.py)
+    """`GET /v1/models`, answered from the pool's copy of the engines' lists (routing/models.py)
     rather than by an engine: one merged list, whichever engine serves what, and no
     engine request per call. Plain ASGI: clients call it like any API route."""
 
@@ -94,15 +94,15 @@ class Dispatch:
 class KeyFileWatcher:
     """Reloads the key file when it changes: its modification time, its change time,
     its inode or its size. The change time is what a copy that keeps the source's mtime
-    (`cp -p`, `rsync -a`, a Nix store path, mtime 1) cannot set back: a key swapped for
-    another of the same length was missed on (mtime, size) alone. An invalid new file is
-    logged and ignored: the keys in force stay, so a typo cannot lock everyone out.
+    (`cp -p`, `rsync -a`, a Nix store path, mtime 1) cannot set back, so a key swapped
+    for another of the same length is seen. An invalid new file is logged and ignored:
+    the keys in force stay, so a typo cannot lock everyone out.
 
     A file is read only once it has held still for one poll: an editor or a script
     that truncates the file and then writes it would otherwise be caught half-way (an
-    empty file reads as no keys at all, which locked every client out until the next
-    poll). An empty file is refused for the same reason; `api_keys: []` revokes every
-    key on purpose."""
+    empty file reads as no keys at all and locks every client out until the next poll).
+    An empty file is refused for the same reason; `api_keys: []` revokes every key on
+    purpose. docs/facts.md, "Key file reloads", has what each rule answers."""
 
     def __init__(self, path: Path, keyring: KeyRing, settings: Settings, loaded_keys: int) -> None:
         self.path = path

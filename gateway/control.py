@@ -274,8 +274,8 @@ def control_app(
     )
     async def readyz() -> Response:
         # Ready: some engine is healthy, which the pool grants only once that engine's
-        # served models are known (a gateway that answered before knowing them refused
-        # served models).
+        # served models are known (one that answered before knowing them would refuse
+        # served models as unknown).
         ready = pool.ready()
         body = Readiness(
             status="ready" if ready else "no_healthy_engine",

@@ -58,7 +58,7 @@ and URL parsers echo attacker input. Raised when:
   + UpstreamTimeout           504 upstream_timeout: an engine silent too long (proxy/forward.py)
 
 The upstream client's own failures (gateway/upstream/errors.py, `UpstreamError`) are mapped to
-the last four in one place, `forwarder.gateway_error`.
+the last four in one place, `gateway_error` (gateway/proxy/forward.py).
 """
 
 from __future__ import annotations

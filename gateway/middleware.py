@@ -40,7 +40,7 @@ DEFAULT_MAX_HEADERS: int = LimitsSettings.model_fields["max_headers"].default
 
 class RequestIds:
     """Random 128-bit request ids. os.urandom is read 4 KiB at a time: one getrandom()
-    system call per request was 2% of the gateway's CPU at 64 connections (py-spy). The
+    system call per request is 2% of the gateway's CPU at 64 connections (py-spy). The
     buffer is filled on first use, so processes forked before it never share one."""
 
     __slots__ = ("_buffer", "_pos")

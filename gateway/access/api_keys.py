@@ -3,7 +3,7 @@
 Keys are held only as SHA-256 digests. A presented key is hashed once and compared with
 `hmac.compare_digest` against every configured digest, without stopping at the first
 match, so the time taken says nothing about which key or how much of it matched
-(vLLM compared keys with `==` until CVE-2025-59425).
+(CVE-2025-59425: vLLM's `==` comparison of keys leaked timing).
 """
 
 from __future__ import annotations

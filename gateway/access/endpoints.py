@@ -8,8 +8,8 @@ Matching is exact on the raw request path (the bytes on the wire, not a decoded 
 A path that is not in canonical form (percent escapes, `//`, dot segments, a trailing
 slash, upper case, `;` parameters, NUL or other bytes outside the route alphabet) is
 never forwarded: it gets the verdict of its canonical form if that is blocked, else 404.
-So a spelling trick can only turn a route into a refusal, never into a different route;
-vLLM's own auth check once trusted a path rebuilt from another source (CVE-2026-48746).
+So a spelling trick can only turn a route into a refusal, never into a different route:
+an auth check that reads a path other than the one routed is a bypass (CVE-2026-48746).
 
 The query string is held to the same rule: a route forwards only the query parameters
 its entry declares (none, for every route but `GET /v1/responses/{id}`), each checked
@@ -36,7 +36,8 @@ class Group(StrEnum):
     audio = "audio"
     models = "models"
     info = "info"
-    # The gateway's own /metrics; never granted implicitly (see access/api_keys.py).
+    # The gateway's own /metrics; never granted implicitly (a key without `scopes` gets
+    # FORWARDED_GROUPS: config/key_file.py).
     metrics = "metrics"
     # The gateway's control routes (/gateway/status, its OpenAPI schema); never
     # granted implicitly either.

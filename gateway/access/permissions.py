@@ -79,7 +79,7 @@ class Models(Protocol):
 class RequestCheck:
     """What a request's body asks for must be allowed: the model for its key, and a
     route that keeps tenants' caches apart when the deployment isolates them. Calling
-    it gives the model whose engines may take the request (models.py)."""
+    it gives the model whose engines may take the request (routing/models.py)."""
 
     def __init__(self, models: Models, payload: PayloadSettings) -> None:
         self.models = models

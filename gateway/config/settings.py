@@ -62,20 +62,20 @@ class LimitsSettings(BaseModel):
     max_upload_bytes: int = Field(default=25 * 1024 * 1024, gt=0)
     # Array elements and object members of a JSON body over 4 MiB (413 beyond; smaller
     # bodies are not counted: ~160 MiB parsed at most). Parsed, a value costs up to ~180
-    # bytes: 32 MiB of
-    # `[],` were 11 million lists, 1 GiB and seconds of the event loop; at this cap a
-    # body parses into at most ~180 MiB, in ~0.3 s (gateway/proxy/body.py parse_json).
+    # bytes: 32 MiB of `[],` are 11 million lists, 1 GiB and seconds of the event loop;
+    # at this cap a body parses into at most ~180 MiB, in ~0.3 s (gateway/proxy/body.py
+    # parse_json).
     max_json_values: int = Field(default=2_000_000, gt=0)
     # Bytes of request bodies still arriving, held in memory, in all; one key may hold
     # half (503 overloaded beyond). 40 bodies of 32 MiB held a byte short of their end
-    # kept 1.3 GiB for the minute of their deadline.
+    # keep 1.3 GiB for the minute of their deadline.
     max_buffered_body_bytes: int = Field(default=256 * 1024 * 1024, gt=0)
     # Header fields per request (431 beyond). uvicorn caps neither their number (httptools)
     # nor, with httptools, their total size; every header loop on the way is linear in it.
     max_headers: int = Field(default=100, gt=0)
     # Bytes of a request head (request line and header lines), 431 `headers_too_large`
     # beyond (gateway/server/protocol.py). httptools buffers a header value whole before handing
-    # it over, at any size: 2 MB of headers were accepted.
+    # it over, at any size: uvicorn alone accepts a 2 MB head.
     max_header_bytes: int = Field(default=64 * 1024, ge=1024)
     # Open client connections per process; beyond it a new connection is closed at once
     # (gateway/server/protocol.py). Each holds a file descriptor, as does each in-flight request's
@@ -95,7 +95,7 @@ class TimeoutSettings(BaseModel):
     # response. Beyond it the connection is closed without an answer (slowloris).
     request_head: float = Field(default=10.0, gt=0)
     # An idle keep-alive connection is closed after this (gateway/server/protocol.py; in place of
-    # uvicorn's timeout_keep_alive, whose timer was armed per request).
+    # uvicorn's timeout_keep_alive, whose timer is armed per request).
     client_keepalive: float = Field(default=5.0, gt=0)
     # Time a client has to send a whole request body, from when the gateway starts
     # reading it; 408 `request_timeout` beyond.
