@@ -2,9 +2,10 @@
 between owners (keys).
 
 A decode takes its cost (bytes) and one of `threads` threads before it starts and gives
-both back when it ends. With one first-come-first-served line, one key's 8 decode-heavy
-images per request queued ahead of another key's small image (the soak: p50 of a chat
-with one image went from 77 ms to 1,044 ms). Here, as for fetch slots
+both back when it ends. A single first-come-first-served line would queue one key's 8
+decode-heavy images per request ahead of another key's small image (in the soak, the p50
+of a chat with one image: 1,044 ms against 77 ms; docs/facts.md, "Media memory"). Here,
+as for fetch slots
 (gateway/media/slots.py), the next grant goes to the waiting owner holding the fewest
 bytes (ties: the one waiting longest; owners served take turns); within an owner, in
 arrival order. Bytes rather than decodes running: a decode's bytes and its time both grow

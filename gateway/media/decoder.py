@@ -1,9 +1,9 @@
 """`Decoder`: the thread pool images are read and decoded on, and the budget of bytes
 their decodes share (docs/media.md, "Media memory").
 
-The pool has `media.decode_threads` threads whatever the host's core count; asyncio's
-default executor, which decoding used before, has cores + 4, and on 2 cores six
-160 MiB decodes at once took the gateway to 990 MiB (bench/suites/decode_memory.py).
+The pool has `media.decode_threads` threads whatever the host's core count: asyncio's
+default executor has cores + 4, and on 2 cores six 160 MiB decodes at once on it take
+the gateway to 990 MiB (bench/suites/decode_memory.py; docs/facts.md, "Media memory").
 Decodes wait in the budget's line, fair between keys, for their bytes and a thread, so
 the pool's own first-come-first-served queue never holds a decode.
 """

@@ -124,8 +124,8 @@ def _refusal(exc: Exception) -> MediaInvalid | MediaTooLarge:
 def _refusing(read: Callable[P, T]) -> Callable[P, T]:
     """`read`, with every exception it meets turned into a refusal. The refusal is raised
     bare: no context, no traceback of `read`, so nothing of Pillow's (its exception, the
-    frames that held the image) lives on with it until the cyclic collector runs. A
-    refused 4096 x 4096 image once stayed in memory that way, 64 MiB a refusal."""
+    frames that held the image) lives on with it until the cyclic collector runs: for a
+    refused 4096 x 4096 image, 64 MiB a refusal (docs/facts.md, "Media memory")."""
 
     @functools.wraps(read)
     def call(*args: P.args, **kwargs: P.kwargs) -> T:
@@ -207,9 +207,8 @@ def _check_structure(data: bytes) -> None:
     has, before Pillow parses it. Pillow walks a JPEG's markers up to its first scan,
     and a PNG's chunks, in Python (~1-3 us each), stepping over a JPEG's junk a byte at
     a time and keeping every comment and private chunk: a 20 MB JPEG of 5 million empty
-    comments took 5 s of a decode thread and ~370 MiB to read its header, outside the
-    decode budget, and again to decode it; two at once took the gateway from 74 to 944
-    MiB and held another key's 16 x 16 PNG for 11 s."""
+    comments takes 5 s of a decode thread and ~370 MiB to read its header, outside the
+    decode budget (docs/facts.md, "Media memory")."""
     end = len(data)
     if data[:2] == b"\xff\xd8":
         at, markers, junk = 2, 0, 0
@@ -253,10 +252,9 @@ def gif_frames(data: bytes, size: tuple[int, int], cap: int) -> int:
     grown to its first frame), or for a walk that ends inside a block.
 
     Pillow's own count (`n_frames`) walks every frame before the cap is looked at: a 20
-    MiB GIF of 1.3 million 1 x 1 frames took ~2 s of a decode thread. And a decode grows
-    the image to each frame's extent as it goes: a 48 KB GIF with an 8 x 8 screen and a
-    second frame of 8000 x 8000 passed the header's caps, was charged 896 bytes of the
-    decode budget, and its decode took the process from 94 to 835 MiB."""
+    MiB GIF of 1.3 million 1 x 1 frames takes ~2 s of a decode thread. And a decode grows
+    the image to each frame's extent as it goes, past the caps the header was checked
+    against and the budget charged for it (docs/facts.md, "Media memory")."""
     width, height = size
     end = len(data)
     flags = data[10] if end > 10 else 0
@@ -356,7 +354,7 @@ def decode_image(data: bytes, header: ImageHeader, settings: ImageLimits) -> Ima
         for index in range(header.frames):
             image.seek(index)
             # Pillow grows a GIF to a frame that reaches past it as it seeks there, before
-            # the frame's pixels are allocated: the decode budget was charged for `size`.
+            # the frame's pixels are allocated: the decode budget is charged for `size`.
             # gif_frames refuses such frames from the header; this is Pillow's own view.
             if image.size != size:
                 raise MediaInvalid("A frame of the image lies outside the image.")

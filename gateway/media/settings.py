@@ -71,8 +71,8 @@ class MediaSettings(BaseModel):
     # the largest image the common vision models' processors take before they downscale
     # (Qwen3-VL's published preprocessor config: 16,777,216; Qwen2/2.5-VL's: 12,845,056;
     # transformers' Qwen2-VL default: 1,003,520); more pixels only cost the gateway and
-    # the engine memory. Was 40 M: 160 MiB decoded per RGBA image (docs/media.md, "Media
-    # memory").
+    # the engine memory: 40 M pixels are 160 MiB decoded per RGBA image (docs/media.md,
+    # "Media memory").
     max_pixels: int = Field(default=4096 * 4096, gt=0)
     # Decoded pixels one request may carry: width x height x frames summed over its
     # images (and `data:video/jpeg` frames), from the headers, before anything is

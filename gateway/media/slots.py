@@ -82,8 +82,8 @@ class FairSlots:
                 self._waiting[owner] = queue  # to the back: equals take turns
             if waiter.done():
                 # Cancelled (its timeout) but not yet resumed to leave the queue: it
-                # takes nothing. Handing it the slot raised InvalidStateError in the
-                # releaser and left the slot counted to it for good.
+                # takes nothing. Handing it the slot would raise InvalidStateError in
+                # the releaser and leave the slot counted to it for good.
                 continue
             self._take(owner)
             waiter.set_result(None)

@@ -20,7 +20,8 @@ class ValidationDepth(StrEnum):
 
 
 class UuidPolicy(StrEnum):
-    # Rewrite a client's media `uuid` into a per-key namespace (sha256 of key name + uuid).
+    # Rewrite a client's media `uuid` into a per-key namespace (an HMAC of the key's digest
+    # and the uuid: gateway/payload/identity.py).
     namespace = "namespace"
     # Remove it; a part that names media only by uuid is then refused.
     drop = "drop"

@@ -191,7 +191,7 @@ def parse_domain_rule(entry: str) -> _DomainRule:
     """Parse one ALLOWED_DOMAINS entry: `host`, `*.host`, `host:port`, `[v6]:port`."""
     text = entry.strip().lower()
     if "://" in text or "/" in text:
-        # `https://example.com` was read as host `https` with port `//example.com`.
+        # `https://example.com` would read as host `https` with port `//example.com`.
         raise _refuse("scheme", "the entry is a URL: give its host (and port) alone")
     wildcard = text.startswith("*.")
     if wildcard:

@@ -187,6 +187,6 @@ async def _all(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
         raise
     finally:
         # A failed task holds its exception, whose traceback holds this frame: without
-        # this, every refused request (its body, its media) lived on in that cycle until
-        # a full collection, tens of MiB a request.
+        # this, every refused request (its body, its media) would live on in that cycle
+        # until a full collection, tens of MiB a request.
         del tasks, task

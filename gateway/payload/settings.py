@@ -1,8 +1,9 @@
 """Settings of request-body policy beyond media (`GATEWAY_PAYLOAD__...`).
 
-The older field opt-ins (`allow_prompt_embeds` and kin) stay under `media` where they
-were first documented; everything here is about identifiers and engine controls that a
-client must not choose on behalf of other tenants.
+The opt-ins of fields that carry or steer media (`allow_prompt_embeds` and kin) are
+media settings (`GATEWAY_MEDIA__...`, docs/media.md); everything here is about
+identifiers and engine controls that a client must not choose on behalf of other
+tenants.
 """
 
 from __future__ import annotations
