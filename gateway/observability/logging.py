@@ -1,6 +1,6 @@
 """structlog setup: one line per event, JSON or console, with secrets scrubbed.
 
-The request line is built from fixed fields (see app.py); nothing a client sends is
+The request line is built from fixed fields (middleware.RequestContext); nothing a client sends is
 logged except its method, path and request id. As a second line of defence a processor
 masks values under secret-looking names and cuts `data:` URLs short, so a field added
 later cannot leak a key or a whole image into the logs.
@@ -57,13 +57,13 @@ class RequestLog:
     In the JSON format the line is rendered here: the same fields in the same order, the
     same level and ISO UTC timestamp as the structlog pipeline of `configure_logging`
     would write. Through that pipeline (bound logger, processor chain, redaction walk,
-    BytesLogger lock) the line cost ~22 us of CPU per request, 8% of the gateway's CPU
+    BytesLogger lock) the line costs ~22 us of CPU per request, 8% of the gateway's CPU
     at 64 connections (py-spy). The fields are fixed by the caller; the one that carries
     client text, the path, still goes through the data: URL redaction. In the console
     format, and for every other event, structlog is used as configured.
 
     Once `bind` gave it the loop, lines are flushed once per loop iteration instead of
-    once per line: the write system call per line was another 8% of the CPU at 64
+    once per line: the write system call per line is another 8% of the CPU at 64
     connections (py-spy), and the requests finished in one iteration share one write.
     `flush()` at shutdown.
     """
@@ -125,7 +125,7 @@ def configure_logging(
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
     if fmt == "json":
-        # `log.exception(...)` sets exc_info: without this the JSON line carried only
+        # `log.exception(...)` sets exc_info: without this the JSON line carries only
         # `"exc_info": true` and no traceback. Formatted before `redact`, so data: URLs
         # in exception text are cut short like any other field. Plain text, not
         # `dict_tracebacks`, which can render frame locals (request bodies, keys).

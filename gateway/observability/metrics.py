@@ -19,9 +19,9 @@ from prometheus_client.registry import Collector
 CONTENT_TYPE = CONTENT_TYPE_LATEST.encode("latin-1")
 
 # The `key` label of requests that presented no valid key (the open routes, refusals
-# before a key was recognised). No key's name is empty (auth.build_keys names a key
-# without one `key-<n>`), so this label is never a key's. Other values are key names,
-# as many as the keys configured (key-file reloads included).
+# before a key was recognised). No key's name is empty (config/key_file.py's
+# `build_keys` names a key without one `key-<n>`), so this label is never a key's. Other
+# values are key names, as many as the keys configured (key-file reloads included).
 NO_KEY = ""
 
 # Latency buckets from 1 ms: the gateway's own answers take well under a millisecond,
@@ -128,15 +128,15 @@ class ConnectionCounts:
         # Waiting longest for a head when a new connection came at the cap: closed to
         # make room for it.
         self.evicted = 0
-        # A chunked body in chunks too small on average (server.MIN_CHUNK_BYTES): 400,
-        # then closed.
+        # A chunked body in chunks too small on average (protocol.MIN_CHUNK_BYTES):
+        # 400, then closed.
         self.body_chunks_too_small = 0
         # A head over `limits.max_header_bytes`: 431, then closed.
         self.headers_too_large = 0
         # A response left unread for `timeouts.response_stall`: dropped.
         self.response_stall = 0
-        # A request pipelined beyond server.MAX_PIPELINED: the queued ones answered,
-        # then closed.
+        # A request pipelined beyond protocol.MAX_PIPELINED: the queued ones
+        # answered, then closed.
         self.pipeline_full = 0
 
 

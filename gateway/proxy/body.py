@@ -6,7 +6,7 @@ A JSON body is read whole and parsed once into an object; a multipart upload is 
 whole and validated (gateway/proxy/multipart.py); other routes take no body. The cap is
 enforced while reading, so a body sent without `Content-Length` (chunked) is cut off at
 the cap instead of being buffered whole first, and so is the pace
-(`connections.BodyPace`): a body that stalls or trickles is cut with 408 before it
+(`BodyPace`, gateway/server/limits.py): a body that stalls or trickles is cut with 408 before it
 reaches an engine. The app's `ConnectionGuard`, whose sweep keeps the pace, is handed
 in by the proxy.
 """
@@ -29,8 +29,8 @@ from gateway.server.limits import BodyPace, ConnectionGuard
 from gateway.types import Receive, Scope
 
 # The Content-Type a JSON request is forwarded with: the media type that was checked,
-# never the client's header (a `Connection: content-type` once stripped that header
-# after it was validated).
+# never the client's header, which can change after the check (a `Connection:
+# content-type` makes it hop-by-hop: docs/facts.md, "Headers").
 _JSON_CONTENT_TYPE = (b"content-type", b"application/json")
 
 

@@ -39,7 +39,7 @@ _MAX_HEADER_BYTES = 4096
 _BOUNDARY = re.compile(rb"[0-9A-Za-z'()+_,\-./:=? ]{0,69}[0-9A-Za-z'()+_,\-./:=?]")
 # Field names the gateway reads the same way as the engine's form parser, whatever
 # charset that parser would decode with (Starlette decodes names and values with the
-# Content-Type's charset: `charset=utf-7` turned `+AG0-odel` into `model` there).
+# Content-Type's charset: `charset=utf-7` turns `+AG0-odel` into `model` there).
 _FIELD_NAME = re.compile(r"[A-Za-z0-9_.\-\[\]]{1,64}")
 # Bytes a part header value may not carry: controls other than tab, DEL, C1 controls and
 # the no-break space (which Python's str.strip() removes and Starlette keeps).
@@ -132,7 +132,7 @@ class _Collector:
     def on_header_end(self) -> None:
         if _CONTROL.search(self._value):
             # str.strip() would drop some of these (\x0b, \x1c, \x85...) where the
-            # engine's parser keeps them: `name=model\x1c` was `model` here only.
+            # engine's parser keeps them: `name=model\x1c` would be `model` here only.
             raise InvalidRequest("A part of the upload has a header with control characters.")
         name = self._field.decode("latin-1").strip(" \t").lower()
         self.current.headers[name] = self._value.decode("latin-1").strip(" \t")

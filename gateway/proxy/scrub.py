@@ -3,7 +3,7 @@
 An engine's error message can describe the network behind it: the URL it fetched and the
 status it got, connection errors naming host and port, object addresses from Pillow. Once
 any media check is bypassed that turns the engine into a port scanner (docs/vllm.md), so the
-proxy never relays an error body as sent (proxy/handler.py, `_relay_error`):
+proxy never relays an error body as sent (proxy/relay.py, `Relay.error`):
 
 - 5xx: replaced by a fixed message with the request id (`errors.EngineError`); the
   original goes to the gateway's log, truncated.
