@@ -41,7 +41,7 @@ DIGEST_SIZE = 16
 
 # Bodies come from orjson: plain dicts, lists and strs. The checks below test for those
 # concrete types, not the collections.abc ones: an ABC isinstance costs about ten times
-# more, and it was a quarter of the routing time on a 2k-token chat body (profiled).
+# more, a quarter of the routing time on a 2k-token chat body (profiled).
 
 # A content part is a media item by the payload rules' tables, the ones the body walk
 # applies: by its `type`, or by a media key whatever its `type` says (vLLM picks the part

@@ -6,7 +6,7 @@ the pool as pods come and go. Each address becomes one engine URL (`http://10.0.
 `http://[fd00::7]:8000`), so rendezvous hashing sees the same URLs on every replica that
 resolves the same records. The engine keeps the entry's name (`DnsEntry.host`) for its
 Host header and, with `dns+https://`, for TLS: the certificate names the service, not a
-pod's address (pool.Engine, upstream.Origin).
+pod's address (engine.Engine, gateway/upstream/origin.py's Origin).
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ def status_verdict(path: str, status: int, *, keyed: bool) -> Verdict:
 
 
 def unreadable_models(body: bytes) -> Verdict:
-    """Why a 200 answer to GET /v1/models is not a model list (models.parse_model_list
+    """Why a 200 answer to GET /v1/models is not a model list (model_list.parse_model_list
     returned None)."""
     try:
         orjson.loads(body)

@@ -9,9 +9,9 @@ and to the body reader through the proxy; each worker process builds its own.
 A deadline is a float, moved a few times a request (the head complete, each body chunk,
 the response sent), never a timer: one timer per process sweeps the open connections and
 the bodies being read a few times a second, so a deadline is kept to within `interval`
-(0.5 s at most). An asyncio timer armed and cancelled per request cost ~8 us of CPU on
+(0.5 s at most). An asyncio timer armed and cancelled per request costs ~8 us of CPU on
 this machine, a twentieth of the gateway's whole added latency; uvicorn's own keep-alive
-timer was one more.
+timer, which the protocol replaces, is one more.
 """
 
 from __future__ import annotations
@@ -163,7 +163,8 @@ class ConnectionGuard:
         # response is sent; one with a request in progress is never here.
         self.waiting: OrderedDict[Timed, None] = OrderedDict()
         # Tasks reading a request body, and the loop time by which their next chunk is
-        # due by `body_pace` (body.read_body); those the sweep cancelled for being late.
+        # due by `body_pace` (proxy/body.py read_body); those the sweep cancelled for
+        # being late.
         self.bodies: dict[asyncio.Task[Any], float] = {}
         self.late: set[asyncio.Task[Any]] = set()
         self.body_bytes = BodyBytes(limits.max_buffered_body_bytes)

@@ -9,36 +9,26 @@
 The allocator. glibc serves an allocation above its mmap threshold with its own mmap and
 unmaps it when freed; below, from an arena, which keeps freed memory. The threshold
 starts at 128 KiB and rises to the size of any mmapped block that is freed (up to 32
-MiB), so once one image buffer was freed, later ones (Pillow allocates them in blocks of
-up to 16 MiB) came from arenas and stayed there: after two requests of eight 6324 x 6324
-RGBA PNGs the gateway kept 989 of its 990 MiB peak (bench/suites/decode_memory.py). A fixed
-threshold turns the rise off. Measured on the decode-heavy pair at default settings (8 x
-4095^2 RGBA PNGs, 2 requests at once), RSS 2 s after the answers, from 60 MiB before:
+MiB), so once one image buffer is freed, later ones (Pillow allocates them in blocks of
+up to 16 MiB) come from arenas and stay there: after two requests of eight 6324 x 6324
+RGBA PNGs the gateway keeps 989 of its 990 MiB peak (bench/suites/decode_memory.py). A
+fixed threshold turns the rise off (on the decode-heavy pair at default settings, 65 MiB
+kept of a 192 MiB peak against 161 of 193: docs/facts.md, "Process memory"):
 
-| allocator                              | peak MiB | after MiB |
-|----------------------------------------|---------:|----------:|
-| glibc defaults                         |      193 |       161 |
-| MALLOC_ARENA_MAX=2                     |      193 |       114 |
-| mmap threshold fixed at 1 MiB          |      192 |        65 |
-| mmap threshold fixed at 128 KiB        |      192 |        63 |
-
-Later, from 68 MiB before (two runs each): 1 MiB, 192-201 and 74 MiB; 4 MiB with the
-trim threshold at 8 MiB (chosen), 202 and 74 MiB.
-
-4 MiB: the buffers of a 1 MB image (its 1.3 MB body, the ASCII copy of its base64, the
-decoded bytes, Pillow's pixels) stay under it and are reused from the arenas. Fixing
-the mmap threshold also fixes the trim threshold, at its 128 KiB start, so the free top
-of each heap was given back after every request and faulted in again on the next; it
-is fixed at 8 MiB. That 1 MB image's path in process (join the body's chunks, parse,
-check, hash and decode the base64, Pillow's open and load) took 1,886 minor page faults
-a round at 1 MiB, 327 now, 0 under glibc's defaults; the gateway image bench measured
-the difference (bench/README.md). Images of over a million pixels still take fresh
-mappings, given back as they are freed. Pillow's own block cache is off by default
-(`PIL.Image.core.get_blocks_max()` is 0) and is left off.
+- The mmap threshold is fixed at 4 MiB: the buffers of a 1 MB image (its 1.3 MB body,
+  the ASCII copy of its base64, the decoded bytes, Pillow's pixels) stay under it and
+  are reused from the arenas (327 minor page faults a round for that image's path in
+  process, 1,886 at 1 MiB). Images of over a million pixels still take fresh mappings,
+  given back as they are freed.
+- The trim threshold is fixed at 8 MiB: fixing the mmap threshold also fixes the trim
+  threshold, at its 128 KiB start, so the free top of each heap would be given back
+  after every request and faulted in again on the next.
+- Pillow's own block cache is off by default (`PIL.Image.core.get_blocks_max()` is 0)
+  and is left off.
 
 What stays below the threshold still piles up in the arenas: request bodies arrive in
-chunks of up to 64 KiB, and twelve chunked bodies over the 32 MiB cap at once left the
-gateway at 166 MiB of RSS, from 60, for good; `malloc_trim(0)` took it back to 60. The
+chunks of up to 64 KiB, and twelve chunked bodies over the 32 MiB cap at once leave the
+gateway at 166 MiB of RSS, from 60, for good; `malloc_trim(0)` takes it back to 60. The
 gateway calls it every `TRIM_INTERVAL` seconds: one call walks the arenas and returns
 their free pages, 5.4 ms with ~106 MiB to give back and about a microsecond with
 nothing (in process, this machine).

@@ -1,14 +1,13 @@
 """The HTTP/1.1 client the proxy forwards with: keep-alive connections to the engines.
 
-httpx lost 3-7x of aiohttp's throughput as concurrency rose (docs/facts.md, encode/httpx#3215),
-and aiohttp's request machinery (ClientSession._request, ClientRequest, a writer task per
-request with a body) was a third of the gateway's CPU per small request at 64
-connections (py-spy); replacing it took the gateway from 268 to 140 us of CPU per request
-(docs/gateway.md, Overhead). This client does
-only what forwarding needs: one request line and header block written at once, the
-response parsed by httptools (llhttp, the parser uvicorn uses), the body handed over as
-it arrives. The engine is addressed by configured URL only; nothing here follows
-redirects, decompresses, or adds headers besides Host and Content-Length.
+General clients cost too much per request: httpx falls behind as concurrency rises
+(encode/httpx#3215), and aiohttp's request machinery is a third of the gateway's CPU per
+small request at 64 connections; with this client the gateway spends 140 us of CPU per
+request, 268 with aiohttp (docs/facts.md, "Proxies and clients"; docs/gateway.md,
+Overhead). It does only what forwarding needs: one request line and header block written
+at once, the response parsed by httptools (llhttp, the parser uvicorn uses), the body
+handed over as it arrives. The engine is addressed by configured URL only; nothing here
+follows redirects, decompresses, or adds headers besides Host and Content-Length.
 
 The same client serves the engine pool's health checks, model lists and load scrapes,
 so one TLS configuration (`engine_ca_file`) covers everything sent to engines. Media

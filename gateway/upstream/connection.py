@@ -78,7 +78,8 @@ class Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         # A 101 with an Upgrade header ends the parse with HttpParserUpgrade, which is
-        # not an HttpParserError: escaping here, uvloop logged a fatal transport error.
+        # not an HttpParserError: escaping here, it makes uvloop log a fatal transport
+        # error.
         except (httptools.HttpParserError, httptools.HttpParserUpgrade):
             response._fail(ConnectionBroken("The engine sent an invalid HTTP response."))
             self.abort()
@@ -141,7 +142,7 @@ class Connection(asyncio.Protocol):
             # No 1xx has content (RFC 9112 6.3), but httptools reads a Content-Length or
             # chunks after a status it does not know (150) as the interim head's body:
             # the two readings of the bytes differ, so the answer is invalid (fed to the
-            # final answer, they made its body longer than its Content-Length).
+            # final answer, they would make its body longer than its Content-Length).
             raise ValueError("content in an interim answer")
         if not self._extra:
             self.response._feed(body)

@@ -1,6 +1,7 @@
 """What forwarding to an engine raises: one tree under `UpstreamError`, each message fixed
-text, never a library's. gateway/errors.py maps them to the client's answers; the pool's
-health reasons (gateway/routing/health.py) tell the `ConnectFailed` kinds apart.
+text, never a library's. `gateway_error` (gateway/proxy/forward.py) maps them to the
+client's errors; the pool's health reasons (gateway/routing/health.py) tell the
+`ConnectFailed` kinds apart.
 """
 
 from __future__ import annotations
