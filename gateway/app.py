@@ -53,9 +53,10 @@ log = structlog.get_logger("gateway.app")
 
 
 class ModelList:
-    """`GET /v1/models`, answered from the pool's copy of the engines' lists (routing/models.py)
-    rather than by an engine: one merged list, whichever engine serves what, and no
-    engine request per call. Plain ASGI: clients call it like any API route."""
+    """`GET /v1/models`, answered from the pool's copy of the engines' lists
+    (routing/models.py) rather than by an engine: one merged list, whichever engine
+    serves what, and no engine request per call. Plain ASGI: clients call it like any
+    API route."""
 
     def __init__(self, pool: EnginePool) -> None:
         self.pool = pool

@@ -5,11 +5,11 @@ A decode takes its cost (bytes) and one of `threads` threads before it starts an
 both back when it ends. A single first-come-first-served line would queue one key's 8
 decode-heavy images per request ahead of another key's small image (in the soak, the p50
 of a chat with one image: 1,044 ms against 77 ms; docs/facts.md, "Media memory"). Here,
-as for fetch slots
-(gateway/media/slots.py), the next grant goes to the waiting owner holding the fewest
-bytes (ties: the one waiting longest; owners served take turns); within an owner, in
-arrival order. Bytes rather than decodes running: a decode's bytes and its time both grow
-with its pixels, so the owner holding least is the one using least of the line.
+as for fetch slots (gateway/media/slots.py), the next grant goes to the waiting owner
+holding the fewest bytes (ties: the one waiting longest; owners served take turns);
+within an owner, in arrival order. Bytes rather than decodes running: a decode's bytes
+and its time both grow with its pixels, so the owner holding least is the one using least
+of the line.
 
 No starvation: if the chosen waiter does not fit yet (too few bytes free), nobody is
 served until it does, not even a waiter that would fit; otherwise a stream of small

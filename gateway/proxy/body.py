@@ -5,8 +5,8 @@
 A JSON body is read whole and parsed once into an object; a multipart upload is read
 whole and validated (gateway/proxy/multipart.py); other routes take no body. The cap is
 enforced while reading, so a body sent without `Content-Length` (chunked) is cut off at
-the cap instead of being buffered whole first, and so is the pace
-(`BodyPace`, gateway/server/limits.py): a body that stalls or trickles is cut with 408 before it
+the cap instead of being buffered whole first, and so is the pace (`BodyPace`,
+gateway/server/limits.py): a body that stalls or trickles is cut with 408 before it
 reaches an engine. The app's `ConnectionGuard`, whose sweep keeps the pace, is handed
 in by the proxy.
 """

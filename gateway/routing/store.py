@@ -1,11 +1,11 @@
 """The optional shared placement store (Redis): which engine each anchor lives on.
 
 Without it, affinity is stateless (policy.py): every replica hashes an anchor to the
-same engine, and the spread of a few dozen anchors over the engines is the luck of
-the hash (docs/routing.md, "Balance"). With `routing.store_url` set, a new anchor goes
-to the engine with the lowest expected load recorded in the store (its recent
-requests, plus the requests its anchors are still expected to bring, decaying with
-`store_decay` seconds), among the engines the stateless rule would choose from (the
+same engine, and the spread of a few dozen anchors over the engines is the luck of the
+hash (docs/routing.md, "The offline replay", Balance). With `routing.store_url` set, a
+new anchor goes to the engine with the lowest expected load recorded in the store (its
+recent requests, plus the requests its anchors are still expected to bring, decaying
+with `store_decay` seconds), among the engines the stateless rule would choose from (the
 hot-prefix spread is kept), ties by rendezvous order; every replica and worker then
 reads that placement.
 
