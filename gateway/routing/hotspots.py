@@ -91,10 +91,6 @@ class HotCandidates:
         share = self._divisor * engines * count / total
         return min(max(share, 1.0), float(engines))
 
-    def is_hot(self, anchor: Anchor, engines: int) -> bool:
-        """Whether requests carrying `anchor` spread over more than one engine."""
-        return self.spread(anchor, engines) > 1.0
-
     def observe(self, anchors: Sequence[Anchor]) -> None:
         """Count one request that carried `anchors` (shortest first)."""
         if self._current_n >= self._window:

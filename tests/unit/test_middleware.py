@@ -517,6 +517,7 @@ async def test_request_context_passes_other_scopes_through() -> None:
         metrics=s.metrics,
         logger=s.logger,
         request_log=RequestLog(s.logger, fmt="console"),
+        max_headers=LimitsSettings().max_headers,
     )
 
     async def receive() -> Message:
