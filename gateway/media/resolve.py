@@ -110,8 +110,8 @@ class MediaInliner:
         self,
         ref: RemoteUrl | DataUrl,
         kind: MediaKind,
-        owner: str = "",
-        allowance: FetchAllowance | None = None,
+        owner: str,
+        allowance: FetchAllowance | None,
     ) -> Prepared:
         """`ref` checked as far as it can be without decoding it. `owner` (the key) shares
         the fetch slots and the decode line fairly with other owners; a remote item's
