@@ -52,7 +52,7 @@ _Generation = dict[bytes, _Stat]
 class HotCandidates:
     """Counts of candidate anchors over recent requests. Not thread-safe: one event loop."""
 
-    def __init__(self, window: int = 1024, divisor: float = 4.0, min_count: int = 8) -> None:
+    def __init__(self, *, window: int, divisor: float, min_count: int) -> None:
         if window <= 0 or divisor <= 0 or min_count < 1:
             raise ValueError("window and divisor must be positive, min_count at least 1")
         self._window = window

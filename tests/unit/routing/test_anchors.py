@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from gateway.routing.anchors import Anchor, AnchorKind, candidate_anchors, session_anchor
-from gateway.routing.hotspots import HotCandidates
+from gateway.routing.anchors import Anchor, AnchorKind, session_anchor
+from tests.unit.routing.tunables import HotCandidates, candidate_anchors
 
 
 def is_hot(hot: HotCandidates, anchor: Anchor, engines: int) -> bool:
