@@ -118,7 +118,7 @@ class MediaInliner:
         bytes, fetched or cached, are charged to `allowance` (the request's)."""
         if isinstance(ref, DataUrl):
             if ref.frames:
-                return await self.prepare_bytes(kind, ref.data, ref.mime, ref.frames, owner)
+                return await self.prepare_bytes(kind, ref.data, ref.mime, ref.frames, owner=owner)
             # The same inline item sent again (a conversation re-sends its images every
             # turn) is not validated again: the verdict depends only on the payload
             # (which fixes the bytes), the declared type and the settings, and the key
@@ -175,7 +175,8 @@ class MediaInliner:
         data: bytes,
         declared: str | None,
         frames: Sequence[bytes] = (),
-        owner: str = "",
+        *,
+        owner: str,
         ref: DataUrl | None = None,
     ) -> Prepared:
         """Raw bytes declared as `declared` (a MIME type) for `kind`, checked up to their
