@@ -176,7 +176,7 @@ class Gateway:
     starts the background work and owns everything that must be closed, in one
     `AsyncExitStack`: what started last is closed first."""
 
-    def __init__(self, settings: Settings, *, upstream: UpstreamClient | None = None) -> None:
+    def __init__(self, settings: Settings, *, upstream: UpstreamClient | None) -> None:
         self.settings = settings
         self.metrics = Metrics()
         keys, file_keys = load_keys(settings)

@@ -246,8 +246,8 @@ def control_app(
     keyring: KeyRing,
     *,
     policy: str,
-    key_file: KeyFile | None = None,
-    public_metrics: bool = False,
+    key_file: KeyFile | None,
+    public_metrics: bool,
 ) -> ASGIApp:
     """The control routes over `pool`, `metrics`, the keys in force (`keyring`) and
     the `key_file` they were read from, if any; `policy` is the routing policy's name."""

@@ -259,7 +259,7 @@ class RateLimited(GatewayError):
     type = "rate_limit_error"
     default_message = "This API key is over its limits; retry shortly."
 
-    def __init__(self, message: str | None = None, *, retry_after: int = 1) -> None:
+    def __init__(self, message: str | None = None, *, retry_after: int) -> None:
         super().__init__(message, headers={"Retry-After": str(retry_after)})
 
 

@@ -15,7 +15,6 @@ from gateway.access.admission import Admission
 from gateway.access.api_keys import KeyRing
 from gateway.access.endpoints import Action, Group, match
 from gateway.access.permissions import check_route
-from gateway.config.settings import LimitsSettings
 from gateway.errors import (
     EndpointBlocked,
     GatewayError,
@@ -35,7 +34,6 @@ from gateway.types import ASGIApp, Message, Receive, Scope, Send
 # plain token is taken, anything else is replaced.
 _REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
 _MAX_LOGGED_PATH = 200
-DEFAULT_MAX_HEADERS: int = LimitsSettings.model_fields["max_headers"].default
 
 
 class RequestIds:
@@ -72,7 +70,7 @@ class RequestContext:
         metrics: Metrics,
         logger: Any,
         request_log: RequestLog,
-        max_headers: int = DEFAULT_MAX_HEADERS,
+        max_headers: int,
     ) -> None:
         self.app = app
         self.metrics = metrics

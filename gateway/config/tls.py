@@ -7,7 +7,7 @@ import ssl
 from pathlib import Path
 
 
-def client_context(ca_file: Path | None = None) -> ssl.SSLContext:
+def client_context(ca_file: Path | None) -> ssl.SSLContext:
     """A verifying client context trusting `ca_file`'s CAs, or the system's store."""
     return ssl.create_default_context(cafile=ca_file)
 

@@ -316,11 +316,11 @@ def audio_type(format_name: object) -> str | None:
     return min(types) if types else None
 
 
-def validate_video(
-    data: bytes, declared: str | None, settings: MediaSettings, frames: Sequence[bytes] = ()
-) -> AvInfo:
+def validate_video(data: bytes, declared: str | None, settings: MediaSettings) -> AvInfo:
+    """A video container. `video/jpeg` is only a data: URL's list of JPEG frames
+    (`read_jpeg_frames`); bytes declared as one have no frames."""
     if base_type(declared) == "video/jpeg":
-        return validate_jpeg_frames(frames, settings)
+        raise MediaInvalid("The video has no frames.")
     return _validate(data, declared, VIDEO_TYPES, settings.video_formats, settings)
 
 
@@ -342,8 +342,3 @@ def decode_jpeg_frames(
     """The frames decoded one after the other (one frame's buffer at a time)."""
     checked = [decode_image(f, h, settings).data for f, h in zip(frames, headers, strict=True)]
     return AvInfo("jpeg", "video/jpeg", b"".join(checked), tuple(checked))
-
-
-def validate_jpeg_frames(frames: Sequence[bytes], settings: MediaSettings) -> AvInfo:
-    """Frames of a `data:video/jpeg` URL; each must be a JPEG. Synchronous (Pillow)."""
-    return decode_jpeg_frames(frames, read_jpeg_frames(frames, settings), settings)

@@ -35,10 +35,6 @@ class MediaCache(Generic[V]):
         self._entries: OrderedDict[str, _Entry[V]] = OrderedDict()
         self._bytes = 0
 
-    @property
-    def size_bytes(self) -> int:
-        return self._bytes
-
     def __len__(self) -> int:
         return len(self._entries)
 

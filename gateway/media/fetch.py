@@ -71,7 +71,7 @@ class SafeTransport(httpx.AsyncBaseTransport):
         self,
         inner: httpx.AsyncBaseTransport,
         addresses: AddressPolicy,
-        resolver: Resolver = system_resolver,
+        resolver: Resolver,
     ) -> None:
         self._inner = inner
         self._addresses = addresses
@@ -122,7 +122,7 @@ class Fetched:
     content_type: str | None
 
 
-def default_inner_transport(verify: ssl.SSLContext | bool = True) -> httpx.AsyncHTTPTransport:
+def default_inner_transport(verify: ssl.SSLContext | bool) -> httpx.AsyncHTTPTransport:
     """`verify`: the certificate check (httpx's default trust store; a context trusting
     another CA in tests). No keep-alive: the pool is keyed by IP, and a TLS connection
     verified for one host name must not be reused for another name that resolves to

@@ -5,7 +5,7 @@ Two steps, both synchronous (run them on the decode pool, gateway/media/decoder.
 `read_header` opens the image and checks type and caps from its header alone;
 `decode_image` then decodes it as deep as ``media.validation`` says, and
 `decode_cost` is what that decode holds in memory, charged against the decode budget
-before it starts. `validate_image` is both in one call.
+before it starts.
 
 Depth (``media.validation``):
 - `header` reads only the header (size, format, frame count, mode).
@@ -363,18 +363,6 @@ def decode_image(data: bytes, header: ImageHeader, settings: ImageLimits) -> Ima
             return ImageInfo(fmt, mime, header.width, header.height, header.frames, data)
         out = _reencode(image, fmt, header.frames)
         return ImageInfo(fmt, mime, header.width, header.height, header.frames, out)
-
-
-def validate_image(
-    data: bytes,
-    declared: str | None,
-    settings: ImageLimits,
-    *,
-    formats: Sequence[str] | None = None,
-) -> ImageInfo:
-    """`read_header` and `decode_image` in one call, outside any budget."""
-    header = read_header(data, declared, settings, formats=formats)
-    return decode_image(data, header, settings)
 
 
 def _reencode(image: Image.Image, fmt: str, frames: int) -> bytes:

@@ -110,15 +110,15 @@ class MediaInliner:
         self,
         ref: RemoteUrl | DataUrl,
         kind: MediaKind,
-        owner: str = "",
-        allowance: FetchAllowance | None = None,
+        owner: str,
+        allowance: FetchAllowance | None,
     ) -> Prepared:
         """`ref` checked as far as it can be without decoding it. `owner` (the key) shares
         the fetch slots and the decode line fairly with other owners; a remote item's
         bytes, fetched or cached, are charged to `allowance` (the request's)."""
         if isinstance(ref, DataUrl):
             if ref.frames:
-                return await self.prepare_bytes(kind, ref.data, ref.mime, ref.frames, owner)
+                return await self.prepare_bytes(kind, ref.data, ref.mime, ref.frames, owner=owner)
             # The same inline item sent again (a conversation re-sends its images every
             # turn) is not validated again: the verdict depends only on the payload
             # (which fixes the bytes), the declared type and the settings, and the key
@@ -175,7 +175,8 @@ class MediaInliner:
         data: bytes,
         declared: str | None,
         frames: Sequence[bytes] = (),
-        owner: str = "",
+        *,
+        owner: str,
         ref: DataUrl | None = None,
     ) -> Prepared:
         """Raw bytes declared as `declared` (a MIME type) for `kind`, checked up to their

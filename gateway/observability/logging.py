@@ -71,8 +71,8 @@ class RequestLog:
     def __init__(
         self,
         logger: Any,
-        fmt: Literal["json", "console"] = "json",
-        level: Literal["debug", "info", "warning", "error"] = "info",
+        fmt: Literal["json", "console"],
+        level: Literal["debug", "info", "warning", "error"],
     ) -> None:
         self._logger = logger
         self._enabled = _LEVELS.get(level, logging.ERROR) <= logging.INFO
@@ -116,8 +116,8 @@ class RequestLog:
 
 
 def configure_logging(
-    fmt: Literal["json", "console"] = "json",
-    level: Literal["debug", "info", "warning", "error"] = "info",
+    fmt: Literal["json", "console"],
+    level: Literal["debug", "info", "warning", "error"],
 ) -> None:
     """Configure structlog for the process (uvicorn workers call it once each)."""
     processors: list[Processor] = [

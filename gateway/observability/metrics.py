@@ -383,7 +383,7 @@ class Metrics:
         code: str,
         duration: float,
         rejected: bool,
-        key: str | None = None,
+        key: str | None,
     ) -> None:
         """One answered request; `key` is the name of the key it presented (None: no
         valid key)."""

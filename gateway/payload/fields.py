@@ -60,7 +60,7 @@ class FieldRules:
             raise FieldNotAllowed(f"The content part '{ptype}' is not allowed.", param=path)
 
     def check_top_level(
-        self, body: dict[str, Any], identity: Identity, *, creates_response: bool = False
+        self, body: dict[str, Any], identity: Identity, *, creates_response: bool
     ) -> bool:
         """Checks and rewrites the top-level fields; whether the body was rewritten.
         `creates_response`: the body asks for a stored response (`POST /v1/responses`),

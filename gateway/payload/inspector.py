@@ -51,10 +51,6 @@ class Inspection:
     media: tuple[tuple[str, str], ...]
     changed: bool
 
-    @property
-    def digests(self) -> list[str]:
-        return [digest for _, digest in self.media]
-
 
 _NOTHING = Inspection((), False)
 

@@ -14,7 +14,6 @@ match. Raises `UnsupportedMediaType` (not multipart), `InvalidRequest` (malforme
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass, field
 
@@ -57,10 +56,6 @@ class _Part:
 @dataclass(frozen=True)
 class Upload:
     fields: dict[str, list[str]]
-    filename: str
-    audio_format: str
-    size: int
-    digest: str  # sha256 hex of the file bytes
     boundary: bytes  # as parsed: the one the forwarded Content-Type names
 
     @property
@@ -213,15 +208,8 @@ def _check(parts: list[_Part], settings: MediaSettings, boundary: bytes) -> Uplo
         declared = min(AUDIO_TYPES.get(sniffed or "", {""}))
     if not data:
         raise MediaInvalid("The uploaded file is empty.", param="file")
-    info = validate_audio(data, declared, settings)
-    return Upload(
-        fields,
-        files[0].filename,
-        info.format,
-        len(data),
-        hashlib.sha256(data).hexdigest(),
-        boundary,
-    )
+    validate_audio(data, declared, settings)
+    return Upload(fields, boundary)
 
 
 _UPLOAD_TYPES: frozenset[str] = frozenset().union(*AUDIO_TYPES.values())

@@ -247,8 +247,8 @@ def candidate_anchors(
     body: dict[str, Any] | None,
     media: Mapping[str, str] | None = None,
     *,
-    block_bytes: int = 512,
-    max_candidates: int = 64,
+    block_bytes: int,
+    max_candidates: int,
 ) -> list[Anchor]:
     """The candidate anchors of a request, shortest first; empty if it has no prompt.
     `media` maps the paths of the body's media items to their content digests (the

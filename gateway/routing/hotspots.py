@@ -52,7 +52,7 @@ _Generation = dict[bytes, _Stat]
 class HotCandidates:
     """Counts of candidate anchors over recent requests. Not thread-safe: one event loop."""
 
-    def __init__(self, window: int = 1024, divisor: float = 4.0, min_count: int = 8) -> None:
+    def __init__(self, *, window: int, divisor: float, min_count: int) -> None:
         if window <= 0 or divisor <= 0 or min_count < 1:
             raise ValueError("window and divisor must be positive, min_count at least 1")
         self._window = window
@@ -90,10 +90,6 @@ class HotCandidates:
         engines = max(engines, 1)
         share = self._divisor * engines * count / total
         return min(max(share, 1.0), float(engines))
-
-    def is_hot(self, anchor: Anchor, engines: int) -> bool:
-        """Whether requests carrying `anchor` spread over more than one engine."""
-        return self.spread(anchor, engines) > 1.0
 
     def observe(self, anchors: Sequence[Anchor]) -> None:
         """Count one request that carried `anchors` (shortest first)."""

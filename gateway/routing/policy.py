@@ -223,7 +223,7 @@ class Affinity:
 
     def peek(self, request: RoutingRequest, engines: Sequence[E]) -> list[E]:
         """The order `order` would return, counting nothing: what this process would
-        decide (the bench and the tests compare replicas with it)."""
+        decide, asked without changing what it has counted."""
         anchor, ordered, _ = self._decide(request, engines, count=False)
         return self._bound(request, anchor, ordered)
 

@@ -34,9 +34,9 @@ from bench.suites.soak.suite import (
 )
 from gateway.config.settings import Settings
 from gateway.errors import MediaInvalid
-from gateway.media.images import validate_image
 from gateway.media.settings import MediaSettings
 from tests.procs import ROOT
+from tests.unit.media.image_validation import validate_image
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 HELD = ("slowloris head", "idle connection", "slow body")

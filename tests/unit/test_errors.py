@@ -12,6 +12,7 @@ import orjson
 import pytest
 import structlog
 
+from gateway.config.settings import LimitsSettings
 from gateway.errors import GatewayError, HeadersTooLarge
 from gateway.middleware import RequestContext
 from gateway.observability.logging import RequestLog, configure_logging
@@ -34,6 +35,7 @@ def test_unhandled_error_logs_its_traceback_and_tells_the_client_nothing(
             metrics=Metrics(),
             logger=logger,
             request_log=RequestLog(logger, "json", "info"),
+            max_headers=LimitsSettings().max_headers,
         )
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:

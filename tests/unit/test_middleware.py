@@ -126,7 +126,7 @@ def stack(
         guard,
         metrics=metrics,
         logger=logger,
-        request_log=RequestLog(logger, fmt="console"),
+        request_log=RequestLog(logger, fmt="console", level="info"),
         max_headers=max_headers,
     )
     return Stack(context, inner, logger, metrics, admission, clock)
@@ -516,7 +516,8 @@ async def test_request_context_passes_other_scopes_through() -> None:
         lifespan,
         metrics=s.metrics,
         logger=s.logger,
-        request_log=RequestLog(s.logger, fmt="console"),
+        request_log=RequestLog(s.logger, fmt="console", level="info"),
+        max_headers=LimitsSettings().max_headers,
     )
 
     async def receive() -> Message:

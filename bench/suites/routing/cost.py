@@ -47,8 +47,9 @@ def policy_cost() -> None:
         "prompt, 8 kB, 7 kB shared": prompt,
     }
     pool = [Engine(f"http://10.0.0.{i}:8000") for i in range(4)]
+    settings = RoutingSettings()
     for name, make in makers.items():
-        policy = Affinity(RoutingSettings())
+        policy = Affinity(settings)
         bodies = [make(i) for i in range(300)]
         for body in bodies[:200]:
             policy.order(RoutingRequest("/v1/chat/completions", body=body), pool)
@@ -58,7 +59,11 @@ def policy_cost() -> None:
             policy.order(RoutingRequest("/v1/chat/completions", body=next(measured)), pool)
 
         def keys(measured: Any = measured) -> None:
-            candidate_anchors(next(measured))
+            candidate_anchors(
+                next(measured),
+                block_bytes=settings.prompt_block_bytes,
+                max_candidates=settings.max_candidates,
+            )
 
         order_us = min(timeit.repeat(call, number=1000, repeat=15)) / 1000 * 1e6
         keys_us = min(timeit.repeat(keys, number=1000, repeat=15)) / 1000 * 1e6

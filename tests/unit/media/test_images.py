@@ -25,10 +25,11 @@ from bench.harness.samples import (
     wav,
 )
 from gateway.errors import GatewayError, MediaInvalid, MediaTooLarge
-from gateway.media.av import validate_audio, validate_jpeg_frames, validate_video
-from gateway.media.images import check_formats, validate_image
+from gateway.media.av import validate_audio, validate_video
+from gateway.media.images import check_formats
 from gateway.media.settings import MediaSettings
 from gateway.media.types import ValidationDepth
+from tests.unit.media.image_validation import validate_image, validate_jpeg_frames
 from tests.unit.media.test_samples import av_sample
 
 SETTINGS = MediaSettings(max_pixels=1_000_000, max_frames=8, max_bytes=200_000)

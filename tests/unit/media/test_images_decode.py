@@ -17,10 +17,10 @@ from gateway.media.images import (
     decode_cost,
     decode_image,
     read_header,
-    validate_image,
 )
 from gateway.media.settings import MediaSettings
 from gateway.media.types import ValidationDepth
+from tests.unit.media.image_validation import validate_image
 
 SIDE = 800
 DECODE = MediaSettings()

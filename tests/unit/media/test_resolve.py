@@ -22,6 +22,7 @@ from gateway.media.resolve import fingerprint
 from gateway.media.settings import MediaSettings
 from gateway.payload.inspector import PayloadInspector
 from tests.unit.media.test_samples import data_url, media_digest, png
+from tests.unit.payload.digests import digests
 
 PNG = png(16, 16)
 PNG_URL = data_url("image/png", PNG)
@@ -58,7 +59,7 @@ async def test_a_cached_verdict_is_not_reused_for_other_bytes(inspector: Payload
     # Another, valid, image: a new entry of its own, with its own digest.
     other = png(16, 16, (1, 2, 3))
     inspection = await inspector.inspect(chat(data_url("image/png", other)), None)
-    assert inspection.digests == [media_digest(other)]
+    assert digests(inspection) == [media_digest(other)]
     assert len(cache) == 2
 
 
@@ -79,7 +80,7 @@ async def test_the_same_bytes_in_another_base64_text_are_checked_again(
     assert len(cache) == 2
     assert inspection.changed and url_of(body) == PNG_URL
     # Routed as the same image: the digest is the canonical text's, not the variant's.
-    assert inspection.digests == [media_digest(PNG)]
+    assert digests(inspection) == [media_digest(PNG)]
 
 
 async def test_a_cached_verdict_is_not_reused_under_other_settings() -> None:
@@ -124,7 +125,7 @@ async def test_a_canonical_body_is_forwarded_as_sent(inspector: PayloadInspector
         assert not inspection.changed
         assert url_of(body) is sent
         assert (
-            inspection.digests
+            digests(inspection)
             == [media_digest(PNG)]
             == [hashlib.sha256(sent[22:].encode()).hexdigest()]
         )
@@ -144,7 +145,7 @@ async def test_a_data_url_in_another_form_is_rewritten(
         body = chat(url)
         inspection = await inspector.inspect(body, None)
         assert inspection.changed and url_of(body) == PNG_URL
-        assert inspection.digests == [media_digest(PNG)]
+        assert digests(inspection) == [media_digest(PNG)]
 
 
 async def test_a_reencoded_image_is_rewritten_with_the_new_bytes() -> None:

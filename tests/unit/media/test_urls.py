@@ -9,10 +9,11 @@ import random
 
 import pytest
 
+from bench.harness.samples import data_url
 from gateway.errors import MediaInvalid, MediaTooLarge, MediaUrlNotAllowed
 from gateway.media.settings import MediaSettings
 from gateway.media.types import MediaMode
-from gateway.media.urls import DataUrl, RemoteUrl, UrlPolicy, data_url, parse_domain_rule
+from gateway.media.urls import DataUrl, RemoteUrl, UrlPolicy, parse_domain_rule
 
 POLICY = UrlPolicy(
     MediaSettings(
@@ -293,7 +294,6 @@ def test_the_base64_check_and_decoder_agree_on_long_payloads() -> None:
         at = rng.randrange(len(text))
         bad = text[:at] + rng.choice("=-_ \n.é") + text[at + 1 :]
         _assert_check_agrees_with_the_strict_decoder(bad)
-    assert data_url("image/png", data) == f"data:image/png;base64,{text}"
 
 
 def _assert_check_agrees_with_the_strict_decoder(payload: str) -> None:

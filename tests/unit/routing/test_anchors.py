@@ -6,8 +6,14 @@ from typing import Any
 
 import pytest
 
-from gateway.routing.anchors import Anchor, AnchorKind, candidate_anchors, session_anchor
-from gateway.routing.hotspots import HotCandidates
+from gateway.routing.anchors import Anchor, AnchorKind, session_anchor
+from tests.unit.routing.tunables import HotCandidates, candidate_anchors
+
+
+def is_hot(hot: HotCandidates, anchor: Anchor, engines: int) -> bool:
+    """Whether requests carrying `anchor` spread over more than one engine."""
+    return hot.spread(anchor, engines) > 1.0
+
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 20}
 
@@ -292,7 +298,7 @@ def test_other_shared_prefixes_spread_after_min_count() -> None:
     assert block.kind is AnchorKind.block
     for i in range(7):
         hot.observe(prompt(i))
-    assert not hot.is_hot(block, engines=4)
+    assert not is_hot(hot, block, engines=4)
     hot.observe(prompt(7))
     assert hot.spread(block, engines=4) == 4.0
 
@@ -325,10 +331,10 @@ def test_window_decays_old_traffic() -> None:
     anchor = candidate_anchors(conv(0))[0]
     for i in range(50):
         hot.observe(candidate_anchors(conv(i)))
-    assert hot.is_hot(anchor, 4)
+    assert is_hot(hot, anchor, 4)
     for i in range(100):  # two generations of traffic without that system prompt
         hot.observe(candidate_anchors(chat(user(f"plain {i}"))))
-    assert not hot.is_hot(anchor, 4)
+    assert not is_hot(hot, anchor, 4)
 
 
 @pytest.mark.parametrize(
