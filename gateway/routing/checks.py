@@ -27,7 +27,7 @@ from gateway.routing.health import (
 )
 from gateway.routing.model_list import ModelList, parse_model_list
 from gateway.routing.settings import RoutingSettings
-from gateway.upstream.errors import UpstreamError
+from gateway.upstream.errors import FirstByteTimeout, ReadTimeout, UpstreamError
 from gateway.upstream.interfaces import UpstreamClient
 
 log = structlog.get_logger("gateway.pool")
@@ -143,7 +143,16 @@ class EngineChecks:
                 resp.close()
 
     async def _probe(self, engine: Engine, path: str) -> tuple[int, bytes] | Verdict:
-        """GET `path`: the status and body, or why there was no answer."""
+        """GET `path`: the status and body, or why there was no answer. A check that
+        times out is sent once more before it counts: the timer also runs out while this
+        process's own event loop is held (a large body parsed on it), which says nothing
+        about the engine; an engine that is really silent times out twice."""
+        try:
+            return await self._get(engine, path)
+        except (TimeoutError, FirstByteTimeout, ReadTimeout):
+            pass
+        except UpstreamError as exc:
+            return error_verdict(exc, path, self._settings.health_timeout)
         try:
             return await self._get(engine, path)
         except (UpstreamError, TimeoutError) as exc:

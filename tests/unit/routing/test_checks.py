@@ -1,0 +1,106 @@
+"""Health checks (gateway/routing/checks.py) against a fake engine whose answers are
+scripted: a check that times out once is sent again before it counts, because the timer
+also runs out while the gateway's own event loop is held; one that times out twice takes
+the engine out."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import pytest
+
+from gateway.routing.checks import EngineChecks
+from gateway.routing.engine import Engine
+from gateway.routing.settings import RoutingSettings
+from gateway.upstream.errors import ConnectRefused
+from gateway.upstream.origin import Origin
+
+MODELS = b'{"object": "list", "data": [{"id": "m", "object": "model"}]}'
+
+
+class Answer:
+    def __init__(self, status: int, body: bytes) -> None:
+        self.status = status
+        self.content_type = "application/json"
+        self.content_length: int | None = len(body)
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self._body = body
+
+    async def read(self, limit: float) -> bytes:
+        return self._body
+
+    async def readany(self) -> bytes:
+        return b""
+
+    async def readsome(self, limit: float) -> bytes:
+        return b""
+
+    def close(self) -> None:
+        pass
+
+
+class ScriptedEngine:
+    """Answers GET /health by the script, one step a request: "ok", "hang" (never
+    answers) or "refuse"; /v1/models always answers."""
+
+    def __init__(self, script: Sequence[str]) -> None:
+        self.script = list(script)
+        self.health_requests = 0
+
+    async def request(
+        self,
+        origin: Origin,
+        method: str,
+        target: str,
+        headers: Sequence[tuple[bytes, bytes]],
+        body: bytes | None,
+    ) -> Answer:
+        if target == "/v1/models":
+            return Answer(200, MODELS)
+        self.health_requests += 1
+        step = self.script.pop(0) if self.script else "ok"
+        if step == "hang":
+            await asyncio.sleep(3600)
+        if step == "refuse":
+            raise ConnectRefused("refused")
+        return Answer(200, b"")
+
+    async def aclose(self) -> None:
+        pass
+
+
+SETTINGS = RoutingSettings(health_timeout=0.05, busy_grace=0)
+
+
+async def checked(script: Sequence[str]) -> tuple[Engine, ScriptedEngine]:
+    engine = Engine("http://127.0.0.1:9")
+    upstream = ScriptedEngine(script)
+    await EngineChecks(SETTINGS, upstream, []).check(engine)
+    return engine, upstream
+
+
+async def test_a_healthy_engine_is_checked_once() -> None:
+    engine, upstream = await checked(["ok"])
+    assert engine.healthy
+    assert upstream.health_requests == 1
+
+
+async def test_one_timed_out_check_is_sent_again_and_does_not_count() -> None:
+    engine, upstream = await checked(["hang", "ok"])
+    assert engine.healthy
+    assert upstream.health_requests == 2
+
+
+async def test_an_engine_that_times_out_twice_is_out() -> None:
+    engine, upstream = await checked(["hang", "hang"])
+    assert not engine.healthy
+    assert engine.reason == "timeout"
+    assert upstream.health_requests == 2
+
+
+@pytest.mark.parametrize("script", [["refuse"], ["refuse", "ok"]])
+async def test_a_refused_connection_counts_at_once(script: list[str]) -> None:
+    engine, upstream = await checked(script)
+    assert not engine.healthy
+    assert upstream.health_requests == 1
