@@ -138,7 +138,9 @@ def check_engine(entry: str) -> str:
     if parts.query or parts.fragment or "?" in entry or "#" in entry:
         raise ValueError("an engine URL may not carry a query or a fragment")
     if is_dns_entry(entry):
-        DnsEntry(entry)
+        # The origin each resolved address becomes (the pool builds it per address).
+        dns = DnsEntry(entry)
+        Origin(dns.url("192.0.2.1"), dns.host)
     else:
         Origin(entry.rstrip("/"))
     return entry

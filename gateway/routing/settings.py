@@ -6,6 +6,7 @@ from enum import StrEnum
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from redis.asyncio.connection import parse_url
 
 
 class RoutingPolicy(StrEnum):
@@ -99,4 +100,13 @@ class RoutingSettings(BaseModel):
                 raise ValueError("a unix:// URL needs a socket path (unix:///path.sock)")
         else:
             raise ValueError("must start with redis://, rediss:// or unix://")
+        # Its query as the store's client reads it (store.py), which would otherwise
+        # refuse it only when the app is built: in each worker of `serve --workers N`.
+        try:
+            parse_url(value.get_secret_value())
+        except ValueError:
+            raise ValueError(
+                "a query parameter of the URL has a value redis cannot read "
+                "(db, socket_timeout, max_connections, ...)"
+            ) from None
         return value

@@ -21,6 +21,10 @@ class Origin:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError("an engine URL must be http:// or https:// with a host")
+        if not parts.netloc.isascii() or not (server_name or "").isascii():
+            # It goes out as the Host header and the TLS server name: an IDN in its
+            # ASCII (xn--) form.
+            raise ValueError("an engine's host name must be ASCII (an IDN in its xn-- form)")
         self.ssl = parts.scheme == "https"
         self.host = parts.hostname
         self.port = parts.port or (443 if self.ssl else 80)

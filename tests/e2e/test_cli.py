@@ -153,6 +153,26 @@ def test_serve_with_a_config_file_and_two_workers(
     assert "request" in gw.log() and SECRET not in gw.log()
 
 
+@pytest.mark.parametrize(
+    "store_url",
+    ["redis://127.0.0.1:9/0?socket_timeout=abc", "unix:///tmp/none.sock?db=x"],
+)
+def test_serve_with_workers_refuses_what_a_worker_would_refuse(store_url: str) -> None:
+    """`serve --workers N` starts no worker with settings a worker's app would refuse:
+    the parent exits with one line, as with one worker (a store URL whose query redis
+    cannot read was refused only when the app was built: each worker died with a
+    traceback and the parent kept the port)."""
+    env = {
+        "GATEWAY_ENGINES": '["http://127.0.0.1:9"]',
+        "GATEWAY_API_KEYS": f'["{SECRET}"]',
+        "GATEWAY_ROUTING__STORE_URL": store_url,
+    }
+    result = run_cli("serve", "--port", "0", "--workers", "2", env=clean_env(env))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "store_url" in result.stderr or "invalid settings" in result.stderr
+    assert "Traceback" not in result.stderr and "abc" not in result.stderr
+
+
 def test_workers_share_one_generated_namespace_secret(
     tmp_path: Path, start_sim: Callable[..., Proc]
 ) -> None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from gateway.config.settings import check_engine
 from gateway.routing.dns import DnsEntry
 from gateway.routing.pool import EnginePool
 from gateway.routing.settings import RoutingSettings
@@ -40,3 +43,26 @@ def test_dns_entry_refuses_bad_entries(spec: str) -> None:
         DnsEntry(spec)
     with pytest.raises(ValueError, match="engine entry"):
         EnginePool([spec], RoutingSettings(), upstream=_upstream())
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["dns+http://bücher.example:8000", "dns+https://bücher.example", "http://bücher.example"],
+)
+def test_an_entry_the_settings_accept_never_stops_the_pool(spec: str) -> None:
+    """Every engine entry is refused when the settings load, or is one the pool resolves:
+    an engine built from a resolved address whose origin cannot be parsed must not abort
+    the resolution of every entry (and the lifespan with it)."""
+    try:
+        check_engine(spec)
+    except ValueError:
+        return
+
+    async def resolver(host: str, port: int) -> list[str]:
+        return ["10.0.0.7"]
+
+    pool = EnginePool(
+        [spec, "dns+http://vllm:8000"], RoutingSettings(), upstream=_upstream(), resolver=resolver
+    )
+    assert asyncio.run(pool.resolve_all())
+    assert "http://10.0.0.7:8000" in [e.url for e in pool.engines]
