@@ -70,18 +70,15 @@ def test_a_large_body_of_too_many_values_is_refused_before_parsing(
     assert gateway.pid is not None
     body = _chat_with(b"[]," * 11_000_000)
     before = sim_received(sim.url)
-    started = time.monotonic()
     resp = HTTP.post(
         gateway.url + "/v1/chat/completions",
         content=body,
         headers={**auth(KEY), "Content-Type": "application/json"},
         timeout=60,
     )
-    elapsed = time.monotonic() - started
     assert (resp.status_code, error_code(resp)) == (413, "request_too_large")
     assert str(MAX_VALUES) in resp.json()["error"]["message"]
     assert sim_received(sim.url) == before
-    assert elapsed < 10, elapsed
     assert _status_mib(gateway.pid, "VmHWM") < 512
 
 

@@ -146,13 +146,13 @@ def test_headers_of_millions_of_segments_are_refused_before_pillow(tmp_path: Pat
         with ThreadPoolExecutor(2) as pool:
             sent = [pool.submit(_post, gateway, body) for body in bodies]
             time.sleep(1.0)  # both in the gateway, their headers being read
-            started = time.monotonic()
             other = _post(gateway, chat_body([png(16, 16)]), OTHER_KEY)
-            waited = time.monotonic() - started
             answers = [answer.result() for answer in sent]
         peak_mib = _status_kib(gateway.pid, "VmHWM") / 1024
+        # Read by Pillow, both were forwarded (200): the refusal is the verdict, and
+        # the other key's image is answered.
         assert [(a.status_code, error_code(a)) for a in answers] == [(400, "media_invalid")] * 2
-        assert other.status_code == 200 and waited < 5, (other.status_code, waited)
+        assert other.status_code == 200, other.text
         assert sim_received(sim.url) == before + 1
         assert peak_mib < PEAK_LIMIT_MIB, f"peak RSS {peak_mib:.0f} MiB"
 
@@ -171,11 +171,9 @@ def test_a_jpeg_of_a_thousand_scans_is_refused_before_its_decode(tmp_path: Path)
     sim, gateway = _stack(tmp_path)
     with running(sim), running(gateway, ready_path="/readyz"):
         before = sim_received(sim.url)
-        started = time.monotonic()
+        # Decoded, it is a valid image within the caps and would be forwarded (200).
         answer = _post(gateway, chat_body([("image/jpeg", hostile)]))
-        took = time.monotonic() - started
         assert (answer.status_code, error_code(answer)) == (400, "media_invalid"), answer.text
-        assert took < 5, took
         assert sim_received(sim.url) == before
 
 
@@ -285,20 +283,14 @@ def test_one_keys_heavy_decodes_do_not_queue_another_keys_image(
             # A's decodes are under way and most of them are queued.
             waiting = lambda: metric(gateway.url, "gateway_media_decodes_waiting")  # noqa: E731
             assert wait_for(lambda: waiting() >= 16, timeout=15)
-            started = time.monotonic()
             answer = _post(gateway, chat_body([png(64, 64)]), OTHER_KEY)
-            b_elapsed = time.monotonic() - started
             a_waiting = waiting()
             statuses = [f.result().status_code for f in flood]
-        print(f"B answered in {b_elapsed:.2f} s, {a_waiting:.0f} of A's decodes waiting")
         assert answer.status_code == 200, answer.text
         assert statuses == [200] * HEAVY_REQUESTS
         # The order: B went before most of A's queued decodes (first come first served,
-        # none of them was left).
+        # none of them was left): an order, which a loaded machine keeps; the wait it does not.
         assert a_waiting >= 8
-        # The time: fair, two decodes to finish (the one ahead of B's header read, then
-        # the one ahead of its decode); first come first served, nearly all 24.
-        assert b_elapsed < 2.5
         assert sim_received(sim.url) - before == HEAVY_REQUESTS + 1
 
 
