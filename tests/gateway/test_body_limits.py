@@ -61,6 +61,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc
         yield procs
 
 
+@pytest.mark.slow
 def test_a_large_body_of_too_many_values_is_refused_before_parsing(
     stack: tuple[Proc, Proc],
 ) -> None:
@@ -82,6 +83,7 @@ def test_a_large_body_of_too_many_values_is_refused_before_parsing(
     assert _status_mib(gateway.pid, "VmHWM") < 512
 
 
+@pytest.mark.slow
 def test_a_dense_body_under_the_cap_is_served(stack: tuple[Proc, Proc]) -> None:
     """Just under the size that is counted: a million lists, parsed (collector paused),
     walked and forwarded; another key is served after it."""
@@ -127,6 +129,7 @@ def held(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc]
         yield procs
 
 
+@pytest.mark.slow
 def test_bodies_held_short_of_their_end_are_bounded_per_key(held: tuple[Proc, Proc]) -> None:
     """Key A holds one body of 600 kB a byte short of its end, then starts another: that
     one would take A past half of the 2 MB limit and is refused 503 overloaded; key B's

@@ -125,6 +125,7 @@ def finish_upload(sock: socket.socket) -> bytes:
     return sock.recv(65536).split(b"\r\n", 1)[0]
 
 
+@pytest.mark.slow
 def test_slow_uploads_of_one_key_do_not_lock_another_out(stack: Stack) -> None:
     """Key A holds max_in_flight uploads that sent headers and one byte; key B is
     served, and A's uploads, once finished, are served too."""
@@ -146,6 +147,7 @@ def test_slow_uploads_of_one_key_do_not_lock_another_out(stack: Stack) -> None:
     assert metric(stack.plain.url, "gateway_requests_total", code="overloaded") == 0
 
 
+@pytest.mark.slow
 def test_slow_uploads_count_against_the_keys_cap(stack: Stack) -> None:
     """The per-key count starts at authentication: a key holding its cap in slow
     uploads gets 429 for the next request, which never reaches the engine."""
@@ -171,6 +173,7 @@ def test_slow_uploads_count_against_the_keys_cap(stack: Stack) -> None:
     assert ok.status_code == 200
 
 
+@pytest.mark.slow
 def test_key_cap_on_requests_in_flight(stack: Stack) -> None:
     """CAPPED holds KEY_CAP long generations: its next request gets 429 rate_limited
     with Retry-After and reaches no engine, while key A is served."""
@@ -204,6 +207,7 @@ def test_key_cap_on_requests_in_flight(stack: Stack) -> None:
     assert ok.status_code == 200
 
 
+@pytest.mark.slow
 def test_rate_limit_burst_then_retry_after(stack: Stack) -> None:
     """RATED: a token every 4 s, a burst of 2. Two pass, the third gets 429 with
     Retry-After of at most 4 s; after waiting that long, one passes again. The engine saw
@@ -226,6 +230,7 @@ def test_rate_limit_burst_then_retry_after(stack: Stack) -> None:
     assert metric(stack.limited.url, "gateway_rate_limited_total", reason="rate") >= 1
 
 
+@pytest.mark.slow
 def test_rate_limited_body_is_not_read(stack: Stack) -> None:
     """A refused request is answered before its body: a key over its rate gets 429
     even for a body it never finishes sending."""

@@ -132,6 +132,7 @@ def test_the_example_configuration_holds_the_defaults() -> None:
     assert example == defaults
 
 
+@pytest.mark.slow
 def test_check_config_accepts_the_example_configuration() -> None:
     result = run_cli("check-config", "--config", str(EXAMPLE), env=child_env())
     assert result.returncode == 0, result.stderr

@@ -126,6 +126,7 @@ def _chat(stack: Stack, path: str) -> httpx.Response:
     return ask_about_image(stack.gateway.url, KEY, image)
 
 
+@pytest.mark.slow
 def test_a_fetch_over_its_time_is_cut_and_refused(stack: Stack) -> None:
     before = sim_received(stack.sim.url)
     resp = _chat(stack, "/slow.png")
@@ -137,6 +138,7 @@ def test_a_fetch_over_its_time_is_cut_and_refused(stack: Stack) -> None:
     assert sim_received(stack.sim.url) == before
 
 
+@pytest.mark.slow
 def test_fetches_run_at_most_the_cap_at_once(stack: Stack) -> None:
     """Six requests at once, each with its own image (nothing cached): the origin never
     serves more than MAX_CONCURRENT_FETCHES of them at a time, and every request is
@@ -163,6 +165,7 @@ SLOTS = 2
 FLOOD = 12
 
 
+@pytest.mark.slow
 def test_one_keys_flood_does_not_queue_another_keys_image(tmp_path: Path) -> None:
     """Fetch slots shared fairly between keys, through the gateway under uvicorn: one key
     floods a slow loopback origin, another key's single image is not queued behind it.

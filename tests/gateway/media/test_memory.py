@@ -105,6 +105,7 @@ def gif_outgrowing_its_screen(side: int) -> bytes:
     return screen + frame(8, 8) + frame(side, side) + b"\x3b"
 
 
+@pytest.mark.slow
 def test_a_gif_frame_larger_than_its_image_is_refused(tmp_path: Path) -> None:
     """The budget is charged from the header's size, and a decode grows a GIF to each
     frame's extent: two requests, each with a 48 KB GIF of an 8 x 8 screen and an
@@ -126,6 +127,7 @@ def test_a_gif_frame_larger_than_its_image_is_refused(tmp_path: Path) -> None:
         assert _post(gateway, _normal()).status_code == 200
 
 
+@pytest.mark.slow
 def test_headers_of_millions_of_segments_are_refused_before_pillow(tmp_path: Path) -> None:
     """Pillow reads a JPEG's markers up to its first scan in Python, keeping every
     comment, and header reads run uncharged on the two decode threads, first come first
@@ -157,6 +159,7 @@ def test_headers_of_millions_of_segments_are_refused_before_pillow(tmp_path: Pat
         assert peak_mib < PEAK_LIMIT_MIB, f"peak RSS {peak_mib:.0f} MiB"
 
 
+@pytest.mark.slow
 def test_a_jpeg_of_a_thousand_scans_is_refused_before_its_decode(tmp_path: Path) -> None:
     """A 4095 x 4095 progressive JPEG whose last 33-byte scan is repeated 1,000 times
     (132 KB): libjpeg passes over the whole image once a scan, so its decode held
@@ -177,6 +180,7 @@ def test_a_jpeg_of_a_thousand_scans_is_refused_before_its_decode(tmp_path: Path)
         assert sim_received(sim.url) == before
 
 
+@pytest.mark.slow
 def test_decode_heavy_requests_keep_peak_rss_under_512_mib(
     tmp_path: Path, heavy_png: bytes
 ) -> None:
@@ -204,6 +208,7 @@ def test_decode_heavy_requests_keep_peak_rss_under_512_mib(
         assert _post(gateway, _normal()).status_code == 200
 
 
+@pytest.mark.slow
 def test_refused_images_do_not_keep_their_pixels(tmp_path: Path) -> None:
     """Truncated PNGs just under the pixel cap: the gateway decodes nearly every pixel
     (64 MiB each), then refuses the file. 32 such refusals once kept their pixels alive
@@ -223,6 +228,7 @@ def test_refused_images_do_not_keep_their_pixels(tmp_path: Path) -> None:
         assert _post(gateway, _normal()).status_code == 200
 
 
+@pytest.mark.slow
 def test_refused_requests_do_not_keep_their_bodies(tmp_path: Path) -> None:
     """Eight chats, each with one data: image just over media.max_bytes (a 28 MB body).
     A refused item's task held its exception, whose traceback held the frames that
@@ -251,6 +257,7 @@ def test_refused_requests_do_not_keep_their_bodies(tmp_path: Path) -> None:
 HEAVY_REQUESTS = 3
 
 
+@pytest.mark.slow
 def test_one_keys_heavy_decodes_do_not_queue_another_keys_image(
     tmp_path: Path, heavy_png: bytes
 ) -> None:
@@ -336,6 +343,7 @@ def _refused(gateway: Proc, sim: Proc, images: Sequence[bytes]) -> httpx.Respons
     return resp
 
 
+@pytest.mark.slow
 def test_a_decode_that_cannot_get_budget_in_time_is_503_media_busy(
     tiny: tuple[Proc, Proc], noisy_png: bytes
 ) -> None:
@@ -360,6 +368,7 @@ def test_a_decode_that_cannot_get_budget_in_time_is_503_media_busy(
     assert sim_received(sim.url) - before == 1
 
 
+@pytest.mark.slow
 def test_a_request_over_its_pixel_cap_is_413_before_decoding(
     tiny: tuple[Proc, Proc], noisy_png: bytes
 ) -> None:

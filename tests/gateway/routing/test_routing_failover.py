@@ -140,6 +140,7 @@ def request_lines(gateway: Proc, ids: Sequence[str]) -> dict[str, dict[str, Any]
 # --- a hot anchor spills (before any engine is killed) -----------------------------------
 
 
+@pytest.mark.slow
 def test_hot_anchor_spills_to_the_next_engine(stack: Stack) -> None:
     # Twelve requests with one anchor at once; each takes ~340 ms on an engine that runs
     # one at a time, long enough that all twelve arrive before the first ends, even on a
@@ -236,6 +237,7 @@ def _one(client: httpx.Client, gateway: Proc, request_id: str, stream: bool) -> 
 BEFORE = 24
 
 
+@pytest.mark.slow
 def test_killed_engine_loses_no_request_that_had_not_started(stack: Stack) -> None:
     victim = stack.sims[1]
     outcomes: list[Outcome] = []
@@ -294,6 +296,7 @@ def test_killed_engine_loses_no_request_that_had_not_started(stack: Stack) -> No
     assert healthy == 0
 
 
+@pytest.mark.slow
 def test_restarted_engine_comes_back_into_rotation(stack: Stack) -> None:
     victim = stack.sims[1]
     assert not victim.alive()
@@ -313,6 +316,7 @@ def test_restarted_engine_comes_back_into_rotation(stack: Stack) -> None:
 # --- refused connections: failover once per engine (kills engines for good) -------------
 
 
+@pytest.mark.slow
 def test_refused_connections_fail_over_once_per_engine(stack: Stack) -> None:
     # `slow` saw every engine healthy at its one check so far (at start) and forwarded
     # nothing yet: only refused connections can take engines out of its rotation.
