@@ -293,6 +293,7 @@ def check(tmp_path: Path, mistake: Mistake, *argv: str, run: Run = run_cli) -> s
     return line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MISTAKES))
 def test_check_config_names_the_mistake_and_its_source(
     tmp_path: Path, name: str, in_process: Run
@@ -300,12 +301,14 @@ def test_check_config_names_the_mistake_and_its_source(
     check(tmp_path, MISTAKES[name], "check-config", run=in_process)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["unknown nested key", "misspelt variable", "a bad network"])
 def test_check_config_in_a_subprocess_says_the_same(tmp_path: Path, name: str) -> None:
     """The table's answers are the command's, not only its `main`'s."""
     check(tmp_path, MISTAKES[name], "check-config")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name", ["a URL in allowed_domains", "misspelt variable", "YAML syntax error"]
 )
