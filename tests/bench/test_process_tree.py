@@ -40,7 +40,6 @@ def test_the_tree_holds_children_and_grandchildren() -> None:
         proc.wait(5)
 
 
-@pytest.mark.slow
 def test_a_process_that_is_gone_is_its_own_tree() -> None:
     proc = subprocess.Popen(["true"])
     proc.wait(5)

@@ -293,7 +293,6 @@ def check(tmp_path: Path, mistake: Mistake, *argv: str, run: Run = run_cli) -> s
     return line
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MISTAKES))
 def test_check_config_names_the_mistake_and_its_source(
     tmp_path: Path, name: str, in_process: Run
