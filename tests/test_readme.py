@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.procs import ROOT, clean_env, free_port
 
 
@@ -24,6 +26,7 @@ def first_run_block() -> str:
     return match.group(1)
 
 
+@pytest.mark.slow
 def test_the_readme_first_run_works_as_written() -> None:
     block = first_run_block()
     lines = [line for line in block.splitlines() if not line.startswith("bash scripts/setup.sh")]

@@ -314,6 +314,7 @@ def test_a_stopped_suite_leaves_no_process_behind(tmp_path: Path) -> None:
     assert [p.name.startswith("bench-overhead-") for p in run.temp.iterdir()] == [True]
 
 
+@pytest.mark.slow
 def test_cli_refuses_half_an_external_deployment() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "overhead", "--gateway-url", "http://127.0.0.1:1"],
@@ -326,6 +327,7 @@ def test_cli_refuses_half_an_external_deployment() -> None:
     assert "--gateway-url needs --engine-url" in proc.stderr
 
 
+@pytest.mark.slow
 def test_images_only_is_an_option_of_the_overhead_suite() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "scale", "--images-only"],

@@ -52,6 +52,7 @@ def test_chat_workload_turns_follow_up_and_ask_for_exact_reply_lengths() -> None
             assert call.body["ignore_eos"] is True and 100 <= call.body["max_tokens"] <= 200
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["chat", "images", "templates"])
 def test_offline_affinity_halves_round_robins_uncached_tokens(name: str) -> None:
     """In-process, with the engines' caches modelled by the simulator's own code: where
@@ -66,6 +67,7 @@ def test_offline_affinity_halves_round_robins_uncached_tokens(name: str) -> None
     assert results["affinity, 2 replicas"].uncached <= 0.75 * rr.uncached
 
 
+@pytest.mark.slow
 def test_offline_one_shared_prefix_is_the_case_no_router_can_halve() -> None:
     """Few-shot: everyone shares one prefix. Round robin computes it once per engine and
     then always hits; affinity spreads it the same way (the hot rule), so the ideal

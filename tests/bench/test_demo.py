@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.procs import ROOT
 
 # The simulated engine's canned reply (bench/sim/generate.py), word by word.
@@ -18,6 +20,7 @@ WORDS = {"The", "simulated", "engine", "answers", "with", "deterministic", "text
 WORDS |= {"model", "ran."}
 
 
+@pytest.mark.slow
 def test_demo_runs_and_shows_each_outcome(tmp_path: Path) -> None:
     temp = tmp_path / "temp"
     temp.mkdir()

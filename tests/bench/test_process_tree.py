@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import time
 
+import pytest
+
 from bench.harness.process_tree import _children_by_scan, cpu_seconds, process_tree
 from bench.harness.server import terminate
 
@@ -20,6 +22,7 @@ def _scanned_tree(pid: int) -> list[int]:
     return tree
 
 
+@pytest.mark.slow
 def test_the_tree_holds_children_and_grandchildren() -> None:
     # A shell with two children, one of which has its own child.
     script = "sleep 30 & (sleep 30 & wait) & wait"
@@ -44,6 +47,7 @@ def test_a_process_that_is_gone_is_its_own_tree() -> None:
     assert process_tree(proc.pid) == [proc.pid]
 
 
+@pytest.mark.slow
 def test_terminate_kills_the_whole_tree_of_a_child_that_ignores_sigterm() -> None:
     """A supervisor that does not leave on SIGTERM is killed with everything under it,
     not alone (its workers would run on, orphaned)."""

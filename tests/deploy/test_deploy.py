@@ -232,6 +232,7 @@ def test_every_gateway_env_name_is_a_setting(variant: str) -> None:
     assert all(n.startswith("GATEWAY_") for n in env)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", GATEWAY_VARIANTS)
 def test_gateway_env_loads_as_settings(
     variant: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
@@ -264,6 +265,7 @@ def test_gateway_env_loads_as_settings(
     assert s.media.allowed_networks == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", GATEWAY_VARIANTS)
 def test_check_config_accepts_the_deploy_env(variant: str, tmp_path: Path) -> None:
     env = {**clean_environ(), **gateway_env(variant)}
@@ -699,6 +701,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc]]
             yield {"engine": engine, **procs}
 
 
+@pytest.mark.slow
 def test_engine_refuses_callers_without_the_upstream_key(stack: dict[str, Proc]) -> None:
     engine = stack["engine"].url
     assert HTTP.get(engine + "/v1/models", timeout=5).status_code == 401
@@ -708,6 +711,7 @@ def test_engine_refuses_callers_without_the_upstream_key(stack: dict[str, Proc])
     assert HTTP.get(engine + "/v1/models", headers=ok, timeout=5).status_code == 200
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_the_deployed_gateway_serves_keyed_clients_only(
     variant: str, stack: dict[str, Proc]
@@ -735,6 +739,7 @@ def test_the_deployed_gateway_serves_keyed_clients_only(
     assert UPSTREAM not in stack[variant].log() and CLIENT_KEY not in stack[variant].log()
 
 
+@pytest.mark.slow
 def test_engine_media_tripwire_refuses_remote_urls(stack: dict[str, Proc]) -> None:
     """`--allowed-media-domains media.invalid`: even a URL that reached the engine
     directly is refused before any connection, while the gateway's data: URLs pass."""
@@ -752,6 +757,7 @@ def test_engine_media_tripwire_refuses_remote_urls(stack: dict[str, Proc]) -> No
     assert chat(engine, UPSTREAM, png_data_url()).status_code == 200
 
 
+@pytest.mark.slow
 def test_dockerfile_healthcheck_command_runs(stack: dict[str, Proc]) -> None:
     port = stack["compose"].port
     cmd = [sys.executable if a == "python" else a for a in healthcheck_command()]
@@ -761,6 +767,7 @@ def test_dockerfile_healthcheck_command_runs(stack: dict[str, Proc]) -> None:
     assert subprocess.run(dead, capture_output=True, timeout=10).returncode != 0
 
 
+@pytest.mark.slow
 def test_k8s_engine_probe_command_runs(stack: dict[str, Proc]) -> None:
     vllm = container("k8s-base", "vllm")
     probe = vllm["livenessProbe"]["exec"]["command"]

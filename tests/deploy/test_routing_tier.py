@@ -740,6 +740,7 @@ def test_store_users_check_catches_its_breakage(case: str) -> None:
         check_store_users(broken, "gateway", "vllm-gateway")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_renderer_agrees_with_kubectl_kustomize(layout: str) -> None:
@@ -1060,6 +1061,7 @@ def tier(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         yield {"gateway": gateway, "sims": sims, "container": gateway_c}
 
 
+@pytest.mark.slow
 def test_the_tier_gateway_turns_ready_with_every_engine_and_its_probes_answer(
     tier: dict[str, Any],
 ) -> None:
@@ -1081,6 +1083,7 @@ def test_the_tier_gateway_turns_ready_with_every_engine_and_its_probes_answer(
     assert HTTP.get(url + "/ready", timeout=5).status_code == 404
 
 
+@pytest.mark.slow
 def test_the_tier_gateway_serves_keyed_clients_only(tier: dict[str, Any]) -> None:
     url = tier["gateway"].url
     r = HTTP.get(url + "/v1/models", timeout=5)

@@ -47,6 +47,7 @@ def _oversized_chunked_body(gateway: Proc) -> None:
             pass  # refused at the cap: the gateway closed the connection
 
 
+@pytest.mark.slow
 def test_memory_of_refused_bodies_goes_back_to_the_system(tmp_path: Path) -> None:
     """Twelve chunked bodies over the cap at once, twice: the arenas they were read into
     are given back within a trim interval (without the trim: 60 -> 166 MiB, kept)."""

@@ -42,6 +42,7 @@ def check_config(*argv: str, env: dict[str, str] | None = None) -> tuple[int, st
 MASK = "**********"  # how pydantic dumps a SecretStr
 
 
+@pytest.mark.slow
 def test_check_config_masks_every_secret(tmp_path: Path) -> None:
     config = tmp_path / "gateway.yaml"
     config.write_text(
@@ -65,6 +66,7 @@ def test_check_config_masks_every_secret(tmp_path: Path) -> None:
     assert SECRET not in out + err and UPSTREAM not in out + err
 
 
+@pytest.mark.slow
 def test_check_config_masks_keys_from_the_environment() -> None:
     env = {
         "GATEWAY_API_KEYS": json.dumps([SECRET, {"key": SECRET + "y"}]),
@@ -77,6 +79,7 @@ def test_check_config_masks_keys_from_the_environment() -> None:
     assert SECRET not in out + err and UPSTREAM not in out + err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("env", "message"),
     [
@@ -107,11 +110,13 @@ def test_check_config_refuses_invalid_settings(env: dict[str, str], message: str
     assert SECRET not in out + err
 
 
+@pytest.mark.slow
 def test_check_config_missing_file(tmp_path: Path) -> None:
     code, _, err = check_config("--config", str(tmp_path / "nope.yaml"))
     assert code == 2 and "not found" in err
 
 
+@pytest.mark.slow
 def test_check_config_bad_key_file(tmp_path: Path) -> None:
     keys = tmp_path / "keys.yaml"
     keys.write_text(f"- key: {SECRET}\n  scopez: [inference]\n")
@@ -120,11 +125,13 @@ def test_check_config_bad_key_file(tmp_path: Path) -> None:
     assert SECRET not in out + err
 
 
+@pytest.mark.slow
 def test_hash_key() -> None:
     result = run_cli("hash-key", stdin="")
     assert result.returncode == 2 and "no key" in result.stderr
 
 
+@pytest.mark.slow
 def test_console_script_entry_point() -> None:
     # `python -m gateway.cli` is what the test harness and the docs run.
     result = run_cli("hash-key", stdin=SECRET)
@@ -132,6 +139,7 @@ def test_console_script_entry_point() -> None:
     assert result.stdout.strip() == hash_key(SECRET)
 
 
+@pytest.mark.slow
 def test_serve_with_a_config_file_and_two_workers(
     tmp_path: Path, start_sim: Callable[..., Proc]
 ) -> None:
@@ -157,6 +165,7 @@ def test_serve_with_a_config_file_and_two_workers(
     "store_url",
     ["redis://127.0.0.1:9/0?socket_timeout=abc", "unix:///tmp/none.sock?db=x"],
 )
+@pytest.mark.slow
 def test_serve_with_workers_refuses_what_a_worker_would_refuse(store_url: str) -> None:
     """`serve --workers N` starts no worker with settings a worker's app would refuse:
     the parent exits with one line, as with one worker (a store URL whose query redis
@@ -173,6 +182,7 @@ def test_serve_with_workers_refuses_what_a_worker_would_refuse(store_url: str) -
     assert "Traceback" not in result.stderr and "abc" not in result.stderr
 
 
+@pytest.mark.slow
 def test_workers_share_one_generated_namespace_secret(
     tmp_path: Path, start_sim: Callable[..., Proc]
 ) -> None:
@@ -205,6 +215,7 @@ def _subcommand(name: str) -> argparse.ArgumentParser:
     raise AssertionError(name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["serve", "check-config"])
 def test_help_describes_every_option_with_its_default(command: str) -> None:
     options = [a for a in _subcommand(command)._actions if a.dest != "help"]
@@ -222,6 +233,7 @@ def test_help_describes_every_option_with_its_default(command: str) -> None:
     assert "deploy/gateway.example.yaml" in text
 
 
+@pytest.mark.slow
 def test_sim_help_describes_every_option_with_its_default() -> None:
     from bench.sim.config import parse_args
 
@@ -240,6 +252,7 @@ def test_sim_help_describes_every_option_with_its_default() -> None:
         assert "(default:" in " ".join(block.split()), block
 
 
+@pytest.mark.slow
 def test_serve_logs_where_it_listens(tmp_path: Path) -> None:
     """One line at start: the bound address (port 0: the one chosen), the engines,
     the policy and the media mode. (An engine URL with credentials is refused:
@@ -287,6 +300,7 @@ def socket_bound() -> Iterator[int]:
         yield sock.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_serve_exits_with_a_line_when_the_port_is_taken(tmp_path: Path) -> None:
     env = clean_env({"GATEWAY_API_KEYS": json.dumps([SECRET])})
     with socket_bound() as port:

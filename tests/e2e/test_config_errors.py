@@ -300,12 +300,14 @@ def test_check_config_names_the_mistake_and_its_source(
     check(tmp_path, MISTAKES[name], "check-config", run=in_process)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["unknown nested key", "misspelt variable", "a bad network"])
 def test_check_config_in_a_subprocess_says_the_same(tmp_path: Path, name: str) -> None:
     """The table's answers are the command's, not only its `main`'s."""
     check(tmp_path, MISTAKES[name], "check-config")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name", ["a URL in allowed_domains", "misspelt variable", "YAML syntax error"]
 )
@@ -314,6 +316,7 @@ def test_serve_refuses_the_same_mistakes_the_same_way(tmp_path: Path, name: str)
     check(tmp_path, MISTAKES[name], "serve", "--port", str(free_port()))
 
 
+@pytest.mark.slow
 def test_every_mistake_is_reported_at_once(tmp_path: Path) -> None:
     (tmp_path / "gateway.yaml").write_text(
         f"api_keys: [{SECRET}]\nengines: [localhost:8001]\nrouting: {{policy: fast}}\n"
@@ -329,6 +332,7 @@ def test_every_mistake_is_reported_at_once(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.slow
 def test_a_documented_variable_that_is_not_a_setting_is_let_through(tmp_path: Path) -> None:
     """compose.yaml reads GATEWAY_BIND on the host: an operator's shell may export it."""
     env = clean_env({"GATEWAY_API_KEYS": KEYS, "GATEWAY_BIND": "0.0.0.0"})
@@ -336,6 +340,7 @@ def test_a_documented_variable_that_is_not_a_setting_is_let_through(tmp_path: Pa
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.slow
 def test_the_environment_wins_over_the_file_and_is_named_as_the_source(tmp_path: Path) -> None:
     (tmp_path / "gateway.yaml").write_text(f"api_keys: [{SECRET}]\nrouting: {{policy: affinity}}\n")
     config = str(tmp_path / "gateway.yaml")
@@ -349,6 +354,7 @@ def test_the_environment_wins_over_the_file_and_is_named_as_the_source(tmp_path:
     assert json.loads(result.stdout)["routing"]["policy"] == "round_robin"
 
 
+@pytest.mark.slow
 def test_a_command_line_option_is_named_as_the_source() -> None:
     env = clean_env({"GATEWAY_API_KEYS": KEYS})
     result = run_cli("serve", "--port", "70000", env=env)

@@ -182,6 +182,7 @@ def closed_metric(gw: Proc, reason: str) -> float:
 # --- the request head -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_head_dribble_is_closed_at_the_deadline_while_others_are_served(stack: Stack) -> None:
     before = closed_metric(stack.g, "head_timeout")
     with connect(stack.g.port) as sock:
@@ -203,6 +204,7 @@ def test_head_dribble_is_closed_at_the_deadline_while_others_are_served(stack: S
     assert closed_metric(stack.g, "head_timeout") == before + 1
 
 
+@pytest.mark.slow
 def test_silent_connection_is_closed(stack: Stack) -> None:
     before = closed_metric(stack.g, "idle_timeout")
     with connect(stack.g.port) as sock:
@@ -212,6 +214,7 @@ def test_silent_connection_is_closed(stack: Stack) -> None:
     assert closed_metric(stack.g, "idle_timeout") == before + 1
 
 
+@pytest.mark.slow
 def test_keepalive_head_deadline_counts_from_the_end_of_the_response(stack: Stack) -> None:
     """On a keep-alive connection the next head is due `request_head` after the previous
     response: starting it late does not buy time."""
@@ -228,6 +231,7 @@ def test_keepalive_head_deadline_counts_from_the_end_of_the_response(stack: Stac
         assert got == b""
 
 
+@pytest.mark.slow
 def test_keepalive_idle_connection_is_closed(stack: Stack) -> None:
     """Gateway C: 1 s keep-alive, the head deadline (10 s) far away."""
     with connect(stack.c.port) as sock:
@@ -238,6 +242,7 @@ def test_keepalive_idle_connection_is_closed(stack: Stack) -> None:
         assert got == b""
 
 
+@pytest.mark.slow
 def test_keepalive_and_pipelined_requests_still_work(stack: Stack) -> None:
     before = sim_received(stack.sim.url)
     body = chat_body()
@@ -260,6 +265,7 @@ def test_keepalive_and_pipelined_requests_still_work(stack: Stack) -> None:
     assert sim_received(stack.sim.url) == before + 5
 
 
+@pytest.mark.slow
 def test_a_deep_pipeline_is_answered_in_part_then_closed(stack: Stack) -> None:
     # uvicorn queued every request of a read: 60 connections writing 256 KiB of pipelined
     # GETs (no key) took the gateway to 1.2 GB and blocked it for 8 s.
@@ -306,6 +312,7 @@ def _slow_body(
     return elapsed, status, headers, body, after
 
 
+@pytest.mark.slow
 def test_a_stalled_body_is_cut_with_408(stack: Stack) -> None:
     """Headers and one byte of body, then nothing."""
     elapsed, status, headers, body, after = _slow_body(stack, chat_head(100) + b"{", [], 1)
@@ -315,6 +322,7 @@ def test_a_stalled_body_is_cut_with_408(stack: Stack) -> None:
     assert BODY_GRACE * 0.5 <= elapsed <= BODY_DEADLINE + 3, elapsed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("pad", "piece", "every", "says", "earliest", "latest"),
     [
@@ -341,6 +349,7 @@ def test_a_dripped_body_is_cut_with_408(
     assert earliest <= elapsed <= latest, elapsed
 
 
+@pytest.mark.slow
 def test_a_slow_upload_is_cut_with_408(stack: Stack) -> None:
     """Multipart uploads are read by the same rule."""
     boundary = "b0undary"
@@ -354,6 +363,7 @@ def test_a_slow_upload_is_cut_with_408(stack: Stack) -> None:
     assert elapsed <= BODY_DEADLINE + 3
 
 
+@pytest.mark.slow
 def test_a_body_at_a_legitimate_pace_is_forwarded(stack: Stack) -> None:
     """About 2,500 bytes a second, after a pause within the grace: 4.5 KB in ~2 s."""
     before = sim_received(stack.sim.url)
@@ -368,6 +378,7 @@ def test_a_body_at_a_legitimate_pace_is_forwarded(stack: Stack) -> None:
     assert sim_received(stack.sim.url) == before + 1
 
 
+@pytest.mark.slow
 def test_a_large_body_at_full_speed_is_unaffected(stack: Stack) -> None:
     # An unknown field: the padding costs no tokens at the engine.
     body = json.dumps({**json.loads(chat_body()), "pad": "x" * 24 * 1024 * 1024}).encode()
@@ -399,6 +410,7 @@ def chunked_head(extra: str = "") -> bytes:
     )
 
 
+@pytest.mark.slow
 def test_a_body_in_tiny_chunks_is_refused(stack: Stack) -> None:
     """1-byte chunks cost the gateway a Python call each: refused once 64 of them came
     in, 400 and closed, and nothing reaches the engine."""
@@ -423,6 +435,7 @@ def test_a_body_in_tiny_chunks_is_refused(stack: Stack) -> None:
     assert sim_received(stack.sim.url) == before
 
 
+@pytest.mark.slow
 def test_a_chunked_body_in_usual_chunks_is_forwarded(stack: Stack) -> None:
     """8 KiB chunks, after a few dozen small ones at the start, pass."""
     before = sim_received(stack.sim.url)
@@ -436,6 +449,7 @@ def test_a_chunked_body_in_usual_chunks_is_forwarded(stack: Stack) -> None:
 # --- the response ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_client_that_does_not_read_is_dropped(stack: Stack) -> None:
     """Its request leaves the gateway (the in-flight slot is free again) instead of
     waiting on the client forever."""
@@ -456,6 +470,7 @@ def test_a_client_that_does_not_read_is_dropped(stack: Stack) -> None:
 # --- the head's size --------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_head_over_the_byte_cap_is_431_and_closed(stack: Stack) -> None:
     before = sim_received(stack.sim.url)
     closed_before = closed_metric(stack.g, "headers_too_large")
@@ -521,6 +536,7 @@ def _streaming(port: int) -> socket.socket:
     return sock
 
 
+@pytest.mark.slow
 def test_at_the_cap_the_longest_waiting_for_a_head_makes_room(stack: Stack) -> None:
     """Gateway C holds at most 8 connections. At the cap a new connection closes the one
     that has waited longest for a head (oldest first), so a client that sends its head
@@ -575,6 +591,7 @@ def test_at_the_cap_the_longest_waiting_for_a_head_makes_room(stack: Stack) -> N
 # --- both serving paths -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_limits_hold_under_workers(tmp_path: Path, stack: Stack) -> None:
     """`--workers N` runs the same protocol in every worker."""
     gw = gateway_proc(

@@ -99,6 +99,7 @@ REFUSALS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["/gateway/status", "/gateway/openapi.json"])
 @pytest.mark.parametrize(("headers", "code_status", "code"), REFUSALS)
 def test_control_routes_need_the_admin_scope(
@@ -111,6 +112,7 @@ def test_control_routes_need_the_admin_scope(
     assert sim_received(stack.sim.url) == before
 
 
+@pytest.mark.slow
 def test_status_refuses_other_methods_and_serves_no_docs_ui(stack: Stack) -> None:
     before = sim_received(stack.sim.url)
     r = HTTP.post(stack.gateway.url + "/gateway/status", headers=auth(ADMIN))
@@ -124,6 +126,7 @@ def test_status_refuses_other_methods_and_serves_no_docs_ui(stack: Stack) -> Non
     assert sim_received(stack.sim.url) == before
 
 
+@pytest.mark.slow
 def test_status_describes_engines_policy_keys_and_version(stack: Stack) -> None:
     body = status(stack)
     assert body["version"] == "0.1.0"
@@ -154,6 +157,7 @@ def _epoch(stamp: str) -> float:
     return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
+@pytest.mark.slow
 def test_status_carries_no_key_material(stack: Stack) -> None:
     text = HTTP.get(stack.gateway.url + "/gateway/status", headers=auth(ADMIN)).text
     for secret in SECRETS:
@@ -163,6 +167,7 @@ def test_status_carries_no_key_material(stack: Stack) -> None:
     assert '"ops"' not in text and "from-file" not in text
 
 
+@pytest.mark.slow
 async def test_status_shows_the_requests_in_flight(stack: Stack) -> None:
     body = {
         "model": MODEL,
@@ -178,6 +183,7 @@ async def test_status_shows_the_requests_in_flight(stack: Stack) -> None:
     assert wait_for(lambda: status(stack)["engines"][0]["in_flight"] == 0)
 
 
+@pytest.mark.slow
 def test_status_follows_the_key_file(stack: Stack) -> None:
     first = status(stack)["keys"]["file"]
     try:
@@ -202,6 +208,7 @@ def test_status_follows_the_key_file(stack: Stack) -> None:
         assert wait_for(lambda: status(stack)["keys"]["file"]["keys"] == 1)
 
 
+@pytest.mark.slow
 def test_openapi_schema_lists_only_the_control_routes(stack: Stack) -> None:
     r = HTTP.get(stack.gateway.url + "/gateway/openapi.json", headers=auth(ADMIN))
     assert r.status_code == 200
@@ -224,6 +231,7 @@ def test_openapi_schema_lists_only_the_control_routes(stack: Stack) -> None:
     assert schema["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
 
 
+@pytest.mark.slow
 def test_probes_need_no_key_and_keep_their_bodies(stack: Stack) -> None:
     r = HTTP.get(stack.gateway.url + "/healthz")
     assert (r.status_code, r.json()) == (200, {"status": "ok"})
@@ -244,6 +252,7 @@ def test_probes_need_no_key_and_keep_their_bodies(stack: Stack) -> None:
     assert r.status_code == 200
 
 
+@pytest.mark.slow
 def test_metrics_keep_their_scope_and_format(stack: Stack) -> None:
     r = HTTP.get(stack.gateway.url + "/metrics", headers=auth(ADMIN))
     assert (r.status_code, error_code(r)) == (403, "scope_not_allowed")

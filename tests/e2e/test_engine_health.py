@@ -100,6 +100,7 @@ def silent() -> Iterator[Silent]:
         s.close()
 
 
+@pytest.mark.slow
 def test_each_engine_says_why_it_is_down_and_recovers_once(tmp_path: Path, silent: Silent) -> None:
     down_port = free_port()
     down = f"http://127.0.0.1:{down_port}"
@@ -196,6 +197,7 @@ def test_each_engine_says_why_it_is_down_and_recovers_once(tmp_path: Path, silen
     assert_no_secret(gateway.log())
 
 
+@pytest.mark.slow
 def test_an_engine_that_needs_a_key_the_gateway_does_not_send(tmp_path: Path) -> None:
     sim = sim_proc(tmp_path, "--api-key", ENGINE_KEY)
     env = {
@@ -260,6 +262,7 @@ def _busy_stack(tmp_path: Path, hold_per_mib: str, **env: str) -> Iterator[tuple
         yield sim, gateway
 
 
+@pytest.mark.slow
 def test_an_engine_busy_with_our_request_stays_in_rotation_while_it_misses_checks(
     tmp_path: Path,
 ) -> None:
@@ -281,6 +284,7 @@ def test_an_engine_busy_with_our_request_stays_in_rotation_while_it_misses_check
         assert slow["in_flight"] == 1 and "0.2 s" in slow["detail"]
 
 
+@pytest.mark.slow
 def test_an_engine_still_timing_out_after_its_grace_is_taken_out(tmp_path: Path) -> None:
     """With busy_grace 0.5 s and a 3 s hold, the engine is taken out (reason timeout)
     while the request is still in flight, and comes back once it answers checks again;

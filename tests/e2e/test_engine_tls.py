@@ -71,6 +71,7 @@ def gateway(tmp: Path, engine: TlsEngine, ca_file: str | None) -> Iterator[Proc]
             proc.stop()
 
 
+@pytest.mark.slow
 def test_an_engine_named_by_dns_is_reached_over_tls_under_its_name(tmp_path: Path) -> None:
     engine = TlsEngine("localhost")
     with gateway(tmp_path, engine, "engine-ca.pem") as gw:
@@ -91,6 +92,7 @@ def test_an_engine_named_by_dns_is_reached_over_tls_under_its_name(tmp_path: Pat
     assert f'engine="https://127.0.0.1:{engine.server.port}"' in samples
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("cert", "ca_file"),
     [

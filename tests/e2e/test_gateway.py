@@ -201,6 +201,7 @@ BLOCKED = sorted(
 UNKNOWN = [("/v1/files", "GET"), ("/", "GET"), ("/v1/chat", "POST"), ("/admin", "GET")]
 
 
+@pytest.mark.slow
 def test_route_matrix_refusals_never_reach_an_engine(stack: Stack) -> None:
     """Every route x {no key, wrong key, key without the scope}: status, code, and
     the engines' received counters unchanged."""
@@ -228,6 +229,7 @@ def test_route_matrix_refusals_never_reach_an_engine(stack: Stack) -> None:
     assert received(stack.gen_sims) == before
 
 
+@pytest.mark.slow
 def test_route_matrix_right_key_forwards_the_canonical_path(stack: Stack) -> None:
     clear_records(stack.gen_sims)
     before = total(received(stack.gen_sims))
@@ -250,6 +252,7 @@ def test_route_matrix_right_key_forwards_the_canonical_path(stack: Stack) -> Non
         assert "connection" not in rec["headers"] or rec["headers"]["connection"] == "keep-alive"
 
 
+@pytest.mark.slow
 def test_gateway_metrics_need_the_metrics_scope(stack: Stack) -> None:
     before = received(stack.gen_sims)
     r = HTTP.get(stack.g.url + "/metrics")
@@ -267,6 +270,7 @@ def test_gateway_metrics_need_the_metrics_scope(stack: Stack) -> None:
     assert received(stack.gen_sims) == before
 
 
+@pytest.mark.slow
 def test_own_routes_need_no_key(stack: Stack) -> None:
     assert HTTP.get(stack.g.url + "/healthz").json() == {"status": "ok"}
     r = HTTP.get(stack.g.url + "/readyz")
@@ -316,6 +320,7 @@ def _raw_request(port: int, path: str, key: str) -> tuple[int, bytes]:
     return status, data.split(b"\r\n\r\n", 1)[1]
 
 
+@pytest.mark.slow
 def test_path_tricks_never_reach_an_engine(stack: Stack) -> None:
     before = received(stack.gen_sims)
     for path, status, code in PATH_TRICKS:
@@ -334,6 +339,7 @@ def _chat(client: httpx.Client, key: str = FULL, **body: Any) -> httpx.Response:
 BAD_MODELS = ["../x", "../../etc/passwd", "some/other-model", "", 42, None, ["a"]]
 
 
+@pytest.mark.slow
 def test_model_must_be_served_and_allowed(stack: Stack) -> None:
     before = received(stack.gen_sims)
     with httpx.Client(base_url=stack.g.url, timeout=10) as client:
@@ -351,6 +357,7 @@ def test_model_must_be_served_and_allowed(stack: Stack) -> None:
     assert received(stack.gen_sims) == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("content", "content_type", "status", "code"),
     [
@@ -381,6 +388,7 @@ def test_bad_bodies(
     assert received(stack.gen_sims) == before
 
 
+@pytest.mark.slow
 def test_body_cap_with_and_without_content_length(stack: Stack) -> None:
     before = received(stack.gen_sims)
     big = json.dumps({**CHAT, "pad": "x" * MAX_BODY}).encode()
@@ -415,6 +423,7 @@ def test_body_cap_with_and_without_content_length(stack: Stack) -> None:
     assert r.status_code == 200
 
 
+@pytest.mark.slow
 def test_valid_upload_is_forwarded(stack: Stack) -> None:
     audio = wav(25_000)
     files = {"file": ("a.wav", audio, "audio/wav")}
@@ -431,6 +440,7 @@ def test_valid_upload_is_forwarded(stack: Stack) -> None:
 # --- request ids, headers -------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_request_id_taken_or_minted_and_sent_to_the_engine(stack: Stack) -> None:
     clear_records(stack.gen_sims)
     with httpx.Client(base_url=stack.g.url, timeout=10) as client:
@@ -461,6 +471,7 @@ def test_request_id_taken_or_minted_and_sent_to_the_engine(stack: Stack) -> None
 # --- streaming and disconnects ---------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_streaming_arrives_incrementally(stack: Stack) -> None:
     arrivals: list[float] = []
     body = {**CHAT, "max_tokens": 150, "ignore_eos": True, "stream": True}
@@ -481,6 +492,7 @@ def test_streaming_arrives_incrementally(stack: Stack) -> None:
     assert arrivals[0] < arrivals[-1] / 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_disconnect_aborts_the_engine_request(stack: Stack, stream: bool) -> None:
     before = aborted(stack.gen_sims)
@@ -497,6 +509,7 @@ def test_client_disconnect_aborts_the_engine_request(stack: Stack, stream: bool)
     assert wait_for(lambda: aborted(stack.gen_sims) > before, timeout=10)
 
 
+@pytest.mark.slow
 def test_in_flight_cap_answers_503(stack: Stack) -> None:
     async def scenario() -> tuple[httpx.Response, float]:
         body = {**CHAT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
@@ -520,6 +533,7 @@ def test_in_flight_cap_answers_503(stack: Stack) -> None:
 # --- the OpenAI client -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_openai_client_chat(stack: Stack) -> None:
     client = openai.OpenAI(base_url=stack.g.url + "/v1", api_key=FULL, max_retries=0)
     with client:
@@ -546,6 +560,7 @@ def test_openai_client_chat(stack: Stack) -> None:
             wrong.models.list()
 
 
+@pytest.mark.slow
 def test_openai_client_embeddings_and_rerank(stack: Stack) -> None:
     with openai.OpenAI(base_url=stack.p.url + "/v1", api_key=POOLING_ONLY, max_retries=0) as c:
         models = HTTP.get(stack.p.url + "/v1/models", headers=auth(FULL)).json()
@@ -567,6 +582,7 @@ def test_openai_client_embeddings_and_rerank(stack: Stack) -> None:
 # --- engine failures -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_configured_models_are_accepted_and_slow_engines_time_out(stack: Stack) -> None:
     before = received([stack.doomed])
     aborts = aborted([stack.doomed])
@@ -585,6 +601,7 @@ def test_configured_models_are_accepted_and_slow_engines_time_out(stack: Stack) 
     assert wait_for(lambda: aborted([stack.doomed]) > aborts, timeout=10)
 
 
+@pytest.mark.slow
 def test_stream_broken_midway_ends_with_an_error_frame(stack: Stack) -> None:
     body = {**CHAT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
     with HTTP.stream(
@@ -600,6 +617,7 @@ def test_stream_broken_midway_ends_with_an_error_frame(stack: Stack) -> None:
     assert "[DONE]" not in rest[-1]
 
 
+@pytest.mark.slow
 def test_dead_engine_is_502_then_503(stack: Stack) -> None:
     # Runs after the test above killed E's only engine.
     assert not stack.doomed.alive()
@@ -613,6 +631,7 @@ def test_dead_engine_is_502_then_503(stack: Stack) -> None:
     assert HTTP.get(stack.e.url + "/readyz").status_code == 503
 
 
+@pytest.mark.slow
 def test_engine_4xx_keeps_its_shape(stack: Stack) -> None:
     # The engine's own validation error, in vLLM's shape (`code` the status as an
     # integer): relayed with its meaning, its strings scrubbed
@@ -631,6 +650,7 @@ def test_engine_4xx_keeps_its_shape(stack: Stack) -> None:
 # --- keys: reload without restart ------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_key_file_change_takes_effect_without_restart(stack: Stack) -> None:
     url = stack.g.url + "/v1/models"
     assert HTTP.get(url, headers=auth(FILE_A)).status_code == 200
@@ -659,6 +679,7 @@ def test_key_file_change_takes_effect_without_restart(stack: Stack) -> None:
     assert wait_for(lambda: HTTP.get(url, headers=auth(FILE_B)).status_code == 401, timeout=10)
 
 
+@pytest.mark.slow
 def test_key_file_rewritten_with_its_old_mtime_is_reloaded(stack: Stack) -> None:
     """Tools that keep a file's modification time (`cp -p`, `rsync -a`, a Nix store path
     behind a symlink, whose mtime is always 1) replaced a key with another of the same
@@ -682,6 +703,7 @@ def test_key_file_rewritten_with_its_old_mtime_is_reloaded(stack: Stack) -> None
 # --- failover (kills an engine: keep after the tests that count both engines) ----------
 
 
+@pytest.mark.slow
 def test_refused_connection_fails_over_to_the_next_engine(stack: Stack) -> None:
     stack.victim.kill()
     with httpx.Client(base_url=stack.g.url, timeout=10) as client:
@@ -694,6 +716,7 @@ def test_refused_connection_fails_over_to_the_next_engine(stack: Stack) -> None:
 # --- logs (last: reads what every test above logged) ----------------------------------
 
 
+@pytest.mark.slow
 def test_logs_carry_no_secrets(stack: Stack) -> None:
     with httpx.Client(base_url=stack.g.url, timeout=10) as client:
         content = [

@@ -110,6 +110,7 @@ def _post_raw(port: int, head: list[bytes], body: bytes) -> tuple[int, bytes]:
         return int(head_bytes.split(b" ", 2)[1]), rest
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", [0, 1])
 def test_engines_get_only_allowlisted_request_headers(
     engine: Engine, gateways: list[Proc], which: int
@@ -139,6 +140,7 @@ def test_engines_get_only_allowlisted_request_headers(
         assert seen.headers["traceparent"] == HOSTILE["traceparent"]
 
 
+@pytest.mark.slow
 def test_a_connection_header_cannot_strip_the_checked_content_type(
     engine: Engine, gateways: list[Proc]
 ) -> None:
@@ -162,6 +164,7 @@ def test_a_connection_header_cannot_strip_the_checked_content_type(
     assert "connection" not in seen.headers and seen.body == body
 
 
+@pytest.mark.slow
 def test_multipart_content_type_is_the_one_checked(engine: Engine, gateways: list[Proc]) -> None:
     # The engine (scripted) answers 200; the upload must only pass the gateway's checks.
     r = HTTP.post(
@@ -178,6 +181,7 @@ def test_multipart_content_type_is_the_one_checked(engine: Engine, gateways: lis
     assert seen.body.count(ctype.split("boundary=")[1].strip('"').encode()) >= 2
 
 
+@pytest.mark.slow
 def test_clients_get_only_allowlisted_response_headers(gateways: list[Proc]) -> None:
     # /version: a GET relayed as the engine sends it (model lists are rewritten).
     r = HTTP.get(
@@ -191,6 +195,7 @@ def test_clients_get_only_allowlisted_response_headers(gateways: list[Proc]) -> 
     assert "endpoint-load-metrics" not in r.headers
 
 
+@pytest.mark.slow
 def test_header_count_is_capped_before_anything_else(engine: Engine, gateways: list[Proc]) -> None:
     with engine.lock:
         before = len(engine.seen)

@@ -93,6 +93,7 @@ def prompt(topic: str) -> dict[str, Any]:
         {"role": "system", "content": text}, {"role": "user", "content": "hi"}]}  # fmt: skip
 
 
+@pytest.mark.slow
 def test_request_ids_reach_the_engine_namespaced_per_key(stack: Stack) -> None:
     stack.clear()
     for name in ("a1", "a1", "b1"):
@@ -103,6 +104,7 @@ def test_request_ids_reach_the_engine_namespaced_per_key(stack: Stack) -> None:
     assert all(i.startswith("gw-") and "mine" not in i for i in ids)
 
 
+@pytest.mark.slow
 def test_media_uuids_reach_the_engine_namespaced_per_key(stack: Stack) -> None:
     stack.clear()
     part = {"type": "image_url", "image_url": None, "uuid": "cached-by-someone"}
@@ -115,6 +117,7 @@ def test_media_uuids_reach_the_engine_namespaced_per_key(stack: Stack) -> None:
     assert "cached-by-someone" not in uuids
 
 
+@pytest.mark.slow
 def test_without_isolation_tenants_share_the_prefix_cache(stack: Stack) -> None:
     body = prompt("shared")
     assert stack.post(stack.shared, "a1", "/v1/chat/completions", body).status_code == 200
@@ -123,6 +126,7 @@ def test_without_isolation_tenants_share_the_prefix_cache(stack: Stack) -> None:
     assert stack.hits() - before > 100  # b1 hit what a1 computed: a timing side channel
 
 
+@pytest.mark.slow
 def test_with_tenant_isolation_only_the_same_tenant_hits(stack: Stack) -> None:
     body = prompt("isolated")
     stack.clear()
@@ -140,6 +144,7 @@ def test_with_tenant_isolation_only_the_same_tenant_hits(stack: Stack) -> None:
     assert stack.received()[-1]["cache_salt"] not in ("my-own-salt", *salts)
 
 
+@pytest.mark.slow
 def test_the_same_client_request_id_reaches_the_engine_as_two_ids(stack: Stack) -> None:
     """vLLM takes X-Request-Id as its request id and aborts by it: two tenants sending
     the same one must not share it at the engine."""
@@ -152,6 +157,7 @@ def test_the_same_client_request_id_reaches_the_engine_as_two_ids(stack: Stack) 
     assert len(set(ids)) == 2 and all(i.startswith("trace-1-") for i in ids)
 
 
+@pytest.mark.slow
 def test_invocations_need_the_pooling_scope_too(stack: Stack) -> None:
     """vLLM dispatches /invocations by the body's shape, embeddings and scoring included:
     a key with only the inference scope may not reach the pooling handlers there."""
@@ -165,6 +171,7 @@ def test_invocations_need_the_pooling_scope_too(stack: Stack) -> None:
     assert stack.post(stack.shared, "gen", "/v1/chat/completions", chat).status_code == 200
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "path", ["/cohere/v2/chat", "/v2/embed", "/v1/audio/transcriptions", "/v1/audio/translations"]
 )
@@ -208,6 +215,7 @@ def _create_response(stack: Stack, name: str, **fields: str) -> str:
     return rid
 
 
+@pytest.mark.slow
 def test_a_stored_response_is_read_and_cancelled_only_by_its_key(stack: Stack) -> None:
     """vLLM names a stored response by the body's `request_id` and serves it to whoever
     names it: the gateway gives every `POST /v1/responses` an id bound to the key, and
@@ -231,6 +239,7 @@ def test_a_stored_response_is_read_and_cancelled_only_by_its_key(stack: Stack) -
             stack.clear()
 
 
+@pytest.mark.slow
 def test_previous_response_id_must_be_the_keys_own(stack: Stack) -> None:
     """vLLM continues from the stored response `previous_response_id` names (its
     output and input messages): another key's id is refused before the engine."""
@@ -246,6 +255,7 @@ def test_previous_response_id_must_be_the_keys_own(stack: Stack) -> None:
     assert sent["previous_response_id"] == rid and sent["request_id"] != rid
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "rid",
     [
@@ -268,6 +278,7 @@ def test_response_ids_not_made_for_the_key_are_refused(stack: Stack, rid: str) -
     assert stack.paths() == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", [True, 1, "yes"])
 def test_a_background_response_is_refused(stack: Stack, value: object) -> None:
     """vLLM 0.32 answers a `background` Responses request at once and generates on: the

@@ -393,6 +393,7 @@ def fill(stack: Stack, raw: str) -> str:
     )
 
 
+@pytest.mark.slow
 def test_url_policy_table(stack: Stack) -> None:
     """Every URL refused before any connection: 400 media_url_not_allowed naming the
     rule, the origin, the canaries and the engine never contacted."""
@@ -512,6 +513,7 @@ def _bypass_shapes(u: str) -> list[tuple[str, str, dict[str, Any]]]:
     ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_default_engine_fetches_what_the_first_walker_missed(stack: Stack) -> None:
     """The simulated engine reads parts as vLLM does (unknown keys dropped): sent to it
     directly, a part with a role key makes it fetch the canary. The table above shows
@@ -528,6 +530,7 @@ def test_a_default_engine_fetches_what_the_first_walker_missed(stack: Stack) -> 
         assert len(direct.hits) == 1
 
 
+@pytest.mark.slow
 def test_media_is_found_in_every_endpoint_and_shape(stack: Stack) -> None:
     # A loopback canary URL: if any location were missed, the engine (which fetches like
     # a default vLLM) would contact the canary and count the request.
@@ -540,6 +543,7 @@ def test_media_is_found_in_every_endpoint_and_shape(stack: Stack) -> None:
             raise AssertionError(f"{label}: {exc}") from None
 
 
+@pytest.mark.slow
 def test_duplicate_json_keys_are_read_as_the_engine_reads_them(stack: Stack) -> None:
     """A body with `messages` twice: Python's json (vLLM) keeps the last; so does the
     gateway's parser, so the second, forbidden list is the one checked."""
@@ -597,6 +601,7 @@ DATA_CASES: list[tuple[str, dict[str, Any], int, str]] = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("label", "part", "status", "code"), DATA_CASES,
                          ids=[c[0] for c in DATA_CASES])  # fmt: skip
 def test_data_url_validation(
@@ -605,6 +610,7 @@ def test_data_url_validation(
     refused(stack, stack.inline, "/v1/chat/completions", chat(part), status, code)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("path", "status", "code", "reason"),
     [
@@ -638,6 +644,7 @@ def test_fetched_media_is_validated_and_redirects_refused(
     assert not any(h.path == "/stolen.png" for h in stack.canary.hits)
 
 
+@pytest.mark.slow
 def test_allowed_host_resolving_outside_allowed_networks_is_refused_at_connect(
     stack: Stack,
 ) -> None:
@@ -648,6 +655,7 @@ def test_allowed_host_resolving_outside_allowed_networks_is_refused_at_connect(
             "media_fetch_failed", "address refused")  # fmt: skip
 
 
+@pytest.mark.slow
 def test_every_url_is_checked_before_anything_is_fetched(stack: Stack) -> None:
     """An allowed URL next to a forbidden one: the request is refused and the allowed
     origin is not contacted either (the walk checks every URL before any fetch)."""
@@ -665,6 +673,7 @@ def _audio_parts(data: bytes, fmt: str, mime: str) -> list[tuple[str, dict[str, 
     ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_playlist_behind_an_id3_tag_never_reaches_the_engine(stack: Stack) -> None:
     """The ID3 + HLS body whose segment is the canary, as `input_audio` (mp3), as an
     `audio_url` data URL, fetched from the allowed origin as audio/mpeg, and uploaded to
@@ -685,6 +694,7 @@ def test_a_playlist_behind_an_id3_tag_never_reaches_the_engine(stack: Stack) -> 
         stack.untouched()
 
 
+@pytest.mark.slow
 def test_containers_with_a_playlist_after_the_magic_are_refused(stack: Stack) -> None:
     """The same playlist after each other container's magic bytes."""
     hls = id3_playlist(stack.canary.url + "/seg.ts")[10:]
@@ -705,6 +715,7 @@ def test_containers_with_a_playlist_after_the_magic_are_refused(stack: Stack) ->
     assert counts(stack) == before
 
 
+@pytest.mark.slow
 def test_real_audio_reaches_the_engine_unchanged(stack: Stack) -> None:
     """Real MP3, FLAC and Ogg files (FFmpeg's muxers) pass the container checks and reach
     the engine byte for byte, in a chat part and as an upload."""
@@ -726,6 +737,7 @@ def test_real_audio_reaches_the_engine_unchanged(stack: Stack) -> None:
     stack.untouched()
 
 
+@pytest.mark.slow
 def test_size_and_count_caps(stack: Stack) -> None:
     small = image(data_url("image/png", png(4, 4)))
     refused(stack, stack.inline, "/v1/chat/completions", chat(*[small] * (MAX_ITEMS + 1)),
@@ -792,6 +804,7 @@ FIELD_CASES: list[tuple[str, str, dict[str, Any], str]] = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("label", "path", "body", "param"), FIELD_CASES,
                          ids=[c[0] for c in FIELD_CASES])  # fmt: skip
 def test_dangerous_fields_are_refused(
@@ -801,6 +814,7 @@ def test_dangerous_fields_are_refused(
     assert error["param"] == param
 
 
+@pytest.mark.slow
 def test_field_opt_in_lets_only_that_field_through(stack: Stack) -> None:
     """The passthrough gateway opts in to kv_transfer_params and mm_processor_kwargs:
     those reach the engine as sent; every other dangerous field is still refused."""
@@ -835,6 +849,7 @@ def mm_hits(stack: Stack, sim: Proc) -> float:
     return metric(sim.url, "vllm:mm_cache_hits_total")
 
 
+@pytest.mark.slow
 def test_inline_mode_hands_the_engine_a_validated_data_url(stack: Stack) -> None:
     clear(stack, stack.gen)
     url = stack.o + "/img.png"
@@ -851,6 +866,7 @@ def test_inline_mode_hands_the_engine_a_validated_data_url(stack: Stack) -> None
     stack.untouched()
 
 
+@pytest.mark.slow
 def test_structured_decisions_reach_the_engine_with_their_images_inlined(
     stack: Stack,
 ) -> None:
@@ -869,6 +885,7 @@ def test_structured_decisions_reach_the_engine_with_their_images_inlined(
     stack.untouched()
 
 
+@pytest.mark.slow
 def test_the_same_image_twice_has_the_same_identity(stack: Stack) -> None:
     """By URL twice and once as a data URL: the engine sees the same bytes each time
     and its media cache hits, and the origin is fetched once (the gateway's cache)."""
@@ -885,6 +902,7 @@ def test_the_same_image_twice_has_the_same_identity(stack: Stack) -> None:
     assert len(origin_hits(stack, "/twice.png")) == 1
 
 
+@pytest.mark.slow
 def test_passthrough_mode_hands_the_engine_the_canonical_url(stack: Stack) -> None:
     clear(stack, stack.gen)
     raw = f"HTTP://127.0.0.1:{stack.origin.port}/pass.png?size=small"
@@ -906,6 +924,7 @@ def test_passthrough_mode_hands_the_engine_the_canonical_url(stack: Stack) -> No
     assert len(origin_hits(stack, "/pass.png")) == 1
 
 
+@pytest.mark.slow
 def test_data_only_mode_refuses_remote_urls_and_accepts_data(stack: Stack) -> None:
     before = len(stack.origin.hits)
     msgs = [{"role": "user", "content": [image(stack.o + "/img.png")]}]
@@ -922,6 +941,7 @@ def test_data_only_mode_refuses_remote_urls_and_accepts_data(stack: Stack) -> No
     assert _engine_urls(record) == [good]
 
 
+@pytest.mark.slow
 def test_client_uuids_are_namespaced_per_key(stack: Stack) -> None:
     clear(stack, stack.gen)
     part = {"type": "image_url", "image_url": {"url": data_url("image/png", PNG)},
@@ -945,6 +965,7 @@ def _upload(stack: Stack, files: Any, data: dict[str, Any] | None = None) -> htt
                       files=files, data={"model": MODEL, **(data or {})})  # fmt: skip
 
 
+@pytest.mark.slow
 def test_valid_wav_upload_is_forwarded_unchanged(stack: Stack) -> None:
     clear(stack, stack.gen)
     audio = wav(4000)
@@ -971,6 +992,7 @@ def _form(boundary: str, fields: list[tuple[str, bytes]]) -> bytes:
     return out + f"--{boundary}--\r\n".encode()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("label", "params", "fields", "status", "code"),
     [
@@ -1015,6 +1037,7 @@ def test_uploads_are_read_as_the_engine_reads_them(
     assert record["headers"]["content-type"] == f'multipart/form-data; boundary="{boundary}"'
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("label", "files", "data", "status", "code"),
     [
@@ -1052,6 +1075,7 @@ def _ssrf_urls(target: Proc) -> list[tuple[str, str]]:
             ("file:///etc/passwd", "scheme")]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_reference_ssrf_table_engine_alone_then_through_the_gateway(stack: Stack) -> None:
     ref = stack.ref
     # The engine alone fetches its own internal routes as "images" (docs/vllm.md:
@@ -1075,6 +1099,7 @@ def test_reference_ssrf_table_engine_alone_then_through_the_gateway(stack: Stack
         assert records(stack, ref, scrapes=True) == []
 
 
+@pytest.mark.slow
 def test_errors_never_echo_library_text(stack: Stack) -> None:
     """The engine alone leaks Pillow's text with a heap address; the gateway does not."""
     bad = image(data_url("image/png", b"not an image at all"))

@@ -31,12 +31,18 @@ from tests.procs import (
 
 KEY = "sk-media-caps-0123456789abcdef"
 PNG = png(16, 16)
-FETCH_TIMEOUT = 1.0
+# The cap counts the wait for a fetch slot too (docs/media.md): three waves of two
+# fetches of FETCH_DELAY each fit in it many times over, even on a loaded machine.
+FETCH_TIMEOUT = 3.0
+FETCH_DELAY = 0.25
 MAX_CONCURRENT = 2
+# What the slow origin takes to (not) answer: a fetch still waiting then was not cut.
+SLOW = 10 * FETCH_TIMEOUT
 
 
 class CountingOrigin:
-    """Serves PNG after `delay` seconds; `/slow...` sleeps 3 s and answers nothing.
+    """Serves PNG after `delay` seconds; `/slow...` sleeps SLOW seconds (well past the
+    fetch cap) and answers nothing.
     Records the largest number of (not slow) fetches in progress at once.
 
     A fetch counts from its arrival until the origin starts answering it. The gateway
@@ -60,7 +66,7 @@ class CountingOrigin:
             def do_GET(self) -> None:
                 slow = self.path.startswith("/slow")
                 if slow:  # still asleep after the gateway gave up: not counted
-                    time.sleep(3.0)
+                    time.sleep(SLOW)
                     return
                 with lock:
                     outer.in_progress += 1
@@ -97,9 +103,7 @@ Stack = MediaStack[CountingOrigin]
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp: Path = tmp_path_factory.mktemp("caps")
-    # Three waves of two 0.1 s fetches fit in the 1 s cap, which also counts the wait
-    # for a fetch slot (docs/media.md).
-    origin = CountingOrigin(delay=0.1)
+    origin = CountingOrigin(delay=FETCH_DELAY)
     sim = sim_proc(tmp, "--latency", "zero")
     env = media_gateway_env(
         sim.url,
@@ -122,19 +126,19 @@ def _chat(stack: Stack, path: str) -> httpx.Response:
     return ask_about_image(stack.gateway.url, KEY, image)
 
 
+@pytest.mark.slow
 def test_a_fetch_over_its_time_is_cut_and_refused(stack: Stack) -> None:
     before = sim_received(stack.sim.url)
-    start = time.monotonic()
     resp = _chat(stack, "/slow.png")
-    elapsed = time.monotonic() - start
     assert resp.status_code == 422
     assert resp.json()["error"]["code"] == "media_fetch_failed"
+    # Cut by the cap: the origin closes without an answer only after SLOW seconds, a
+    # fetch that outlived the cap would fail for another reason (or the client's wait).
     assert "reason: timeout" in resp.json()["error"]["message"]
-    # Cut at the cap, not when the origin answered (3 s).
-    assert elapsed < 2.5
     assert sim_received(stack.sim.url) == before
 
 
+@pytest.mark.slow
 def test_fetches_run_at_most_the_cap_at_once(stack: Stack) -> None:
     """Six requests at once, each with its own image (nothing cached): the origin never
     serves more than MAX_CONCURRENT_FETCHES of them at a time, and every request is
@@ -146,7 +150,9 @@ def test_fetches_run_at_most_the_cap_at_once(stack: Stack) -> None:
         answers = list(pool.map(lambda i: _chat(stack, f"/img{i}.png"), range(6)))
     assert [a.status_code for a in answers] == [200] * 6
     assert stack.origin.served - served == 6
-    assert stack.origin.most == MAX_CONCURRENT
+    # Never above the cap; six requests sent at once overlap at the origin, unless a
+    # loaded machine spaces them out by more than FETCH_DELAY.
+    assert 1 <= stack.origin.most <= MAX_CONCURRENT
     assert sim_received(stack.sim.url) - before == 6
 
 
@@ -159,6 +165,7 @@ SLOTS = 2
 FLOOD = 12
 
 
+@pytest.mark.slow
 def test_one_keys_flood_does_not_queue_another_keys_image(tmp_path: Path) -> None:
     """Fetch slots shared fairly between keys, through the gateway under uvicorn: one key
     floods a slow loopback origin, another key's single image is not queued behind it.
@@ -200,17 +207,16 @@ def test_one_keys_flood_does_not_queue_another_keys_image(tmp_path: Path) -> Non
                 # A's first fetches hold both slots, the rest of its flood is queued.
                 assert wait_for(lambda: len(origin.hits) >= SLOTS, timeout=10)
                 time.sleep(0.3)
-                started = time.monotonic()
                 answer = ask(B, 1000)
-                b_elapsed = time.monotonic() - started
                 a_done_by_then = len(a_done)
                 statuses = [f.result().status_code for f in flood]
             assert answer.status_code == 200, answer.text
             assert statuses == [200] * FLOOD
-            # Fair: one slot to free (at most DELAY) and B's own fetch (DELAY), with
-            # room for a loaded machine. FIFO: (FLOOD - SLOTS) / SLOTS more rounds of
-            # DELAY, 5 s here, plus B's own fetch.
-            assert b_elapsed < 3.5 * DELAY
+            # Fair: B's fetch reaches the origin in the first freed slot, after SLOTS of
+            # A's (a few more if a loaded machine was slow to queue it). FIFO: after all
+            # FLOOD of A's, queued before it.
+            arrived = [hit.path for hit in origin.hits]
+            assert arrived.index("/img.png?n=1000") <= FLOOD // 2, arrived
             # A's flood was still queued when B was answered.
             assert a_done_by_then <= FLOOD // 2
             assert sim_received(sim.url) - before == FLOOD + 1

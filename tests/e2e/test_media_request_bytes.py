@@ -106,6 +106,7 @@ def ask(stack: MediaStack[Any], names: str) -> httpx.Response:
     )
 
 
+@pytest.mark.slow
 def test_media_urls_over_the_request_allowance_are_refused(stack: Stack) -> None:
     before = sim_received(stack.sim.url)
     resp = ask(stack, "abc")
@@ -114,6 +115,7 @@ def test_media_urls_over_the_request_allowance_are_refused(stack: Stack) -> None
     assert sim_received(stack.sim.url) == before
 
 
+@pytest.mark.slow
 def test_media_urls_within_the_allowance_are_forwarded(stack: Stack) -> None:
     before = sim_received(stack.sim.url)
     resp = ask(stack, "ab")
@@ -121,6 +123,7 @@ def test_media_urls_within_the_allowance_are_forwarded(stack: Stack) -> None:
     assert sim_received(stack.sim.url) == before + 1
 
 
+@pytest.mark.slow
 def test_cached_items_count_against_the_allowance(stack: Stack) -> None:
     # a and b are cached now (the previous test); with d they are over the allowance.
     assert ask(stack, "ab").status_code == 200
@@ -134,6 +137,7 @@ def test_cached_items_count_against_the_allowance(stack: Stack) -> None:
     assert len(stack.origin.hits) <= fetched + 1
 
 
+@pytest.mark.slow
 def test_an_answer_framed_by_a_length_and_chunks_is_refused(tmp_path: Path) -> None:
     # Content-Length: 1 with chunks: an HTTP/1.1 client reads the chunks (Transfer-Encoding
     # wins). The announced length was charged and the stream taken as capped at it, so

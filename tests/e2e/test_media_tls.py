@@ -81,6 +81,7 @@ def _ask(gateway: Proc, port: int) -> httpx.Response:
     return ask_about_image(gateway.url, KEY, f"https://127.0.0.1:{port}/img.png")
 
 
+@pytest.mark.slow
 def test_gateway_fetches_over_tls_from_an_origin_its_ca_file_trusts(stack: Stack) -> None:
     before, hits = sim_received(stack.sim.url), len(stack.origin.server.hits)
     resp = _ask(stack.trusting, stack.origin.server.port)
@@ -89,6 +90,7 @@ def test_gateway_fetches_over_tls_from_an_origin_its_ca_file_trusts(stack: Stack
     assert sim_received(stack.sim.url) == before + 1
 
 
+@pytest.mark.slow
 def test_gateway_refuses_an_origin_outside_its_trust_store(stack: Stack) -> None:
     before, hits = sim_received(stack.sim.url), len(stack.origin.server.hits)
     resp = _ask(stack.default, stack.origin.server.port)

@@ -85,6 +85,7 @@ def transcribe(stack: Stack, key: str, model: str | None) -> httpx.Response:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("key", "model", "status", "code"),
     [
@@ -105,6 +106,7 @@ def test_upload_model_field_is_checked(
     assert stack.received() == before
 
 
+@pytest.mark.slow
 def test_upload_with_vllm_xargs_is_refused(stack: Stack) -> None:
     # The form twin of the JSON field: it seeds the engine request's extra args.
     before = stack.received()
@@ -119,6 +121,7 @@ def test_upload_with_vllm_xargs_is_refused(stack: Stack) -> None:
     assert stack.received() == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("key", "model"), [(LIMITED, MODEL), (FULL, MODEL), (FULL, None)])
 def test_upload_with_an_allowed_model_is_forwarded(
     stack: Stack, key: str, model: str | None
@@ -133,6 +136,7 @@ def test_upload_with_an_allowed_model_is_forwarded(
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("key", "body", "headers", "status", "code"),
     [
@@ -162,6 +166,7 @@ def test_invocations_refusals(
     assert stack.received() == before
 
 
+@pytest.mark.slow
 def test_invocations_for_an_unrestricted_key_never_carry_the_adapter_header(
     stack: Stack,
 ) -> None:
@@ -218,6 +223,7 @@ ODD = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("body", ODD)
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/tokenize"])
 def test_odd_shapes_are_answered_never_500(stack: Stack, body: dict[str, Any], path: str) -> None:
@@ -226,6 +232,7 @@ def test_odd_shapes_are_answered_never_500(stack: Stack, body: dict[str, Any], p
     assert error_code(r) != "internal_error"
 
 
+@pytest.mark.slow
 def test_no_unhandled_error_was_logged(stack: Stack) -> None:
     # Runs after the table above: not one request ended in the gateway's own 500.
     assert "unhandled_error" not in stack.gateway.log()

@@ -132,6 +132,7 @@ def model_ids(gateway: Proc, key: str) -> list[str]:
     return [m["id"] for m in r.json()["data"]]
 
 
+@pytest.mark.slow
 def test_every_request_reaches_an_engine_serving_its_model(fleet: Fleet) -> None:
     for sim in fleet.sims:
         HTTP.delete(sim.url + "/sim/requests")
@@ -147,6 +148,7 @@ def test_every_request_reaches_an_engine_serving_its_model(fleet: Fleet) -> None
     assert recorded(fleet.embed) == [{"path": "/v1/embeddings", "model": EMBED_MODEL}] * 12
 
 
+@pytest.mark.slow
 def test_the_model_list_names_every_model_once(fleet: Fleet) -> None:
     # Both chat engines list chat-model: it is listed once, with the first one's entry.
     assert model_ids(fleet.g, FULL) == [CHAT_MODEL, EMBED_MODEL]
@@ -171,6 +173,7 @@ BAD_NAMES: list[tuple[str, Any, str]] = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("key", "model", "message"), BAD_NAMES)
 def test_unknown_and_forbidden_models_get_one_404(
     fleet: Fleet, key: str, model: Any, message: str
@@ -190,6 +193,7 @@ def test_unknown_and_forbidden_models_get_one_404(
     assert received(fleet) == before
 
 
+@pytest.mark.slow
 def test_an_engine_404_for_a_model_never_names_the_engines_models(tmp_path: Path) -> None:
     """vLLM 0.32 answers a model it does not serve with 404 "The model `x` does not
     exist. Valid aliases: <every name it serves>." The gateway sends a request there when
@@ -229,6 +233,7 @@ def test_an_engine_404_for_a_model_never_names_the_engines_models(tmp_path: Path
             gw.stop()
 
 
+@pytest.mark.slow
 def test_the_openai_client_sees_model_not_found(fleet: Fleet) -> None:
     client = openai.OpenAI(base_url=fleet.g.url + "/v1", api_key=CHAT_ONLY, max_retries=0)
     with client, pytest.raises(openai.NotFoundError) as info:
@@ -236,6 +241,7 @@ def test_the_openai_client_sees_model_not_found(fleet: Fleet) -> None:
     assert info.value.code == "model_not_found"
 
 
+@pytest.mark.slow
 def test_an_upload_names_its_model_like_a_body(fleet: Fleet) -> None:
     def transcribe(key: str, data: dict[str, str]) -> httpx.Response:
         return HTTP.post(
@@ -261,6 +267,7 @@ def test_an_upload_names_its_model_like_a_body(fleet: Fleet) -> None:
     assert recorded(fleet.embed) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("key", "method", "path", "body", "status", "code"),
     [
@@ -296,6 +303,7 @@ def test_a_request_without_a_model_must_be_unambiguous(
     assert received(fleet) == before
 
 
+@pytest.mark.slow
 def test_routes_about_an_engine_need_no_model(fleet: Fleet) -> None:
     for path in ("/version", "/health"):
         r = HTTP.get(fleet.g.url + path, headers=auth(CHAT_ONLY), timeout=10)
@@ -309,6 +317,7 @@ def test_routes_about_an_engine_need_no_model(fleet: Fleet) -> None:
     assert received(fleet) == before + 1
 
 
+@pytest.mark.slow
 def test_an_adapter_goes_only_to_the_engine_that_lists_it(fleet: Fleet) -> None:
     load = {"lora_name": ADAPTER, "lora_path": "/srv/adapters/secret"}
     assert HTTP.post(fleet.chat_b.url + "/v1/load_lora_adapter", json=load).status_code == 200
@@ -343,6 +352,7 @@ def test_an_adapter_goes_only_to_the_engine_that_lists_it(fleet: Fleet) -> None:
     assert (r.status_code, error_code(r)) == (404, "model_not_found")
 
 
+@pytest.mark.slow
 def test_failover_stays_within_the_models_engines(fleet: Fleet) -> None:
     # S still counts chat_a healthy (it checks every 30 s): the chat requests hashed to
     # it are refused, it is ejected, and they go to chat_b, never to the embedding engine.
@@ -357,6 +367,7 @@ def test_failover_stays_within_the_models_engines(fleet: Fleet) -> None:
     assert len(recorded(fleet.chat_b)) == 10 and recorded(fleet.embed) == []
 
 
+@pytest.mark.slow
 def test_a_model_whose_engines_are_all_down_is_503_while_others_work(fleet: Fleet) -> None:
     fleet.embed.kill()
     assert wait_for(

@@ -85,12 +85,14 @@ def _ids(resp: httpx.Response) -> list[str]:
     return [m["id"] for m in resp.json()["data"]]
 
 
+@pytest.mark.slow
 def test_a_key_without_a_model_list_sees_every_model(stack: Stack) -> None:
     direct = HTTP.get(stack.sim.url + "/v1/models", timeout=10).json()
     assert _ids(_models(stack.gateway.url, ALL)) == [m["id"] for m in direct["data"]]
     assert _ids(_models(stack.gateway.url, ALL)) == ["model-a", "model-b"]
 
 
+@pytest.mark.slow
 def test_model_roots_never_show_the_engines_paths(stack: Stack) -> None:
     """vLLM lists a model's (or adapter's) path on its disk as `root`."""
     direct = HTTP.get(stack.sim.url + "/v1/models", timeout=10).json()
@@ -100,6 +102,7 @@ def test_model_roots_never_show_the_engines_paths(stack: Stack) -> None:
             assert model["root"] == model["id"]
 
 
+@pytest.mark.slow
 def test_a_key_limited_to_some_models_sees_only_those(stack: Stack) -> None:
     resp = _models(stack.gateway.url, ONLY_A)
     assert _ids(resp) == ["model-a"]
@@ -118,6 +121,7 @@ def _model_list_reads(sim: Proc) -> float:
     )
 
 
+@pytest.mark.slow
 def test_the_list_is_the_gateways_own_copy(stack: Stack) -> None:
     # The quiet gateway reads its engine's list at its checks only (at start): twenty
     # calls, and the engine is not asked once.
@@ -128,6 +132,7 @@ def test_the_list_is_the_gateways_own_copy(stack: Stack) -> None:
     assert _model_list_reads(stack.quiet_sim) == before
 
 
+@pytest.mark.slow
 def test_an_engine_whose_model_list_cannot_be_read_never_serves(stack: Stack) -> None:
     # Its models unknown, the engine is not healthy: nothing is forwarded to it, and
     # the answers say "retry shortly", never the engine's text.
@@ -148,6 +153,7 @@ def test_an_engine_whose_model_list_cannot_be_read_never_serves(stack: Stack) ->
     assert {h.path for h in stack.broken.hits[before:]} <= {"/health", "/v1/models"}
 
 
+@pytest.mark.slow
 def test_an_adapters_base_model_and_path_are_shown_only_as_far_as_the_key_may_see(
     stack: Stack,
 ) -> None:
@@ -180,6 +186,7 @@ def test_an_adapters_base_model_and_path_are_shown_only_as_far_as_the_key_may_se
     assert wait_for(lambda: _ids(_models(stack.gateway.url, ADAPTER)) == [])
 
 
+@pytest.mark.slow
 def test_an_entry_whose_parent_is_not_a_name_is_left_out(tmp_path: Path) -> None:
     """vLLM's `parent` is a model name or null. An engine listing an entry with a list
     (unhashable) as its parent once failed every rebuild of the index: start-up failed,

@@ -183,6 +183,7 @@ def test_the_slice_covers_the_grammar() -> None:
     assert 400 < len(FAST) < 1200
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", FAST, ids=corpus.ids(FAST))
 def test_generated_body(stack: Stack, case: Case) -> None:
     stack.check(case.id, case.route, case.body, evil=case.evil, legit=case.legit)
@@ -391,12 +392,14 @@ def _check_mutated(stack: Stack, example: Example) -> None:
     stack.check(f"{base.id} {log}", base.route, body, evil=evil, legit=False)
 
 
+@pytest.mark.slow
 @_SETTINGS
 @given(example=mutated_parts())
 def test_mutated_parts(stack: Stack, example: Example) -> None:
     _check_mutated(stack, example)
 
 
+@pytest.mark.slow
 @_SETTINGS
 @given(example=mutated_media())
 def test_mutated_media_values(stack: Stack, example: Example) -> None:

@@ -76,6 +76,7 @@ def _code(answer: Any) -> str | None:
     return answer.get("error", {}).get("code") if isinstance(answer, dict) else None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "query",
     ["?a", "?a#b", "?a=1", "?stream=true", "?%61=1", "?model=other", "?&", "?=x"],
@@ -90,6 +91,7 @@ def test_a_query_on_a_chat_route_is_refused(stack: Stack, query: str) -> None:
     assert stack.received() == []
 
 
+@pytest.mark.slow
 def test_declared_parameters_arrive_as_checked(stack: Stack) -> None:
     """`GET /v1/responses/{id}` forwards `stream` and `starting_after`, written again
     from the checked values; an empty `?` is no query at all."""
@@ -115,6 +117,7 @@ def test_declared_parameters_arrive_as_checked(stack: Stack) -> None:
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("query", "code"),
     [
@@ -146,6 +149,7 @@ def test_bad_parameters_on_the_responses_route_are_refused(
     assert stack.received() == []
 
 
+@pytest.mark.slow
 def test_the_cancel_route_takes_no_query(stack: Stack) -> None:
     path = f"/v1/responses/{stack.response_id()}/cancel"
     status, answer = stack.send("POST", path + "?stream=true")

@@ -118,6 +118,7 @@ def chat(system: str, *turns: str, media: str | None = None) -> dict[str, Any]:
     return {"model": MODEL, "messages": messages, "max_tokens": 2}
 
 
+@pytest.mark.slow
 def test_thirty_turns_of_a_conversation_reach_one_engine(
     gateway: Proc, engines: list[Proc]
 ) -> None:
@@ -138,6 +139,7 @@ def test_thirty_turns_of_a_conversation_reach_one_engine(
 CONVERSATIONS = 400
 
 
+@pytest.mark.slow
 def test_conversations_under_one_prompt_spread_over_the_engines(
     gateway: Proc, engines: list[Proc]
 ) -> None:
@@ -151,6 +153,7 @@ def test_conversations_under_one_prompt_spread_over_the_engines(
     assert max(delta) <= 0.4 * CONVERSATIONS, delta
 
 
+@pytest.mark.slow
 def test_questions_about_one_image_reach_one_engine(gateway: Proc, engines: list[Proc]) -> None:
     system = "You describe pictures. " * 30
     images = [png_data_url(1000 + i, side=64) for i in range(6)]
@@ -171,6 +174,7 @@ def test_questions_about_one_image_reach_one_engine(gateway: Proc, engines: list
     assert len({next(iter(h)) for h in homes}) >= 2
 
 
+@pytest.mark.slow
 def test_two_gateways_started_separately_choose_the_same_engines(
     engines: list[Proc], tmp_path: Path
 ) -> None:
@@ -202,6 +206,7 @@ def test_two_gateways_started_separately_choose_the_same_engines(
     assert len(set(picks_first)) >= 3
 
 
+@pytest.mark.slow
 def test_a_session_header_keeps_different_prompts_on_one_engine(
     gateway: Proc, engines: list[Proc]
 ) -> None:

@@ -55,6 +55,7 @@ def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
         proc.stop()
 
 
+@pytest.mark.slow
 async def test_dns_entry_follows_the_answers(sim: Proc) -> None:
     answers: list[str] | Exception = ["127.0.0.1"]
 
@@ -99,6 +100,7 @@ async def test_dns_entry_follows_the_answers(sim: Proc) -> None:
         await upstream.aclose()
 
 
+@pytest.mark.slow
 async def test_background_loops_outlive_an_unexpected_failure(sim: Proc) -> None:
     """A resolver and a client that raise what they should not (a bug, not an engine's
     answer): the round is logged and the next one runs; the loops do not end."""
@@ -158,6 +160,7 @@ async def _until(predicate: object, within: float = 5.0) -> None:
         await asyncio.sleep(0.02)
 
 
+@pytest.mark.slow
 async def test_ejection_backs_off_then_recovers_on_a_good_check(sim: Proc) -> None:
     settings = RoutingSettings(
         health_interval=0.05, eject_backoff=0.3, eject_backoff_max=0.6, eject_after_5xx=3
@@ -212,6 +215,7 @@ def _gateway(tmp: Path, engines: Sequence[str], **env: str) -> Proc:
     return gateway_proc(tmp, settings).start("/healthz")
 
 
+@pytest.mark.slow
 def test_gateway_resolves_a_dns_entry_to_its_addresses(sim: Proc, tmp_path: Path) -> None:
     # localhost resolves to 127.0.0.1 and, on most hosts, ::1; the engine listens on the
     # first only, so only that address turns healthy.
@@ -230,6 +234,7 @@ def test_gateway_resolves_a_dns_entry_to_its_addresses(sim: Proc, tmp_path: Path
         gw.stop()
 
 
+@pytest.mark.slow
 def test_not_ready_until_the_engine_lists_its_models(tmp_path: Path) -> None:
     # The engine answers /health but not /v1/models (as one still starting, or a slow
     # listing): the gateway must not refuse the model as unknown, nor forward anything.
@@ -254,6 +259,7 @@ def test_not_ready_until_the_engine_lists_its_models(tmp_path: Path) -> None:
             gw.stop()
 
 
+@pytest.mark.slow
 def test_a_run_of_5xx_ejects_the_engine(sim: Proc, tmp_path: Path) -> None:
     routes = {
         "/health": Route(200),
@@ -288,6 +294,7 @@ def test_a_run_of_5xx_ejects_the_engine(sim: Proc, tmp_path: Path) -> None:
             gw.stop()
 
 
+@pytest.mark.slow
 def test_scraped_queue_steers_least_loaded(tmp_path: Path) -> None:
     # Engine A runs one request at a time and is kept busy by another client (as by
     # another gateway replica): this gateway has nothing in flight there, but sees A's

@@ -92,6 +92,7 @@ def routed_by_each_worker(gateway: Proc, expected: int) -> set[float]:
     return seen
 
 
+@pytest.mark.slow
 def test_two_workers_keep_every_new_conversation_on_one_engine(
     stack: tuple[Proc, list[Proc]],
 ) -> None:

@@ -37,6 +37,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc
             yield sim, gateway
 
 
+@pytest.mark.slow
 def test_malformed_uploads_leave_only_json_lines(stack: tuple[Proc, Proc]) -> None:
     sim, gateway = stack
     before = sim_received(sim.url)

@@ -377,6 +377,7 @@ def _errors_logged(gateway: Proc, since: int, last: httpx.Response) -> list[str]
     ]
 
 
+@pytest.mark.slow
 def test_request_as_the_engine_sees_it(engine: Engine, gateway: Proc) -> None:
     body = b'{"model": "scripted/model",   "prompt": "exact bytes \\u00e9"}'
     r = post_scenario(gateway, "shape", body)
@@ -389,6 +390,7 @@ def test_request_as_the_engine_sees_it(engine: Engine, gateway: Proc) -> None:
     assert seen.headers["x-request-id"] == r.headers["x-request-id"]
 
 
+@pytest.mark.slow
 def test_large_body_is_forwarded_intact(engine: Engine, gateway: Proc) -> None:
     prompt = "".join(chr(0x41 + i % 26) for i in range(1_500_000))
     body = b'{"model": "scripted/model", "prompt": "%s"}' % prompt.encode()
@@ -398,12 +400,14 @@ def test_large_body_is_forwarded_intact(engine: Engine, gateway: Proc) -> None:
     assert seen.body == body and seen.headers["content-length"] == str(len(body))
 
 
+@pytest.mark.slow
 def test_keep_alive_reuses_one_connection(engine: Engine, gateway: Proc) -> None:
     for _ in range(10):
         assert _get(gateway, "reuse").status_code == 200
     assert len({s.conn for s in engine.requests("reuse")}) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("scenario", "body"),
     [("chunked", b"abcdefghi"), ("eof", b"until-the-end"), ("close", b'{"closing":true}')],
@@ -415,11 +419,13 @@ def test_response_framings(engine: Engine, gateway: Proc, scenario: str, body: b
     assert _get(gateway, "after-" + scenario).status_code == 200
 
 
+@pytest.mark.slow
 def test_large_streamed_body_arrives_whole(gateway: Proc) -> None:
     r = _get(gateway, "big")
     assert r.status_code == 200 and len(r.content) == BIG and set(r.content) == {ord("x")}
 
 
+@pytest.mark.slow
 def test_idle_connection_closed_by_the_engine_is_not_reused(engine: Engine, gateway: Proc) -> None:
     assert _get(gateway, "idle-close").status_code == 200
     time.sleep(0.4)
@@ -428,6 +434,7 @@ def test_idle_connection_closed_by_the_engine_is_not_reused(engine: Engine, gate
     assert first.conn != second.conn
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("scenario", "status", "code"),
     [
@@ -464,6 +471,7 @@ def test_upstream_failures_are_clear_errors(
     assert _errors_logged(gateway, since, after) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "scenario",
     ["204-length-0", "204-length-5", "204-body", "304-length-0", "304-length-5", "304-body"],
@@ -488,6 +496,7 @@ def test_an_answer_that_ends_with_its_head_is_relayed_as_one(
     assert _errors_logged(gateway, since, after) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("status", [204, 304])
 def test_a_connection_whose_no_content_answer_announced_a_body_is_not_reused(
     engine: Engine, gateway: Proc, status: int
@@ -514,6 +523,7 @@ def test_a_connection_whose_no_content_answer_announced_a_body_is_not_reused(
     assert _errors_logged(gateway, since, after) == []
 
 
+@pytest.mark.slow
 def test_engine_under_a_path_prefix(engine: Engine, tmp_path: Path) -> None:
     env = {
         "GATEWAY_ENGINES": f'["{engine.url}/prefix/"]',
@@ -537,6 +547,7 @@ def test_engine_under_a_path_prefix(engine: Engine, tmp_path: Path) -> None:
     assert paths == ["/prefix/version", f"/prefix{response}?stream=true"]
 
 
+@pytest.mark.slow
 def test_a_reused_connection_closed_without_an_answer_is_retried_fresh(
     engine: Engine, tmp_path: Path
 ) -> None:
@@ -581,6 +592,7 @@ def test_a_reused_connection_closed_without_an_answer_is_retried_fresh(
     assert f'gateway_engine_ejections_total{{engine="{engine.url}"}} 0.0' in metrics
 
 
+@pytest.mark.slow
 def test_a_stream_that_stalls_ends_with_a_timeout_frame(gateway: Proc) -> None:
     with HTTP.stream(
         "GET",
@@ -594,6 +606,7 @@ def test_a_stream_that_stalls_ends_with_a_timeout_frame(gateway: Proc) -> None:
     assert b'"code":"upstream_timeout"' in body
 
 
+@pytest.mark.slow
 def test_a_slow_client_is_not_blamed_on_the_engine(gateway: Proc) -> None:
     """The idle timeout (1 s here) is the engine's silence: a client that stops reading
     for longer still gets the whole answer once it reads again."""
@@ -635,6 +648,7 @@ def _exchange(gateway: Proc, scenario: str) -> bytes:
     return out
 
 
+@pytest.mark.slow
 def test_an_engine_trailer_never_becomes_a_response_header(gateway: Proc) -> None:
     """The relay allowlists engine *headers* (headers.py); a trailer field with an
     allowlisted name (`metadata`) once reached the client's head."""
@@ -644,6 +658,7 @@ def test_an_engine_trailer_never_becomes_a_response_header(gateway: Proc) -> Non
     assert b"x-after" not in out.lower()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", ["early-hints", "continue"])
 def test_an_engine_interim_answer_is_not_relayed_as_the_final_one(
     gateway: Proc, scenario: str

@@ -88,6 +88,7 @@ def streamed_usage(client: httpx.Client, key: str, body: dict[str, object]) -> d
     return usage
 
 
+@pytest.mark.slow
 def test_usage_and_requests_are_counted_per_key(stack: Stack) -> None:
     reported: dict[str, list[int]] = {"alice": [0, 0], "bob": [0, 0]}
 
@@ -154,6 +155,7 @@ def test_usage_and_requests_are_counted_per_key(stack: Stack) -> None:
         assert secret not in text
 
 
+@pytest.mark.slow
 def test_pooling_usage_counts_prompt_tokens(stack: Stack) -> None:
     body = {"model": MODEL, "input": ["a b c", "d e f g", "h"]}
     r = HTTP.post(stack.pooling_gateway.url + "/v1/embeddings", headers=auth(BOB), json=body)
@@ -165,6 +167,7 @@ def test_pooling_usage_counts_prompt_tokens(stack: Stack) -> None:
     assert scraped(gateway, "gateway_completion_tokens_total", key="bob") == 0
 
 
+@pytest.mark.slow
 def test_a_scrape_is_counted_under_the_scrapers_name(stack: Stack) -> None:
     before = stack.metric("gateway_requests_total", key="scraper", group="metrics")
     assert wait_for(
@@ -172,6 +175,7 @@ def test_a_scrape_is_counted_under_the_scrapers_name(stack: Stack) -> None:
     )
 
 
+@pytest.mark.slow
 def test_usage_followed_by_a_long_field_is_counted(stack: Stack) -> None:
     # vLLM writes what the client asks for after `usage`: the rendered prompt
     # (`return_prompt_text`), prompt logprobs, a Responses answer's `user`. A 6 KB prompt

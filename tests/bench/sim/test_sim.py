@@ -55,6 +55,7 @@ def sse(text: str) -> list[Any]:
 # --- info routes ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_health_and_info_routes(client: httpx.Client) -> None:
     health = client.get("/health")
     assert (health.status_code, health.content) == (200, b"")
@@ -73,6 +74,7 @@ def test_health_and_info_routes(client: httpx.Client) -> None:
 # --- chat and completions wire format ---------------------------------------------------
 
 
+@pytest.mark.slow
 def test_chat_non_streaming_wire_format(client: httpx.Client) -> None:
     r = client.post("/v1/chat/completions", json=chat_body("wire?", max_tokens=4))
     assert r.status_code == 200
@@ -90,6 +92,7 @@ def test_chat_non_streaming_wire_format(client: httpx.Client) -> None:
     assert usage["prompt_tokens_details"]["cached_tokens"] >= 0
 
 
+@pytest.mark.slow
 def test_chat_streaming_frames_and_usage_chunk(client: httpx.Client) -> None:
     body = chat_body("stream?", max_tokens=3, stream=True, stream_options={"include_usage": True})
     r = client.post("/v1/chat/completions", json=body)
@@ -108,6 +111,7 @@ def test_chat_streaming_frames_and_usage_chunk(client: httpx.Client) -> None:
     assert all("usage" not in c for c in plain)
 
 
+@pytest.mark.slow
 def test_completions_wire_format(client: httpx.Client) -> None:
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Once", "max_tokens": 2})
     body = r.json()
@@ -121,6 +125,7 @@ def test_completions_wire_format(client: httpx.Client) -> None:
     assert chunks[-1]["usage"]["prompt_tokens"] == 1
 
 
+@pytest.mark.slow
 def test_openai_client_chat_and_completions(sim: Proc) -> None:
     with openai.OpenAI(base_url=sim.url + "/v1", api_key="unused") as oc:
         chat = oc.chat.completions.create(
@@ -144,6 +149,7 @@ def test_openai_client_chat_and_completions(sim: Proc) -> None:
 # --- caches ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_repeated_prompt_hits_the_prefix_cache(sim: Proc, client: httpx.Client) -> None:
     before = metric(sim.url, "vllm:prefix_cache_hits_total", model_name=MODEL)
     first = client.post("/v1/chat/completions", json=chat_body("cache me", max_tokens=1)).json()
@@ -155,6 +161,7 @@ def test_repeated_prompt_hits_the_prefix_cache(sim: Proc, client: httpx.Client) 
     assert after - before >= cached > 0
 
 
+@pytest.mark.slow
 def test_cache_salt_separates_prefixes(client: httpx.Client) -> None:
     salted = chat_body("salty question", max_tokens=1, cache_salt="tenant-a")
     client.post("/v1/chat/completions", json=salted)
@@ -164,6 +171,7 @@ def test_cache_salt_separates_prefixes(client: httpx.Client) -> None:
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 def test_next_turn_hits_on_the_reply_it_sends_back(client: httpx.Client, stream: bool) -> None:
     """vLLM caches generated blocks too: a follow-up that carries the engine's reply is
@@ -201,6 +209,7 @@ def test_next_turn_hits_on_the_reply_it_sends_back(client: httpx.Client, stream:
 # --- other generate routes --------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_tokenize_detokenize_round_trip(client: httpx.Client) -> None:
     text = "Hello, wörld! 4 chars a token."
     tok = client.post("/tokenize", json={"prompt": text}).json()
@@ -213,6 +222,7 @@ def test_tokenize_detokenize_round_trip(client: httpx.Client) -> None:
     assert bad.status_code == 400
 
 
+@pytest.mark.slow
 def test_invocations_dispatch_by_body_shape(client: httpx.Client) -> None:
     chat = client.post("/invocations", json=chat_body("via sagemaker", max_tokens=1))
     assert chat.json()["object"] == "chat.completion"
@@ -223,6 +233,7 @@ def test_invocations_dispatch_by_body_shape(client: httpx.Client) -> None:
     assert neither.json()["error"]["code"] == 400
 
 
+@pytest.mark.slow
 def test_audio_transcription_multipart(client: httpx.Client) -> None:
     r = client.post(
         "/v1/audio/transcriptions",
@@ -261,6 +272,7 @@ ERRORS = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("method", "path", "content", "ctype", "status", "fragment"), ERRORS)
 def test_errors_use_vllm_shape(
     client: httpx.Client,
@@ -289,6 +301,7 @@ LENIENT = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("body", LENIENT.values(), ids=LENIENT.keys())
 def test_bodies_are_read_as_vllm_reads_them(client: httpx.Client, body: bytes) -> None:
     with pytest.raises(orjson.JSONDecodeError):
@@ -302,6 +315,7 @@ def test_bodies_are_read_as_vllm_reads_them(client: httpx.Client, body: bytes) -
 # --- counters, metrics, recorder --------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_received_counter_counts_every_request(sim: Proc, client: httpx.Client) -> None:
     def received(path: str) -> float:
         return metric(sim.url, "sim:received_requests_total", path=path)
@@ -316,6 +330,7 @@ def test_received_counter_counts_every_request(sim: Proc, client: httpx.Client) 
     assert received("/sim/requests") == 0
 
 
+@pytest.mark.slow
 def test_metrics_parse_with_vllm_names(sim: Proc, client: httpx.Client) -> None:
     client.post("/v1/chat/completions", json=chat_body("metrics", max_tokens=1))
     samples = scrape(sim.url + "/metrics")
@@ -337,6 +352,7 @@ def test_metrics_parse_with_vllm_names(sim: Proc, client: httpx.Client) -> None:
     assert metric(sim.url, "vllm:prompt_tokens_total") > 0
 
 
+@pytest.mark.slow
 def test_recorder_shows_what_reached_the_engine(sim: Proc, client: httpx.Client) -> None:
     assert client.delete("/sim/requests").status_code == 200
     client.post(
@@ -356,6 +372,7 @@ def test_recorder_shows_what_reached_the_engine(sim: Proc, client: httpx.Client)
     assert client.get("/sim/requests").json() == []
 
 
+@pytest.mark.slow
 def test_recorder_route_absent_without_flag(guarded: Proc) -> None:
     assert HTTP.get(guarded.url + "/sim/requests").status_code == 404
 
@@ -363,6 +380,7 @@ def test_recorder_route_absent_without_flag(guarded: Proc) -> None:
 # --- runtime LoRA -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_runtime_lora_routes_record_the_path(sim: Proc, client: httpx.Client) -> None:
     r = client.post("/v1/load_lora_adapter", json={"lora_name": "evil", "lora_path": "/etc"})
     assert r.status_code == 200 and "evil" in r.text
@@ -379,6 +397,7 @@ def test_runtime_lora_routes_record_the_path(sim: Proc, client: httpx.Client) ->
     assert metric(sim.url, "sim:received_requests_total", path="/adapters/{name}") == 1
 
 
+@pytest.mark.slow
 def test_lora_routes_absent_by_default(guarded: Proc) -> None:
     r = HTTP.post(guarded.url + "/adapters", json={"lora_name": "a", "lora_path": "/"})
     assert r.status_code == 404
@@ -387,6 +406,7 @@ def test_lora_routes_absent_by_default(guarded: Proc) -> None:
 # --- --api-key, as vLLM applies it -----------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("method", "path", "headers", "status"),
     [
@@ -408,6 +428,7 @@ def test_api_key_guards_only_vllm_prefixes(
         assert r.json() == {"error": "Unauthorized"}
 
 
+@pytest.mark.slow
 def test_api_key_leaves_tokenize_and_invocations_open(guarded: Proc) -> None:
     # vLLM's hole (vllm#18892, #58144): these answer without any key.
     before = metric(guarded.url, "vllm:generation_tokens_total")
@@ -421,6 +442,7 @@ def test_api_key_leaves_tokenize_and_invocations_open(guarded: Proc) -> None:
     assert metric(guarded.url, "vllm:generation_tokens_total") - before == 2
 
 
+@pytest.mark.slow
 def test_sim_starts_quickly(tmp_path: Path) -> None:
     import time
 

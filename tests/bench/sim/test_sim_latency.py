@@ -45,6 +45,7 @@ def test_latency_model_matches_reference(
     assert abs(cached * 1000 - cached_ms) < 0.05 * cached_ms
 
 
+@pytest.mark.slow
 def test_first_token_waits_for_the_model(sim: Proc) -> None:
     # Not a timing assertion: the calibrated engine reports a non-zero TTFT.
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
@@ -52,6 +53,7 @@ def test_first_token_waits_for_the_model(sim: Proc) -> None:
     assert metric(sim.url, "vllm:time_to_first_token_seconds_sum")
 
 
+@pytest.mark.slow
 def test_non_streaming_disconnect_aborts(sim: Proc) -> None:
     before = metric(sim.url, "sim:aborted_requests_total")
     with pytest.raises(httpx.ReadTimeout):
@@ -60,6 +62,7 @@ def test_non_streaming_disconnect_aborts(sim: Proc) -> None:
     assert wait_for(lambda: metric(sim.url, "vllm:num_requests_running") == 0)
 
 
+@pytest.mark.slow
 def test_streaming_disconnect_aborts(sim: Proc) -> None:
     before = metric(sim.url, "sim:aborted_requests_total")
     with (
@@ -78,6 +81,7 @@ def test_streaming_disconnect_aborts(sim: Proc) -> None:
     assert aborts and aborts[0] >= 1
 
 
+@pytest.mark.slow
 async def test_overload_queues_and_every_waiter_can_abort(sim: Proc) -> None:
     before = metric(sim.url, "sim:aborted_requests_total")
     async with httpx.AsyncClient(timeout=30) as client:

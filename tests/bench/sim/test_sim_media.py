@@ -76,6 +76,7 @@ def mm(url: str) -> tuple[float, float]:
     return total(samples, "vllm:mm_cache_queries_total"), total(samples, "vllm:mm_cache_hits_total")
 
 
+@pytest.mark.slow
 def test_loopback_canary_is_fetched(sim: Proc, canary: RecordingServer) -> None:
     # The hole: a default engine fetches any URL, loopback included.
     before = len(canary.hits)
@@ -86,6 +87,7 @@ def test_loopback_canary_is_fetched(sim: Proc, canary: RecordingServer) -> None:
     assert r.json()["error"]["code"] == 422
 
 
+@pytest.mark.slow
 def test_redirect_is_followed_to_the_canary(
     sim: Proc, origin: RecordingServer, canary: RecordingServer
 ) -> None:
@@ -105,6 +107,7 @@ PART_SHAPES: list[tuple[Callable[[str], dict[str, Any]], str]] = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("shape", "role"), PART_SHAPES)
 def test_every_part_shape_and_role_is_fetched(
     sim: Proc, canary: RecordingServer, shape: Callable[[str], dict[str, Any]], role: str
@@ -115,6 +118,7 @@ def test_every_part_shape_and_role_is_fetched(
     assert [h.path for h in canary.hits[before:]] == [marker]
 
 
+@pytest.mark.slow
 def test_tokenize_fetches_media_too(sim: Proc, canary: RecordingServer) -> None:
     before = len(canary.hits)
     messages = [{"role": "user", "content": [image_part(canary.url + "/via-tokenize")]}]
@@ -123,6 +127,7 @@ def test_tokenize_fetches_media_too(sim: Proc, canary: RecordingServer) -> None:
     assert [h.path for h in canary.hits[before:]] == ["/via-tokenize"]
 
 
+@pytest.mark.slow
 def test_image_tokens_and_mm_cache(sim: Proc, origin: RecordingServer) -> None:
     q0, h0 = mm(sim.url)
     small = ask(sim.url, image_part(origin.url + "/small.png")).json()
@@ -137,6 +142,7 @@ def test_image_tokens_and_mm_cache(sim: Proc, origin: RecordingServer) -> None:
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 192
 
 
+@pytest.mark.slow
 def test_other_bytes_miss_the_prefix_cache(sim: Proc) -> None:
     blue = data_url("image/png", png(448, 448, (0, 0, 200)))
     green = data_url("image/png", png(448, 448, (0, 200, 0)))
@@ -149,6 +155,7 @@ def test_other_bytes_miss_the_prefix_cache(sim: Proc) -> None:
     assert same["usage"]["prompt_tokens_details"]["cached_tokens"] >= 192
 
 
+@pytest.mark.slow
 def test_input_audio_is_decoded(sim: Proc) -> None:
     part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(bytes(6400)).decode(),
                                                    "format": "wav"}}  # fmt: skip
@@ -156,6 +163,7 @@ def test_input_audio_is_decoded(sim: Proc) -> None:
     assert r.status_code == 200
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("url", "status", "fragment"),
     [
@@ -175,6 +183,7 @@ def test_media_errors(
     assert fragment in r.json()["error"]["message"]
 
 
+@pytest.mark.slow
 def test_allowed_domains_refuse_before_fetching(
     strict: tuple[Proc, Path], canary: RecordingServer
 ) -> None:
@@ -186,6 +195,7 @@ def test_allowed_domains_refuse_before_fetching(
     assert canary.connections == before
 
 
+@pytest.mark.slow
 def test_local_media_path(strict: tuple[Proc, Path]) -> None:
     proc, media_dir = strict
     inside = ask(proc.url, image_part((media_dir / "ok.png").as_uri()))

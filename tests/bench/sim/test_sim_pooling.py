@@ -30,6 +30,7 @@ def dot(a: list[float], b: list[float]) -> float:
     return sum(x * y for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.slow
 def test_openai_client_embeddings(sim: Proc) -> None:
     with openai.OpenAI(base_url=sim.url + "/v1", api_key="unused") as oc:
         # The client asks for base64 by default and decodes it itself.
@@ -43,6 +44,7 @@ def test_openai_client_embeddings(sim: Proc) -> None:
     assert len(floats.data[0].embedding) == 1024
 
 
+@pytest.mark.slow
 def test_embeddings_wire_format_and_dimensions(client: httpx.Client) -> None:
     body = client.post("/v1/embeddings", json={"input": "same text", "dimensions": 64}).json()
     assert body["object"] == "list" and body["id"].startswith("embd-") and body["model"] == MODEL
@@ -54,6 +56,7 @@ def test_embeddings_wire_format_and_dimensions(client: httpx.Client) -> None:
     assert len(chat.json()["data"]) == 1
 
 
+@pytest.mark.slow
 def test_pooling_and_classify(client: httpx.Client) -> None:
     pooled = client.post("/pooling", json={"input": ["a", "b"]}).json()
     assert pooled["object"] == "list"
@@ -64,6 +67,7 @@ def test_pooling_and_classify(client: httpx.Client) -> None:
     assert abs(sum(item["probs"]) - 1.0) < 1e-9
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["/score", "/v1/score"])
 @pytest.mark.parametrize(("left", "right"), [("queries", "documents"), ("text_1", "text_2")])
 def test_score_routes(client: httpx.Client, path: str, left: str, right: str) -> None:
@@ -74,6 +78,7 @@ def test_score_routes(client: httpx.Client, path: str, left: str, right: str) ->
     assert scores[0] == max(scores) and scores[0] > 0.9
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["/rerank", "/v1/rerank", "/v2/rerank"])
 def test_rerank_puts_the_matching_document_first(client: httpx.Client, path: str) -> None:
     body = client.post(path, json={"query": "What is the capital of Germany?",
@@ -85,6 +90,7 @@ def test_rerank_puts_the_matching_document_first(client: httpx.Client, path: str
     assert body["usage"]["total_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_invocations_dispatch_pooling(client: httpx.Client) -> None:
     assert client.post("/invocations", json={"input": "x"}).json()["data"][0]["object"] == (
         "embedding"
@@ -93,6 +99,7 @@ def test_invocations_dispatch_pooling(client: httpx.Client) -> None:
     assert rerank["results"][0]["index"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("path", "body", "status"),
     [
