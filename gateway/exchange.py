@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from gateway.access.endpoints import UNKNOWN, Route
 from gateway.config.key_file import ApiKey
-from gateway.proxy.usage import Usage
 from gateway.types import Scope
+
+# Prompt tokens, completion tokens: what an answer reports it used (proxy/usage.py).
+Usage = tuple[int, int]
 
 # The scope key under which the exchange travels.
 SCOPE_KEY = "gateway.exchange"

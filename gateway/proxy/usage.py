@@ -21,6 +21,8 @@ from typing import Any
 
 import orjson
 
+from gateway.exchange import Usage
+
 # Bytes at the end of an answer searched for its `usage`: the usage event of a stream
 # (about 300 bytes) and what follows it, with room to spare.
 TAIL = 4096
@@ -30,10 +32,6 @@ _SPACE_BYTES = (b" ", b"\t", b"\r", b"\n")
 # Occurrences of `"usage":` tried from the end (one inside a string, or not followed by
 # an object, is skipped).
 _MAX_TRIES = 4
-
-
-# Prompt tokens, completion tokens.
-Usage = tuple[int, int]
 
 
 def _count(value: Any) -> int | None:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from gateway.proxy.usage import TAIL, Tail, Usage, read_usage
+from gateway.exchange import Usage
+from gateway.proxy.usage import TAIL, Tail, read_usage
 
 USAGE = {
     "prompt_tokens": 17,
