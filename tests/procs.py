@@ -33,9 +33,11 @@ __all__ = ["ROOT", "Hit", "RecordingServer", "Route", "free_port", "scrape", "to
 
 
 class Proc(Server):
-    """A server subprocess for a test (bench.harness.server.Server): ready within 20 s."""
+    """A server subprocess for a test (bench.harness.server.Server): ready within 45 s.
+    A bound a loaded machine keeps: each of `serve --workers 2`'s workers imports the
+    whole gateway again, which took 18 s beside three test runs (load 11)."""
 
-    def start(self, ready_path: str | None = None, timeout: float = 20.0) -> Self:
+    def start(self, ready_path: str | None = None, timeout: float = 45.0) -> Self:
         return super().start(ready_path, timeout)
 
 
