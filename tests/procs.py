@@ -26,6 +26,7 @@ import httpx
 from bench.harness.metrics import HTTP, scrape, total
 from bench.harness.origin import Hit, RecordingServer, Route
 from bench.harness.server import ROOT, Server, clean_env, free_port
+from bench.sim.config import DEFAULT_MODEL
 
 OriginT = TypeVar("OriginT")
 
@@ -251,7 +252,7 @@ def ask_about_image(gateway: str, key: str, image_url: str) -> httpx.Response:
         {"type": "text", "text": "What is this?"},
     ]
     body = {
-        "model": "Qwen/Qwen3-VL-2B-Instruct",
+        "model": DEFAULT_MODEL,
         "max_tokens": 1,
         "messages": [{"role": "user", "content": content}],
     }

@@ -14,6 +14,7 @@ import pytest
 
 from bench.harness.metrics import HTTP
 from bench.harness.samples import wav
+from bench.sim.config import DEFAULT_MODEL as MODEL
 from tests.procs import (
     Proc,
     auth,
@@ -26,7 +27,6 @@ from tests.procs import (
     wait_for,
 )
 
-MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 FULL = "sk-models-full-0123456789abcdef"
 LIMITED = "sk-models-limited-0123456789abcdef"
 OTHER = "sk-models-other-0123456789abcdef"
