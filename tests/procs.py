@@ -25,6 +25,7 @@ import httpx
 
 from bench.harness.metrics import HTTP, scrape, total
 from bench.harness.origin import Hit, RecordingServer, Route
+from bench.harness.samples import wav
 from bench.harness.server import ROOT, Server, clean_env, free_port
 from bench.sim.config import DEFAULT_MODEL
 
@@ -243,6 +244,17 @@ async def held_streams(
             resp = await streams.enter_async_context(request)
             assert resp.status_code == 200
         yield
+
+
+def transcribe(gateway: str, key: str, data: Mapping[str, str]) -> httpx.Response:
+    """An upload to /v1/audio/transcriptions: a short WAV file and the form fields `data`."""
+    return HTTP.post(
+        gateway + "/v1/audio/transcriptions",
+        headers=auth(key),
+        files={"file": ("a.wav", wav(), "audio/wav")},
+        data=data,
+        timeout=30,
+    )
 
 
 def ask_about_image(gateway: str, key: str, image_url: str) -> httpx.Response:
