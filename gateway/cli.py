@@ -188,6 +188,30 @@ def _hash_key(args: argparse.Namespace) -> int:
     return 0
 
 
+def _settings_command(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    summary: str,
+    description: str,
+) -> argparse.ArgumentParser:
+    """A command that loads the settings: it takes `--config`, and its help ends with
+    the environment variables it reads."""
+    command = sub.add_parser(
+        name,
+        help=summary,
+        description=description,
+        epilog=ENVIRONMENT,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    command.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="YAML settings file (default: none; settings from the environment only)",
+    )
+    return command
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="vllm-gateway",
@@ -195,15 +219,12 @@ def parser() -> argparse.ArgumentParser:
         epilog="`vllm-gateway <command> --help` describes each command's options.",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="command")
-    config_help = "YAML settings file (default: none; settings from the environment only)"
-    serve = sub.add_parser(
+    serve = _settings_command(
+        sub,
         "serve",
-        help="run the gateway",
-        description="Run the gateway. Logs one `gateway_serving` line once it listens.",
-        epilog=ENVIRONMENT,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "run the gateway",
+        "Run the gateway. Logs one `gateway_serving` line once it listens.",
     )
-    serve.add_argument("--config", type=Path, metavar="FILE", help=config_help)
     serve.add_argument(
         "--host", help="address to listen on (default: GATEWAY_HOST, else 127.0.0.1)"
     )
@@ -224,18 +245,14 @@ def parser() -> argparse.ArgumentParser:
         help="log line format (default: GATEWAY_LOG_FORMAT, else json)",
     )
     serve.set_defaults(func=_serve)
-    check = sub.add_parser(
+    check = _settings_command(
+        sub,
         "check-config",
-        help="validate and print the effective settings",
-        description=(
-            "Load the settings and build the gateway as `serve` would, then print the "
-            "effective settings as JSON, secrets masked. Exit code 0: `serve` starts "
-            "with them; 2: one line on stderr per mistake, naming its source."
-        ),
-        epilog=ENVIRONMENT,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "validate and print the effective settings",
+        "Load the settings and build the gateway as `serve` would, then print the "
+        "effective settings as JSON, secrets masked. Exit code 0: `serve` starts "
+        "with them; 2: one line on stderr per mistake, naming its source.",
     )
-    check.add_argument("--config", type=Path, metavar="FILE", help=config_help)
     check.set_defaults(func=_check_config)
     hashk = sub.add_parser(
         "hash-key",

@@ -25,7 +25,9 @@ import httpx
 
 from bench.harness.metrics import HTTP, scrape, total
 from bench.harness.origin import Hit, RecordingServer, Route
+from bench.harness.samples import wav
 from bench.harness.server import ROOT, Server, clean_env, free_port
+from bench.sim.config import DEFAULT_MODEL
 
 OriginT = TypeVar("OriginT")
 
@@ -246,6 +248,17 @@ async def held_streams(
         yield
 
 
+def transcribe(gateway: str, key: str, data: Mapping[str, str]) -> httpx.Response:
+    """An upload to /v1/audio/transcriptions: a short WAV file and the form fields `data`."""
+    return HTTP.post(
+        gateway + "/v1/audio/transcriptions",
+        headers=auth(key),
+        files={"file": ("a.wav", wav(), "audio/wav")},
+        data=data,
+        timeout=30,
+    )
+
+
 def ask_about_image(gateway: str, key: str, image_url: str) -> httpx.Response:
     """A chat request about one image given by URL, as a client sends it."""
     content = [
@@ -253,7 +266,7 @@ def ask_about_image(gateway: str, key: str, image_url: str) -> httpx.Response:
         {"type": "text", "text": "What is this?"},
     ]
     body = {
-        "model": "Qwen/Qwen3-VL-2B-Instruct",
+        "model": DEFAULT_MODEL,
         "max_tokens": 1,
         "messages": [{"role": "user", "content": content}],
     }

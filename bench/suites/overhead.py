@@ -623,6 +623,14 @@ def image_floor_table(report: Report, figures: dict[str, Any]) -> None:
     report.raw["image_floor"] = figures
 
 
+def added_at_most(
+    report: Report, name: str, target: str, added: float | None, limit: float, note: str = ""
+) -> None:
+    """A goal that the microseconds `added` stay at most `limit`; the measured figure is
+    shown in us, then `note`."""
+    report.bound(name, target, f"{fmt(added)} us{note}", added, limit, lambda d: f"{d:.0f} us")
+
+
 def image_goals(report: Report, figures: dict[str, Any]) -> None:
     """The image goals, from `image_cases`' figures (not measured: external runs)."""
     cases = figures.get("cases", {})
@@ -632,13 +640,13 @@ def image_goals(report: Report, figures: dict[str, Any]) -> None:
     if floor is None:
         report.goal(name, f"<= {GOAL_IMAGE_CACHED_RATIO} x floor", "not measured", None)
     else:
-        report.bound(
+        added_at_most(
+            report,
             name,
             f"<= {GOAL_IMAGE_CACHED_RATIO} x floor ({fmt(GOAL_IMAGE_CACHED_RATIO * floor)} us)",
-            f"{fmt(added)} us (floor {fmt(floor)} us)",
             added,
             GOAL_IMAGE_CACHED_RATIO * floor,
-            lambda d: f"{d:.0f} us",
+            f" (floor {fmt(floor)} us)",
         )
     default = cases.get("decode", {})
     floor, added = default.get("floor_added_us"), default.get("gateway_added_us")
@@ -647,27 +655,13 @@ def image_goals(report: Report, figures: dict[str, Any]) -> None:
     if floor is None or pillow is None:
         report.goal(name, "<= floor + Pillow's decode", "not measured", None)
         return
-    report.bound(
-        name,
-        f"<= {fmt(floor)} + {fmt(pillow)} us",
-        f"{fmt(added)} us",
-        added,
-        floor + pillow,
-        lambda d: f"{d:.0f} us",
-    )
+    added_at_most(report, name, f"<= {fmt(floor)} + {fmt(pillow)} us", added, floor + pillow)
     decoding = figures.get("floor_decode_added_us")
     name = "1 MB image, default depth: added p50 <= the floor that decodes, same blocks"
     if decoding is None:
         report.goal(name, "<= floor + decode", "not measured", None)
         return
-    report.bound(
-        name,
-        f"<= {fmt(decoding)} us",
-        f"{fmt(added)} us",
-        added,
-        decoding,
-        lambda d: f"{d:.0f} us",
-    )
+    added_at_most(report, name, f"<= {fmt(decoding)} us", added, decoding)
 
 
 def against_router(
@@ -747,13 +741,12 @@ def goals(
 ) -> None:
     gw = small.get("gateway", {}).get("added_us", {}).get("p50")
     router = small.get("vllm-router", {}).get("added_us", {}).get("p50")
-    report.bound(
+    added_at_most(
+        report,
         "added latency p50 at 1 connection",
         f"<= {GOAL_ADDED_P50_US:.0f} us",
-        f"{fmt(gw)} us",
         gw,
         GOAL_ADDED_P50_US,
-        lambda d: f"{d:.0f} us",
     )
     against_router(report, "added latency p50 no more than vllm-router's", gw, router, "us")
     rps = tput.get(64, {}).get("gateway", {}).get("rps_median")
@@ -776,14 +769,7 @@ def goals(
     )
     added = stream.get("gateway", {}).get("added_first_chunk_us")
     limit = GOAL_STREAM_FIRST_CHUNK_MS * 1000
-    report.bound(
-        "streaming first chunk added",
-        f"<= {limit:.0f} us",
-        f"{fmt(added)} us",
-        added,
-        limit,
-        lambda d: f"{d:.0f} us",
-    )
+    added_at_most(report, "streaming first chunk added", f"<= {limit:.0f} us", added, limit)
     against_router(
         report,
         "streaming first chunk added no more than vllm-router's",

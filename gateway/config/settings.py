@@ -222,7 +222,15 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings)
+        return (init_settings, env_settings, *cls._file_sources(settings_cls))
+
+    @classmethod
+    def _file_sources(
+        cls, settings_cls: type[BaseSettings]
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """The YAML file's source, below the options and the environment: none here; the
+        subclass `load_settings` builds for a file returns it."""
+        return ()
 
 
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
@@ -254,14 +262,9 @@ def _from_file(file: YamlFile) -> type[Settings]:
 
     class _FileSettings(Settings):
         @classmethod
-        def settings_customise_sources(
-            cls,
-            settings_cls: type[BaseSettings],
-            init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource,
-            dotenv_settings: PydanticBaseSettingsSource,
-            file_secret_settings: PydanticBaseSettingsSource,
+        def _file_sources(
+            cls, settings_cls: type[BaseSettings]
         ) -> tuple[PydanticBaseSettingsSource, ...]:
-            return (init_settings, env_settings, _FileSource(settings_cls))
+            return (_FileSource(settings_cls),)
 
     return _FileSettings

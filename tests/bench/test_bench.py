@@ -314,28 +314,27 @@ def test_a_stopped_suite_leaves_no_process_behind(tmp_path: Path) -> None:
     assert [p.name.startswith("bench-overhead-") for p in run.temp.iterdir()] == [True]
 
 
-@pytest.mark.slow
-def test_cli_refuses_half_an_external_deployment() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench", "overhead", "--gateway-url", "http://127.0.0.1:1"],
+def bench_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """`python -m bench` with `args`, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "bench", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=30,
     )
+
+
+@pytest.mark.slow
+def test_cli_refuses_half_an_external_deployment() -> None:
+    proc = bench_cli("overhead", "--gateway-url", "http://127.0.0.1:1")
     assert proc.returncode == 2
     assert "--gateway-url needs --engine-url" in proc.stderr
 
 
 @pytest.mark.slow
 def test_images_only_is_an_option_of_the_overhead_suite() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench", "scale", "--images-only"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    proc = bench_cli("scale", "--images-only")
     assert proc.returncode == 2
     assert "--images-only is an option of the overhead suite" in proc.stderr
 

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from bench.harness.metrics import HTTP
+from bench.sim.config import DEFAULT_MODEL as MODEL
 from gateway.config.settings import LimitsSettings
 from gateway.proxy.body import COUNT_VALUES_OVER
 from tests.procs import Proc, auth, error_code, gateway_proc, running, sim_proc, sim_received
 
-MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 KEY = "sk-json-bodies-0123456789abcdef"
 OTHER = "sk-json-bodies-other-0123456789abcdef"
 MAX_VALUES = LimitsSettings().max_json_values

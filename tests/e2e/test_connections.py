@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 
 from bench.harness.metrics import HTTP
+from bench.sim.config import DEFAULT_MODEL as MODEL
 from gateway.server.protocol import MAX_PIPELINED
 from tests.procs import Proc, gateway_proc, metric, running, sim_proc, sim_received, wait_for
 
-MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 KEY = "sk-conn-0123456789abcdef-SECRET"
 REQUEST_HEAD = 2.0
 BODY_DEADLINE = 3.0

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from bench.harness.metrics import HTTP
+from bench.sim.config import DEFAULT_MODEL as MODEL
 from gateway.access.endpoints import TABLE, Action
 from tests.procs import (
     Proc,
@@ -30,7 +31,6 @@ from tests.procs import (
     wait_for,
 )
 
-MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 UPSTREAM = "upstream-control-0123456789"
 ADMIN = "sk-control-admin-0123456789-SECRET"
 PLAIN = "sk-control-plain-0123456789-SECRET"

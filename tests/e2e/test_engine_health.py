@@ -21,6 +21,7 @@ import pytest
 
 from bench.harness.metrics import HTTP
 from bench.harness.origin import RecordingServer, Route
+from bench.sim.config import DEFAULT_MODEL as MODEL
 from tests.procs import (
     Proc,
     auth,
@@ -33,7 +34,6 @@ from tests.procs import (
     wait_for,
 )
 
-MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 UPSTREAM = "upstream-health-0123456789-SECRET"
 ENGINE_KEY = "engine-health-other-0123456789-SECRET"
 ADMIN = "sk-health-admin-0123456789-SECRET"

@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 
 from bench.harness.metrics import HTTP
+from bench.sim.config import DEFAULT_MODEL as MODEL
 from tests.procs import ROOT, Proc, RecordingServer, Route, gateway_proc, wait_for
 
 TLS = ROOT / "tests" / "data" / "tls"
-MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 KEY = "sk-engine-tls-0123456789abcdef"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

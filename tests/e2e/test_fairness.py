@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from bench.harness.metrics import HTTP
+from bench.sim.config import DEFAULT_MODEL as MODEL
 from tests.procs import (
     Proc,
     auth,
@@ -33,7 +34,6 @@ from tests.procs import (
     sim_received,
 )
 
-MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 UPSTREAM = "upstream-fairness-0123456789"
 A = "sk-fair-a-0123456789abcdef"
 B = "sk-fair-b-0123456789abcdef"

@@ -23,6 +23,7 @@ import pytest
 
 from bench.harness.metrics import HTTP
 from bench.harness.samples import wav
+from bench.sim.config import DEFAULT_MODEL as MODEL
 from gateway.access.endpoints import TABLE, Action, BodyKind, Group
 from tests.procs import (
     Proc,
@@ -37,7 +38,6 @@ from tests.procs import (
     wait_for,
 )
 
-MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 EXTRA_MODEL = "configured/extra-model"
 UPSTREAM = "upstream-secret-key-0123456789"
 FULL = "sk-full-0123456789abcdef-SECRET"

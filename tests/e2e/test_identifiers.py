@@ -16,9 +16,9 @@ import httpx
 import pytest
 
 from bench.harness.samples import wav
+from bench.sim.config import DEFAULT_MODEL as MODEL
 from tests.procs import Proc, gateway_proc, running, scrape, sim_proc, wait_for
 
-MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 KEYS = {"a1": "key-a1-0123456789abcdef", "a2": "key-a2-0123456789abcdef",
         "b1": "key-b1-0123456789abcdef", "gen": "key-gen-0123456789abcdef"}  # fmt: skip
 TENANTS = {"a1": "team-a", "a2": "team-a", "b1": "team-b", "gen": "team-b"}

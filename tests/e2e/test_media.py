@@ -42,6 +42,7 @@ from bench.harness.samples import (
     png_header_only,
     wav,
 )
+from bench.sim.config import DEFAULT_MODEL as MODEL
 from tests.procs import (
     Proc,
     RecordingServer,
@@ -55,7 +56,6 @@ from tests.procs import (
 )
 from tests.unit.media.test_samples import av_sample
 
-MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 KEY_A = "sk-tenant-a-0123456789abcdef"
 KEY_B = "sk-tenant-b-0123456789abcdef"
 MAX_BODY = 1_000_000

@@ -17,6 +17,7 @@ import pytest
 from bench.harness.metrics import HTTP
 from bench.harness.origin import QuietHandler, ThreadedServer
 from bench.harness.samples import png
+from bench.sim.config import DEFAULT_MODEL as MODEL
 from tests.procs import (
     MediaStack,
     RecordingServer,
@@ -29,7 +30,6 @@ from tests.procs import (
 )
 
 KEY = "sk-media-bytes-0123456789abcdef"
-MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 ITEM_BYTES = 40_000
 # Two items fit, a third does not.
 LIMIT = 2 * ITEM_BYTES + ITEM_BYTES // 2

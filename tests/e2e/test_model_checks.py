@@ -14,6 +14,7 @@ import pytest
 
 from bench.harness.metrics import HTTP
 from bench.harness.samples import wav
+from bench.sim.config import DEFAULT_MODEL as MODEL
 from tests.procs import (
     Proc,
     auth,
@@ -23,10 +24,10 @@ from tests.procs import (
     metric,
     sim_proc,
     sim_received,
+    transcribe,
     wait_for,
 )
 
-MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 FULL = "sk-models-full-0123456789abcdef"
 LIMITED = "sk-models-limited-0123456789abcdef"
 OTHER = "sk-models-other-0123456789abcdef"
@@ -74,15 +75,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 # --- the multipart `model` field ----------------------------------------------------------
 
 
-def transcribe(stack: Stack, key: str, model: str | None) -> httpx.Response:
-    data = {} if model is None else {"model": model}
-    return HTTP.post(
-        stack.gateway.url + "/v1/audio/transcriptions",
-        headers=auth(key),
-        files={"file": ("a.wav", wav(), "audio/wav")},
-        data=data,
-        timeout=30,
-    )
+def transcribe_for(stack: Stack, key: str, model: str | None) -> httpx.Response:
+    return transcribe(stack.gateway.url, key, {} if model is None else {"model": model})
 
 
 @pytest.mark.slow
@@ -101,7 +95,7 @@ def test_upload_model_field_is_checked(
     stack: Stack, key: str, model: str | None, status: int, code: str
 ) -> None:
     before = stack.received()
-    r = transcribe(stack, key, model)
+    r = transcribe_for(stack, key, model)
     assert (r.status_code, error_code(r)) == (status, code)
     assert stack.received() == before
 
@@ -126,7 +120,7 @@ def test_upload_with_vllm_xargs_is_refused(stack: Stack) -> None:
 def test_upload_with_an_allowed_model_is_forwarded(
     stack: Stack, key: str, model: str | None
 ) -> None:
-    r = transcribe(stack, key, model)
+    r = transcribe_for(stack, key, model)
     assert r.status_code == 200, r.text
     assert "bytes of audio" in r.json()["text"]
 

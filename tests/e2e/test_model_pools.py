@@ -23,7 +23,6 @@ import openai
 import pytest
 
 from bench.harness.metrics import HTTP
-from bench.harness.samples import wav
 from tests.procs import (
     Proc,
     auth,
@@ -34,6 +33,7 @@ from tests.procs import (
     running,
     sim_proc,
     sim_received,
+    transcribe,
     wait_for,
 )
 
@@ -243,26 +243,17 @@ def test_the_openai_client_sees_model_not_found(fleet: Fleet) -> None:
 
 @pytest.mark.slow
 def test_an_upload_names_its_model_like_a_body(fleet: Fleet) -> None:
-    def transcribe(key: str, data: dict[str, str]) -> httpx.Response:
-        return HTTP.post(
-            fleet.g.url + "/v1/audio/transcriptions",
-            headers=auth(key),
-            files={"file": ("a.wav", wav(), "audio/wav")},
-            data=data,
-            timeout=30,
-        )
-
     before = received(fleet)
-    r = transcribe(CHAT_ONLY, {"model": EMBED_MODEL})
+    r = transcribe(fleet.g.url, CHAT_ONLY, {"model": EMBED_MODEL})
     assert (r.status_code, error_code(r)) == (404, "model_not_found")
-    r = transcribe(FULL, {"model": "no/such-model"})
+    r = transcribe(fleet.g.url, FULL, {"model": "no/such-model"})
     assert (r.status_code, error_code(r)) == (404, "model_not_found")
     # No model: the engines' defaults differ (chat-model, embed-model).
-    r = transcribe(FULL, {})
+    r = transcribe(fleet.g.url, FULL, {})
     assert (r.status_code, error_code(r)) == (400, "model_required")
     assert received(fleet) == before
     HTTP.delete(fleet.embed.url + "/sim/requests")
-    r = transcribe(FULL, {"model": CHAT_MODEL})
+    r = transcribe(fleet.g.url, FULL, {"model": CHAT_MODEL})
     assert r.status_code == 200, r.text
     assert recorded(fleet.embed) == []
 

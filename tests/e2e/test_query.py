@@ -14,9 +14,9 @@ from typing import Any
 import httpx
 import pytest
 
+from bench.sim.config import DEFAULT_MODEL as MODEL
 from tests.procs import Proc, gateway_proc, running, sim_proc, wait_for
 
-MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 KEY = "key-query-0123456789abcdef"
 CHAT = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
 BACKGROUND = ("/health", "/metrics", "/v1/models")

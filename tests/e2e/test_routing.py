@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from bench.harness.metrics import HTTP
+from bench.sim.config import DEFAULT_MODEL as MODEL
 from bench.suites.routing.workloads import png_data_url
 from tests.procs import (
     Proc,
@@ -27,7 +28,6 @@ from tests.procs import (
     wait_for,
 )
 
-MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 KEY = "sk-routing-e2e-0123456789abcdef"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
 

@@ -26,6 +26,7 @@ import httpx
 import pytest
 
 from bench.harness.metrics import HTTP
+from bench.sim.config import DEFAULT_MODEL as MODEL
 from tests.procs import (
     Proc,
     client_request_id,
@@ -36,7 +37,6 @@ from tests.procs import (
     wait_for,
 )
 
-MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 KEY = "sk-routing-failover-0123456789abcdef"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
 SIM_OPTS = ("--max-num-seqs", "1", "--record-requests", "2000")

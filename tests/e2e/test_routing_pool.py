@@ -21,13 +21,13 @@ from structlog.testing import capture_logs
 
 from bench.harness.metrics import HTTP
 from bench.harness.origin import RecordingServer, Route
+from bench.sim.config import DEFAULT_MODEL as MODEL
 from gateway.routing.dns import NameNotFound
 from gateway.routing.pool import EnginePool
 from gateway.routing.settings import RoutingSettings
 from gateway.upstream.client import Upstream
 from tests.procs import Proc, gateway_proc, scrape, sim_proc, wait_for
 
-MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 KEY = "sk-routing-pool-0123456789abcdef"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

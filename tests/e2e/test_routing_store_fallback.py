@@ -9,9 +9,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.sim.config import DEFAULT_MODEL as MODEL
 from tests.procs import free_port, gateway_proc, metric, sim_proc, sim_received, wait_for
 
-MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 KEY = "sk-routing-store-fallback-0123456789"
 PASSWORD = "store-password-0123456789"
 

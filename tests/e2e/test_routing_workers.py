@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from bench.harness.metrics import HTTP
+from bench.sim.config import DEFAULT_MODEL as MODEL
 from tests.procs import (
     Proc,
     every_worker_lists,
@@ -28,7 +29,6 @@ from tests.procs import (
     wait_for,
 )
 
-MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 KEY = "sk-routing-workers-0123456789abcdef"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
 SYSTEM = "You are the support desk of Acme: be brief and kind. " * 30

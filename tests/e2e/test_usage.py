@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from bench.harness.metrics import HTTP
+from bench.sim.config import DEFAULT_MODEL as MODEL
 from tests.procs import Proc, auth, error_code, gateway_proc, scrape, sim_proc, total, wait_for
 
-MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 ALICE = "sk-usage-alice-0123456789-SECRET"
 BOB = "sk-usage-bob-0123456789-SECRET"
 CAROL = "sk-usage-carol-0123456789-SECRET"

@@ -24,6 +24,7 @@ import pytest
 
 from bench.harness.metrics import HTTP
 from bench.harness.redis_server import RedisServer
+from bench.sim.config import DEFAULT_MODEL as MODEL
 from tests.e2e import test_routing as test_routing_e2e
 from tests.e2e.test_routing import served
 from tests.procs import (
@@ -40,7 +41,6 @@ from tests.procs import (
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
-MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 KEY = "sk-routing-store-0123456789abcdef"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
 PASSWORD = "store-password-0123456789"

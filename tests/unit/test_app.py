@@ -18,7 +18,7 @@ import pytest
 from gateway.app import Gateway, create_app
 from gateway.config.settings import Settings
 from gateway.types import Message
-from gateway.upstream.origin import Origin
+from tests.unit.engines import FakeEngine, FakeResponse, Sent
 
 KEY = "sk-unit-app-0123456789abcdef"
 MODEL = "unit-model"
@@ -37,68 +37,21 @@ ANSWER = orjson.dumps(
 )
 
 
-class FakeResponse:
-    """An engine's answer (the `Response` protocol), its body in the pieces given."""
-
-    def __init__(self, status: int, body: Sequence[bytes], content_type: str) -> None:
-        self.status = status
-        self.content_type = content_type
-        self.content_length: int | None = sum(map(len, body))
-        self.raw_headers = [
-            (b"content-type", content_type.encode()),
-            (b"content-length", str(self.content_length).encode()),
-        ]
-        self._pieces = list(body)
-        self.closed = False
-
-    async def read(self, limit: float) -> bytes:
-        body, self._pieces = b"".join(self._pieces), []
-        return body
-
-    async def readany(self) -> bytes:
-        return self._pieces.pop(0) if self._pieces else b""
-
-    async def readsome(self, limit: float) -> bytes:
-        return await self.readany()
-
-    def close(self) -> None:
-        self.closed = True
-
-
 @dataclass
-class Sent:
-    method: str
-    target: str
-    headers: list[tuple[bytes, bytes]]
-    body: bytes | None
-
-
-@dataclass
-class FakeEngine:
+class ServingEngine(FakeEngine):
     """A healthy engine serving MODEL; records every request the gateway forwards."""
 
     forwarded: list[Sent] = field(default_factory=list)
     answers: list[FakeResponse] = field(default_factory=list)
-    closed: bool = False
 
-    async def request(
-        self,
-        origin: Origin,
-        method: str,
-        target: str,
-        headers: Sequence[tuple[bytes, bytes]],
-        body: bytes | None,
-    ) -> FakeResponse:
-        path = target.split("?", 1)[0]
+    async def answer(self, sent: Sent) -> FakeResponse:
+        path = sent.target.split("?", 1)[0]
         if path in POOL_PATHS:
             return FakeResponse(200, [MODELS if path == "/v1/models" else b""], "application/json")
-        self.forwarded.append(Sent(method, target, list(headers), body))
+        self.forwarded.append(sent)
         answer = FakeResponse(200, [ANSWER[:20], ANSWER[20:]], "application/json")
         self.answers.append(answer)
         return answer
-
-    async def aclose(self) -> None:
-        self.closed = True
 
 
 @dataclass
@@ -194,7 +147,7 @@ def settings(**overrides: Any) -> Settings:
 
 
 @asynccontextmanager
-async def running(engine: FakeEngine, **overrides: Any) -> AsyncIterator[Lifespan]:
+async def running(engine: ServingEngine, **overrides: Any) -> AsyncIterator[Lifespan]:
     async with Lifespan(create_app(settings(**overrides), upstream=engine)) as app:
         yield app
 
@@ -238,7 +191,7 @@ async def test_refusals_never_reach_the_engine(
     status: int,
     code: str,
 ) -> None:
-    engine = FakeEngine()
+    engine = ServingEngine()
     async with running(engine) as app:
         answer = await app.request(method, path, body, headers)
     assert (answer.status, answer.code()) == (status, code)
@@ -248,7 +201,7 @@ async def test_refusals_never_reach_the_engine(
 
 
 async def test_a_forwarded_request_reaches_the_engine_and_its_answer_the_client() -> None:
-    engine = FakeEngine()
+    engine = ServingEngine()
     async with running(engine) as app:
         answer = await app.request("POST", "/v1/chat/completions", chat(), [AUTH, JSON])
     assert answer.status == 200
@@ -262,7 +215,7 @@ async def test_a_forwarded_request_reaches_the_engine_and_its_answer_the_client(
 
 
 async def test_the_engine_key_replaces_the_clients() -> None:
-    engine = FakeEngine()
+    engine = ServingEngine()
     async with running(engine, upstream_api_key="engine-secret-key") as app:
         answer = await app.request("POST", "/v1/chat/completions", chat(), [AUTH, JSON])
     assert answer.status == 200
@@ -272,7 +225,7 @@ async def test_the_engine_key_replaces_the_clients() -> None:
 
 async def test_an_allowed_opt_in_field_is_forwarded() -> None:
     """The refusal of `priority` above is the setting's, not the field's."""
-    engine = FakeEngine()
+    engine = ServingEngine()
     async with running(engine, payload={"allow_priority": True}) as app:
         answer = await app.request("POST", "/v1/chat/completions", chat(priority=5), [AUTH, JSON])
     assert answer.status == 200
@@ -281,7 +234,7 @@ async def test_an_allowed_opt_in_field_is_forwarded() -> None:
 
 
 async def test_models_are_listed_from_the_pool_without_an_engine_request() -> None:
-    engine = FakeEngine()
+    engine = ServingEngine()
     async with running(engine) as app:
         answer = await app.request("GET", "/v1/models", b"", [AUTH])
     assert answer.status == 200
@@ -290,7 +243,7 @@ async def test_models_are_listed_from_the_pool_without_an_engine_request() -> No
 
 
 async def test_the_lifespan_closes_the_upstream_client() -> None:
-    engine = FakeEngine()
+    engine = ServingEngine()
     async with running(engine) as app:
         ready = await app.request("GET", "/readyz")
         assert ready.status == 200 and not engine.closed
@@ -298,7 +251,7 @@ async def test_the_lifespan_closes_the_upstream_client() -> None:
 
 
 async def test_a_websocket_is_refused() -> None:
-    engine = FakeEngine()
+    engine = ServingEngine()
     sent: list[Message] = []
 
     async def send(message: Message) -> None:

@@ -14,33 +14,12 @@ from gateway.routing.checks import EngineChecks
 from gateway.routing.engine import Engine
 from gateway.routing.settings import RoutingSettings
 from gateway.upstream.errors import ConnectRefused
-from gateway.upstream.origin import Origin
+from tests.unit.engines import FakeEngine, FakeResponse, Sent
 
 MODELS = b'{"object": "list", "data": [{"id": "m", "object": "model"}]}'
 
 
-class Answer:
-    def __init__(self, status: int, body: bytes) -> None:
-        self.status = status
-        self.content_type = "application/json"
-        self.content_length: int | None = len(body)
-        self.raw_headers: list[tuple[bytes, bytes]] = []
-        self._body = body
-
-    async def read(self, limit: float) -> bytes:
-        return self._body
-
-    async def readany(self) -> bytes:
-        return b""
-
-    async def readsome(self, limit: float) -> bytes:
-        return b""
-
-    def close(self) -> None:
-        pass
-
-
-class ScriptedEngine:
+class ScriptedEngine(FakeEngine):
     """Answers GET /health by the script, one step a request: "ok", "hang" (never
     answers) or "refuse"; /v1/models always answers."""
 
@@ -48,26 +27,16 @@ class ScriptedEngine:
         self.script = list(script)
         self.health_requests = 0
 
-    async def request(
-        self,
-        origin: Origin,
-        method: str,
-        target: str,
-        headers: Sequence[tuple[bytes, bytes]],
-        body: bytes | None,
-    ) -> Answer:
-        if target == "/v1/models":
-            return Answer(200, MODELS)
+    async def answer(self, sent: Sent) -> FakeResponse:
+        if sent.target == "/v1/models":
+            return FakeResponse(200, [MODELS], "application/json")
         self.health_requests += 1
         step = self.script.pop(0) if self.script else "ok"
         if step == "hang":
             await asyncio.sleep(3600)
         if step == "refuse":
             raise ConnectRefused("refused")
-        return Answer(200, b"")
-
-    async def aclose(self) -> None:
-        pass
+        return FakeResponse(200, [], "application/json")
 
 
 SETTINGS = RoutingSettings(health_timeout=0.05, busy_grace=0)
