@@ -173,6 +173,24 @@ async def test_a_connection_read_to_its_end_is_reused() -> None:
     )  # fmt: skip
 
 
+async def test_a_reused_connection_carries_each_requests_own_base_path() -> None:
+    """Two engines behind one address and name (the same connection key) share idle
+    connections, so a connection opened for one carries the other's requests: each goes
+    out under its own origin's base path, never the one the connection was opened for."""
+    async with Engine() as engine:
+        first = Origin(f"http://127.0.0.1:{engine.port}/a/")
+        second = Origin(f"http://127.0.0.1:{engine.port}/b")
+        assert first.key == second.key
+        upstream = client()
+        try:
+            for origin in (first, second, first):
+                assert await get(upstream, origin) == (200, b'{"ok":true}')
+        finally:
+            await upstream.aclose()
+    assert engine.connections == 1
+    assert [s.target for s in engine.seen] == ["/a/v1/models", "/b/v1/models", "/a/v1/models"]
+
+
 async def test_an_answer_left_unread_closes_its_connection() -> None:
     async def half(engine: Engine, seen: Seen) -> Sequence[bytes]:
         if seen.conn == 0:
