@@ -141,14 +141,13 @@ class KeyFileWatcher:
             log.error("key_file_invalid", path=str(self.path), reason="empty", kept="old keys")
             return
         try:
-            from_file = load_key_file(self.path)
-            keys = build_keys(self.settings.api_keys) + from_file
+            keys, file_keys = load_keys(self.settings)
         except KeyConfigError as exc:
             self.refused_at = time.time()
             log.error("key_file_invalid", path=str(self.path), reason=str(exc), kept="old keys")
             return
         self.keyring.replace(keys)
-        self.loaded_at, self.loaded_keys, self.refused_at = time.time(), len(from_file), None
+        self.loaded_at, self.loaded_keys, self.refused_at = time.time(), file_keys, None
         log.info("key_file_reloaded", path=str(self.path), keys=len(keys))
 
     async def run(self) -> None:
