@@ -117,11 +117,6 @@ def _serve(args: argparse.Namespace) -> int:
     # Each client connection holds a descriptor: the soft limit up to the hard one
     # (workers inherit it); the app lowers max_connections to fit what remains.
     raise_fd_limit()
-    # Workers build their own app; their parent checks what the app would refuse
-    # before any worker starts.
-    app = _build(settings) if args.workers == 1 else None
-    if app is None:
-        _validate(settings)
     options: dict[str, Any] = {
         "host": settings.host,
         "port": settings.port,
@@ -136,8 +131,10 @@ def _serve(args: argparse.Namespace) -> int:
         "lifespan": "on",
     }
     if args.workers > 1:
-        # Workers build their own app from an import string: hand them the same
+        # Workers build their own app from an import string: their parent checks what
+        # the app would refuse before any worker starts, then hands them the same
         # settings through the environment (they validate them again).
+        _validate(settings)
         if args.config is not None:
             os.environ[CONFIG_ENV] = str(args.config.resolve())
         for name, value in overrides.items():
@@ -150,7 +147,7 @@ def _serve(args: argparse.Namespace) -> int:
         _log_serving(settings, [f"http://{host}:{settings.port}"], args.workers)
         uvicorn.run("gateway.app:app_from_env", factory=True, workers=args.workers, **options)
         return 0
-    assert app is not None
+    app = _build(settings)
     tune_collector()
 
     class Server(uvicorn.Server):
