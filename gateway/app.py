@@ -21,7 +21,9 @@ from pydantic import SecretStr
 
 from gateway.access.admission import Admission
 from gateway.access.api_keys import KeyRing
+from gateway.access.clients import ClientAddresses
 from gateway.access.endpoints import Action
+from gateway.access.throttle import FailureThrottle
 from gateway.config.key_file import ApiKey, KeyConfigError, build_keys, load_key_file
 from gateway.config.settings import Settings, load_settings
 from gateway.config.tls import client_context
@@ -241,6 +243,19 @@ class Gateway:
 
         logger = structlog.get_logger("gateway")
         self.request_log = RequestLog(logger, settings.log_format, settings.log_level)
+        self.clients = ClientAddresses(settings.trusted_proxies)
+        # Failed authentications per client address; limits.auth_failures 0: off.
+        limits = settings.limits
+        self.throttle = (
+            FailureThrottle(
+                limits.auth_failures,
+                limits.auth_failure_window,
+                metrics=self.metrics,
+                logger=structlog.get_logger("gateway.access"),
+            )
+            if limits.auth_failures > 0
+            else None
+        )
         # The middleware stack, outermost first.
         middleware: list[tuple[Callable[..., ASGIApp], dict[str, Any]]] = [
             (
@@ -250,10 +265,18 @@ class Gateway:
                     "logger": logger,
                     "request_log": self.request_log,
                     "max_headers": settings.limits.max_headers,
+                    "clients": self.clients,
                 },
             ),
             (EndpointGuard, {"keyring": self.keyring}),
-            (Authentication, {"keyring": self.keyring, "public_metrics": settings.public_metrics}),
+            (
+                Authentication,
+                {
+                    "keyring": self.keyring,
+                    "public_metrics": settings.public_metrics,
+                    "throttle": self.throttle,
+                },
+            ),
             (KeyLimits, {"admission": self.admission}),
         ]
         control = control_app(

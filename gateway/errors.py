@@ -43,7 +43,9 @@ and URL parsers echo attacker input. Raised when:
   + UnsupportedMediaType      415 unsupported_media_type: a Content-Type the route refuses
   + MediaFetchFailed          422 media_fetch_failed: a media URL could not be fetched
   + RateLimited               429 rate_limited: over the key's in-flight cap or its rate
-                              limit (access/admission.py)
+  | |                         limit (access/admission.py)
+  | + TooManyFailures         429 too_many_failures: a client address past its failed
+  |                           authentications in the window (access/throttle.py)
   + Overloaded                503 overloaded: over limits.max_in_flight (access/admission.py)
   | + NoEngineAvailable       503 no_engine_available: no engine, no healthy engine (for
   | |                         a route about an engine, not a model), or no models known yet
@@ -261,6 +263,14 @@ class RateLimited(GatewayError):
 
     def __init__(self, message: str | None = None, *, retry_after: int) -> None:
         super().__init__(message, headers={"Retry-After": str(retry_after)})
+
+
+class TooManyFailures(RateLimited):
+    """A client address with too many failed authentications in the current window
+    (access/throttle.py); Retry-After: whole seconds to the window's end."""
+
+    code = "too_many_failures"
+    default_message = "Too many failed authentications from this address; retry later."
 
 
 # --- 5xx: the gateway or its engines could not answer ---------------------------------

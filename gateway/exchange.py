@@ -24,6 +24,7 @@ class Exchange:
         "anchor_kind",
         "bytes_in",
         "bytes_out",
+        "client",
         "code",
         "disconnected",
         "engine",
@@ -43,8 +44,12 @@ class Exchange:
         "usage",
     )
 
-    def __init__(self, request_id: str, path: str, started: float) -> None:
+    def __init__(
+        self, request_id: str, path: str, started: float, client: str | None = None
+    ) -> None:
         self.request_id = request_id
+        # The client's address (access/clients.py); None: no IP peer.
+        self.client = client
         # The id the engine gets (its request id in vLLM): ours, or the client's made
         # unique (see middleware.RequestContext).
         self.engine_request_id = request_id

@@ -13,11 +13,14 @@ from typing import Any
 
 from gateway.access.admission import Admission
 from gateway.access.api_keys import KeyRing
+from gateway.access.clients import ClientAddresses
 from gateway.access.endpoints import Action, Group, match
 from gateway.access.permissions import check_route
+from gateway.access.throttle import FailureThrottle
 from gateway.errors import (
     EndpointBlocked,
     GatewayError,
+    InvalidApiKey,
     MethodNotAllowed,
     TooManyHeaders,
     UnknownEndpoint,
@@ -57,10 +60,12 @@ class RequestIds:
 
 
 class RequestContext:
-    """Request id, clock, the error renderer, the request's log line and metrics.
+    """Request id, clock, the client's address, the error renderer, the request's log
+    line and metrics.
 
     A request with more than `max_headers` header fields is refused (431) before
-    anything else looks at them, its own X-Request-Id included.
+    anything else looks at them, its own X-Request-Id and X-Forwarded-For included (its
+    client is then the peer).
     """
 
     def __init__(
@@ -71,12 +76,14 @@ class RequestContext:
         logger: Any,
         request_log: RequestLog,
         max_headers: int,
+        clients: ClientAddresses | None = None,
     ) -> None:
         self.app = app
         self.metrics = metrics
         self.log = logger
         self.request_log = request_log
         self.max_headers = max_headers
+        self.clients = clients or ClientAddresses()
         self.ids = RequestIds()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -89,7 +96,8 @@ class RequestContext:
         own = given is not None and _REQUEST_ID.fullmatch(given) is not None
         request_id = given.decode("ascii") if own and given is not None else self.ids.new()
         raw_path: bytes = scope.get("raw_path") or scope["path"].encode("utf-8", "replace")
-        ex = Exchange(request_id, raw_path.decode("latin-1")[:_MAX_LOGGED_PATH], started)
+        client = self.clients.of(scope, forwarded=not too_many)
+        ex = Exchange(request_id, raw_path.decode("latin-1")[:_MAX_LOGGED_PATH], started, client)
         if own:
             # vLLM takes X-Request-Id as its request id, ahead of the body's, and aborts
             # by it: a client's own id is made unique, so no tenant can name another's
@@ -139,6 +147,7 @@ class RequestContext:
                 "request_id": ex.request_id,
                 "engine_request_id": ex.engine_request_id,
                 "key_name": ex.key_name,
+                "client": ex.client,
                 "method": scope["method"],
                 "path": ex.path,
                 "group": group,
@@ -186,12 +195,24 @@ class EndpointGuard:
 
 
 class Authentication:
-    """Bearer key check and route-group scopes. /healthz and /readyz need no key."""
+    """Bearer key check and route-group scopes. /healthz and /readyz need no key.
 
-    def __init__(self, app: ASGIApp, *, keyring: KeyRing, public_metrics: bool) -> None:
+    With a `throttle`, failed authentications are counted per client address, and an
+    address past the limit is refused 429 `too_many_failures` before its key is checked,
+    unless that key has authenticated from that address before (access/throttle.py)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        keyring: KeyRing,
+        public_metrics: bool,
+        throttle: FailureThrottle | None = None,
+    ) -> None:
         self.app = app
         self.keyring = keyring
         self.public_metrics = public_metrics
+        self.throttle = throttle
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ex = exchange_of(scope)
@@ -199,7 +220,27 @@ class Authentication:
         if group is None or (group is Group.metrics and self.public_metrics):
             await self.app(scope, receive, send)
             return
-        key = self.keyring.authenticate(_header(scope, b"authorization"))
+        authorization = _header(scope, b"authorization")
+        throttle = self.throttle
+        client = ex.client
+        if throttle is None or client is None:
+            key = self.keyring.authenticate(authorization)
+        else:
+            # A request without a key where none is needed tries no key.
+            if (
+                throttle.over(client)
+                and (authorization is not None or not self.keyring.allow_unauthenticated)
+                and not throttle.known(client, authorization)
+            ):
+                raise throttle.refuse(client)
+            try:
+                key = self.keyring.authenticate(authorization)
+            except InvalidApiKey:
+                refusal = await throttle.failed(client)
+                if refusal is not None:
+                    raise refusal from None
+                raise
+            throttle.succeeded(client, key.digest)
         ex.key = key
         ex.key_name = key.name
         check_route(key, ex.route)

@@ -33,6 +33,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from gateway.access.clients import parse_networks
 from gateway.config.key_file import ApiKeyConfig, RateLimit, build_keys, load_key_file
 from gateway.config.sources import Sources, YamlFile, check_environment, explain, read_yaml
 from gateway.config.tls import check_ca_file
@@ -84,6 +85,11 @@ class LimitsSettings(BaseModel):
     # Slowest average a request body may arrive at once `timeouts.request_body_grace` has
     # passed, in bytes per second (408 `request_timeout` below it); 0: no minimum.
     min_body_rate: int = Field(default=16 * 1024, ge=0)
+    # Failed authentications (a wrong key, or none where one is needed) per client
+    # address in `auth_failure_window` seconds; past it, 429 `too_many_failures` until the
+    # window ends (gateway/access/throttle.py). 0: not throttled.
+    auth_failures: int = Field(default=20, ge=0)
+    auth_failure_window: float = Field(default=60.0, gt=0)
 
 
 class TimeoutSettings(BaseModel):
@@ -173,6 +179,10 @@ class Settings(BaseSettings):
     # Request headers forwarded to engines besides the fixed allowlist, e.g. tracing's
     # [traceparent, tracestate]; names vLLM acts on are refused (gateway/proxy/headers.py).
     forward_headers: list[str] = Field(default_factory=list)
+    # Networks of the proxies in front of the gateway (an Ingress, a load balancer),
+    # whose X-Forwarded-For names the client (gateway/access/clients.py); empty: the
+    # client is the TCP peer and X-Forwarded-For is ignored.
+    trusted_proxies: list[str] = Field(default_factory=list)
     log_format: Literal["json", "console"] = "json"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     limits: LimitsSettings = Field(default_factory=LimitsSettings)
@@ -185,6 +195,19 @@ class Settings(BaseSettings):
     @classmethod
     def _check_forward_headers(cls, names: list[str]) -> list[str]:
         return forwardable(names)
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _check_trusted_proxies(cls, entries: list[str]) -> list[str]:
+        for index, entry in enumerate(entries):
+            try:
+                parse_networks([entry])
+            except ValueError:
+                raise ValueError(
+                    f"entry {index} is not a network such as 10.0.0.0/8, fd00::/8 or "
+                    "10.0.0.7/32 (no host bits set)"
+                ) from None
+        return entries
 
     @field_validator("engine_ca_file")
     @classmethod

@@ -371,6 +371,15 @@ class Metrics:
             ["reason"],
             registry=self.registry,
         )
+        # Counted on failures only (access/throttle.py): a lock per increment is no cost.
+        self.auth_failures = Counter(
+            "gateway_auth_failures",
+            "Failed authentications (a wrong key, or none where one is needed), by what "
+            "came of them: `counted` (answered 401) or `throttled` (429 too_many_failures: "
+            "the client address is past limits.auth_failures in the window).",
+            ["result"],
+            registry=self.registry,
+        )
         self.tokens = TokenCounts()
         self.registry.register(self.tokens)
         self.routing = RoutingCounts()

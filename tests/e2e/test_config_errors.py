@@ -91,6 +91,21 @@ MISTAKES: dict[str, Mistake] = {
         source="GATEWAY_MEDIA__ALLOWED_NETWORKS",
         says=("media.allowed_networks", "not a network"),
     ),
+    "a trusted proxy that is not a network": Mistake(
+        file=f"api_keys: [{SECRET}]\ntrusted_proxies: [10.0.0.0/8, 10.1.2.3/16]\n",
+        source="{dir}/gateway.yaml:2",
+        says=("trusted_proxies", "entry 1 is not a network"),
+    ),
+    "an address as a trusted proxy's network": Mistake(
+        env={"GATEWAY_API_KEYS": KEYS, "GATEWAY_TRUSTED_PROXIES": '["ingress.local"]'},
+        source="GATEWAY_TRUSTED_PROXIES",
+        says=("trusted_proxies", "entry 0 is not a network"),
+    ),
+    "a negative count of failed authentications": Mistake(
+        env={"GATEWAY_API_KEYS": KEYS, "GATEWAY_LIMITS__AUTH_FAILURES": "-1"},
+        source="GATEWAY_LIMITS__AUTH_FAILURES",
+        says=("limits.auth_failures",),
+    ),
     "an unknown audio format": Mistake(
         env={"GATEWAY_API_KEYS": KEYS, "GATEWAY_MEDIA__AUDIO_FORMATS": '["wav", "aiff"]'},
         source="GATEWAY_MEDIA__AUDIO_FORMATS",

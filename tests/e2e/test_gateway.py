@@ -89,6 +89,9 @@ def _gateway_env(engines: list[str], **extra: str) -> dict[str, str]:
         "GATEWAY_LIMITS__MAX_UPLOAD_BYTES": str(MAX_UPLOAD),
         "GATEWAY_ROUTING__HEALTH_INTERVAL": "30",
         "GATEWAY_PAYLOAD__NAMESPACE_SECRET": NAMESPACE_SECRET,
+        # Every test here calls from 127.0.0.1, and many send wrong keys on purpose: the
+        # failure throttle has its own tests (test_callers.py).
+        "GATEWAY_LIMITS__AUTH_FAILURES": "0",
         **extra,
     }
 

@@ -112,6 +112,7 @@ def test_log_redaction(event: dict[str, Any], expected: dict[str, Any]) -> None:
 REQUEST_FIELDS: dict[str, Any] = {
     "request_id": "r-1",
     "key_name": "tenant-a",
+    "client": "203.0.113.7",
     "method": "POST",
     "path": "/v1/x/data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAAB/y",
     "group": "inference",

@@ -26,6 +26,7 @@ SETTINGS_FREE = (
     "gateway.config.tls",
     "gateway.config.key_file",
     "gateway.access.endpoints",
+    "gateway.access.clients",
 )
 
 
