@@ -36,8 +36,7 @@ from tests.procs import (
 SECRET = "sk-cfg-secret-0123456789abcdef"
 KEYS = json.dumps([SECRET])
 OTHER = "sk-cfg-other-0123456789abcdef"
-# The file's names, from build_keys' numbering through both sources; a file entry with
-# one of these fails the test that reads them.
+# A settings file with one unnamed key (`key-1`) and the key file beside it.
 BOTH_SOURCES = f"api_keys: [{SECRET}]\napi_keys_file: {{dir}}/keys.yaml\n"
 
 
@@ -270,6 +269,20 @@ MISTAKES: dict[str, Mistake] = {
         says=(
             'api_keys entry 1 and key file {dir}/keys.yaml entry 1: the name "key-1" is used twice',
         ),
+    ),
+    # deploy/'s example Secrets mark what the operator must fill in with REPLACE-.
+    "the placeholder namespace secret": Mistake(
+        env={
+            "GATEWAY_API_KEYS": KEYS,
+            "GATEWAY_PAYLOAD__NAMESPACE_SECRET": "REPLACE-with-" + SECRET,
+        },
+        source="GATEWAY_PAYLOAD__NAMESPACE_SECRET",
+        says=("payload.namespace_secret", "still the placeholder (REPLACE-...)"),
+    ),
+    "a short namespace secret": Mistake(
+        file=f"api_keys: [{SECRET}]\npayload:\n  namespace_secret: {SECRET[:12]}\n",
+        source="{dir}/gateway.yaml:3",
+        says=("payload.namespace_secret", "at least 16 characters"),
     ),
     "a CA file that is not PEM": Mistake(
         env={"GATEWAY_API_KEYS": KEYS, "GATEWAY_MEDIA__CA_FILE": "{dir}/keys.yaml"},
