@@ -24,7 +24,13 @@ from gateway.access.api_keys import KeyRing
 from gateway.access.clients import ClientAddresses
 from gateway.access.endpoints import Action
 from gateway.access.throttle import FailureThrottle
-from gateway.config.key_file import ApiKey, KeyConfigError, build_keys, load_key_file
+from gateway.config.key_file import (
+    ApiKey,
+    KeyConfigError,
+    build_keys,
+    join_sources,
+    load_key_file,
+)
 from gateway.config.settings import Settings, load_settings
 from gateway.config.tls import client_context
 from gateway.control import control_app
@@ -160,13 +166,16 @@ class KeyFileWatcher:
 
 def load_keys(settings: Settings) -> tuple[tuple[ApiKey, ...], int]:
     """The keys `settings` configure (their own, then the key file's) and how many came
-    from the file: what building the app checks beyond the settings' own validation.
+    from the file: what building the app checks beyond the settings' own validation,
+    and what a key-file reload checks again. The file's unnamed keys are numbered on
+    from the settings' own; a key or a name in both sources is refused (join_sources).
     Raises KeyConfigError for unusable keys."""
     keys = build_keys(settings.api_keys)
-    if settings.api_keys_file is None:
+    path = settings.api_keys_file
+    if path is None:
         return keys, 0
-    from_file = load_key_file(settings.api_keys_file)
-    return keys + from_file, len(from_file)
+    from_file = load_key_file(path, first=len(settings.api_keys) + 1)
+    return join_sources(keys, from_file, path), len(from_file)
 
 
 class Gateway:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import secrets
 import socket
 import sys
 from collections.abc import Sequence
@@ -28,6 +27,7 @@ from gateway.config.key_file import hash_key
 from gateway.config.settings import Settings, load_settings
 from gateway.config.sources import ConfigError
 from gateway.observability.logging import configure_logging
+from gateway.payload.inspector import generate_secret
 from gateway.server.process import raise_fd_limit, tune_collector
 from gateway.server.protocol import GatewayProtocol
 
@@ -141,8 +141,9 @@ def _serve(args: argparse.Namespace) -> int:
             os.environ[f"GATEWAY_{name.upper()}"] = str(value)
         if settings.payload.namespace_secret is None:
             # One generated secret for every worker: the ids it namespaces and the
-            # response ids it binds to a key must read the same on each of them.
-            os.environ[_SECRET_ENV] = secrets.token_hex(32)
+            # response ids it binds to a key must read the same on each of them. The
+            # warning comes from here, once; the workers find a secret set.
+            os.environ[_SECRET_ENV] = generate_secret()
         host = f"[{settings.host}]" if ":" in settings.host else settings.host
         _log_serving(settings, [f"http://{host}:{settings.port}"], args.workers)
         uvicorn.run("gateway.app:app_from_env", factory=True, workers=args.workers, **options)

@@ -33,6 +33,7 @@ from bench.sim.http import (
     wait_disconnect,
 )
 from bench.sim.media import MediaConnector
+from bench.sim.responses import ResponseStore
 
 Handler = Callable[[Engine, Request], Coroutine[Any, Any, None]]
 
@@ -59,7 +60,9 @@ async def invocations(engine: Engine, req: Request) -> None:
     raise invalid_body("Cannot find suitable handler for request.")
 
 
-def routes(config: SimConfig) -> dict[str, dict[str, Handler]]:
+def routes(
+    config: SimConfig, responses: ResponseStore | None = None
+) -> dict[str, dict[str, Handler]]:
     table: dict[str, dict[str, Handler]] = {
         "/health": {"GET": admin.health},
         "/ping": {"GET": admin.health, "POST": admin.health},
@@ -75,6 +78,8 @@ def routes(config: SimConfig) -> dict[str, dict[str, Handler]]:
         table["/v1/chat/completions"] = {"POST": generate.chat}
         table["/v1/completions"] = {"POST": generate.completions}
         table["/v1/audio/transcriptions"] = {"POST": admin.transcriptions}
+        if responses is not None:
+            table["/v1/responses"] = {"POST": responses.create}
     else:
         table["/v1/embeddings"] = {"POST": pooling.embeddings}
         table["/pooling"] = {"POST": pooling.pooling}
@@ -95,7 +100,13 @@ class SimApp:
 
     def __init__(self, config: SimConfig) -> None:
         self.config = config
-        self.routes = routes(config)
+        # vLLM's response store, and the routes that use it (--enable-responses-api-store).
+        self.responses = (
+            ResponseStore()
+            if config.enable_responses_api_store and config.runner == "generate"
+            else None
+        )
+        self.routes = routes(config, self.responses)
         self.recorder = admin.Recorder(config.record_requests) if config.record_requests else None
         # Like vLLM's MediaConnector, but on loopback only unless --allow-remote-media.
         self.client = media_client(config.allow_remote_media)
@@ -130,6 +141,10 @@ class SimApp:
             return path, table
         if self.config.enable_runtime_lora and path.startswith(ADAPTERS_PREFIX):
             return "/adapters/{name}", {"DELETE": admin.delete_adapter}
+        if self.responses is not None and (found := self.responses.lookup(path)) is not None:
+            label, method = found
+            store = self.responses
+            return label, {method: store.retrieve if method == "GET" else store.cancel}
         return "unmatched", None
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -22,6 +22,7 @@ class SimConfig:
     allowed_media_domains: tuple[str, ...] = ()
     allowed_local_media_path: str | None = None
     enable_runtime_lora: bool = False
+    enable_responses_api_store: bool = False
     # Media fetches are confined to loopback addresses (guard.py) unless this is set.
     allow_remote_media: bool = False
     latency: str = "calibrated"
@@ -126,6 +127,13 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[str, int, SimConfig]:
         help="mount vLLM's LoRA adapter loading routes (default: off)",
     )
     p.add_argument(
+        "--enable-responses-api-store",
+        action="store_true",
+        help="mount /v1/responses with vLLM's response store (vLLM: "
+        "VLLM_ENABLE_RESPONSES_API_STORE=1): a response kept under its request_id, read "
+        "back at GET /v1/responses/{id} (default: off, no /v1/responses)",
+    )
+    p.add_argument(
         "--allow-remote-media",
         action="store_true",
         help="let media URLs reach addresses outside loopback; no test or benchmark does "
@@ -171,6 +179,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[str, int, SimConfig]:
         allowed_media_domains=tuple(a.allowed_media_domains),
         allowed_local_media_path=a.allowed_local_media_path,
         enable_runtime_lora=a.enable_runtime_lora,
+        enable_responses_api_store=a.enable_responses_api_store,
         allow_remote_media=a.allow_remote_media,
         latency=a.latency,
         record_requests=max(0, a.record_requests),

@@ -122,12 +122,17 @@ def _scopes(names: list[str] | None, label: str) -> frozenset[Group]:
     return frozenset(Group(n) for n in names)
 
 
-def build_keys(entries: Iterable[SecretStr | ApiKeyConfig]) -> tuple[ApiKey, ...]:
-    """Turn configured entries into keys; raises KeyConfigError for unusable entries."""
+def build_keys(
+    entries: Iterable[SecretStr | ApiKeyConfig], *, first: int = 1
+) -> tuple[ApiKey, ...]:
+    """Turn configured entries into keys, one per entry and in order; raises
+    KeyConfigError for unusable entries. An unnamed entry is named `key-<n>`, numbered
+    from `first`: the key file's entries are numbered on from the settings' own, so the
+    names made for the two sources never meet (`join_sources`)."""
     keys: list[ApiKey] = []
     seen: set[bytes] = set()
     names: set[str] = set()
-    for index, entry in enumerate(entries, start=1):
+    for index, entry in enumerate(entries, start=first):
         cfg = entry if isinstance(entry, ApiKeyConfig) else ApiKeyConfig(key=entry)
         label = cfg.name or f"key-{index}"
         # Names label logs and metrics: two keys under one name could not be told apart.
@@ -150,8 +155,9 @@ def build_keys(entries: Iterable[SecretStr | ApiKeyConfig]) -> tuple[ApiKey, ...
 _ENTRIES: TypeAdapter[list[SecretStr | ApiKeyConfig]] = TypeAdapter(list[SecretStr | ApiKeyConfig])
 
 
-def load_key_file(path: Path) -> tuple[ApiKey, ...]:
-    """Keys from a YAML (or JSON) file: a list of entries, or `{api_keys: [...]}`."""
+def load_key_file(path: Path, *, first: int = 1) -> tuple[ApiKey, ...]:
+    """Keys from a YAML (or JSON) file: a list of entries, or `{api_keys: [...]}`; an
+    unnamed one is numbered from `first` (build_keys)."""
     try:
         text = path.read_text(encoding="utf-8")
         root = yaml.compose(text, Loader=yaml.SafeLoader)
@@ -179,7 +185,27 @@ def load_key_file(path: Path) -> tuple[ApiKey, ...]:
         entries = _ENTRIES.validate_python(data)
     except ValidationError as exc:
         raise KeyConfigError(f"key file {path}: {_entry_errors(exc)}") from None
-    return build_keys(entries)
+    return build_keys(entries, first=first)
+
+
+def join_sources(
+    own: tuple[ApiKey, ...], from_file: tuple[ApiKey, ...], path: Path
+) -> tuple[ApiKey, ...]:
+    """The settings' own keys, then the key file's, each a list of its entries in order
+    (build_keys). A key or a name in both is refused, naming both places: the first
+    match would win authentication and the other entry's scopes, models and limits
+    would be silently ignored, and two keys under one name are metered as one."""
+    digests = {key.digest: n for n, key in enumerate(own, start=1)}
+    names = {key.name: n for n, key in enumerate(own, start=1)}
+    for n, key in enumerate(from_file, start=1):
+        where = f"key file {path} entry {n}"
+        if key.digest in digests:
+            raise KeyConfigError(f"api_keys entry {digests[key.digest]} and {where}: the same key")
+        if key.name in names:
+            raise KeyConfigError(
+                f'api_keys entry {names[key.name]} and {where}: the name "{key.name}" is used twice'
+            )
+    return own + from_file
 
 
 def _entry_errors(exc: ValidationError) -> str:

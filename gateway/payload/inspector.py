@@ -18,7 +18,7 @@ every header is read, and the request's pixels summed, before the first decode.
 from __future__ import annotations
 
 import asyncio
-import os
+import secrets
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -55,6 +55,21 @@ class Inspection:
 _NOTHING = Inspection((), False)
 
 
+def generate_secret() -> str:
+    """A namespace secret for a gateway configured without one, and the warning that
+    says what it breaks. Called once per process tree: by the inspector of a single
+    process, or by the parent of `serve --workers N`, which hands it to every worker."""
+    log.warning(
+        "namespace_secret_generated",
+        breaks="ids made by this gateway (stored response ids, namespaced media uuids, "
+        "session and request ids, cache salts) are unknown to other replicas and after "
+        "a restart",
+        fix="set payload.namespace_secret (GATEWAY_PAYLOAD__NAMESPACE_SECRET), the same "
+        "on every replica",
+    )
+    return secrets.token_hex(32)
+
+
 class PayloadInspector:
     """Built once per app from settings; owns the media fetcher (an `httpx.AsyncClient`
     over `SafeTransport`). `decoder` is the image decode pool (the app's lifespan owns
@@ -76,14 +91,7 @@ class PayloadInspector:
         self._payload = payload or PayloadSettings()
         self._fields = FieldRules(media, self._payload)
         secret = self._payload.namespace_secret
-        if secret is None:
-            log.info(
-                "namespace_secret_generated",
-                detail="set payload.namespace_secret so that restarts and replicas agree",
-            )
-            self._secret = os.urandom(32)
-        else:
-            self._secret = secret.get_secret_value().encode()
+        self._secret = (generate_secret() if secret is None else secret.get_secret_value()).encode()
         self._policy = UrlPolicy(media)
         self._fetcher = MediaFetcher(media, transport=transport, resolver=resolver)
         self._own_decoder = decoder is None

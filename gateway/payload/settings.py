@@ -22,6 +22,9 @@ class CacheIsolation(StrEnum):
     tenant = "tenant"
 
 
+# How deploy/ marks a value the operator must replace (its example Secrets and .env).
+PLACEHOLDER_PREFIX = "REPLACE-"
+
 # vllm_xargs keys that feed engine-level controls, never passable (vLLM 0.32:
 # `EngineCoreRequest` takes these from the sampling params' extra_args).
 ENGINE_XARGS = frozenset({"kv_transfer_params", "ec_transfer_params", "kv_cache_report_mode"})
@@ -31,8 +34,9 @@ class PayloadSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # Key of the HMAC that namespaces client-chosen identifiers (media uuids, response
-    # ids, cache salts). Generated at start when unset: then identifiers differ across
-    # restarts and replicas, so set it when several replicas serve the same engines.
+    # ids, cache salts). Generated at start when unset (a `namespace_secret_generated`
+    # warning): then identifiers differ across restarts and replicas, so set it, the same
+    # on every replica, wherever more than one process serves the same engines.
     namespace_secret: SecretStr | None = None
     # `vllm_xargs` keys a request may set (they reach custom logits processors); the
     # field is refused while this is empty.
@@ -58,6 +62,16 @@ class PayloadSettings(BaseModel):
     @field_validator("namespace_secret")
     @classmethod
     def _long_enough(cls, secret: SecretStr | None) -> SecretStr | None:
-        if secret is not None and len(secret.get_secret_value()) < 16:
+        if secret is None:
+            return None
+        value = secret.get_secret_value()
+        if len(value) < 16:
             raise ValueError("namespace_secret must be at least 16 characters long")
+        # An example Secret applied as it is would give every deployment the same key.
+        if value.startswith(PLACEHOLDER_PREFIX):
+            raise ValueError(
+                f"namespace_secret is still the placeholder ({PLACEHOLDER_PREFIX}...): "
+                "set a random one, e.g. `python3 -c 'import secrets; "
+                "print(secrets.token_hex(32))'`"
+            )
         return secret

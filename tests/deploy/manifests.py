@@ -26,6 +26,9 @@ K8S = DEPLOY / "k8s"
 LAYOUTS = ("base", "passthrough", "routing-tier", "routing-tier-store")
 UPSTREAM = "upstream-deploy-test-0123456789abcdef"
 STORE_PASSWORD = "store-deploy-test-0123456789abcdef"
+NAMESPACE_SECRET = "namespace-deploy-test-0123456789abcdef"
+# The variable every gateway reads payload.namespace_secret from.
+NAMESPACE_ENV = "GATEWAY_PAYLOAD__NAMESPACE_SECRET"
 # Kinds without a namespace among those a kustomization here may hold.
 CLUSTER_SCOPED = frozenset({"Namespace", "PersistentVolume", "StorageClass", "ClusterRole"})
 POD_TEMPLATE_KINDS = frozenset({"Deployment", "StatefulSet", "DaemonSet", "Job", "ReplicaSet"})
@@ -56,6 +59,7 @@ def with_password(url: str, password: str) -> str:
 # is the example's, with a password.
 K8S_SECRETS = {
     ("vllm-upstream-key", "api-key"): UPSTREAM,
+    ("vllm-gateway-namespace", "secret"): NAMESPACE_SECRET,
     ("vllm-routing-store-url", "url"): with_password(
         example_secrets()[("vllm-routing-store-url", "url")], STORE_PASSWORD
     ),

@@ -32,6 +32,7 @@ from gateway.config.settings import Settings, load_settings
 from tests.deploy.manifests import (
     DEPLOY,
     K8S,
+    NAMESPACE_SECRET,
     STORE_PASSWORD,
     UPSTREAM,
     flag_values,
@@ -56,7 +57,7 @@ from tests.procs import (
 DOCKERFILE = DEPLOY / "Dockerfile"
 CLIENT_KEY = "sk-deploy-test-0123456789abcdef"
 # What the operator supplies through deploy/.env (compose) or Secrets (Kubernetes).
-COMPOSE_VARS = {"UPSTREAM_API_KEY": UPSTREAM}
+COMPOSE_VARS = {"UPSTREAM_API_KEY": UPSTREAM, "NAMESPACE_SECRET": NAMESPACE_SECRET}
 VARIANTS = ("compose", "k8s-base", "k8s-passthrough")
 # Where a gateway is configured: the stack's variants and the routing tier's gateways,
 # without and with the shared placement store.
@@ -250,6 +251,10 @@ def test_gateway_env_loads_as_settings(
     assert s.upstream_api_key.get_secret_value() == UPSTREAM
     assert s.api_keys_file is not None and s.api_keys == []
     assert not s.allow_unauthenticated and not s.public_metrics
+    # One namespace secret from the operator (a Secret, or .env): never generated, so
+    # ids made through one replica, or before a restart, read the same on the others.
+    assert s.payload.namespace_secret is not None
+    assert s.payload.namespace_secret.get_secret_value() == NAMESPACE_SECRET
     # The sidecar's own engine; the routing tier's two models' headless Services.
     assert len(s.engines) == (2 if variant.startswith("k8s-routing-tier") else 1)
     # The store's URL, password included, from its Secret; only with the store.
@@ -277,6 +282,9 @@ def test_check_config_accepts_the_deploy_env(variant: str, tmp_path: Path) -> No
     assert data["upstream_api_key"] == "**********"
     assert UPSTREAM not in r.stdout + r.stderr
     assert STORE_PASSWORD not in r.stdout + r.stderr
+    assert NAMESPACE_SECRET not in r.stdout + r.stderr
+    assert data["payload"]["namespace_secret"] == "**********"
+    assert "namespace_secret_generated" not in r.stderr
     if variant == "k8s-routing-tier-store":
         assert data["routing"]["store_url"] == "**********"
 
@@ -286,6 +294,15 @@ def test_compose_env_fails_without_the_upstream_key() -> None:
         compose_env("gateway", env={})
     with pytest.raises(KeyError, match="UPSTREAM_API_KEY"):
         compose_env("engine", env={})
+
+
+def test_compose_env_fails_without_the_namespace_secret() -> None:
+    """The gateway's namespace secret comes from .env, with no default: compose refuses
+    to start without it rather than let the gateway generate one per start."""
+    with pytest.raises(KeyError, match="NAMESPACE_SECRET"):
+        compose_env("gateway", env={"UPSTREAM_API_KEY": UPSTREAM})
+    raw = compose_service("gateway")["environment"]["GATEWAY_PAYLOAD__NAMESPACE_SECRET"]
+    assert raw.startswith("${NAMESPACE_SECRET:?")
 
 
 # --- compose ----------------------------------------------------------------------------

@@ -25,14 +25,18 @@ import kubernetes_validate
 import pytest
 import yaml
 from kubernetes_validate.utils import all_versions
+from pydantic import ValidationError
 
 from bench.harness.metrics import HTTP
+from gateway.payload.settings import PLACEHOLDER_PREFIX, PayloadSettings
 from gateway.routing.dns import DnsEntry, is_dns_entry
 from gateway.routing.settings import RoutingSettings
 from tests.deploy.manifests import (
     K8S,
     K8S_SECRETS,
     LAYOUTS,
+    NAMESPACE_ENV,
+    NAMESPACE_SECRET,
     UPSTREAM,
     containers,
     example_secrets,
@@ -231,6 +235,22 @@ def check_upstream_key(docs: Docs) -> None:
     ((secret, key),) = refs
     examples = {d["metadata"]["name"]: d for d in load_all(K8S / "secrets.example.yaml")}
     assert key in examples[secret]["stringData"]
+
+
+def check_namespace_secret(docs: Docs) -> None:
+    """Every gateway reads payload.namespace_secret from one Secret key of the example,
+    the same for all (a replica with another would refuse the others' ids), never
+    written in a manifest."""
+    refs = set()
+    found = list(gateway_containers(docs))
+    assert found
+    for _, c in found:
+        ref = secret_ref(c, NAMESPACE_ENV)
+        assert ref, f"{c['name']}: {NAMESPACE_ENV} not from a Secret"
+        refs.add(ref)
+    assert len(refs) == 1, f"gateways read different namespace secrets: {sorted(refs)}"
+    (ref,) = refs
+    assert ref in example_secrets() and ref in K8S_SECRETS, ref
 
 
 def check_engines_listen_on_the_pod_ip(docs: Docs) -> None:
@@ -634,6 +654,23 @@ def test_engines_and_gateways_share_one_upstream_key(layout: str) -> None:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_gateway_reads_one_namespace_secret(layout: str) -> None:
+    check_namespace_secret(render(layout))
+
+
+def test_the_example_namespace_secret_is_a_placeholder_the_gateway_refuses() -> None:
+    """Applied unchanged, the example would give every deployment the same secret: the
+    gateway refuses to start on it."""
+    (ref,) = {secret_ref(c, NAMESPACE_ENV) for _, c in gateway_containers(render(TIER))}
+    assert ref is not None
+    placeholder = example_secrets()[ref]
+    assert placeholder.startswith(PLACEHOLDER_PREFIX)
+    with pytest.raises(ValidationError, match="placeholder"):
+        PayloadSettings.model_validate({"namespace_secret": placeholder})
+    assert PayloadSettings.model_validate({"namespace_secret": NAMESPACE_SECRET})
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_image_is_an_exact_release(layout: str) -> None:
     check_images_pinned(render(layout))
 
@@ -845,6 +882,20 @@ BREAKAGES: dict[str, tuple[str, Callable[[Docs], None], Callable[[Docs], None]]]
                            UPSTREAM)),
     "engine key on the command line": ("base", check_upstream_key,
         lambda d: _container(d, "vllm-gateway", "vllm")["args"].append("--api-key=x")),
+    "namespace secret unset (sidecar)": ("base", check_namespace_secret,
+        lambda d: _container(d, "vllm-gateway", "gateway")["env"].remove(
+            env_var(_container(d, "vllm-gateway", "gateway"), NAMESPACE_ENV))),
+    "namespace secret written inline": (TIER, check_namespace_secret,
+        lambda d: _set_env(_container(d, "vllm-gateway", "gateway"), NAMESPACE_ENV,
+                           NAMESPACE_SECRET)),
+    "namespace secret from a Secret the example lacks": (STORE, check_namespace_secret,
+        lambda d: env_var(_container(d, "vllm-gateway", "gateway"), NAMESPACE_ENV)
+        ["valueFrom"]["secretKeyRef"].update(name="other-namespace")),
+    "gateways read different namespace secrets": ("passthrough", check_namespace_secret,
+        lambda d: pod_template(named(d, "Deployment", "vllm-gateway"))["spec"]["containers"]
+        .append({**_container(d, "vllm-gateway", "gateway"), "name": "gateway-2", "env": [
+            {"name": NAMESPACE_ENV, "valueFrom": {"secretKeyRef": {
+                "name": "vllm-gateway-namespace-2", "key": "secret"}}}]})),
     "engine on loopback": (TIER, check_engines_listen_on_the_pod_ip,
         lambda d: _container(d, "engine-chat", "vllm")["args"].__setitem__(1, "--host=127.0.0.1")),
     "POD_IP undefined": (TIER, check_engines_listen_on_the_pod_ip,

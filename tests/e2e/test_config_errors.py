@@ -16,11 +16,28 @@ from pathlib import Path
 
 import pytest
 
+from bench.harness.metrics import HTTP
 from gateway import cli
-from tests.procs import ROOT, clean_env, free_port, run_cli
+from gateway.app import load_keys
+from gateway.config.key_file import hash_key
+from gateway.config.settings import load_settings
+from tests.procs import (
+    ROOT,
+    auth,
+    clean_env,
+    free_port,
+    gateway_proc,
+    run_cli,
+    running,
+    sim_proc,
+    wait_for,
+)
 
 SECRET = "sk-cfg-secret-0123456789abcdef"
 KEYS = json.dumps([SECRET])
+OTHER = "sk-cfg-other-0123456789abcdef"
+# A settings file with one unnamed key (`key-1`) and the key file beside it.
+BOTH_SOURCES = f"api_keys: [{SECRET}]\napi_keys_file: {{dir}}/keys.yaml\n"
 
 
 @dataclass
@@ -239,6 +256,49 @@ MISTAKES: dict[str, Mistake] = {
         source="GATEWAY_API_KEYS_FILE",
         says=("key file {dir}/keys.yaml:3: a field is given twice (first on line 2)",),
     ),
+    # The same key in both sources: the first would win authentication, and the other
+    # entry's narrower scopes, models and limits would be silently ignored.
+    "the same key in api_keys and the key file": Mistake(
+        file=BOTH_SOURCES,
+        keys=f"- key: {OTHER}\n- key: {SECRET}\n  scopes: [models]\n",
+        says=("api_keys entry 1 and key file {dir}/keys.yaml entry 2: the same key",),
+    ),
+    "the same key, as its digest in the key file": Mistake(
+        env={"GATEWAY_API_KEYS": KEYS, "GATEWAY_API_KEYS_FILE": "{dir}/keys.yaml"},
+        keys=f"- {hash_key(SECRET)}\n",
+        says=("api_keys entry 1 and key file {dir}/keys.yaml entry 1: the same key",),
+    ),
+    # Usage and limits by name would meter two keys as one.
+    "a key name in api_keys and the key file": Mistake(
+        file=f"api_keys:\n  - {OTHER}x\n  - key: {SECRET}\n    name: team-a\n"
+        "api_keys_file: {dir}/keys.yaml\n",
+        keys=f"- key: {OTHER}\n  name: team-a\n",
+        says=(
+            'api_keys entry 2 and key file {dir}/keys.yaml entry 1: the name "team-a" is '
+            "used twice",
+        ),
+    ),
+    "a key file name that is an unnamed key's": Mistake(
+        file=BOTH_SOURCES,
+        keys=f"- key: {OTHER}\n  name: key-1\n",
+        says=(
+            'api_keys entry 1 and key file {dir}/keys.yaml entry 1: the name "key-1" is used twice',
+        ),
+    ),
+    # deploy/'s example Secrets mark what the operator must fill in with REPLACE-.
+    "the placeholder namespace secret": Mistake(
+        env={
+            "GATEWAY_API_KEYS": KEYS,
+            "GATEWAY_PAYLOAD__NAMESPACE_SECRET": "REPLACE-with-" + SECRET,
+        },
+        source="GATEWAY_PAYLOAD__NAMESPACE_SECRET",
+        says=("payload.namespace_secret", "still the placeholder (REPLACE-...)"),
+    ),
+    "a short namespace secret": Mistake(
+        file=f"api_keys: [{SECRET}]\npayload:\n  namespace_secret: {SECRET[:12]}\n",
+        source="{dir}/gateway.yaml:3",
+        says=("payload.namespace_secret", "at least 16 characters"),
+    ),
     "a CA file that is not PEM": Mistake(
         env={"GATEWAY_API_KEYS": KEYS, "GATEWAY_MEDIA__CA_FILE": "{dir}/keys.yaml"},
         keys="not a certificate\n",
@@ -375,3 +435,62 @@ def test_a_command_line_option_is_named_as_the_source() -> None:
     result = run_cli("serve", "--port", "70000", env=env)
     assert result.returncode == 2
     assert result.stderr.startswith("vllm-gateway: --port: port: Input should be less than")
+
+
+def test_unnamed_keys_are_numbered_through_both_sources(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unnamed key in the file is numbered on from the settings' own (`key-2`, not a
+    second `key-1`), so keys without names in both sources are accepted."""
+    for name in [n for n in os.environ if n.startswith("GATEWAY_")]:
+        monkeypatch.delenv(name)
+    (tmp_path / "keys.yaml").write_text(f"- {OTHER}\n- key: {OTHER}x\n  name: team-b\n")
+    (tmp_path / "gateway.yaml").write_text(BOTH_SOURCES.replace("{dir}", str(tmp_path)))
+    keys, from_file = load_keys(load_settings(tmp_path / "gateway.yaml"))
+    assert [k.name for k in keys] == ["key-1", "key-2", "team-b"]
+    assert from_file == 2
+
+
+@pytest.mark.slow
+def test_a_key_file_reload_that_clashes_with_api_keys_is_refused(tmp_path: Path) -> None:
+    """The watcher reloads through the same check: a rewritten key file that reuses a
+    name or a key of `api_keys` is logged as refused, naming both places and no key, and
+    the keys in force stay."""
+    keys_file = tmp_path / "keys.yaml"
+    keys_file.write_text(f"- key: {OTHER}\n  name: team-a\n")
+    sim = sim_proc(tmp_path, "--latency", "zero")
+    env = {
+        "GATEWAY_ENGINES": json.dumps([f"http://127.0.0.1:{sim.port}"]),
+        "GATEWAY_API_KEYS": json.dumps([{"key": SECRET, "name": "ops"}]),
+        "GATEWAY_API_KEYS_FILE": str(keys_file),
+    }
+    gateway = gateway_proc(tmp_path, env)
+    newcomer = OTHER + "-new"
+    with running(sim), running(gateway, ready_path="/healthz"):
+        models = gateway.url + "/v1/models"
+        assert HTTP.get(models, headers=auth(OTHER)).status_code == 200
+
+        def refusals() -> list[str]:
+            lines = [json.loads(x) for x in gateway.log().splitlines() if x.startswith("{")]
+            return [x["reason"] for x in lines if x.get("event") == "key_file_invalid"]
+
+        keys_file.write_text(f"- key: {newcomer}\n  name: ops\n")
+        assert wait_for(lambda: len(refusals()) == 1, timeout=10)
+        assert refusals()[0] == (
+            f'api_keys entry 1 and key file {keys_file} entry 1: the name "ops" is used twice'
+        )
+        keys_file.write_text(f"- key: {newcomer}\n  name: team-b\n- {hash_key(SECRET)}\n")
+        assert wait_for(lambda: len(refusals()) == 2, timeout=10)
+        assert refusals()[1] == f"api_keys entry 1 and key file {keys_file} entry 2: the same key"
+        # The old keys stay in force; the refused file's new key is not let in.
+        assert HTTP.get(models, headers=auth(OTHER)).status_code == 200
+        assert HTTP.get(models, headers=auth(SECRET)).status_code == 200
+        assert HTTP.get(models, headers=auth(newcomer)).status_code == 401
+        # A file without the clash is taken.
+        keys_file.write_text(f"- key: {newcomer}\n  name: team-b\n")
+        assert wait_for(
+            lambda: HTTP.get(models, headers=auth(newcomer)).status_code == 200, timeout=10
+        )
+        assert HTTP.get(models, headers=auth(OTHER)).status_code == 401
+        log = gateway.log()
+        assert SECRET not in log and OTHER not in log

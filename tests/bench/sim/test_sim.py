@@ -13,10 +13,12 @@ import orjson
 import pytest
 
 from bench.harness.metrics import HTTP
+from bench.sim.responses import PATH as RESPONSES
 from tests.procs import Proc, metric, running, scrape, sim_proc
 
 MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 SYSTEM = "You are a careful assistant. " * 8  # several blocks of shared prefix
+RETRIEVE = RESPONSES + "/{response_id}"
 
 
 @pytest.fixture(scope="module")
@@ -472,3 +474,40 @@ def test_reply_sequence_is_the_next_turns_rendering(question: str) -> None:
     parent = prompt_blocks[start - 1] if start else b""
     tail = block_hashes(sequence, [], 16, cache_salt="s", start=start, parent=parent)
     assert prompt_blocks[:start] + tail == block_hashes(expected, [], 16, cache_salt="s")
+
+
+# --- the response store (--enable-responses-api-store) ---------------------------------
+
+
+def test_response_store_keeps_reads_and_refuses_like_vllm(tmp_path: Path, sim: Proc) -> None:
+    """A response is kept under the body's request_id unless `store: false`; an unknown
+    id, read or continued, is vLLM's 404; a finished one cannot be cancelled. Without
+    the flag there is no /v1/responses."""
+    body = {"model": MODEL, "input": "Hi.", "max_output_tokens": 4}
+    assert HTTP.post(sim.url + "/v1/responses", json=body).status_code == 404
+    store = sim_proc(tmp_path, "--latency", "zero", "--enable-responses-api-store")
+    with running(store):
+        url = store.url + "/v1/responses"
+        made = HTTP.post(url, json={**body, "request_id": "kept-1"})
+        assert made.status_code == 200, made.text
+        assert made.json()["id"] == "kept-1" and made.json()["object"] == "response"
+        assert made.json()["usage"]["output_tokens"] == 4
+        assert HTTP.get(url + "/kept-1").json() == made.json()
+        unstored = HTTP.post(url, json={**body, "request_id": "gone-1", "store": False})
+        assert unstored.status_code == 200
+        missing = HTTP.get(url + "/gone-1")
+        assert missing.status_code == 404
+        assert missing.json() == {
+            "error": {
+                "message": "Response with id 'gone-1' not found.",
+                "type": "invalid_request_error",
+                "param": "response_id",
+                "code": 404,
+            }
+        }
+        assert HTTP.post(url, json={**body, "previous_response_id": "gone-1"}).status_code == 404
+        follow = HTTP.post(url, json={**body, "previous_response_id": "kept-1"})
+        assert follow.status_code == 200 and follow.json()["id"].startswith("resp_")
+        assert HTTP.post(url + "/kept-1/cancel").status_code == 400
+        assert HTTP.post(url + "/gone-1/cancel").status_code == 404
+        assert metric(store.url, "sim:received_requests_total", path=RETRIEVE) == 2
