@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import structlog
 
 from tests.procs import Proc, RecordingServer, sim_proc
 
@@ -21,6 +22,15 @@ def pytest_sessionfinish() -> None:
     A folder another run still uses is not empty and stays."""
     with suppress(OSError):
         Path(tempfile.gettempdir(), f"pytest-of-{getpass.getuser()}").rmdir()
+
+
+@pytest.fixture(autouse=True)
+def _structlog_defaults() -> Iterator[None]:
+    """A test that configures logging (`configure_logging`) binds structlog to the
+    output pytest captured for it, closed once the test ends: later tests log through
+    structlog's defaults again, not into that closed file."""
+    yield
+    structlog.reset_defaults()
 
 
 @pytest.fixture

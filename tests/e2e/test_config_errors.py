@@ -463,6 +463,9 @@ def test_a_key_file_reload_that_clashes_with_api_keys_is_refused(tmp_path: Path)
         "GATEWAY_ENGINES": json.dumps([f"http://127.0.0.1:{sim.port}"]),
         "GATEWAY_API_KEYS": json.dumps([{"key": SECRET, "name": "ops"}]),
         "GATEWAY_API_KEYS_FILE": str(keys_file),
+        # The test polls with a key not yet in force: each poll is a failed
+        # authentication from loopback, which the failure throttle would count.
+        "GATEWAY_LIMITS__AUTH_FAILURES": "0",
     }
     gateway = gateway_proc(tmp_path, env)
     newcomer = OTHER + "-new"
