@@ -87,12 +87,13 @@ class SharedLimits:
     """Per-key limits in the store. `admit` never raises for the store's sake: None
     means the store is not usable now, the caller decides without it."""
 
-    def __init__(self, client: StoreClient) -> None:
+    def __init__(self, client: StoreClient, *, lease: float = LEASE, renew: float = RENEW) -> None:
         self.client = client
+        self._every = renew
         self._prefix = f"{client.prefix}:k:"
         self._admit = client.script(ADMIT)
         self._renew = client.script(RENEW_LEASES)
-        self._lease_ms = str(int(LEASE * 1000))
+        self._lease_ms = str(int(lease * 1000))
         # Lease tokens: this process's random part and a count. Built in the process
         # that serves (each worker builds its own app), so no two processes share one.
         self._nonce = os.urandom(8).hex()
@@ -168,7 +169,7 @@ class SharedLimits:
         await self.client.attempt(lambda: self._renew(keys=keys, args=args))
 
     async def run(self) -> None:
-        """Renew the held leases every RENEW seconds, for ever (the lifespan's task)."""
+        """Renew the held leases every `renew` seconds, for ever (the lifespan's task)."""
         while True:
-            await asyncio.sleep(RENEW)
+            await asyncio.sleep(self._every)
             await self.renew()
