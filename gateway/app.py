@@ -47,6 +47,9 @@ from gateway.routing.policy import make_policy
 from gateway.routing.pool import EnginePool
 from gateway.server.limits import CONNECTION_GUARD, ConnectionGuard
 from gateway.server.process import trim_periodically, tune_allocator, tune_collector
+from gateway.store.client import StoreClient
+from gateway.store.failures import SharedFailures
+from gateway.store.limits import SharedLimits
 from gateway.types import ASGIApp, Receive, Scope, Send
 from gateway.upstream.client import Upstream
 from gateway.upstream.interfaces import UpstreamClient
@@ -219,7 +222,18 @@ class Gateway:
             lambda: budget.capacity - budget.available, lambda: budget.waiting
         )
         self.inspector = PayloadInspector(settings.media, settings.payload, decoder=self.decoder)
-        policy = make_policy(settings.routing)
+        # The one client of the shared store, for placements and limits (gateway/store/).
+        self.store = (
+            StoreClient(
+                settings.store_url.get_secret_value(),
+                prefix=settings.store_prefix,
+                timeout=settings.store_timeout,
+                retry=settings.store_retry,
+            )
+            if settings.store_url is not None
+            else None
+        )
+        policy = make_policy(settings.routing, self.store)
         self.metrics.watch_pool(lambda: self.pool.engines, policy.name)
         if policy.store is not None:
             self.metrics.watch_store(policy.store)
@@ -231,7 +245,11 @@ class Gateway:
         self.metrics.watch_connections(lambda: len(self.connections.open))
         # Per-key limits from authentication on (KeyLimits), the global slot once the
         # body is in (Proxy): one object, so the counts are the same ones.
-        self.admission = Admission(settings.limits, self.metrics)
+        self.shared_limits = SharedLimits(self.store) if self.store is not None else None
+        self.admission = Admission(settings.limits, self.metrics, shared=self.shared_limits)
+        if self.store is not None:
+            store, admission = self.store, self.admission
+            self.metrics.watch_shared_store(lambda: store.up, lambda: admission.store_fallbacks)
         self.proxy = Proxy(
             settings,
             self.pool,
@@ -261,6 +279,8 @@ class Gateway:
                 limits.auth_failure_window,
                 metrics=self.metrics,
                 logger=structlog.get_logger("gateway.access"),
+                # With a store, an address's failures count across every process.
+                shared=SharedFailures(self.store) if self.store is not None else None,
             )
             if limits.auth_failures > 0
             else None
@@ -328,8 +348,11 @@ class Gateway:
             self.connections.start(loop)
             await self.pool.start()
             stack.push_async_callback(self.pool.stop)
-            if self.proxy.policy.store is not None:
-                stack.push_async_callback(self.proxy.policy.store.aclose)
+            if self.store is not None:
+                stack.push_async_callback(self.store.aclose)
+            if self.shared_limits is not None:
+                renewer = asyncio.create_task(self.shared_limits.run(), name="lease-renewal")
+                stack.push_async_callback(_cancel, renewer)
             if self.watcher is not None:
                 task = asyncio.create_task(self.watcher.run(), name="key-file")
                 stack.push_async_callback(_cancel, task)

@@ -52,7 +52,10 @@ and URL parsers echo attacker input. Raised when:
   | + ModelUnavailable        503 model_unavailable: every engine serving the model is
   | |                         down (failed its checks, or ejected); nothing was sent
   | + MediaBusy               503 media_busy: no room in the media decode budget (or no
-  |                           decode thread) within media.decode_wait (media/decoder.py)
+  | |                         decode thread) within media.decode_wait (media/decoder.py)
+  | + LimitsUnavailable       503 limits_unavailable: a key's shared limit could not be
+  |                           checked (the store down) and its `*_when_store_down` is
+  |                           `refuse` (access/admission.py)
   + UpstreamUnavailable       502 upstream_unavailable: no engine took the request
   | + UpstreamBroken          502 upstream_broken: an answer broke off (proxy/forward.py)
   + EngineError               engine's status, engine_error: an engine's 5xx or unusable
@@ -299,6 +302,11 @@ class ModelUnavailable(Overloaded):
 class MediaBusy(Overloaded):
     code = "media_busy"
     default_message = "The gateway is decoding as many images as it can hold; retry shortly."
+
+
+class LimitsUnavailable(Overloaded):
+    code = "limits_unavailable"
+    default_message = "This API key's limits cannot be checked now; retry shortly."
 
 
 class UpstreamUnavailable(GatewayError):

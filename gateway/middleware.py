@@ -250,7 +250,9 @@ class Authentication:
 class KeyLimits:
     """The key's share, from authentication on: its cap on requests in flight and its
     rate limit (access/admission.py); over either, 429 `rate_limited` with Retry-After. The
-    global `max_in_flight` slot is taken later, by the proxy, once the body is in."""
+    global `max_in_flight` slot is taken later, by the proxy, once the body is in. With a
+    store, a key that has limits of its own is admitted through it (one round trip);
+    the others are not delayed."""
 
     def __init__(self, app: ASGIApp, *, admission: Admission) -> None:
         self.app = app
@@ -265,6 +267,13 @@ class KeyLimits:
             await self.app(scope, receive, send)
             return
         admission = self.admission
+        if admission.shared is not None and admission.shares(key):
+            lease = await admission.enter_shared(key)
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                admission.leave_shared(key, lease)
+            return
         admission.enter_key(key)
         try:
             await self.app(scope, receive, send)

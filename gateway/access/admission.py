@@ -21,6 +21,14 @@ A count is given back however the request ends; a refusal takes nothing. No obje
 allocated per request: the two stages cost 1.1 us per request over one global counter
 (1.7 us with a rate limit), a context manager made per stage 2.5 us (docs/facts.md,
 "Admission").
+
+With a store (`store_url`), a key that has a rate (its own or `limits.rate_per_key`)
+or its own `max_in_flight` is admitted through it instead (`enter_shared`,
+gateway/store/limits.py): those limits then hold for the key across every worker and
+replica. The default `max_in_flight_per_key` and the global `max_in_flight` stay per
+process, and a key without limits of its own never waits on the store. While the store
+is down, each shared limit does what its `limits.*_when_store_down` says: `local`, the
+per-process limit above; `refuse`, 503 `limits_unavailable`.
 """
 
 from __future__ import annotations
@@ -32,8 +40,9 @@ from types import TracebackType
 
 from gateway.config.key_file import ApiKey, RateLimit
 from gateway.config.settings import LimitsSettings
-from gateway.errors import Overloaded, RateLimited
+from gateway.errors import LimitsUnavailable, Overloaded, RateLimited
 from gateway.observability.metrics import Metrics
+from gateway.store.limits import SharedLimits, Verdict
 
 
 class TokenBucket:
@@ -81,6 +90,7 @@ class Admission:
         limits: LimitsSettings,
         metrics: Metrics,
         clock: Callable[[], float] = time.monotonic,
+        shared: SharedLimits | None = None,
     ) -> None:
         self.limit = limits.max_in_flight
         self.per_key = limits.max_in_flight_per_key
@@ -93,6 +103,14 @@ class Admission:
         self._refused = metrics.rate_limited
         self._slot = GlobalSlot(self)
         metrics.count_in_flight(lambda: self.current)
+        # The store's limits (None: no store), what each does while it is down, and the
+        # admissions decided without it: (limit, action) -> count.
+        self.shared = shared
+        self._when_down = {
+            "in_flight": limits.in_flight_when_store_down,
+            "rate": limits.rate_when_store_down,
+        }
+        self.store_fallbacks: dict[tuple[str, str], int] = {}
 
     def slot(self) -> GlobalSlot:
         """The context manager that holds one of `max_in_flight` slots while its block
@@ -105,23 +123,94 @@ class Admission:
         held = self.keys.get(key.digest, 0)
         cap = key.max_in_flight if key.max_in_flight is not None else self.per_key
         if held >= cap:
-            self._refused.labels("in_flight").inc()
-            raise RateLimited(
-                f"This API key has {cap} requests in flight, its limit; retry when one completes.",
-                retry_after=1,
-            )
+            raise self._over_cap(cap)
         rate = key.rate if key.rate is not None else self.rate
         if rate is not None:
             wait = self._bucket(key.digest, rate).take(self._clock())
             if wait > 0.0:
-                self._refused.labels("rate").inc()
-                seconds = retry_after(wait)
-                raise RateLimited(
-                    f"This API key is over its rate limit of {rate.requests_per_second:g} "
-                    f"requests per second; retry in {seconds} s.",
-                    retry_after=seconds,
-                )
+                raise self._over_rate(rate, wait)
         self.keys[key.digest] = held + 1
+
+    def shares(self, key: ApiKey) -> bool:
+        """Whether `key` is admitted through the store: there is one, and the key has
+        a rate or its own in-flight cap."""
+        return self.shared is not None and (
+            key.rate is not None or self.rate is not None or key.max_in_flight is not None
+        )
+
+    async def enter_shared(self, key: ApiKey) -> str | None:
+        """`enter_key` for a key that `shares`: its rate and its own in-flight cap
+        checked in the store (the default cap per process, first). Returns the lease's
+        token, for `leave_shared`, which the caller must call after."""
+        assert self.shared is not None
+        digest = key.digest
+        cap = key.max_in_flight
+        rate = key.rate if key.rate is not None else self.rate
+        held = self.keys.get(digest, 0)
+        if cap is None and held >= self.per_key:
+            raise self._over_cap(self.per_key)
+        # Counted before the round trip: the requests of this process that wait on the
+        # store at once all see it.
+        self.keys[digest] = held + 1
+        try:
+            answer = await self.shared.admit(digest, rate, cap)
+            if answer is None:
+                self._without_store(key, cap, rate)
+                return None
+        except BaseException:
+            self.leave_key(key)
+            raise
+        verdict, wait, token = answer
+        if verdict is Verdict.admitted:
+            return token
+        self.leave_key(key)
+        if verdict is Verdict.in_flight:
+            assert cap is not None
+            raise self._over_cap(cap)
+        assert rate is not None
+        raise self._over_rate(rate, wait)
+
+    def _without_store(self, key: ApiKey, cap: int | None, rate: RateLimit | None) -> None:
+        """The store did not answer: each shared limit refuses or is checked in this
+        process, as its setting says; the request is already counted in `keys`."""
+        assert self.shared is not None
+        for limit, shared in (("in_flight", cap is not None), ("rate", rate is not None)):
+            if shared:
+                action = self._when_down[limit]
+                counted = (limit, action)
+                self.store_fallbacks[counted] = self.store_fallbacks.get(counted, 0) + 1
+                if action == "refuse":
+                    raise LimitsUnavailable(retry_after=retry_after(self.shared.client.retry))
+        digest = key.digest
+        held = self.keys[digest] - 1
+        if cap is not None and held >= cap:
+            raise self._over_cap(cap)
+        if rate is not None:
+            wait = self._bucket(digest, rate).take(self._clock())
+            if wait > 0.0:
+                raise self._over_rate(rate, wait)
+
+    def _over_cap(self, cap: int) -> RateLimited:
+        self._refused.labels("in_flight").inc()
+        return RateLimited(
+            f"This API key has {cap} requests in flight, its limit; retry when one completes.",
+            retry_after=1,
+        )
+
+    def _over_rate(self, rate: RateLimit, wait: float) -> RateLimited:
+        self._refused.labels("rate").inc()
+        seconds = retry_after(wait)
+        return RateLimited(
+            f"This API key is over its rate limit of {rate.requests_per_second:g} "
+            f"requests per second; retry in {seconds} s.",
+            retry_after=seconds,
+        )
+
+    def leave_shared(self, key: ApiKey, token: str | None) -> None:
+        self.leave_key(key)
+        if token is not None:
+            assert self.shared is not None
+            self.shared.release(token)
 
     def leave_key(self, key: ApiKey) -> None:
         held = self.keys[key.digest] - 1

@@ -41,11 +41,18 @@ from gateway.media.settings import MediaSettings
 from gateway.payload.settings import PayloadSettings
 from gateway.proxy.headers import forwardable
 from gateway.routing.dns import DnsEntry, is_dns_entry
-from gateway.routing.settings import RoutingSettings
+from gateway.routing.settings import RoutingSettings, check_store_url
 from gateway.upstream.origin import Origin
 
 # The schemes an engine entry may have: a URL, or a DNS name resolved to every address.
 ENGINE_SCHEMES = ("http", "https", "dns+http", "dns+https")
+
+
+# What a shared limit does while the store is down: the per-process limit, or refuse.
+StoreDown = Literal["local", "refuse"]
+
+# The store's settings that `routing` also accepts, under their old names.
+STORE_ALIASES = ("store_url", "store_prefix", "store_timeout", "store_retry")
 
 
 class LimitsSettings(BaseModel):
@@ -90,6 +97,13 @@ class LimitsSettings(BaseModel):
     # window ends (gateway/access/throttle.py). 0: not throttled.
     auth_failures: int = Field(default=20, ge=0)
     auth_failure_window: float = Field(default=60.0, gt=0)
+    # With a store (`store_url`), what a key's shared rate limit and shared in-flight cap
+    # do while the store is down or slow (gateway/store/limits.py): `local`, the
+    # per-process limit of a gateway without a store; `refuse`, 503 `limits_unavailable`.
+    # `local` by default: a store outage must not take the API down, and the
+    # per-process limits still bound each process.
+    rate_when_store_down: StoreDown = "local"
+    in_flight_when_store_down: StoreDown = "local"
 
 
 class TimeoutSettings(BaseModel):
@@ -190,6 +204,17 @@ class Settings(BaseSettings):
     media: MediaSettings = Field(default_factory=MediaSettings)
     payload: PayloadSettings = Field(default_factory=PayloadSettings)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
+    # The shared store (gateway/store/, docs/gateway.md "The shared store"):
+    # `redis://[:password@]host:port/db`, `rediss://...` (TLS) or `unix:///path.sock`.
+    # Unset: placements are stateless and every limit is per process. Set: anchor
+    # placements, and the rate limits and own in-flight caps of keys that have them,
+    # are shared by every worker and replica, under keys that start with `store_prefix`.
+    # A store slower than `store_timeout` or failing is left alone for `store_retry`
+    # seconds. `routing.store_*` are accepted aliases of these four.
+    store_url: SecretStr | None = None
+    store_prefix: str = Field(default="vllm-gateway", min_length=1, max_length=128)
+    store_timeout: float = Field(default=0.2, gt=0.0)
+    store_retry: float = Field(default=1.0, gt=0.0)
 
     @field_validator("forward_headers")
     @classmethod
@@ -226,6 +251,27 @@ class Settings(BaseSettings):
         if path is not None:
             load_key_file(path)
         return path
+
+    @field_validator("store_url")
+    @classmethod
+    def _check_store_url(cls, value: SecretStr | None) -> SecretStr | None:
+        return None if value is None else check_store_url(value)
+
+    @model_validator(mode="after")
+    def _store_aliases(self) -> Settings:
+        """`routing.store_*` fill the top-level settings they are old names of; both set
+        to different values is refused, naming both."""
+        for name in STORE_ALIASES:
+            alias = getattr(self.routing, name)
+            if alias is None:
+                continue
+            if name in self.model_fields_set and getattr(self, name) != alias:
+                raise ValueError(
+                    f"{name} and routing.{name} are both set, to different values: set "
+                    f"{name} only (routing.{name} is its older name)"
+                )
+            setattr(self, name, alias)
+        return self
 
     @model_validator(mode="after")
     def _require_keys(self) -> Settings:

@@ -101,6 +101,34 @@ class StoreCollector(Collector):
         yield from (placements, up)
 
 
+class SharedStoreCollector(Collector):
+    """The shared store's state and the admissions decided without it, at scrape time."""
+
+    def __init__(
+        self, up: Callable[[], bool], fallbacks: Callable[[], dict[tuple[str, str], int]]
+    ) -> None:
+        self._up = up
+        self._fallbacks = fallbacks
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily(
+            "gateway_store_up",
+            "1 when the shared store (store_url) answered its last call, 0 while it is "
+            "left alone after a failure; across workers, the lowest.",
+        )
+        up.add_metric([], 1.0 if self._up() else 0.0)
+        fallback = CounterMetricFamily(
+            "gateway_limits_store_fallback",
+            "Admissions of keys with shared limits decided without the store (down or "
+            "slow), by limit (`rate`, `in_flight`) and action (`local`: checked per "
+            "process; `refuse`: 503 limits_unavailable).",
+            labels=["limit", "action"],
+        )
+        for (limit, action), count in list(self._fallbacks().items()):
+            fallback.add_metric([limit, action], float(count))
+        yield from (up, fallback)
+
+
 class ConnectionCounts:
     """Client connections the gateway closed itself, by reason (gateway/server/protocol.py):
     plain integer adds on the connection path, read at scrape time."""
@@ -433,6 +461,13 @@ class Metrics:
     def watch_store(self, store: StoreStats) -> None:
         """Report the shared placement store's counts and state at scrape time."""
         self.registry.register(StoreCollector(store))
+
+    def watch_shared_store(
+        self, up: Callable[[], bool], fallbacks: Callable[[], dict[tuple[str, str], int]]
+    ) -> None:
+        """Report the shared store's state (`up`) and the limits' fallback counts at
+        scrape time."""
+        self.registry.register(SharedStoreCollector(up, fallbacks))
 
     def watch_connections(self, open_connections: Callable[[], int]) -> None:
         """Report the open client connections (`open_connections`) and the closing

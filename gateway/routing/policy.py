@@ -20,6 +20,7 @@ from gateway.routing.hotspots import HotCandidates
 from gateway.routing.rendezvous import first_within_bound, fraction, load_of, rendezvous_order
 from gateway.routing.settings import RoutingPolicy, RoutingSettings
 from gateway.routing.store import PlacementStore
+from gateway.store.client import StoreClient
 
 
 class EngineView(Protocol):
@@ -282,12 +283,11 @@ class Affinity:
         return ordered
 
 
-def make_policy(settings: RoutingSettings) -> Policy:
-    """The configured policy; affinity with its shared store when `store_url` is set
-    (the other policies have nothing to place)."""
+def make_policy(settings: RoutingSettings, store: StoreClient | None = None) -> Policy:
+    """The configured policy; affinity places through `store` when one is given (the
+    top-level `store_url`; the other policies have nothing to place)."""
     if settings.policy is RoutingPolicy.round_robin:
         return RoundRobin()
     if settings.policy is RoutingPolicy.least_loaded:
         return LeastLoaded()
-    store = PlacementStore(settings) if settings.store_url is not None else None
-    return Affinity(settings, store)
+    return Affinity(settings, PlacementStore(store, settings) if store is not None else None)

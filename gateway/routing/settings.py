@@ -66,47 +66,50 @@ class RoutingSettings(BaseModel):
     # key; with `session_from_user` the body's `user` field is used when no header is.
     session_header: str | None = None
     session_from_user: bool = False
-    # Optional shared placement store (store.py, docs/routing.md "The shared store"):
-    # `redis://[:password@]host:port/db`, `rediss://...` (TLS) or `unix:///path.sock`.
-    # Unset: stateless placement. Set: a new anchor goes to the engine with the lowest
-    # expected load (recent requests plus the requests its anchors are expected to
-    # bring, decaying with `store_decay` seconds) and every replica reads that
-    # placement, kept `store_ttl` seconds after its last use under keys that start with
-    # `store_prefix`. A store slower than `store_timeout` or failing leaves requests to
-    # the stateless rule, and is tried again `store_retry` seconds later.
-    store_url: SecretStr | None = None
-    store_prefix: str = Field(default="vllm-gateway", min_length=1, max_length=128)
+    # The shared placement store (store.py, docs/routing.md "The shared store") is the
+    # top-level store (`store_url`, config/settings.py): with one, a new anchor goes to
+    # the engine with the lowest expected load (recent requests plus the requests its
+    # anchors are expected to bring, decaying with `store_decay` seconds) and every
+    # replica reads that placement, kept `store_ttl` seconds after its last use.
     store_ttl: float = Field(default=900.0, gt=0.0)
     store_decay: float = Field(default=10.0, gt=0.0)
-    store_timeout: float = Field(default=0.2, gt=0.0)
-    store_retry: float = Field(default=1.0, gt=0.0)
+    # Accepted aliases of the top-level `store_url`, `store_prefix`, `store_timeout`
+    # and `store_retry` (their place before the store also held the limits); unset:
+    # the top-level value. Set in both places to different values: a config error.
+    store_url: SecretStr | None = None
+    store_prefix: str | None = Field(default=None, min_length=1, max_length=128)
+    store_timeout: float | None = Field(default=None, gt=0.0)
+    store_retry: float | None = Field(default=None, gt=0.0)
 
     @field_validator("store_url")
     @classmethod
     def _store_url(cls, value: SecretStr | None) -> SecretStr | None:
-        # The message never quotes the URL: it may carry a password.
-        if value is None:
-            return None
-        try:
-            parts = urlsplit(value.get_secret_value())
-            parts.port  # noqa: B018 (raises on a port that is not a number)
-        except ValueError:
-            raise ValueError("not a URL (redis://host:port or unix:///path)") from None
-        if parts.scheme in ("redis", "rediss"):
-            if not parts.hostname:
-                raise ValueError("a redis:// URL needs a host (redis://host:port)")
-        elif parts.scheme == "unix":
-            if not parts.path:
-                raise ValueError("a unix:// URL needs a socket path (unix:///path.sock)")
-        else:
-            raise ValueError("must start with redis://, rediss:// or unix://")
-        # Its query as the store's client reads it (store.py), which would otherwise
-        # refuse it only when the app is built: in each worker of `serve --workers N`.
-        try:
-            parse_url(value.get_secret_value())
-        except ValueError:
-            raise ValueError(
-                "a query parameter of the URL has a value redis cannot read "
-                "(db, socket_timeout, max_connections, ...)"
-            ) from None
-        return value
+        return None if value is None else check_store_url(value)
+
+
+def check_store_url(value: SecretStr) -> SecretStr:
+    """Raise ValueError unless `value` is a URL the store's client can use. The message
+    never quotes the URL: it may carry a password."""
+    try:
+        parts = urlsplit(value.get_secret_value())
+        parts.port  # noqa: B018 (raises on a port that is not a number)
+    except ValueError:
+        raise ValueError("not a URL (redis://host:port or unix:///path)") from None
+    if parts.scheme in ("redis", "rediss"):
+        if not parts.hostname:
+            raise ValueError("a redis:// URL needs a host (redis://host:port)")
+    elif parts.scheme == "unix":
+        if not parts.path:
+            raise ValueError("a unix:// URL needs a socket path (unix:///path.sock)")
+    else:
+        raise ValueError("must start with redis://, rediss:// or unix://")
+    # Its query as the store's client reads it (gateway/store/client.py), which would
+    # otherwise refuse it only when the app is built: in each worker of `serve --workers N`.
+    try:
+        parse_url(value.get_secret_value())
+    except ValueError:
+        raise ValueError(
+            "a query parameter of the URL has a value redis cannot read "
+            "(db, socket_timeout, max_connections, ...)"
+        ) from None
+    return value

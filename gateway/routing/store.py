@@ -2,7 +2,7 @@
 
 Without it, affinity is stateless (policy.py): every replica hashes an anchor to the
 same engine, and the spread of a few dozen anchors over the engines is the luck of the
-hash (docs/routing.md, "The offline replay", Balance). With `routing.store_url` set, a
+hash (docs/routing.md, "The offline replay", Balance). With `store_url` set, a
 new anchor goes to the engine with the lowest expected load recorded in the store (its
 recent requests, plus the requests its anchors are still expected to bring, decaying
 with `store_decay` seconds), among the engines the stateless rule would choose from (the
@@ -13,8 +13,8 @@ One round trip per request: a Lua script, atomic on the Redis server, so concurr
 replicas cannot record two placements for one anchor (the first script to run records
 it, the later ones read it). It reads the anchor's engine and, when that is still
 eligible (healthy, serving the model), refreshes its TTL; otherwise places it anew;
-then counts the request for the engine. Keys (`<prefix>` is `routing.store_prefix`,
-so deployments can share a Redis):
+then counts the request for the engine. Keys (`<prefix>` is `store_prefix`, so
+deployments can share a Redis):
 
     <prefix>:a:<anchor digest, hex>   hash: the engine's URL, the anchor's remaining
                                       credit and its time; TTL store_ttl, refreshed
@@ -22,25 +22,17 @@ so deployments can share a Redis):
                                       and time; the mean requests per anchor
 
 Only digests and engine URLs are stored, never prompt text. A store that fails or
-answers slower than `store_timeout` leaves that request to the stateless rule; the
-store is then left alone for `store_retry` seconds, after which one request tries it
-again. The change of state is logged once each way (the URL without its password)
-and every request placed without the store is counted.
+answers slower than `store_timeout` leaves that request to the stateless rule, and is
+left alone for `store_retry` seconds (the shared client's breaker, gateway/store/client.py);
+every request placed without the store is counted.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Sequence
-from urllib.parse import urlsplit
-
-import structlog
-from redis.asyncio import Redis
 
 from gateway.routing.settings import RoutingSettings
-
-log = structlog.get_logger("gateway.routing.store")
+from gateway.store.client import StoreClient
 
 # KEYS: the anchor's hash, the engines' hash. ARGV: the anchor's TTL (ms), the decay
 # time constant (s), the engines' hash TTL (ms), the number of eligible engines E, the E
@@ -114,51 +106,31 @@ return {chosen, found}
 """
 
 
-def redacted(url: str) -> str:
-    """The URL without its password (and user name), for logs and errors."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = host + (f":{parts.port}" if parts.port else "")
-    return f"{parts.scheme}://{netloc}{parts.path}"
-
-
 class PlacementStore:
     """Anchor placements shared through Redis. `place` never raises: None means "decide
     without the store" (counted in `fallback`)."""
 
-    def __init__(self, settings: RoutingSettings) -> None:
-        assert settings.store_url is not None
-        url = settings.store_url.get_secret_value()
-        self.where = redacted(url)
-        self._timeout = settings.store_timeout
-        self._retry = settings.store_retry
+    def __init__(self, client: StoreClient, settings: RoutingSettings) -> None:
+        self.client = client
+        self.where = client.where
         self._ttl_ms = str(int(settings.store_ttl * 1000))
         self._decay = str(settings.store_decay)
         # Unused for a hundred time constants, the engines' figures have decayed to nothing.
         self._engines_ttl_ms = str(int(settings.store_decay * 100_000))
-        prefix = settings.store_prefix
+        prefix = client.prefix
         self._anchor_prefix = f"{prefix}:a:"
         self._engines_key = f"{prefix}:engines"
-        self._client: Redis = Redis.from_url(
-            url,
-            socket_timeout=settings.store_timeout,
-            socket_connect_timeout=settings.store_timeout,
-            decode_responses=True,
-        )
-        self._script = self._client.register_script(PLACE)
+        self._script = client.script(PLACE)
         # Placements by outcome, plain integer adds read at scrape time (observability/metrics.py):
         # the anchor's recorded engine was used, a new (or no longer eligible) anchor
         # was placed, or the store failed, was slow or is being left alone: stateless.
         self.read = 0
         self.placed = 0
         self.fallback = 0
-        self.up = True
-        # While down: no request tries the store before this monotonic time, and only
-        # one at a time after it.
-        self._retry_at = 0.0
-        self._probing = False
+
+    @property
+    def up(self) -> bool:
+        return self.client.up
 
     async def place(
         self, anchor: bytes, eligible: Sequence[str], choices: Sequence[str]
@@ -166,45 +138,26 @@ class PlacementStore:
         """The engine URL for `anchor`: its recorded engine when that is in `eligible`,
         else the least busy of `choices` (best first), recorded. None: the store is
         unavailable, decide without it."""
-        if not self.up:
-            if self._probing or time.monotonic() < self._retry_at:
-                self.fallback += 1
-                return None
-            self._probing = True
+        if not self.client.usable():
+            self.fallback += 1
+            return None
         args = [self._ttl_ms, self._decay, self._engines_ttl_ms, str(len(eligible))]
         args += [*eligible, *choices]
         keys = [self._anchor_prefix + anchor.hex(), self._engines_key]
-        try:
-            async with asyncio.timeout(self._timeout):
-                url, found = await self._script(keys=keys, args=args)
-        except Exception as exc:  # RedisError, OSError, TimeoutError, a reply not as expected
-            # Never a failed request because of the store: this one is placed without it.
-            self._failed(exc)
+
+        async def call() -> tuple[str, bool]:
+            url, found = await self._script(keys=keys, args=args)
+            return str(url), bool(found)
+
+        # Never a failed request because of the store: without an answer, the request
+        # is placed without it.
+        answer = await self.client.attempt(call)
+        if answer is None:
             self.fallback += 1
             return None
-        finally:
-            self._probing = False
-        if not self.up:
-            self.up = True
-            log.info("routing_store", state="up", store=self.where)
+        url, found = answer
         if found:
             self.read += 1
         else:
             self.placed += 1
-        return str(url)
-
-    def _failed(self, exc: BaseException) -> None:
-        self._retry_at = time.monotonic() + self._retry
-        if self.up:
-            self.up = False
-            # The exception's class only: its text may quote the URL.
-            log.warning(
-                "routing_store",
-                state="down",
-                reason=type(exc).__name__,
-                store=self.where,
-                retry_after_s=self._retry,
-            )
-
-    async def aclose(self) -> None:
-        await self._client.aclose()
+        return url

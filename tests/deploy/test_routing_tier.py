@@ -28,9 +28,9 @@ from kubernetes_validate.utils import all_versions
 from pydantic import ValidationError
 
 from bench.harness.metrics import HTTP
+from gateway.config.settings import Settings
 from gateway.payload.settings import PLACEHOLDER_PREFIX, PayloadSettings
 from gateway.routing.dns import DnsEntry, is_dns_entry
-from gateway.routing.settings import RoutingSettings
 from tests.deploy.manifests import (
     K8S,
     K8S_SECRETS,
@@ -407,10 +407,15 @@ STORE_IMAGE = re.compile(r"^redis:(\d+)\.(\d+)\.(\d+)-alpine$")
 # 7.4.9 fixed CVE-2026-23631 (a Lua use-after-free) and CVE-2026-23479; the gateway user
 # runs Lua scripts.
 STORE_OLDEST = (7, 4, 9)
-# What the placement script needs (gateway/routing/store.py): EVALSHA, and SCRIPT LOAD when
-# Redis does not know the script yet; inside it TIME, HMGET, HSET and PEXPIRE. PING: the
-# probes, and a client checking its connection.
-STORE_COMMANDS = {"evalsha", "script|load", "time", "hmget", "hset", "pexpire", "ping"}
+# What the gateways run (gateway/routing/store.py, gateway/store/): EVALSHA, and SCRIPT
+# LOAD when Redis does not know a script yet; inside the placement script TIME, HMGET,
+# HSET and PEXPIRE, inside the limits' scripts also ZREMRANGEBYSCORE, ZCARD and ZADD,
+# inside the failure count INCR; ZREM gives leases back. PING: the probes, and a client
+# checking its connection.
+STORE_COMMANDS = {
+    "evalsha", "script|load", "time", "hmget", "hset", "pexpire", "zremrangebyscore", "zcard",
+    "zadd", "zrem", "incr", "ping",
+}  # fmt: skip
 URL_WITH_PASSWORD = re.compile(r"rediss?://[^\s/@]*:[^\s/@]+@")
 # requirepass and masterauth, an ACL clear password (`>secret`) or a digest (`#<sha256>`).
 PASSWORD_TEXT = re.compile(r"requirepass|masterauth|(^|\s)>\S|#[0-9a-f]{64}")
@@ -548,7 +553,8 @@ def check_store_url(docs: Docs) -> None:
         (store_c,) = pod_template(behind[0])["spec"]["containers"]
         assert container_port(store_c, port["targetPort"]) == STORE_PORT
         prefix = env.get(
-            "GATEWAY_ROUTING__STORE_PREFIX", RoutingSettings.model_fields["store_prefix"].default
+            "GATEWAY_ROUTING__STORE_PREFIX",
+            env.get("GATEWAY_STORE_PREFIX", Settings.model_fields["store_prefix"].default),
         )
         check_store_users(example_secrets()[store_users_ref(docs)], url.username, prefix)
 

@@ -57,7 +57,7 @@ def test_requests_are_served_when_the_store_refuses(tmp_path: Path) -> None:
         assert metric(gateway.url, "gateway_routing_store_up") == 0
         log = gateway.log()
         assert PASSWORD not in log
-        down = [line for line in log.splitlines() if "routing_store" in line]
+        down = [line for line in log.splitlines() if '"event":"store"' in line]
         assert len(down) == 1, down
         assert "ConnectionError" in down[0] and "127.0.0.1" in down[0]
     finally:

@@ -227,7 +227,7 @@ def test_a_store_that_stops_answering_falls_back_and_recovers(
         assert metric(gateway.url, "gateway_routing_store_up") == 1
         log = gateway.log()
         assert PASSWORD not in log
-        states = [line for line in log.splitlines() if "routing_store" in line]
+        states = [line for line in log.splitlines() if '"event":"store"' in line]
         assert sum('"down"' in line or "state=down" in line for line in states) == 1, states
         assert sum('"up"' in line or "state=up" in line for line in states) == 1, states
     finally:
@@ -261,16 +261,19 @@ def test_two_workers_share_the_store(tmp: Path, engines: list[Proc], redis: Redi
         per_engine, split = conversations_by_engine(engines, run, 20, 3)
         assert split == 0
         assert sorted(per_engine.values()) == [5, 5, 5, 5], per_engine
+        # One scrape, one worker: its placed and read requests. The two workers' counts
+        # add up to 60, so a worker that shows between 1 and 59 proves that both
+        # placed some (the other has the rest), even when both show the same count.
         seen: set[float] = set()
         for _ in range(40):
-            # One scrape, one worker: both results from the same counts.
             samples = scrape(gateway.url + "/metrics")
             seen.add(
                 total(samples, "gateway_routing_store_placements_total", result="placed")
                 + total(samples, "gateway_routing_store_placements_total", result="read")
             )
-            if len(seen) == 2 and sum(seen) == 60:
+            if any(0 < v < 60 for v in seen):
                 break
-        assert len(seen) == 2 and sum(seen) == 60 and min(seen) > 0, seen
+        shown = min(seen)
+        assert 0 < shown < 60 and seen <= {shown, 60 - shown}, seen
     finally:
         gateway.stop()
