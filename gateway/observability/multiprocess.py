@@ -27,7 +27,7 @@ import os
 import secrets
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,7 +94,7 @@ def shared_directory(workers: int) -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _sibling_alive(pid: int) -> bool:
+def sibling_alive(pid: int) -> bool:
     """Whether `pid` is a running worker: a live child of this worker's parent (a pid
     reused by another process, or a zombie not yet reaped, is not)."""
     try:
@@ -152,11 +152,19 @@ class MetricFiles:
     registry the requests update there); `merge` reads only files, in a thread."""
 
     def __init__(
-        self, registry: CollectorRegistry, directory: Path, pid: int | None = None
+        self,
+        registry: CollectorRegistry,
+        directory: Path,
+        *,
+        pid: int | None = None,
+        alive: Callable[[int], bool] = sibling_alive,
     ) -> None:
+        """`pid`: this worker's (default: this process's); `alive`: whether another
+        worker's pid still runs (default: a live child of this worker's parent)."""
         self.registry = registry
         self.directory = directory
         self.pid = os.getpid() if pid is None else pid
+        self._alive = alive
         self._files: dict[str, _File] = {}
         # (sample name, label values) -> the file's key for it: json.dumps per sample
         # per copy was most of the copy's cost.
@@ -235,7 +243,7 @@ class MetricFiles:
         gauges of workers that are gone are deleted first."""
         for path in self.directory.glob("gauge_live*_*.db"):
             pid = path.stem.rpartition("_")[2]
-            if pid.isdigit() and int(pid) != self.pid and not _sibling_alive(int(pid)):
+            if pid.isdigit() and int(pid) != self.pid and not self._alive(int(pid)):
                 path.unlink(missing_ok=True)
         merged = CollectorRegistry(auto_describe=False)
         MultiProcessCollector(merged, str(self.directory))
