@@ -31,10 +31,13 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.mmap_dict import MmapedDict, mmap_key
 from prometheus_client.multiprocess import MultiProcessCollector
+
+log = structlog.get_logger("gateway.metrics")
 
 # What `serve --workers N` hands each worker: the private directory of the metric files
 # and the number of workers.
@@ -247,6 +250,13 @@ class MetricFiles:
                 path.unlink(missing_ok=True)
         merged = CollectorRegistry(auto_describe=False)
         MultiProcessCollector(merged, str(self.directory))
+        for _ in range(2):
+            try:
+                return generate_latest(merged)
+            except FileNotFoundError:
+                # A starting worker renamed a dead one's file (_retire_previous) between
+                # the collector's listing and its read: list again.
+                continue
         return generate_latest(merged)
 
     async def render(self) -> bytes:
@@ -278,6 +288,16 @@ class MetricFiles:
             self.close()
 
     async def _copy_periodically(self) -> None:
+        failing = False
         while True:
             await asyncio.sleep(COPY_INTERVAL)
-            self.copy()
+            try:
+                self.copy()
+            except OSError:
+                # The directory's file system (full, removed): logged once, tried again
+                # each interval; the worker's own registry keeps counting.
+                if not failing:
+                    log.exception("metric_files_failed", directory=str(self.directory))
+                failing = True
+            else:
+                failing = False
