@@ -100,6 +100,8 @@ def increments(directory: Path) -> dict[str, float]:
     try:
         mmaped = Counter("m", "m", ["key"], registry=CollectorRegistry()).labels("alice")
         mmaped_request = _PerRequest()
+        # Label children are made on first use, with the value class of that moment.
+        mmaped_request()
     finally:
         values.ValueClass = saved
         if env is None:
