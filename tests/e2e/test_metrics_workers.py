@@ -160,7 +160,7 @@ def test_every_scrape_counts_every_worker(two: Stack) -> None:
     workers, tokens = send(two, 24)
     # Both workers answered chats: else one registry alone would read 24.
     assert len(workers) == 2, workers
-    assert wait_for(lambda: settled(two, 24), 10)
+    assert wait_for(lambda: settled(two, 24), 30)
     seen = scrapes(two, 8, 2)
     assert {pid for pid, _ in seen} == workers
     for pid, samples in seen:
@@ -183,7 +183,7 @@ def test_every_scrape_counts_every_worker(two: Stack) -> None:
 def test_a_restarted_worker_takes_no_count_back(two: Stack) -> None:
     workers, _ = send(two, 24)
     assert len(workers) == 2 and worker_pids(two.gateway) == workers
-    assert wait_for(lambda: settled(two, 24), 10)
+    assert wait_for(lambda: settled(two, 24), 30)
     directory = next(two.tmp.glob("vllm-gateway-metrics-*"))
     assert stat.S_IMODE(directory.stat().st_mode) == 0o700
     first, second = sorted(workers)
@@ -193,7 +193,7 @@ def test_a_restarted_worker_takes_no_count_back(two: Stack) -> None:
     for _, samples in scrapes(two, 8, 2):
         assert chats(samples) == 24
     send(two, 6)
-    assert wait_for(lambda: settled(two, 30), 10)
+    assert wait_for(lambda: settled(two, 30), 30)
     # Killed outright, after its counts were copied: they stay; its gauges leave.
     before = worker_pids(two.gateway)
     os.kill(second, signal.SIGKILL)

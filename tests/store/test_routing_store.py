@@ -275,6 +275,6 @@ def test_two_workers_share_the_store(tmp: Path, engines: list[Proc], redis: Redi
             ) + total(samples, "gateway_routing_store_placements_total", result="read")
 
         # Each worker copies its counts for the scrape once a second.
-        assert wait_for(lambda: placements() == 60, 10), placements()
+        assert wait_for(lambda: placements() == 60, 30), placements()
     finally:
         gateway.stop()
