@@ -40,6 +40,7 @@ from gateway.media.decoder import Decoder
 from gateway.middleware import Authentication, EndpointGuard, KeyLimits, RequestContext
 from gateway.observability.logging import RequestLog, configure_logging
 from gateway.observability.metrics import Metrics
+from gateway.observability.multiprocess import MetricFiles, Workers
 from gateway.payload.inspector import PayloadInspector
 from gateway.proxy.handler import Proxy
 from gateway.responses import send_json
@@ -189,9 +190,19 @@ class Gateway:
     starts the background work and owns everything that must be closed, in one
     `AsyncExitStack`: what started last is closed first."""
 
-    def __init__(self, settings: Settings, *, upstream: UpstreamClient | None) -> None:
+    def __init__(
+        self, settings: Settings, *, upstream: UpstreamClient | None, workers: Workers
+    ) -> None:
         self.settings = settings
         self.metrics = Metrics()
+        # With workers, this one's share of the metrics, copied where a scrape merges
+        # every worker's (observability/multiprocess.py).
+        self.workers = workers
+        self.metric_files = (
+            MetricFiles(self.metrics.registry, workers.directory)
+            if workers.directory is not None
+            else None
+        )
         keys, file_keys = load_keys(settings)
         self.keyring = KeyRing(keys, allow_unauthenticated=settings.allow_unauthenticated)
         t = settings.timeouts
@@ -315,6 +326,8 @@ class Gateway:
             policy=policy.name,
             key_file=self.watcher,
             public_metrics=settings.public_metrics,
+            workers=workers.count,
+            metric_files=self.metric_files,
         )
         app: ASGIApp = Dispatch(control, self.proxy, ModelList(self.pool))
         for cls, options in reversed(middleware):
@@ -336,6 +349,9 @@ class Gateway:
         tune_allocator()
         async with contextlib.AsyncExitStack() as stack:
             stack.callback(self.request_log.flush)
+            if self.metric_files is not None:
+                # Closed last: its final copy counts every request answered before.
+                await stack.enter_async_context(self.metric_files.running())
             stack.callback(self.connections.stop)
             stack.push_async_callback(self.upstream.aclose)
             stack.push_async_callback(self.decoder.aclose)
@@ -407,10 +423,13 @@ async def _cancel(task: asyncio.Task[None]) -> None:
         await task
 
 
-def create_app(settings: Settings, *, upstream: UpstreamClient | None = None) -> Gateway:
+def create_app(
+    settings: Settings, *, upstream: UpstreamClient | None = None, workers: Workers | None = None
+) -> Gateway:
     """Build the gateway for `settings`, forwarding through `upstream` (default: the
-    gateway's own keep-alive client). Raises KeyConfigError for unusable keys."""
-    return Gateway(settings, upstream=upstream)
+    gateway's own keep-alive client), as one of `workers` (default: the only process).
+    Raises KeyConfigError for unusable keys."""
+    return Gateway(settings, upstream=upstream, workers=workers or Workers())
 
 
 def app_from_env() -> Gateway:
@@ -418,7 +437,7 @@ def app_from_env() -> Gateway:
     config = os.environ.get(CONFIG_ENV)
     settings = load_settings(Path(config) if config else None)
     configure_logging(settings.log_format, settings.log_level)
-    app = create_app(settings)
+    app = create_app(settings, workers=Workers.from_env(os.environ))
     tune_collector()
     return app
 

@@ -27,6 +27,7 @@ from gateway.config.key_file import hash_key
 from gateway.config.settings import Settings, load_settings
 from gateway.config.sources import ConfigError
 from gateway.observability.logging import configure_logging
+from gateway.observability.multiprocess import shared_directory
 from gateway.payload.inspector import generate_secret
 from gateway.server.process import raise_fd_limit, tune_collector
 from gateway.server.protocol import GatewayProtocol
@@ -146,7 +147,9 @@ def _serve(args: argparse.Namespace) -> int:
             os.environ[_SECRET_ENV] = generate_secret()
         host = f"[{settings.host}]" if ":" in settings.host else settings.host
         _log_serving(settings, [f"http://{host}:{settings.port}"], args.workers)
-        uvicorn.run("gateway.app:app_from_env", factory=True, workers=args.workers, **options)
+        # The workers' metric files, merged by each scrape; removed when the parent exits.
+        with shared_directory(args.workers):
+            uvicorn.run("gateway.app:app_from_env", factory=True, workers=args.workers, **options)
         return 0
     app = _build(settings)
     tune_collector()

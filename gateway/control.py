@@ -2,7 +2,7 @@
 
     GET /healthz                no key     the process is up (liveness probe)
     GET /readyz                 no key     an engine is healthy (readiness probe)
-    GET /metrics                metrics    Prometheus text (gateway/observability/metrics.py)
+    GET /metrics                metrics    Prometheus text of every worker (observability/)
     GET /gateway/status         admin      engines, routing policy, key file, version
     GET /gateway/openapi.json   admin      the OpenAPI schema of these routes
 
@@ -18,6 +18,7 @@ read it act for an operator, who holds that key.
 
 from __future__ import annotations
 
+import os
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -31,6 +32,7 @@ from gateway.access.api_keys import KeyRing
 from gateway.errors import GatewayError
 from gateway.exchange import exchange_of
 from gateway.observability.metrics import CONTENT_TYPE, Metrics
+from gateway.observability.multiprocess import MetricFiles
 from gateway.responses import error_body
 from gateway.routing.engine import Engine
 from gateway.routing.pool import EnginePool
@@ -123,9 +125,19 @@ class KeysStatus(BaseModel):
     file: KeyFileStatus | None = Field(description="The key file; null: none configured.")
 
 
-class GatewayStatus(BaseModel):
-    """The state of this gateway process (each worker answers for itself)."""
+class ProcessStatus(BaseModel):
+    pid: int = Field(description="The process that answered.")
+    workers: int = Field(description="Worker processes of this gateway (serve --workers).")
+    view: Literal["this_process", "all_workers"] = Field(
+        description="Whom the answer covers: `this_process` (the worker that answered; "
+        "each worker has its own engines' view, keys and counts) or `all_workers`."
+    )
 
+
+class GatewayStatus(BaseModel):
+    """The state of this gateway process (each worker answers for itself: `process`)."""
+
+    process: ProcessStatus
     version: str
     policy: str = Field(description="The routing policy (routing.policy).")
     ready: bool = Field(description="What /readyz says: some engine is healthy.")
@@ -248,9 +260,12 @@ def control_app(
     policy: str,
     key_file: KeyFile | None,
     public_metrics: bool,
+    workers: int,
+    metric_files: MetricFiles | None,
 ) -> ASGIApp:
     """The control routes over `pool`, `metrics`, the keys in force (`keyring`) and
-    the `key_file` they were read from, if any; `policy` is the routing policy's name."""
+    the `key_file` they were read from, if any; `policy` is the routing policy's name.
+    This process is one of `workers`; with `metric_files`, /metrics merges theirs."""
     gateway = gateway_version()
     app = _ControlApp(
         title="vllm-gateway control plane",
@@ -300,16 +315,20 @@ def control_app(
         **({"responses": text} if public_metrics else _keyed("metrics", text)),
     )
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=metrics_type)
+        if metric_files is None:
+            return Response(metrics.render(), media_type=metrics_type)
+        return Response(await metric_files.render(), media_type=metrics_type)
 
     @app.get(
         "/gateway/status",
         response_model=GatewayStatus,
-        summary="Engines, routing policy, key file and version (`admin` scope).",
+        summary="Engines, routing policy, key file and version, as the worker that "
+        "answered sees them (`admin` scope).",
         **_keyed("admin"),
     )
     async def status() -> GatewayStatus:
         return GatewayStatus(
+            process=ProcessStatus(pid=os.getpid(), workers=workers, view="this_process"),
             version=gateway,
             policy=policy,
             ready=pool.ready(),

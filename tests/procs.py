@@ -22,14 +22,16 @@ from pathlib import Path
 from typing import Any, Generic, Self, TypeVar
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
-from bench.harness.metrics import HTTP, scrape, total
+from bench.harness.metrics import HTTP, Samples, scrape, total
 from bench.harness.origin import Hit, RecordingServer, Route
 from bench.harness.samples import wav
 from bench.harness.server import ROOT, Server, clean_env, free_port
 from bench.sim.config import DEFAULT_MODEL
 
 OriginT = TypeVar("OriginT")
+T = TypeVar("T")
 
 __all__ = ["ROOT", "Hit", "RecordingServer", "Route", "free_port", "scrape", "total"]
 
@@ -120,6 +122,58 @@ def every_worker_lists(gateway: Proc, workers: int, model: str, headers: Mapping
         if r.status_code != 200 or model not in r.text:
             return False
     return True
+
+
+def by_worker(
+    url: str, admin_key: str, call: Callable[[httpx.Client], T], times: int
+) -> list[tuple[int, T]]:
+    """`call` made `times` times, each on a new connection that first asks
+    /gateway/status (with `admin_key`) which worker process holds it: (that worker's pid,
+    what `call` returned), in order. A worker keeps a connection: `call`'s requests on the
+    client go to the worker named."""
+    out: list[tuple[int, T]] = []
+    for _ in range(times):
+        with httpx.Client(base_url=url, timeout=10) as client:
+            r = client.get("/gateway/status", headers=auth(admin_key))
+            assert r.status_code == 200, r.text
+            out.append((int(r.json()["process"]["pid"]), call(client)))
+    return out
+
+
+def counted_by_worker(
+    url: str, admin_key: str, times: int, headers: Mapping[str, str] | None = None
+) -> list[tuple[int, Samples]]:
+    """`times` scrapes of /metrics (with `headers`), each on a new connection, with the
+    pid of the worker that answered it (by_worker)."""
+
+    def scrape_on(client: httpx.Client) -> Samples:
+        r = client.get("/metrics", headers=headers)
+        assert r.status_code == 200, r.text
+        out: Samples = {}
+        for family in text_string_to_metric_families(r.text):
+            for sample in family.samples:
+                out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+        return out
+
+    return by_worker(url, admin_key, scrape_on, times)
+
+
+def worker_pids(gateway: Proc) -> set[int]:
+    """The pids of the worker processes of `gateway` (`serve --workers N`): its running
+    children that multiprocessing spawned, its resource tracker aside (Linux: /proc)."""
+    found: set[int] = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        state, ppid = stat.rpartition(")")[2].split()[:2]
+        if int(ppid) == gateway.pid and state != "Z" and b"spawn_main" in cmdline:
+            found.add(int(entry.name))
+    return found
 
 
 def metric(url: str, name: str, **labels: str) -> float:

@@ -95,7 +95,8 @@ class StoreCollector(Collector):
         placements.add_metric(["fallback"], float(store.fallback))
         up = GaugeMetricFamily(
             "gateway_routing_store_up",
-            "1 while the shared placement store answers, 0 while requests are placed without it.",
+            "1 while the shared placement store answers, 0 while requests are placed without "
+            "it; the lowest over workers (0: some worker places without it).",
         )
         up.add_metric([], 1.0 if store.up else 0.0)
         yield from (placements, up)
@@ -269,7 +270,7 @@ class ConnectionCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         open_now = GaugeMetricFamily(
-            "gateway_client_connections", "Client connections open in this process."
+            "gateway_client_connections", "Client connections open, summed over workers."
         )
         open_now.add_metric([], float(self._open()))
         closed = CounterMetricFamily(
@@ -298,25 +299,28 @@ _PER_ENGINE: tuple[
     (
         GaugeMetricFamily,
         "gateway_engine_healthy",
-        "1 when the engine is in rotation (passed its last health check, not ejected).",
+        "1 when the engine is in rotation (passed its last health check, not ejected); "
+        "the lowest over workers (each checks it on its own).",
         lambda e: 1.0 if e.healthy else 0.0,
     ),
     (
         GaugeMetricFamily,
         "gateway_engine_in_flight",
-        "Requests this gateway is forwarding to the engine.",
+        "Requests this gateway is forwarding to the engine, summed over workers.",
         lambda e: float(e.in_flight),
     ),
     (
         GaugeMetricFamily,
         "gateway_engine_waiting",
-        "Requests queued in the engine, from its own metrics as last scraped.",
+        "Requests queued in the engine, from its own metrics as last scraped; the highest "
+        "over workers (each scrapes it on its own).",
         lambda e: float(e.waiting) if e.scraped else None,
     ),
     (
         GaugeMetricFamily,
         "gateway_engine_kv_cache_usage",
-        "The engine's KV cache usage (0-1), from its own metrics as last scraped.",
+        "The engine's KV cache usage (0-1), from its own metrics as last scraped; the "
+        "highest over workers (each scrapes it on its own).",
         lambda e: e.kv_cache_usage if e.scraped else None,
     ),
     (
@@ -389,7 +393,8 @@ class Metrics:
         self.registry.register(self.upstream_ttfb)
         self.in_flight = Gauge(
             "gateway_requests_in_flight",
-            "Requests whose body is in, being inspected or forwarded to engines.",
+            "Requests whose body is in, being inspected or forwarded to engines, summed over "
+            "workers.",
             registry=self.registry,
         )
         self.rate_limited = Counter(
@@ -445,12 +450,13 @@ class Metrics:
         """Report the image decode budget (gateway/media/decoder.py) at scrape time."""
         Gauge(
             "gateway_media_decode_bytes",
-            "Bytes of media.decode_budget_bytes held by image decodes in progress.",
+            "Bytes of media.decode_budget_bytes held by image decodes in progress, summed "
+            "over workers (each worker has its own budget).",
             registry=self.registry,
         ).set_function(in_use)
         Gauge(
             "gateway_media_decodes_waiting",
-            "Image decodes waiting for their share of the decode budget.",
+            "Image decodes waiting for their share of the decode budget, summed over workers.",
             registry=self.registry,
         ).set_function(waiting)
 

@@ -4,33 +4,36 @@ processes share no state, and must still keep every conversation on one engine.
 Which engine served a request is read from the engines' request recorders (the
 `X-Request-Id` each request arrived with), never from the gateway. Each request goes on
 a new connection, so the kernel hands requests to both workers, as a load balancer
-hands them to replicas; the gateway's per-process counters confirm both took a share.
+hands them to replicas; /gateway/status asked on the same connection names the worker
+that took each one, and both took a share.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from bench.harness.metrics import HTTP
 from bench.sim.config import DEFAULT_MODEL as MODEL
 from tests.procs import (
     Proc,
+    by_worker,
     every_worker_lists,
     gateway_proc,
     recording_engines,
     running,
-    scrape,
-    total,
     wait_for,
 )
 
 KEY = "sk-routing-workers-0123456789abcdef"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
+ADMIN = "sk-routing-workers-admin-0123456789"
 SYSTEM = "You are the support desk of Acme: be brief and kind. " * 30
 
 
@@ -39,7 +42,9 @@ def stack(tmp_path: Path) -> Iterator[tuple[Proc, list[Proc]]]:
     with recording_engines(tmp_path, 4, 2000) as sims:
         env = {
             "GATEWAY_ENGINES": json.dumps([s.url for s in sims]),
-            "GATEWAY_API_KEYS": json.dumps([KEY]),
+            "GATEWAY_API_KEYS": json.dumps(
+                [KEY, {"key": ADMIN, "name": "ops", "scopes": ["admin"]}]
+            ),
             "GATEWAY_ROUTING__POLICY": "affinity",
             "GATEWAY_PUBLIC_METRICS": "true",
         }
@@ -59,11 +64,16 @@ def body(conversation: int, turns: int) -> dict[str, Any]:
     return {"model": MODEL, "messages": messages, "max_tokens": 2}
 
 
-def send(gateway: Proc, payload: dict[str, Any], request_id: str) -> None:
-    # A new connection each time (no client kept alive), so either worker may take it.
-    headers = {**HEADERS, "X-Request-Id": request_id, "Connection": "close"}
-    r = HTTP.post(gateway.url + "/v1/chat/completions", json=payload, headers=headers, timeout=10)
-    assert r.status_code == 200, r.text
+def send(gateway: Proc, payload: dict[str, Any], request_id: str) -> int:
+    """The request on a new connection, so either worker may take it: that worker's pid."""
+    headers = {**HEADERS, "X-Request-Id": request_id}
+
+    def post(client: httpx.Client) -> None:
+        r = client.post("/v1/chat/completions", json=payload, headers=headers)
+        assert r.status_code == 200, r.text
+
+    [(pid, _)] = by_worker(gateway.url, ADMIN, post, 1)
+    return pid
 
 
 def served(engines: list[Proc]) -> dict[str, int]:
@@ -79,34 +89,19 @@ def served(engines: list[Proc]) -> dict[str, int]:
     return out
 
 
-def routed_by_each_worker(gateway: Proc, expected: int) -> set[float]:
-    """The routing decisions each worker counted, read over fresh connections (each
-    scrape reaches one worker and shows its own counters). Model listings count too:
-    together they come to at least `expected`."""
-    seen: set[float] = set()
-    for _ in range(40):
-        samples = scrape(gateway.url + "/metrics")
-        seen.add(total(samples, "gateway_routing_decisions_total"))
-        if len(seen) == 2 and sum(seen) >= expected:
-            break
-    return seen
-
-
 @pytest.mark.slow
 def test_two_workers_keep_every_new_conversation_on_one_engine(
     stack: tuple[Proc, list[Proc]],
 ) -> None:
     gateway, engines = stack
-    sent = 0
+    shares: Counter[int] = Counter()
     for c in range(40):  # warm-up: conversations of one to three turns
         for t in range(1, 2 + c % 3):
-            send(gateway, body(c, t), f"warm-{c}-{t}")
-            sent += 1
+            shares[send(gateway, body(c, t), f"warm-{c}-{t}")] += 1
     # 20 new six-turn conversations, taking turns as users do.
     for t in range(1, 7):
         for c in range(100, 120):
-            send(gateway, body(c, t), f"conv-{c}-{t}")
-            sent += 1
+            shares[send(gateway, body(c, t), f"conv-{c}-{t}")] += 1
     where = served(engines)
     homes = {c: {where[f"conv-{c}-{t}"] for t in range(1, 7)} for c in range(100, 120)}
     split = {c: h for c, h in homes.items() if len(h) > 1}
@@ -114,5 +109,5 @@ def test_two_workers_keep_every_new_conversation_on_one_engine(
     # ... while the conversations spread over the engines.
     assert len({next(iter(h)) for h in homes.values()}) >= 3
     # Both workers took a share of the requests (else the test would prove nothing).
-    shares = routed_by_each_worker(gateway, sent)
-    assert len(shares) == 2 and sum(shares) >= sent and min(shares) >= 0.2 * sent, shares
+    sent = sum(shares.values())
+    assert len(shares) == 2 and min(shares.values()) >= 0.2 * sent, shares

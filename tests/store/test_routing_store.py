@@ -22,13 +22,13 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.harness.metrics import HTTP
 from bench.harness.redis_server import RedisServer
 from bench.sim.config import DEFAULT_MODEL as MODEL
 from tests.e2e import test_routing as test_routing_e2e
 from tests.e2e.test_routing import served
 from tests.procs import (
     Proc,
+    by_worker,
     every_worker_lists,
     free_port,
     gateway_proc,
@@ -43,6 +43,7 @@ pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
 KEY = "sk-routing-store-0123456789abcdef"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
+ADMIN = "sk-routing-store-admin-0123456789"
 PASSWORD = "store-password-0123456789"
 
 
@@ -74,7 +75,7 @@ def store_url(redis: RedisServer) -> str:
 def start_gateway(tmp: Path, engines: Sequence[Proc], workers: int = 1, **routing: str) -> Proc:
     env = {
         "GATEWAY_ENGINES": json.dumps([e.url for e in engines]),
-        "GATEWAY_API_KEYS": json.dumps([KEY]),
+        "GATEWAY_API_KEYS": json.dumps([KEY, {"key": ADMIN, "name": "ops", "scopes": ["admin"]}]),
         "GATEWAY_ROUTING__POLICY": "affinity",
         "GATEWAY_ROUTING__HEALTH_INTERVAL": "30",
         "GATEWAY_PUBLIC_METRICS": "true",
@@ -238,8 +239,9 @@ def test_a_store_that_stops_answering_falls_back_and_recovers(
 def test_two_workers_share_the_store(tmp: Path, engines: list[Proc], redis: RedisServer) -> None:
     """One gateway with `--workers 2`: its worker processes share placements as
     replicas do. 20 new three-turn conversations, every request on a new connection
-    (either worker may take it): none split, 5 on each engine, and both workers
-    placed some of them (each scrape reaches one worker and shows its own counts)."""
+    (either worker may take it): none split, 5 on each engine, both workers placed some
+    of them (/gateway/status on the same connection names the worker), and a scrape
+    counts every placement of both."""
     gateway = start_gateway(
         tmp,
         engines,
@@ -248,32 +250,31 @@ def test_two_workers_share_the_store(tmp: Path, engines: list[Proc], redis: Redi
         store_prefix=f"test-{uuid.uuid4().hex[:8]}",
     )
     run = uuid.uuid4().hex[:8]
+    workers: Counter[int] = Counter()
     try:
         for c in range(20):
             for t in range(3):
-                r = HTTP.post(
-                    gateway.url + "/v1/chat/completions",
-                    json=chat(f"{run}-{c}", t + 1),
-                    headers={**HEADERS, "X-Request-Id": f"{run}-{c}-{t}", "Connection": "close"},
-                    timeout=10,
-                )
-                assert r.status_code == 200, r.text
+
+                def post(client: httpx.Client, c: int = c, t: int = t) -> None:
+                    body = chat(f"{run}-{c}", t + 1)
+                    headers = {**HEADERS, "X-Request-Id": f"{run}-{c}-{t}"}
+                    r = client.post("/v1/chat/completions", json=body, headers=headers)
+                    assert r.status_code == 200, r.text
+
+                [(pid, _)] = by_worker(gateway.url, ADMIN, post, 1)
+                workers[pid] += 1
         per_engine, split = conversations_by_engine(engines, run, 20, 3)
         assert split == 0
         assert sorted(per_engine.values()) == [5, 5, 5, 5], per_engine
-        # One scrape, one worker: its placed and read requests. The two workers' counts
-        # add up to 60, so a worker that shows between 1 and 59 proves that both
-        # placed some (the other has the rest), even when both show the same count.
-        seen: set[float] = set()
-        for _ in range(40):
+        assert len(workers) == 2, workers
+
+        def placements() -> float:
             samples = scrape(gateway.url + "/metrics")
-            seen.add(
-                total(samples, "gateway_routing_store_placements_total", result="placed")
-                + total(samples, "gateway_routing_store_placements_total", result="read")
-            )
-            if any(0 < v < 60 for v in seen):
-                break
-        shown = min(seen)
-        assert 0 < shown < 60 and seen <= {shown, 60 - shown}, seen
+            return total(
+                samples, "gateway_routing_store_placements_total", result="placed"
+            ) + total(samples, "gateway_routing_store_placements_total", result="read")
+
+        # Each worker copies its counts for the scrape once a second.
+        assert wait_for(lambda: placements() == 60, 30), placements()
     finally:
         gateway.stop()
