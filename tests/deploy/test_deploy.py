@@ -258,7 +258,7 @@ def test_gateway_env_loads_as_settings(
     # The sidecar's own engine; the routing tier's two models' headless Services.
     assert len(s.engines) == (2 if variant.startswith("k8s-routing-tier") else 1)
     # The store's URL, password included, from its Secret; only with the store.
-    store_url = s.routing.store_url
+    store_url = s.store_url
     if variant == "k8s-routing-tier-store":
         assert store_url is not None and STORE_PASSWORD in store_url.get_secret_value()
         assert STORE_PASSWORD not in repr(s)
@@ -286,7 +286,7 @@ def test_check_config_accepts_the_deploy_env(variant: str, tmp_path: Path) -> No
     assert data["payload"]["namespace_secret"] == "**********"
     assert "namespace_secret_generated" not in r.stderr
     if variant == "k8s-routing-tier-store":
-        assert data["routing"]["store_url"] == "**********"
+        assert data["store_url"] == "**********"
 
 
 def test_compose_env_fails_without_the_upstream_key() -> None:

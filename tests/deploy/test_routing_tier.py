@@ -532,11 +532,11 @@ def check_store_url(docs: Docs) -> None:
     found = list(gateway_containers(docs))
     assert found
     for _, c in found:
-        ref = secret_ref(c, "GATEWAY_ROUTING__STORE_URL")
-        assert ref, f"{c['name']}: GATEWAY_ROUTING__STORE_URL not from a Secret"
+        ref = secret_ref(c, "GATEWAY_STORE_URL")
+        assert ref, f"{c['name']}: GATEWAY_STORE_URL not from a Secret"
         assert ref in example_secrets() and ref in K8S_SECRETS, ref
         env = k8s_env(c)
-        url = urlsplit(env["GATEWAY_ROUTING__STORE_URL"])
+        url = urlsplit(env["GATEWAY_STORE_URL"])
         assert url.scheme == "redis" and url.username and url.password and url.path == "/0"
         service, namespace, *suffix = str(url.hostname).split(".")
         assert suffix == ["svc", "cluster", "local"], url.hostname
@@ -552,10 +552,7 @@ def check_store_url(docs: Docs) -> None:
         assert len(behind) == 1, f"{service} does not select the store"
         (store_c,) = pod_template(behind[0])["spec"]["containers"]
         assert container_port(store_c, port["targetPort"]) == STORE_PORT
-        prefix = env.get(
-            "GATEWAY_ROUTING__STORE_PREFIX",
-            env.get("GATEWAY_STORE_PREFIX", Settings.model_fields["store_prefix"].default),
-        )
+        prefix = env.get("GATEWAY_STORE_PREFIX", Settings.model_fields["store_prefix"].default)
         check_store_users(example_secrets()[store_users_ref(docs)], url.username, prefix)
 
 
@@ -740,7 +737,7 @@ def test_routing_tier_store_inventory() -> None:
     ]
     assert {key(d) for d in tier} <= {key(d) for d in docs}
     gateway = _container(docs, "vllm-gateway", "gateway")
-    gateway["env"] = [e for e in gateway["env"] if e["name"] != "GATEWAY_ROUTING__STORE_URL"]
+    gateway["env"] = [e for e in gateway["env"] if e["name"] != "GATEWAY_STORE_URL"]
     kept = sorted((d for d in docs if key(d) not in added), key=key)
     assert kept == sorted(tier, key=key)
 
@@ -1027,12 +1024,12 @@ BREAKAGES: dict[str, tuple[str, Callable[[Docs], None], Callable[[Docs], None]]]
             "ports"][0].update(port=6380)),
     "store URL unset": (STORE, check_store_url,
         lambda d: _container(d, "vllm-gateway", "gateway")["env"].remove(
-            env_var(_container(d, "vllm-gateway", "gateway"), "GATEWAY_ROUTING__STORE_URL"))),
+            env_var(_container(d, "vllm-gateway", "gateway"), "GATEWAY_STORE_URL"))),
     "store URL written inline": (STORE, check_store_url,
-        lambda d: _set_env(_container(d, "vllm-gateway", "gateway"), "GATEWAY_ROUTING__STORE_URL",
+        lambda d: _set_env(_container(d, "vllm-gateway", "gateway"), "GATEWAY_STORE_URL",
                            STORE_URL)),
     "store URL from a Secret the example lacks": (STORE, check_store_url,
-        lambda d: env_var(_container(d, "vllm-gateway", "gateway"), "GATEWAY_ROUTING__STORE_URL")
+        lambda d: env_var(_container(d, "vllm-gateway", "gateway"), "GATEWAY_STORE_URL")
         ["valueFrom"]["secretKeyRef"].update(name="other-url")),
     "store URL names a missing Service": (STORE, check_store_url,
         lambda d: named(d, "Service", "routing-store")["metadata"].update(name="redis")),
@@ -1045,11 +1042,11 @@ BREAKAGES: dict[str, tuple[str, Callable[[Docs], None], Callable[[Docs], None]]]
             {"app.kubernetes.io/component": "gateway"})),
     "gateways on another key prefix": (STORE, check_store_url,
         lambda d: _container(d, "vllm-gateway", "gateway")["env"].append(
-            {"name": "GATEWAY_ROUTING__STORE_PREFIX", "value": "tier-a"})),
+            {"name": "GATEWAY_STORE_PREFIX", "value": "tier-a"})),
     "literal: requirepass": (STORE, check_no_password_literal,
         lambda d: _store(d)["args"].extend(["--requirepass", "x"])),
     "literal: the store URL inline": (STORE, check_no_password_literal,
-        lambda d: _set_env(_container(d, "vllm-gateway", "gateway"), "GATEWAY_ROUTING__STORE_URL",
+        lambda d: _set_env(_container(d, "vllm-gateway", "gateway"), "GATEWAY_STORE_URL",
                            STORE_URL)),
     "literal: a password variable": (STORE, check_no_password_literal,
         lambda d: _store(d).update(env=[{"name": "REDISCLI_AUTH", "value": "x"}])),

@@ -46,6 +46,16 @@ from tests.procs import Proc, free_port, gateway_proc, metric, running, wait_for
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
 HEADERS = {"Authorization": f"Bearer {CLIENT_KEY}"}
+# A key with a rate and its own cap, both held in the store, refused while it is down.
+LIMITED = "sk-tier-limited-0123456789abcdef"
+LIMITED_KEYS = [
+    {
+        "key": LIMITED,
+        "name": "limited",
+        "max_in_flight": 4,
+        "rate": {"requests_per_second": 1000, "burst": 1000},
+    }
+]
 
 
 def users_acl(password: str | None) -> str:
@@ -159,13 +169,16 @@ def tier(tmp: Path, store: RedisServer) -> Iterator[dict[str, Any]]:
             entries.append(f"dns+http://localhost:{sim.port}")
     ((_, c),) = gateway_containers(docs)
     env = k8s_env(c)
-    url = urlsplit(env["GATEWAY_ROUTING__STORE_URL"])
+    url = urlsplit(env["GATEWAY_STORE_URL"])
     assert url.password == STORE_PASSWORD
     netloc = f"{url.username}:{url.password}@127.0.0.1:{store.port}"
-    env["GATEWAY_ROUTING__STORE_URL"] = urlunsplit(url._replace(netloc=netloc))
+    env["GATEWAY_STORE_URL"] = urlunsplit(url._replace(netloc=netloc))
     env["GATEWAY_ENGINES"] = json.dumps(entries)
     env["GATEWAY_API_KEYS_FILE"] = str(key_file(tmp))
     env["GATEWAY_PUBLIC_METRICS"] = "true"  # for the placement counters below
+    env["GATEWAY_API_KEYS"] = json.dumps(LIMITED_KEYS)
+    env["GATEWAY_LIMITS__RATE_WHEN_STORE_DOWN"] = "refuse"
+    env["GATEWAY_LIMITS__IN_FLIGHT_WHEN_STORE_DOWN"] = "refuse"
     gateway = gateway_proc(tmp, env)
     with running(*sims), running(gateway, ready_path="/healthz"):
         yield {"gateway": gateway, "sims": sims, "docs": docs}
@@ -207,3 +220,25 @@ def test_the_tier_gateway_places_conversations_through_the_store(tier: dict[str,
     assert (placements("placed"), placements("read"), placements("fallback")) == (6, 6, 0)
     assert metric(gateway.url, "gateway_routing_store_up") == 1
     assert STORE_PASSWORD not in gateway.log()
+
+
+def test_the_tier_gateway_keeps_limits_and_failed_keys_in_the_store(tier: dict[str, Any]) -> None:
+    """As the ACL's `gateway` user, the limit script (the bucket and the lease) and the
+    failure count run: a key with a rate and its own cap, set to refuse while the store is
+    down, is answered 200 ten times, three wrong keys get 401, and the store stayed up
+    with no admission decided without it (a command the ACL refused would have put it
+    down: 503 limits_unavailable)."""
+    gateway: Proc = tier["gateway"]
+    with httpx.Client(timeout=10) as client:
+        for _ in range(10):
+            r = client.get(
+                gateway.url + "/v1/models", headers={"Authorization": f"Bearer {LIMITED}"}
+            )
+            assert r.status_code == 200, r.text
+        for n in range(3):
+            wrong = {"Authorization": f"Bearer sk-tier-wrong-{n}-0123456789abcdef"}
+            r = client.get(gateway.url + "/v1/models", headers=wrong)
+            assert (r.status_code, r.json()["error"]["code"]) == (401, "invalid_api_key")
+    assert metric(gateway.url, "gateway_limits_store_fallback_total") == 0
+    assert metric(gateway.url, "gateway_auth_failures_total", result="counted") == 3
+    assert metric(gateway.url, "gateway_store_up") == 1
