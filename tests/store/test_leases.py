@@ -32,12 +32,8 @@ RENEW = 0.5
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     tmp: Path = tmp_path_factory.mktemp("leases")
-    server = RedisServer(free_port(), tmp / "redis.log")
-    server.start()
-    try:
+    with RedisServer(free_port(), tmp / "redis.log") as server:
         yield server
-    finally:
-        server.stop()
 
 
 def client(store: RedisServer) -> StoreClient:

@@ -86,12 +86,8 @@ def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def store(tmp: Path) -> Iterator[RedisServer]:
-    server = RedisServer(free_port(), tmp / "redis.log")
-    server.start()
-    try:
+    with RedisServer(free_port(), tmp / "redis.log") as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
