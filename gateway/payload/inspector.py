@@ -134,10 +134,7 @@ class PayloadInspector:
         if pixels > self._media.max_request_pixels:
             raise MediaTooLarge("The request's images have more pixels than this gateway accepts.")
         finished = await _all(
-            [
-                self._finish(item, p, identity)
-                for item, p in zip(walk.items, prepared, strict=True)
-            ]
+            [self._finish(item, p, identity) for item, p in zip(walk.items, prepared, strict=True)]
         )
         media = tuple(
             (item.path, digest) for item, (digest, _) in zip(walk.items, finished, strict=True)

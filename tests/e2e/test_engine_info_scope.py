@@ -37,9 +37,7 @@ def engine_saw(sim: Proc, path: str) -> int:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", ["/version", "/tokenizer_info"])
-def test_a_client_key_cannot_read_what_the_engine_runs(
-    stack: tuple[Proc, Proc], path: str
-) -> None:
+def test_a_client_key_cannot_read_what_the_engine_runs(stack: tuple[Proc, Proc], path: str) -> None:
     sim, gateway = stack
     r = HTTP.get(gateway.url + path, headers=auth(CLIENT), timeout=10)
     assert (r.status_code, error_code(r)) == (403, "scope_not_allowed")

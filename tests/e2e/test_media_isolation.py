@@ -111,9 +111,7 @@ def test_another_tenants_remote_image_is_fetched_again(stack: Stack) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("form", ["remote", "inline"])
-def test_another_tenants_image_misses_the_engines_multimodal_cache(
-    stack: Stack, form: str
-) -> None:
+def test_another_tenants_image_misses_the_engines_multimodal_cache(stack: Stack, form: str) -> None:
     path = "/3.png" if form == "remote" else "/4.png"
     part = by_url(stack.url(path) if form == "remote" else data_url("image/png", IMAGES[path]))
     stack.http.delete(stack.sim.url + "/sim/requests")
