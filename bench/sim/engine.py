@@ -93,7 +93,7 @@ class Engine:
         datas = await asyncio.gather(*(self.media.load_bytes(r) for r in refs))
         items: list[MediaItem] = []
         for ref, data in zip(refs, datas, strict=True):
-            digest = self.media.digest(data)
+            digest = self.media.digest(data if ref.uuid is None else b"uuid\0" + ref.uuid.encode())
             self.metrics.mm_cache_queries += 1
             tokens = self.mm.get(digest)
             if tokens is not None:

@@ -41,6 +41,9 @@ class MediaRef:
 
     kind: str  # "image" | "video" | "audio"
     url: str
+    # The part's `uuid`: vLLM (0.32, multimodal/processing/inputs.py) takes it as the
+    # item's cache identity instead of hashing the bytes.
+    uuid: str | None = None
 
 
 @dataclass(frozen=True)

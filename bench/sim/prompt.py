@@ -27,19 +27,20 @@ _EMBEDS_KEYS = ("image_embeds", "audio_embeds", "video_embeds", "prompt_embeds")
 
 
 def media_ref(part: dict[str, Any]) -> MediaRef | None:
+    uuid = None if part.get("uuid") is None else str(part["uuid"])
     for key, kind in _MEDIA_KEYS:
         if key in part:
             value = part[key]
             url = value.get("url") if isinstance(value, dict) else value
             if not isinstance(url, str):
                 raise invalid_body(f"{key}.url: Input should be a valid string")
-            return MediaRef(kind, url)
+            return MediaRef(kind, url, uuid)
     if "input_audio" in part:
         audio = part["input_audio"]
         if not isinstance(audio, dict) or not isinstance(audio.get("data"), str):
             raise invalid_body("input_audio.data: Input should be a valid string")
         fmt = audio.get("format") if isinstance(audio.get("format"), str) else "wav"
-        return MediaRef("audio", f"data:audio/{fmt};base64,{audio['data']}")
+        return MediaRef("audio", f"data:audio/{fmt};base64,{audio['data']}", uuid)
     for key in _EMBEDS_KEYS:
         if key in part:
             raise invalid_body(f"The simulator does not accept `{key}` parts.")

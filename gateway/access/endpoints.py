@@ -162,7 +162,10 @@ _ROUTES: Final[tuple[Route, ...]] = (
     # --- tokenizer (/tokenize fetches media from chat messages, so it is inspected) ---
     _json("/tokenize", Group.tokenize),
     _json("/detokenize", Group.tokenize),
-    _get("/tokenizer_info", Group.tokenize),
+    # Not `tokenize`: vLLM 0.32's answer (entrypoints/serve/tokenize) holds the model's
+    # path on the engine's disk (`name_or_path`) and its chat template, both operator's
+    # knowledge, not a client's; a client tokenizes through /tokenize and /detokenize.
+    _get("/tokenizer_info", Group.admin),
     # --- audio: multipart uploads -----------------------------------------------------
     Route("/v1/audio/transcriptions", Action.forward, Group.audio, _POST, BodyKind.multipart),
     Route("/v1/audio/translations", Action.forward, Group.audio, _POST, BodyKind.multipart),
@@ -171,7 +174,9 @@ _ROUTES: Final[tuple[Route, ...]] = (
     Route("/v1/models", Action.local, Group.models, _GET),
     _get("/health", Group.info),
     Route("/ping", Action.forward, Group.info, frozenset({"GET", "POST"})),
-    _get("/version", Group.info),
+    # The engine's vLLM version, in the scope of the gateway's own (/gateway/status):
+    # it helps nobody but an attacker matching versions to advisories.
+    _get("/version", Group.admin),
     _get("/load", Group.info),
     # --- the gateway's own routes ------------------------------------------------------
     Route("/healthz", Action.local, None, _GET),

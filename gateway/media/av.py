@@ -18,7 +18,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gateway.errors import MediaInvalid, MediaTooLarge
+from gateway.media.duration import duration
 from gateway.media.images import ImageHeader, base_type, decode_image, read_header
+from gateway.media.mpeg import SAME_STREAM, id3_length, mpeg_frame
 from gateway.media.settings import MediaSettings
 from gateway.media.types import AUDIO_TYPES, VIDEO_TYPES
 
@@ -53,65 +55,20 @@ def sniff(data: bytes) -> str | None:
     return None
 
 
-# MPEG audio frame headers: bit rates (kbit/s) by (MPEG-1, layer bits), sample rates by
-# version bits (0: MPEG-2.5, 2: MPEG-2, 3: MPEG-1).
-_KBPS: dict[tuple[bool, int], tuple[int, ...]] = {
-    (True, 3): (0, 32, 64, 96, 128, 160, 192, 224, 256, 288, 320, 352, 384, 416, 448),
-    (True, 2): (0, 32, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384),
-    (True, 1): (0, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320),
-    (False, 3): (0, 32, 48, 56, 64, 80, 96, 112, 128, 144, 160, 176, 192, 224, 256),
-    (False, 2): (0, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160),
-    (False, 1): (0, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160),
-}
-_RATES = {3: (44100, 48000, 32000), 2: (22050, 24000, 16000), 0: (11025, 12000, 8000)}
-_SAME_STREAM = 0xFFFE0C00  # sync, version, layer and sample rate agree between frames
-
-
-def id3_length(data: bytes) -> int:
-    """The length of the ID3v2 tag at the start of `data` (0 without one), which FFmpeg
-    skips before it probes the format; -1 for an `ID3` start that is not a tag."""
-    if data[:3] != b"ID3":
-        return 0
-    if len(data) < 10 or 0xFF in data[3:5] or any(b & 0x80 for b in data[6:10]):
-        return -1
-    size = (data[6] << 21) | (data[7] << 14) | (data[8] << 7) | data[9]
-    return 10 + size + (10 if data[5] & 0x10 else 0)
-
-
-def _mpeg_frame(data: bytes, at: int) -> tuple[int, int] | None:
-    """(header, length) of the MPEG audio frame whose header is at `at`, or None. A
-    free-format frame (no bit rate, so no length) counts as invalid."""
-    if at < 0 or at + 4 > len(data):
-        return None
-    header = int.from_bytes(data[at : at + 4], "big")
-    version, layer = (header >> 19) & 3, (header >> 17) & 3
-    rate_index, sample_index = (header >> 12) & 15, (header >> 10) & 3
-    if header & 0xFFE00000 != 0xFFE00000 or version == 1 or layer == 0:
-        return None
-    if rate_index in (0, 15) or sample_index == 3:
-        return None
-    bits = _KBPS[(version == 3, layer)][rate_index] * 1000
-    rate, padding = _RATES[version][sample_index], (header >> 9) & 1
-    if layer == 3:  # layer I: 4-byte slots
-        return header, (12 * bits // rate + padding) * 4
-    per_frame = 72 if layer == 1 and version != 3 else 144  # layer III outside MPEG-1
-    return header, per_frame * bits // rate + padding
-
-
 def _mp3(data: bytes) -> bool:
     """An optional ID3v2 tag, then an MPEG audio frame, then another frame of the same
     stream where the first one ends (or the end, or an ID3v1 tag): what FFmpeg's mp3
     probe looks for after the tag."""
     start = id3_length(data)
-    first = _mpeg_frame(data, start)
+    first = mpeg_frame(data, start)
     if first is None:
         return False
     header, length = first
     after = start + length
     if after >= len(data) or data[after : after + 3] == b"TAG":
         return True
-    second = _mpeg_frame(data, after)
-    return second is not None and second[0] & _SAME_STREAM == header & _SAME_STREAM
+    second = mpeg_frame(data, after)
+    return second is not None and second[0] & SAME_STREAM == header & SAME_STREAM
 
 
 def _fourcc(name: bytes) -> bool:
@@ -289,6 +246,7 @@ def _validate(
     table: dict[str, frozenset[str]],
     allowed: Sequence[str],
     settings: MediaSettings,
+    max_seconds: float,
 ) -> AvInfo:
     if len(data) > settings.max_bytes:
         raise MediaTooLarge("The media item is larger than this gateway accepts.")
@@ -301,11 +259,18 @@ def _validate(
         raise MediaInvalid("The media bytes do not match the declared type.")
     if not well_formed(sniffed, data):
         raise MediaInvalid("The media bytes are not a well-formed file of the declared type.")
+    # The engine decodes (and resamples) the whole item: a 20 MiB file at a low bit rate
+    # or sample rate is hours of samples. Read from the headers, before it is forwarded.
+    seconds = duration(sniffed, data)
+    if seconds is not None and seconds > max_seconds:
+        raise MediaTooLarge("The media item plays longer than this gateway accepts.")
     return AvInfo(names[0], mime or "", data)
 
 
 def validate_audio(data: bytes, declared: str | None, settings: MediaSettings) -> AvInfo:
-    return _validate(data, declared, AUDIO_TYPES, settings.audio_formats, settings)
+    return _validate(
+        data, declared, AUDIO_TYPES, settings.audio_formats, settings, settings.max_audio_seconds
+    )
 
 
 def audio_type(format_name: object) -> str | None:
@@ -321,7 +286,9 @@ def validate_video(data: bytes, declared: str | None, settings: MediaSettings) -
     (`read_jpeg_frames`); bytes declared as one have no frames."""
     if base_type(declared) == "video/jpeg":
         raise MediaInvalid("The video has no frames.")
-    return _validate(data, declared, VIDEO_TYPES, settings.video_formats, settings)
+    return _validate(
+        data, declared, VIDEO_TYPES, settings.video_formats, settings, settings.max_video_seconds
+    )
 
 
 def read_jpeg_frames(frames: Sequence[bytes], settings: MediaSettings) -> list[ImageHeader]:

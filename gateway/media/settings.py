@@ -99,6 +99,13 @@ class MediaSettings(BaseModel):
     min_dimension: int = Field(default=1, ge=1)
     audio_formats: list[str] = Field(default_factory=lambda: ["wav", "mp3", "flac", "ogg"])
     video_formats: list[str] = Field(default_factory=lambda: ["mp4", "webm"])
+    # Seconds one audio or video item may play, read from its container's headers
+    # (gateway/media/duration.py: WAV, MP3, FLAC, MP4/M4A/MOV; Ogg and WebM are bounded
+    # by max_bytes alone); 413 media_too_large beyond. The engine decodes the whole item:
+    # 20 MiB of 8 kbit/s MP3 are almost 6 hours of samples. 10 minutes: Whisper-style
+    # models take 30 s windows, the audio chat models a few minutes.
+    max_audio_seconds: float = Field(default=600.0, gt=0)
+    max_video_seconds: float = Field(default=600.0, gt=0)
     # Fetched, validated media kept by canonical URL, bounded in bytes and age.
     cache_bytes: int = Field(default=64 * 1024 * 1024, ge=0)
     cache_ttl: float = Field(default=300.0, ge=0)

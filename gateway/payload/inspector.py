@@ -36,7 +36,7 @@ from gateway.media.settings import MediaSettings
 from gateway.media.urls import UrlPolicy
 from gateway.payload.fields import FieldRules
 from gateway.payload.identity import Identity
-from gateway.payload.settings import PayloadSettings
+from gateway.payload.settings import CacheIsolation, PayloadSettings
 from gateway.payload.walk import MediaItem, Walk
 
 log = structlog.get_logger("gateway.payload")
@@ -97,6 +97,7 @@ class PayloadInspector:
         self._own_decoder = decoder is None
         self._decoder = decoder or Decoder(media)
         self._inliner = MediaInliner(media, self._fetcher, self._decoder)
+        self._isolation = self._payload.cache_isolation
 
     def identity(self, key: ApiKey | None) -> Identity:
         """Identifiers are namespaced by the key itself (its digest), not by its name:
@@ -125,14 +126,15 @@ class PayloadInspector:
         # key's digest. What the request's URLs may bring in, together
         # (media.max_request_fetch_bytes).
         allowance = FetchAllowance(self._media.max_request_fetch_bytes)
+        scope = self._scope(identity)
         prepared = await _all(
-            [self._prepare(item, identity.owner, allowance) for item in walk.items]
+            [self._prepare(item, identity.owner, allowance, scope) for item in walk.items]
         )
         pixels = sum(p.pixels for p in prepared if isinstance(p, Prepared))
         if pixels > self._media.max_request_pixels:
             raise MediaTooLarge("The request's images have more pixels than this gateway accepts.")
         finished = await _all(
-            [self._finish(item, p) for item, p in zip(walk.items, prepared, strict=True)]
+            [self._finish(item, p, identity) for item, p in zip(walk.items, prepared, strict=True)]
         )
         media = tuple(
             (item.path, digest) for item, (digest, _) in zip(walk.items, finished, strict=True)
@@ -141,22 +143,32 @@ class PayloadInspector:
         # proxy forwards the bytes the client sent instead of writing the body again.
         return Inspection(media, walk.changed or any(changed for _, changed in finished))
 
+    def _scope(self, identity: Identity) -> str:
+        """Whose share of the media cache a request reads and fills: with tenants
+        isolated, its tenant's (or key's) own, so another tenant's item is a miss (a hit
+        answers faster: a timing oracle for "has another tenant sent this image")."""
+        if self._isolation is CacheIsolation.off:
+            return ""
+        return identity.tenant if self._isolation is CacheIsolation.tenant else identity.owner
+
     async def _prepare(
-        self, item: MediaItem, owner: str, allowance: FetchAllowance
+        self, item: MediaItem, owner: str, allowance: FetchAllowance, scope: str
     ) -> Prepared | str:
         """Fetched and checked as far as its header, or its digest when already known."""
         if item.fixed is not None:
             return item.fixed
         try:
             if item.ref is not None:
-                return await self._inliner.prepare(item.ref, item.kind, owner, allowance)
+                return await self._inliner.prepare(item.ref, item.kind, owner, allowance, scope)
             assert item.raw is not None
             return await self._inliner.prepare_bytes(item.kind, *item.raw, owner=owner)
         except (MediaInvalid, MediaTooLarge) as exc:
             exc.param = exc.param or item.path
             raise
 
-    async def _finish(self, item: MediaItem, prepared: Prepared | str) -> tuple[str, bool]:
+    async def _finish(
+        self, item: MediaItem, prepared: Prepared | str, identity: Identity
+    ) -> tuple[str, bool]:
         """The item's digest, and whether writing its resolved form changed the body."""
         if isinstance(prepared, str):
             return prepared, False
@@ -166,6 +178,19 @@ class PayloadInspector:
             exc.param = exc.param or item.path
             raise
         changed = item.apply(resolved) if item.apply is not None else False
+        isolated = self._isolation is not CacheIsolation.off
+        if isolated and item.part is not None and resolved.data is not None:
+            # vLLM keys its multimodal caches (processor, encoder; and the prefix cache's
+            # media blocks) on a part's `uuid` when it has one, else on a hash of the
+            # model and the item's bytes: the same image from two tenants would be one
+            # entry. Named from the digest of the bytes the engine receives (so the same
+            # image still hits within a tenant), in the tenant's namespace. Not in
+            # passthrough (`data` is None): the engine fetches the URL, whose content
+            # the gateway never saw, so a name for it could be stale.
+            item.part["uuid"] = identity.namespaced(
+                "media", resolved.digest, tenant=self._isolation is CacheIsolation.tenant
+            )
+            changed = True
         return resolved.digest, changed
 
     async def aclose(self) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,20 @@ _URL_DATA = frozenset({"url", "data"})
 _PART_KEYS = frozenset({*MEDIA_KEYS, SOURCE_KEY, "uuid"})
 # The keys of a media part whose values are checked where they are found.
 _HANDLED = frozenset({*MEDIA_KEYS, SOURCE_KEY})
+# Part types whose media vLLM (0.32, renderers/chat_utils.py) reads alike whether or not
+# the part carries a `uuid`, with the key it reads the media from; with a uuid it reads
+# the first of `_UUID_BRANCH_KEYS` the part holds, so the part must hold no other.
+_UUID_PARTS = {
+    "image_url": "image_url",
+    "input_image": "image_url",
+    "audio_url": "audio_url",
+    "input_audio": "input_audio",
+    "video_url": "video_url",
+}
+_UUID_BRANCH_KEYS = frozenset(
+    {"image_url", "image_pil", "image_embeds", "audio_embeds", "video_embeds",
+     "prompt_embeds", "audio_url", "input_audio", "video_url", "tool_reference"}
+)  # fmt: skip
 # Keys that need more than a descent; every other key costs one set lookup.
 _SPECIAL_KEYS = frozenset({*MEDIA_KEYS, SOURCE_KEY, *FORBIDDEN_ANYWHERE, *URLISH_KEYS})
 
@@ -52,6 +67,10 @@ class MediaItem:
     raw: tuple[bytes, str | None] | None = None
     fixed: str | None = None
     apply: Setter | None = None
+    # The content part that may take a `uuid` named for this item (the inspector names
+    # one from the item's digest when tenants are isolated): set when the item is its
+    # part's only media and vLLM reads the part alike with a uuid (`_UUID_PARTS`).
+    part: dict[str, Any] | None = None
 
 
 def render(trail: Trail) -> str:
@@ -176,6 +195,21 @@ class Walk:
                 self.node(value, path, depth + 1)
         if is_part:
             self.part(obj, ptype, render(trail), skip, has_media=len(self.items) > before)
+            if len(self.items) == before + 1:
+                self.uuid_part(obj, ptype)
+
+    def uuid_part(self, part: dict[str, Any], ptype: object) -> None:
+        """Marks the last item, its part's only one, as the one `part` names when the part
+        can take a uuid: typed as in `_UUID_PARTS`, holding that one media key of
+        vLLM's uuid branch and no uuid of the client's."""
+        key = _UUID_PARTS.get(ptype) if isinstance(ptype, str) else None
+        if key is None or "uuid" in part or key not in part:
+            return
+        if len(_UUID_BRANCH_KEYS.intersection(part)) != 1:
+            return
+        item = self.items[-1]
+        if item.fixed is None and item.path.endswith((f".{key}", f".{key}.url")):
+            self.items[-1] = dataclasses.replace(item, part=part)
 
     def part(
         self,

@@ -47,8 +47,8 @@ def ask(gateway: Proc, scenario: str, *, chat: bool = False) -> httpx.Response:
     if chat:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
         return HTTP.post(gateway.url + "/v1/chat/completions", json=body, headers=headers)
-    # /version: a GET relayed as the engine sends it (a model list is always rewritten).
-    return HTTP.get(gateway.url + "/version", headers=headers, timeout=10)
+    # /load: a GET relayed as the engine sends it (a model list is always rewritten).
+    return HTTP.get(gateway.url + "/load", headers=headers, timeout=10)
 
 
 def _logged(proc: Proc, request_id: str) -> list[dict[str, Any]]:
@@ -149,7 +149,7 @@ def test_successful_answers_are_relayed_byte_for_byte(gateway: Proc) -> None:
     assert r.status_code == 200 and r.content == json.dumps({"text": LEAKY}).encode()
     with HTTP.stream(
         "GET",
-        gateway.url + "/version",
+        gateway.url + "/load",
         headers={"Authorization": f"Bearer {KEY}", "X-Scenario": "sse-leaky"},
     ) as s:
         body = s.read()

@@ -183,9 +183,9 @@ def test_multipart_content_type_is_the_one_checked(engine: Engine, gateways: lis
 
 @pytest.mark.slow
 def test_clients_get_only_allowlisted_response_headers(gateways: list[Proc]) -> None:
-    # /version: a GET relayed as the engine sends it (model lists are rewritten).
+    # /load: a GET relayed as the engine sends it (model lists are rewritten).
     r = HTTP.get(
-        gateways[1].url + "/version",
+        gateways[1].url + "/load",
         headers={"Authorization": f"Bearer {KEY}", "X-Scenario": "headers", "X-Request-Id": "r1"},
     )
     assert r.status_code == 200 and r.json() == {"ok": "headers"}

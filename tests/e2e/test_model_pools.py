@@ -267,7 +267,8 @@ def test_an_upload_names_its_model_like_a_body(fleet: Fleet) -> None:
         (FULL, "POST", "/v1/embeddings", {"input": "x"}, 400, "model_required"),
         (FULL, "POST", "/v1/chat/completions", {"model": None, "messages": []}, 400,
          "model_required"),
-        (FULL, "GET", "/tokenizer_info", None, 400, "model_required"),
+        # /tokenizer_info names the engine's model path: only for `admin` keys.
+        (FULL, "GET", "/tokenizer_info", None, 403, "scope_not_allowed"),
         # /invocations runs each engine's default model whatever the body names.
         (FULL, "POST", "/invocations", {"model": CHAT_MODEL, "messages": []}, 400,
          "model_required"),
@@ -296,7 +297,7 @@ def test_a_request_without_a_model_must_be_unambiguous(
 
 @pytest.mark.slow
 def test_routes_about_an_engine_need_no_model(fleet: Fleet) -> None:
-    for path in ("/version", "/health"):
+    for path in ("/load", "/health"):
         r = HTTP.get(fleet.g.url + path, headers=auth(CHAT_ONLY), timeout=10)
         assert r.status_code == 200, r.text
     # A stored response is fetched by id, naming no model: it goes to an engine (the

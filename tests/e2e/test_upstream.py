@@ -350,8 +350,8 @@ def post_scenario(gateway: Proc, scenario: str, body: bytes, timeout: float = 5)
 
 def _get(gateway: Proc, scenario: str) -> httpx.Response:
     headers = {"Authorization": f"Bearer {KEY}", "X-Scenario": scenario}
-    # /version: a GET the gateway relays as the engine sends it (a model list is parsed).
-    return HTTP.get(gateway.url + "/version", headers=headers, timeout=10)
+    # /load: a GET the gateway relays as the engine sends it (a model list is parsed).
+    return HTTP.get(gateway.url + "/load", headers=headers, timeout=10)
 
 
 def _errors_logged(gateway: Proc, since: int, last: httpx.Response) -> list[str]:
@@ -537,14 +537,14 @@ def test_engine_under_a_path_prefix(engine: Engine, tmp_path: Path) -> None:
     response = "/v1/responses/" + owned_response_id(KEY, "prefix-namespace-secret")
     try:
         headers = {"Authorization": f"Bearer {KEY}", "X-Scenario": "prefixed"}
-        r = HTTP.get(proc.url + "/version", headers=headers, timeout=10)
+        r = HTTP.get(proc.url + "/load", headers=headers, timeout=10)
         # The only forwarded route with a query: it follows the prefixed path.
         r2 = HTTP.get(proc.url + response + "?stream=1", headers=headers, timeout=10)
     finally:
         proc.stop()
     assert r.status_code == 200 and r2.status_code == 200
     paths = [seen.path for seen in engine.requests("prefixed")[-2:]]
-    assert paths == ["/prefix/version", f"/prefix{response}?stream=true"]
+    assert paths == ["/prefix/load", f"/prefix{response}?stream=true"]
 
 
 @pytest.mark.slow
@@ -569,7 +569,7 @@ def test_a_reused_connection_closed_without_an_answer_is_retried_fresh(
     try:
         with httpx.Client(timeout=10) as client:
             for _ in range(3):
-                r = client.get(proc.url + "/version", headers=headers)
+                r = client.get(proc.url + "/load", headers=headers)
                 assert r.status_code == 200, r.text
                 r = client.post(proc.url + "/v1/completions", headers=headers, json=body)
                 assert (r.status_code, r.json()) == (200, {"ok": True})
@@ -596,7 +596,7 @@ def test_a_reused_connection_closed_without_an_answer_is_retried_fresh(
 def test_a_stream_that_stalls_ends_with_a_timeout_frame(gateway: Proc) -> None:
     with HTTP.stream(
         "GET",
-        gateway.url + "/version",
+        gateway.url + "/load",
         headers={"Authorization": f"Bearer {KEY}", "X-Scenario": "stall-mid-sse"},
         timeout=10,
     ) as r:
@@ -613,7 +613,7 @@ def test_a_slow_client_is_not_blamed_on_the_engine(gateway: Proc) -> None:
     host, port = "127.0.0.1", int(gateway.url.rsplit(":", 1)[1])
     with socket.create_connection((host, port), timeout=10) as sock:
         sock.sendall(
-            b"GET /version HTTP/1.1\r\nHost: gw\r\nX-Scenario: huge\r\n"
+            b"GET /load HTTP/1.1\r\nHost: gw\r\nX-Scenario: huge\r\n"
             b"Authorization: Bearer " + KEY.encode() + b"\r\nConnection: close\r\n\r\n"
         )
         first = sock.recv(4096)

@@ -33,7 +33,8 @@ FORWARDED = [
     ("/v1/audio/translations", Group.audio),
     ("/health", Group.info),
     ("/ping", Group.info),
-    ("/version", Group.info),
+    ("/version", Group.admin),
+    ("/tokenizer_info", Group.admin),
     ("/load", Group.info),
 ]
 
