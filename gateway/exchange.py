@@ -22,6 +22,7 @@ class Exchange:
 
     __slots__ = (
         "anchor_kind",
+        "audio_seconds",
         "bytes_in",
         "bytes_out",
         "client",
@@ -76,6 +77,8 @@ class Exchange:
         self.failovers = 0
         # The tokens the engine's answer reported (gateway/proxy/usage.py); None: none.
         self.usage: Usage | None = None
+        # Seconds of audio a transcription or translation reported; None: none.
+        self.audio_seconds: float | None = None
 
 
 def exchange_of(scope: Scope) -> Exchange:

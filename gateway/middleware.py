@@ -142,6 +142,8 @@ class RequestContext:
         self.metrics.observe_request(group, ex.status, ex.code, duration, rejected, ex.key_name)
         if ex.usage is not None:
             self.metrics.observe_usage(ex.key_name, *ex.usage)
+        if ex.audio_seconds is not None:
+            self.metrics.observe_audio(ex.key_name, ex.audio_seconds)
         self.request_log.write(
             {
                 "request_id": ex.request_id,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import math
 import time
 from collections import deque
 from typing import Any
@@ -192,4 +193,7 @@ async def transcriptions(engine: Engine, req: Request) -> None:
     if fmt == "text":
         await respond(req.send, 200, text.encode(), TEXT)
         return
-    await respond_json(req.send, {"text": text})
+    # vLLM reports the audio's duration, rounded up (speech_to_text/base/serving.py);
+    # the simulator counts 16 kB a second (16 kHz, 8-bit mono).
+    seconds = math.ceil(len(data) / 16_000)
+    await respond_json(req.send, {"text": text, "usage": {"type": "duration", "seconds": seconds}})

@@ -111,9 +111,28 @@ CHOICE_NULLS = {"stop_reason": None, "token_ids": None, "routed_experts": None}
 FINGERPRINT = {"system_fingerprint": f"vllm-{VERSION}-sim"}
 
 
+# The vocabulary size the simulator reports for out-of-vocabulary ids (Qwen3's).
+VOCAB_SIZE = 151936
+
+
+def _check_logit_bias(body: dict[str, Any]) -> None:
+    """vLLM's check (`SamplingParams._validate_logit_bias`), with its message."""
+    bias = body.get("logit_bias")
+    if not isinstance(bias, dict):
+        return
+    invalid = [int(k) for k in bias if k.lstrip("-").isdigit() and not 0 <= int(k) < VOCAB_SIZE]
+    if invalid:
+        raise bad_request(
+            f"token_id(s) {invalid} in logit_bias contain out-of-vocab token ids. "
+            f"Vocabulary size: {VOCAB_SIZE}",
+            "logit_bias",
+        )
+
+
 async def chat(engine: Engine, req: Request) -> None:
     body = req.json()
     model, lora = engine.resolve_model(body.get("model"))
+    _check_logit_bias(body)
     stream = _bool_field(body, "stream")
     add_generation_prompt = body.get("add_generation_prompt", True) is not False
     segments = prompt.chat_segments(body.get("messages"), add_generation_prompt)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import math
 import re
 import struct
@@ -129,8 +130,10 @@ def _embedding_row(body: dict[str, Any]) -> Row:
     if dims is not None and (type(dims) is not int or not 1 <= dims <= DIMENSIONS):
         raise invalid_body(f"dimensions: Input should be an integer from 1 to {DIMENSIONS}")
     fmt = body.get("encoding_format", "float")
-    if fmt not in ("float", "base64"):
-        raise invalid_body("encoding_format: Input should be 'float' or 'base64'")
+    if fmt not in ("float", "base64", "bytes", "bytes_only"):
+        raise invalid_body(
+            "encoding_format: Input should be 'float', 'base64', 'bytes' or 'bytes_only'"
+        )
 
     def row(index: int, text: str) -> dict[str, Any]:
         vector: Any = embed(text, dims or DIMENSIONS)
@@ -152,7 +155,57 @@ def _classify_row(index: int, text: str) -> dict[str, Any]:
 
 
 async def embeddings(engine: Engine, req: Request) -> None:
-    await _answer_each(engine, req, "embd", _embedding_row)
+    fmt = req.json().get("encoding_format")
+    if fmt in ("bytes", "bytes_only"):
+        await _embeddings_bytes(engine, req, fmt)
+    else:
+        await _answer_each(engine, req, "embd", _embedding_row)
+
+
+async def _embeddings_bytes(engine: Engine, req: Request, fmt: str) -> None:
+    """A binary answer (vllm/entrypoints/pooling/utils.py,
+    `build_pooling_bytes_streaming_response`): the vectors as float32, back to back, in a
+    streamed body; with `bytes` the `metadata` header describes them and holds the usage,
+    with `bytes_only` there is no header and no usage anywhere."""
+    body = req.json()
+    model, _ = engine.resolve_model(body.get("model"))
+    texts, items = await _inputs(engine, body)
+    _embedding_row(body)
+    tokens = _count(texts)
+    await _run(engine, tokens, items)
+    chunks: list[bytes] = []
+    rows: list[dict[str, Any]] = []
+    offset = 0
+    for index, text in enumerate(texts):
+        vector = embed(text)
+        chunk = struct.pack(f"<{len(vector)}f", *vector)
+        rows.append(
+            {
+                "index": index,
+                "embed_dtype": "float32",
+                "endianness": "native",
+                "start": offset,
+                "end": offset + len(chunk),
+                "shape": [len(vector)],
+            }
+        )
+        chunks.append(chunk)
+        offset += len(chunk)
+    headers = [(b"content-type", b"application/octet-stream")]
+    if fmt == "bytes":
+        head = _head("embd", model, engine, req)
+        metadata = {
+            "id": head["id"],
+            "created": head["created"],
+            "model": model,
+            "data": rows,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+        headers.append((b"metadata", json.dumps(metadata).encode()))
+    await req.send({"type": "http.response.start", "status": 200, "headers": headers})
+    for chunk in chunks:
+        await req.send({"type": "http.response.body", "body": chunk, "more_body": True})
+    await req.send({"type": "http.response.body", "body": b""})
 
 
 async def pooling(engine: Engine, req: Request) -> None:

@@ -202,6 +202,28 @@ class TokenCounts(Collector):
         yield from (prompt, completion)
 
 
+class AudioSeconds(Collector):
+    """Seconds of audio the engines reported transcribing or translating, by key name
+    (proxy/usage.py: `audio_seconds`); plain float adds per answer, read at scrape time."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[str, float] = {}
+
+    def add(self, key: str, seconds: float) -> None:
+        self.by_key[key] = self.by_key.get(key, 0.0) + seconds
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "gateway_audio_seconds",
+            "Seconds of audio of the transcriptions and translations whose engine reported "
+            "them, by key name.",
+            labels=["key"],
+        )
+        for key, seconds in self.by_key.items():
+            family.add_metric([key], seconds)
+        yield family
+
+
 class RequestCounts(Collector):
     """Requests answered, by key name, route group, status and error code: plain
     integer adds per request, read at scrape time (a labelled prometheus counter takes a
@@ -415,6 +437,8 @@ class Metrics:
         )
         self.tokens = TokenCounts()
         self.registry.register(self.tokens)
+        self.audio = AudioSeconds()
+        self.registry.register(self.audio)
         self.routing = RoutingCounts()
         self.connections = ConnectionCounts()
 
@@ -437,6 +461,10 @@ class Metrics:
     def observe_usage(self, key: str | None, prompt_tokens: int, completion_tokens: int) -> None:
         """The tokens an engine's answer reported, for the key that asked."""
         self.tokens.add(key or NO_KEY, prompt_tokens, completion_tokens)
+
+    def observe_audio(self, key: str | None, seconds: float) -> None:
+        """The seconds of audio an engine's answer reported, for the key that asked."""
+        self.audio.add(key or NO_KEY, seconds)
 
     def observe_ttfb(self, group: str, seconds: float) -> None:
         self.upstream_ttfb.observe(group, seconds)

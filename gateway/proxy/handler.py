@@ -30,6 +30,7 @@ from gateway.proxy.body import ClientDisconnected, Incoming, header, read_incomi
 from gateway.proxy.disconnect import DisconnectWatch
 from gateway.proxy.forward import Forwarder
 from gateway.proxy.headers import request_allowlist
+from gateway.proxy.metering import plan
 from gateway.proxy.relay import Relay
 from gateway.routing.engine import Engine
 from gateway.routing.policy import Policy, RoutingRequest
@@ -87,7 +88,7 @@ class Proxy:
         ex.bytes_in = incoming.size
         # Counted against max_in_flight from here: a body still arriving holds no slot.
         with self._slot:
-            await self._serve(scope, receive, send, ex, incoming, query)
+            await self._serve(scope, receive, send, ex, incoming, query, response_id is not None)
 
     async def _serve(
         self,
@@ -97,10 +98,13 @@ class Proxy:
         ex: Exchange,
         incoming: Incoming,
         query: str,
+        stored: bool,
     ) -> None:
         """Everything after the body, holding a global slot."""
         engines = self._engines(ex, incoming)
-        data, media = await self._inspect(incoming, ex)
+        # What the engine is asked for so that its answer can be metered (proxy/metering.py).
+        meter, asked = plan(ex.route, incoming.json, stored)
+        data, media = await self._inspect(incoming, ex, asked)
         if len(engines) == 1:
             # One candidate (the sidecar deployment): there is nothing to choose, so no
             # anchor is computed. The policy cost 9% of the CPU per request (py-spy).
@@ -120,7 +124,7 @@ class Proxy:
         watch = DisconnectWatch(loop, receive, ex, task)
 
         async def relay(resp: Response) -> None:
-            await self.relay(resp, send, ex, watch)
+            await self.relay(resp, send, ex, watch, meter)
 
         try:
             await self.forwarder.forward(ex, order, scope["method"], target, headers, data, relay)
@@ -153,18 +157,19 @@ class Proxy:
         return engines
 
     async def _inspect(
-        self, incoming: Incoming, ex: Exchange
+        self, incoming: Incoming, ex: Exchange, changed: bool
     ) -> tuple[bytes | None, dict[str, str]]:
         """The bytes to forward, and the content hashes of the body's media items (for
         routing). The single place where request bodies are inspected or rewritten
         before they reach an engine. A body the inspector did not rewrite (no media, no
-        client identifier to namespace) is forwarded as the client sent it."""
+        client identifier to namespace, nothing asked for metering: `changed`) is
+        forwarded as the client sent it."""
         body = incoming.json
         if body is None:
             return incoming.data, {}
         creates_response = ex.route.path == RESPONSES_PATH
         inspection = await self.inspector.inspect(body, ex.key, creates_response=creates_response)
-        data = orjson.dumps(body) if inspection.changed else incoming.data
+        data = orjson.dumps(body) if inspection.changed or changed else incoming.data
         return data, dict(inspection.media)
 
     def _upstream_headers(

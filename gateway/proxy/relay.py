@@ -2,7 +2,8 @@
 
 Successful answers are streamed chunk by chunk as they arrive: no SSE frame is parsed on
 this path (LiteLLM's per-chunk re-serialisation costs ~1.5 ms); the tokens the engine
-reports are read from the answer once it ends (proxy/usage.py). Only the allowlisted
+reports are read from the answer once it ends (proxy/usage.py; how each request is
+metered: proxy/metering.py). Only the allowlisted
 response headers cross (proxy/headers.py). Error answers are read whole under a cap and
 scrubbed or replaced (proxy/scrub.py). A 204 or 304 is its head alone. (`/v1/models` is
 answered by the gateway itself, from the pool's copy of the engines' lists:
@@ -20,8 +21,16 @@ from gateway.exchange import Exchange
 from gateway.proxy.disconnect import DisconnectWatch
 from gateway.proxy.forward import gateway_error
 from gateway.proxy.headers import RESPONSE_HEADERS
+from gateway.proxy.metering import Metering
 from gateway.proxy.scrub import about_model, excerpt, scrub_json
-from gateway.proxy.usage import Tail, read_usage
+from gateway.proxy.usage import (
+    HiddenUsage,
+    Tail,
+    Whole,
+    audio_seconds,
+    metadata_usage,
+    parse_usage,
+)
 from gateway.responses import send_error, send_json, sse_error_frame
 from gateway.types import Send
 from gateway.upstream.errors import UpstreamError
@@ -35,6 +44,10 @@ _ERROR_LIMIT = 64 * 1024
 # Responses up to this size with a Content-Length are read whole and sent in one
 # message: one write instead of two for the common small JSON answer.
 _SMALL_RESPONSE = 64 * 1024
+_METADATA = b"metadata"
+# Routes whose streams send one event per engine step, each with that step's tokens: a
+# stream left early is metered one completion token an event relayed.
+_TOKEN_EVENTS = frozenset({"/v1/chat/completions", "/v1/completions", "/invocations"})
 
 
 def response_headers(resp: Response) -> list[tuple[bytes, bytes]]:
@@ -51,14 +64,19 @@ class Relay:
         self.idle = idle
 
     async def __call__(
-        self, resp: Response, send: Send, ex: Exchange, watch: DisconnectWatch
+        self,
+        resp: Response,
+        send: Send,
+        ex: Exchange,
+        watch: DisconnectWatch,
+        meter: Metering,
     ) -> None:
         if resp.status >= 400:
             await self.error(resp, send, ex, watch)
         elif resp.status in NO_CONTENT:
             await self.head_only(resp, send, watch)
         else:
-            await self.stream(resp, send, ex, watch)
+            await self.stream(resp, send, ex, watch, meter)
 
     async def head_only(self, resp: Response, send: Send, watch: DisconnectWatch) -> None:
         """A 204 or 304: the status and headers alone, as HTTP frames them (RFC 9112 6.3).
@@ -121,11 +139,23 @@ class Relay:
         await send_error(send, error)
 
     async def stream(
-        self, resp: Response, send: Send, ex: Exchange, watch: DisconnectWatch
+        self,
+        resp: Response,
+        send: Send,
+        ex: Exchange,
+        watch: DisconnectWatch,
+        meter: Metering,
     ) -> None:
         out_headers = response_headers(resp)
+        if resp.content_type == "application/octet-stream" and meter.count:
+            # A binary pooling answer: its usage is in the `metadata` header alone.
+            for name, value in out_headers:
+                if name == _METADATA:
+                    ex.usage = metadata_usage(value)
+            if meter.hide_metadata:
+                out_headers = [(n, v) for n, v in out_headers if n != _METADATA]
         length = resp.content_length
-        if length is not None and length <= _SMALL_RESPONSE:
+        if length is not None and length <= _SMALL_RESPONSE and not meter.hide_usage:
             try:
                 # One timer, no asyncio.timeout context: this is the common path.
                 body = await resp.read(self.idle)
@@ -137,14 +167,24 @@ class Relay:
                 {"type": "http.response.start", "status": resp.status, "headers": out_headers}
             )
             await send({"type": "http.response.body", "body": body})
-            # Once the client has its answer.
-            ex.usage = read_usage(body)
+            # Once the client has its answer; held whole, so parsed whole.
+            if meter.audio:
+                ex.audio_seconds = audio_seconds(body)
+            elif meter.count and ex.usage is None:
+                ex.usage = parse_usage(body)
             return
 
         await send({"type": "http.response.start", "status": resp.status, "headers": out_headers})
+        if meter.hide_usage:
+            await self._hidden(resp, send, ex, watch)
+            return
         idle = self.idle
-        # What the engine reports its usage in, searched as it passes (gateway/proxy/usage.py).
-        tail = Tail()
+        # What the engine reports its usage in, read as it passes (gateway/proxy/usage.py).
+        reader: Tail | Whole | None = None
+        if meter.count and ex.usage is None:
+            reader = Whole() if meter.whole or meter.audio else Tail()
+        events = 0
+        finished = False
         try:
             while True:
                 # The limit is the engine's silence: not counted while a slow client reads.
@@ -152,26 +192,88 @@ class Relay:
                 if not chunk:
                     break
                 ex.bytes_out += len(chunk)
-                tail.add(chunk)
+                if reader is not None:
+                    reader.add(chunk)
+                events += chunk.count(b"\n\n")
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            finished = True
         except UpstreamError as exc:
-            error = gateway_error(exc, answering=True)
-            ex.code = error.code
-            log.warning("upstream_broken", request_id=ex.request_id, engine=ex.engine)
-            if resp.content_type == "text/event-stream":
-                # Never a silent truncation: SSE clients get an error frame, as vLLM
-                # sends one for its own mid-stream errors, then the stream ends.
-                watch.stop()
-                await send(
-                    {
-                        "type": "http.response.body",
-                        "body": sse_error_frame(error),
-                        "more_body": False,
-                    }
-                )
-            # Other responses are left incomplete: the server then closes the client
-            # connection, which a client sees as an error, not as a short body.
+            await self._broken(resp, send, ex, watch, exc)
             return
+        finally:
+            if not finished and meter.count:
+                self._left_early(ex, events)
         watch.stop()
-        ex.usage = tail.usage()
+        if isinstance(reader, Whole):
+            whole = reader.body()
+            if whole is None:
+                log.warning("usage_unread", request_id=ex.request_id, engine=ex.engine)
+            elif meter.audio:
+                ex.audio_seconds = audio_seconds(whole)
+            else:
+                ex.usage = parse_usage(whole)
+        elif reader is not None:
+            ex.usage = reader.usage()
         await send({"type": "http.response.body", "body": b""})
+
+    async def _hidden(
+        self, resp: Response, send: Send, ex: Exchange, watch: DisconnectWatch
+    ) -> None:
+        """A stream whose usage event the gateway asked for and the client did not."""
+        hidden = HiddenUsage()
+        idle = self.idle
+        finished = False
+        try:
+            while True:
+                chunk = await resp.readsome(idle)
+                if not chunk:
+                    break
+                out = hidden.feed(chunk)
+                if out:
+                    ex.bytes_out += len(out)
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+            finished = True
+        except UpstreamError as exc:
+            await self._broken(resp, send, ex, watch, exc)
+            return
+        finally:
+            if hidden.usage is not None:
+                ex.usage = hidden.usage
+            elif not finished:
+                self._left_early(ex, hidden.events)
+        watch.stop()
+        rest = hidden.flush()
+        ex.bytes_out += len(rest)
+        await send({"type": "http.response.body", "body": rest})
+
+    def _left_early(self, ex: Exchange, events: int) -> None:
+        """A stream cut before its usage (the client left, the engine broke): metered
+        one completion token an event relayed, on routes that send one event a step.
+        The prompt's count is not known: vLLM reports it only at the end."""
+        if ex.usage is None and ex.route.path in _TOKEN_EVENTS and events > 0:
+            ex.usage = (0, events)
+
+    async def _broken(
+        self,
+        resp: Response,
+        send: Send,
+        ex: Exchange,
+        watch: DisconnectWatch,
+        exc: UpstreamError,
+    ) -> None:
+        error = gateway_error(exc, answering=True)
+        ex.code = error.code
+        log.warning("upstream_broken", request_id=ex.request_id, engine=ex.engine)
+        if resp.content_type == "text/event-stream":
+            # Never a silent truncation: SSE clients get an error frame, as vLLM
+            # sends one for its own mid-stream errors, then the stream ends.
+            watch.stop()
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": sse_error_frame(error),
+                    "more_body": False,
+                }
+            )
+        # Other responses are left incomplete: the server then closes the client
+        # connection, which a client sees as an error, not as a short body.

@@ -67,13 +67,23 @@ def _host_port(m: re.Match[str]) -> str:
     return text
 
 
-def _ipv6(m: re.Match[str]) -> str:
-    text = m.group(0)
+def _is_ipv6(text: str) -> bool:
     # A literal has `::` next to at least one group, or all eight groups: `12:30:45` is
     # a time, and a bare `::` is left alone.
-    if ("::" in text and any(c not in ":" for c in text)) or text.count(":") == 7:
-        return ADDRESS
-    return text
+    return ("::" in text and any(c not in ":" for c in text)) or text.count(":") == 7
+
+
+def _ipv6(m: re.Match[str]) -> str:
+    text = m.group(0)
+    return ADDRESS if _is_ipv6(text) else text
+
+
+def _bracketed(m: re.Match[str]) -> str:
+    # An address in brackets, not a list of numbers: vLLM prints lists of token ids as
+    # `[99999999]` (`token_id(s) [...] in logit_bias`), which is no address.
+    text = m.group(0)
+    inside = text[1 : text.index("]")]
+    return ADDRESS if inside == "::" or _is_ipv6(inside) else text
 
 
 def scrub(text: str) -> str:
@@ -82,8 +92,9 @@ def scrub(text: str) -> str:
     if not text:
         return text
     text = _URL.sub(_url, text)
+    if "[" in text:
+        text = _BRACKETED.sub(_bracketed, text)
     if ":" in text:
-        text = _BRACKETED.sub(ADDRESS, text)
         text = _IPV6.sub(_ipv6, text)
         text = _HOST_PORT.sub(_host_port, text)
     if "." in text:

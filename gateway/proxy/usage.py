@@ -1,18 +1,28 @@
-"""Token counts from an engine's answer: its `usage` object, found by its key.
+"""Token counts from an engine's answer, one reader per shape the answer comes in.
 
-vLLM puts `usage` near the end of a non-streamed answer, and a stream asked for with
-`stream_options.include_usage` sends it in its last data event, before `data: [DONE]`.
-What follows it can still be long, and the client decides how long: the rendered prompt
-(`return_prompt_text`), `prompt_logprobs` and `prompt_token_ids` in a chat answer, the
-request's `user` and, when asked for, the raw messages in a Responses answer and in its
-stream's `response.completed` event, the per-question diagnostics of /v1/systemone.
-So a non-streamed answer (held whole, up to 64 KiB: proxy/relay.py) is searched from its end
-for the last `"usage":` key, and a stream's bytes are searched as they are dropped from
-the tail it keeps (`Tail`); only the `usage` object itself is parsed. The search is
-`bytes.rfind` (memchr speed), so its cost grows with the answer only by that: 2.3-2.9
-us for a 750-byte chat answer and for a 15 KB one were measured with the tail alone,
-where orjson parsing the whole answer took 2.5 us and 7.4 us. Answers that report no
-usage (a stream without `include_usage`, one cut off, a refusal) count no tokens.
+What vLLM 0.32 reports, and where (the table of routes: docs/gateway.md, "Metering"):
+- A JSON answer's top-level `usage` object. The answer is parsed whole (`parse_usage`)
+  when the gateway holds it whole anyway (up to 64 KiB: proxy/relay.py), and for routes
+  whose answers carry keys the client named (/v1/systemone's `answers` and
+  `diagnostics`, keyed by question id, come around `usage`) up to `WHOLE_LIMIT`: a
+  search for the last `"usage":` key there finds a question named `usage`.
+- A larger JSON answer of another route, and every stream: the last `"usage":` key of the
+  bytes as they pass (`Tail`): a chat answer's `prompt_text` or `prompt_logprobs` and a
+  Responses stream's echoed `user` can follow `usage` for longer than any fixed tail, and
+  none of those carries a key the client named. Only the `usage` object is parsed.
+- A usage object means (`usage_of`): `prompt_tokens` and `completion_tokens` (OpenAI
+  shapes), `input_tokens` and `output_tokens` (Responses, /v1/systemone), Cohere's
+  `tokens` object, and Anthropic's (/v1/messages) `input_tokens` plus
+  `cache_read_input_tokens` plus `cache_creation_input_tokens`: vLLM's Anthropic
+  `input_tokens` is the prompt less its cached and newly cached tokens
+  (`_build_anthropic_usage` in vllm/entrypoints/anthropic/serving.py).
+- A binary pooling answer (`encoding_format: bytes`): the `metadata` response header's
+  JSON (`build_pooling_bytes_streaming_response` in vllm/entrypoints/pooling/utils.py).
+- Transcriptions: seconds of audio (`usage: {"type": "duration", "seconds": n}`) or
+  `duration` (verbose_json), read by `audio_seconds`.
+- A stream the client asked without `stream_options.include_usage`: the gateway asked
+  for it (proxy/metering.py) and `HiddenUsage` takes the usage event out before the
+  client sees it.
 """
 
 from __future__ import annotations
@@ -26,12 +36,20 @@ from gateway.exchange import Usage
 # Bytes at the end of an answer searched for its `usage`: the usage event of a stream
 # (about 300 bytes) and what follows it, with room to spare.
 TAIL = 4096
+# The largest answer held whole to be parsed for its usage (routes whose answers carry
+# client-named keys); the answer is relayed as it comes all the same. /v1/systemone
+# answers ~150 bytes a question.
+WHOLE_LIMIT = 4 * 1024 * 1024
 _KEY = b'"usage":'
 _SPACE = b" \t\r\n"
 _SPACE_BYTES = (b" ", b"\t", b"\r", b"\n")
 # Occurrences of `"usage":` tried from the end (one inside a string, or not followed by
 # an object, is skipped).
 _MAX_TRIES = 4
+# SSE events are separated by a blank line; JSON escapes newlines inside strings, so this
+# never occurs inside an event's data.
+_EVENT_END = b"\n\n"
+_DATA = b"data: "
 
 
 def _count(value: Any) -> int | None:
@@ -39,6 +57,59 @@ def _count(value: Any) -> int | None:
         # Cohere's chat answers type their counts as floats (`32.0`).
         value = int(value)
     return value if type(value) is int and value >= 0 else None
+
+
+def usage_of(usage: Any) -> Usage | None:
+    """(prompt tokens, completion tokens) of a usage object, None when it holds neither.
+    Completion tokens are 0 when absent (pooling answers)."""
+    if type(usage) is not dict:
+        return None
+    get = usage.get
+    if type(usage.get("tokens")) is dict:
+        # Cohere's chat API: {"tokens": {"input_tokens", "output_tokens"}, "billed_units"}.
+        get = usage["tokens"].get
+    prompt = _count(get("prompt_tokens", get("input_tokens")))
+    completion = _count(get("completion_tokens", get("output_tokens")))
+    if prompt is None and completion is None:
+        return None
+    prompt = prompt or 0
+    # Anthropic's usage: the prompt is split into three counts (never set elsewhere).
+    for part in ("cache_read_input_tokens", "cache_creation_input_tokens"):
+        prompt += _count(get(part)) or 0
+    return prompt, completion or 0
+
+
+def parse_usage(data: bytes) -> Usage | None:
+    """The usage of a whole JSON answer: its top-level `usage` object."""
+    try:
+        answer = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    return usage_of(answer.get("usage")) if type(answer) is dict else None
+
+
+def metadata_usage(header: bytes) -> Usage | None:
+    """The usage of a binary pooling answer, from its `metadata` header's JSON."""
+    return parse_usage(header)
+
+
+def audio_seconds(data: bytes) -> float | None:
+    """Seconds of audio a transcription or translation answer reports: `usage.seconds`
+    (`type: duration`, rounded up by vLLM) or, in verbose_json, `duration`."""
+    try:
+        answer = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    if type(answer) is not dict:
+        return None
+    usage = answer.get("usage")
+    if type(usage) is dict and usage.get("type") == "duration":
+        seconds = usage.get("seconds")
+    else:
+        seconds = answer.get("duration")
+    if type(seconds) is int or type(seconds) is float:
+        return float(seconds) if 0 <= seconds < float("inf") else None
+    return None
 
 
 def _object_end(data: bytes, start: int) -> int:
@@ -58,11 +129,8 @@ def _object_end(data: bytes, start: int) -> int:
 
 
 def read_usage(data: bytes) -> Usage | None:
-    """The tokens of the last `"usage": {...}` in `data`: prompt tokens
-    (`prompt_tokens`, or the Responses and Messages APIs' `input_tokens`) and completion
-    tokens (`completion_tokens` or `output_tokens`, 0 when absent: pooling answers); for
-    Cohere's chat API, those of its `tokens` object. None when there is none, or it
-    cannot be read."""
+    """The usage (`usage_of`) of the last `"usage": {...}` key in `data`; None when
+    there is none, or it cannot be read."""
     end = len(data)
     for _ in range(_MAX_TRIES):
         at = data.rfind(_KEY, 0, end)
@@ -88,15 +156,7 @@ def read_usage(data: bytes) -> Usage | None:
             usage = orjson.loads(data[value:close])
         except orjson.JSONDecodeError:
             return None
-        get = usage.get
-        if "tokens" in usage and type(usage["tokens"]) is dict:
-            # Cohere's chat API: {"tokens": {"input_tokens", "output_tokens"}, "billed_units"}.
-            get = usage["tokens"].get
-        prompt = _count(get("prompt_tokens", get("input_tokens")))
-        completion = _count(get("completion_tokens", get("output_tokens")))
-        if prompt is None and completion is None:
-            return None
-        return prompt or 0, completion or 0
+        return usage_of(usage)
     return None
 
 
@@ -142,3 +202,85 @@ class Tail:
     def usage(self) -> Usage | None:
         found = read_usage(b"".join(self._chunks))
         return found if found is not None else self._seen
+
+
+class Whole:
+    """An answer held whole (up to `WHOLE_LIMIT`) as it is relayed, parsed at its end."""
+
+    __slots__ = ("_chunks", "_size")
+
+    def __init__(self) -> None:
+        self._chunks: list[bytes] | None = []
+        self._size = 0
+
+    def add(self, chunk: bytes) -> None:
+        if self._chunks is None:
+            return
+        self._size += len(chunk)
+        if self._size > WHOLE_LIMIT:
+            # Not metered: said in the log by the caller.
+            self._chunks = None
+        else:
+            self._chunks.append(chunk)
+
+    def body(self) -> bytes | None:
+        """The whole answer, None when it was over `WHOLE_LIMIT`."""
+        return None if self._chunks is None else b"".join(self._chunks)
+
+
+class HiddenUsage:
+    """Takes the usage event the gateway asked for out of a stream whose client did not:
+    vLLM sends it last before `data: [DONE]`, as `{..., "choices": [], "usage": {...}}`
+    (chat and completion streams, vllm/entrypoints/openai/*/serving.py). Events are
+    relayed up to the last complete one of each chunk; only an event holding the bytes
+    `"usage":` (which cannot occur inside a JSON string: its quotes are escaped) is
+    parsed. `events` counts the events relayed, for a stream the client leaves early."""
+
+    __slots__ = ("_rest", "events", "usage")
+
+    def __init__(self) -> None:
+        self._rest = b""
+        self.usage: Usage | None = None
+        self.events = 0
+
+    def feed(self, chunk: bytes) -> bytes:
+        """What of `chunk` (after what was held) goes to the client now."""
+        data = self._rest + chunk if self._rest else chunk
+        end = data.rfind(_EVENT_END)
+        if end < 0:
+            self._rest = data
+            return b""
+        end += len(_EVENT_END)
+        self._rest = data[end:]
+        ready = data[:end]
+        self.events += ready.count(_EVENT_END)
+        if _KEY not in ready:
+            return ready
+        kept: list[bytes] = []
+        for event in ready[: -len(_EVENT_END)].split(_EVENT_END):
+            if _KEY in event and self._take(event):
+                self.events -= 1
+                continue
+            kept.append(event + _EVENT_END)
+        return b"".join(kept)
+
+    def _take(self, event: bytes) -> bool:
+        """Whether `event` is the usage event (then its usage is kept)."""
+        if not event.startswith(_DATA):
+            return False
+        try:
+            data = orjson.loads(event[len(_DATA) :])
+        except orjson.JSONDecodeError:
+            return False
+        if type(data) is not dict or data.get("choices") != []:
+            return False
+        usage = usage_of(data.get("usage"))
+        if usage is None:
+            return False
+        self.usage = usage
+        return True
+
+    def flush(self) -> bytes:
+        """What was held at the end of the stream (an event without its blank line)."""
+        rest, self._rest = self._rest, b""
+        return rest

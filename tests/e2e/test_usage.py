@@ -1,7 +1,8 @@
 """Per-key usage metrics through a running gateway and simulated engine: after a known
 set of requests, the gateway's /metrics counts exactly those requests under each key's
-name, and exactly the prompt and completion tokens the engine reported to the client
-(non-streamed answers, and streams asked for with `stream_options.include_usage`)."""
+name, and exactly the prompt and completion tokens the engine reported (non-streamed
+answers, and streams, asked for with `stream_options.include_usage` or not). Each shape of
+answer on its own: tests/e2e/test_metering.py."""
 
 from __future__ import annotations
 
@@ -109,7 +110,14 @@ def test_usage_and_requests_are_counted_per_key(stack: Stack) -> None:
             usage = streamed_usage(client, ALICE, body)
             assert usage is not None
             add("alice", usage)
+        # A stream asked without usage is metered all the same (the gateway asks the
+        # engine for it): what the engine reports for it when asked directly.
         assert streamed_usage(client, ALICE, chat("no usage", stream=True)) is None
+        with httpx.Client(base_url=stack.sim.url, timeout=30) as engine:
+            asked = chat("no usage", stream=True, stream_options={"include_usage": True})
+            usage = streamed_usage(engine, ALICE, asked)
+        assert usage is not None
+        add("alice", usage)
         r = client.post(
             "/v1/completions",
             headers=auth(ALICE),
@@ -137,7 +145,7 @@ def test_usage_and_requests_are_counted_per_key(stack: Stack) -> None:
     assert stack.metric("gateway_prompt_tokens_total", key="bob") == reported["bob"][0]
     assert stack.metric("gateway_completion_tokens_total", key="bob") == reported["bob"][1]
     assert reported["alice"][1] > 0 and reported["bob"][1] > 0
-    # Only answers that reported usage count tokens: the totals are the reported ones.
+    # Every answer counts its tokens: the totals are the engine's.
     assert stack.metric("gateway_prompt_tokens_total") == sum(p for p, _ in reported.values())
 
     ok = {"status": "200", "code": ""}

@@ -57,6 +57,11 @@ SCRUB = [
     ("invalid start byte 0xff", "invalid start byte 0xff"),
     ("metadata: none, std::vector", "metadata: none, std::vector"),
     ("a :: b", "a :: b"),
+    # vLLM prints token ids as a list: numbers, not an address in brackets.
+    ("token_id(s) [99999999] in logit_bias contain out-of-vocab token ids.",
+     "token_id(s) [99999999] in logit_bias contain out-of-vocab token ids."),
+    ("ids [1234, 56789] and [12:34]", "ids [1234, 56789] and [12:34]"),
+    ("peer [::]:8000 gone", f"peer {ADDRESS} gone"),
     ("", ""),
 ]  # fmt: skip
 

@@ -8,7 +8,15 @@ import orjson
 import pytest
 
 from gateway.exchange import Usage
-from gateway.proxy.usage import TAIL, Tail, read_usage
+from gateway.proxy.usage import (
+    TAIL,
+    HiddenUsage,
+    Tail,
+    audio_seconds,
+    parse_usage,
+    read_usage,
+    usage_of,
+)
 
 USAGE = {
     "prompt_tokens": 17,
@@ -212,3 +220,80 @@ def test_tail_keeps_a_bounded_number_of_bytes() -> None:
     for _ in range(10_000):
         tail.add(b"z" * 97)
     assert TAIL <= sum(len(c) for c in tail._chunks) <= 2 * TAIL
+
+
+USAGE_OBJECTS = [
+    # OpenAI shapes, pooling (no completion), Responses and /v1/systemone.
+    (USAGE, (17, 8)),
+    ({"prompt_tokens": 5, "total_tokens": 5}, (5, 0)),
+    ({"input_tokens": 9, "output_tokens": 2, "total_tokens": 11}, (9, 2)),
+    # Anthropic: the prompt is split in three (vllm/entrypoints/anthropic/serving.py).
+    ({"input_tokens": 19, "output_tokens": 4, "cache_read_input_tokens": 896}, (915, 4)),
+    ({"input_tokens": 3, "output_tokens": 1, "cache_read_input_tokens": 8,
+      "cache_creation_input_tokens": 16}, (27, 1)),
+    ({"input_tokens": 3, "output_tokens": 1, "cache_creation_input_tokens": None}, (3, 1)),
+    # Cohere's chat API.
+    ({"billed_units": {}, "tokens": {"input_tokens": 12.0, "output_tokens": 3.0}}, (12, 3)),
+    # Not a usage.
+    ({"label_mass": 0.9, "argmax_is_label": True}, None),
+    ({"prompt_tokens": -1}, None),
+    ([1, 2], None),
+    (None, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("usage", "expected"), USAGE_OBJECTS)
+def test_usage_of(usage: object, expected: Usage | None) -> None:
+    assert usage_of(usage) == expected
+
+
+def test_a_whole_answer_is_parsed_for_its_top_level_usage() -> None:
+    # /v1/systemone: a question named `usage` comes after the answer's own usage.
+    answer = orjson.dumps(
+        {
+            "answers": {"usage": {"type": "noul"}},
+            "usage": {"input_tokens": 40, "output_tokens": 2},
+            "diagnostics": {"usage": {"label_mass": 0.9, "argmax_is_label": True}},
+        }
+    )
+    assert parse_usage(answer) == (40, 2)
+    assert parse_usage(b"plain text") is None
+    assert parse_usage(b"[1]") is None
+
+
+AUDIO = [
+    ({"text": "hi", "usage": {"type": "duration", "seconds": 3}}, 3.0),
+    ({"text": "hi", "duration": 2.5, "segments": []}, 2.5),
+    ({"text": "hi"}, None),
+    ({"text": "hi", "usage": {"type": "tokens", "input_tokens": 5}}, None),
+    ({"duration": -1}, None),
+    ({"duration": "3"}, None),
+]
+
+
+@pytest.mark.parametrize(("answer", "expected"), AUDIO)
+def test_audio_seconds(answer: dict[str, object], expected: float | None) -> None:
+    assert audio_seconds(orjson.dumps(answer)) == expected
+
+
+def test_hidden_usage_takes_the_usage_event_out_however_the_stream_is_cut() -> None:
+    chunk = {"id": "c", "choices": [{"index": 0, "delta": {"content": '"usage": {}'}}]}
+    final = {"id": "c", "choices": [], "usage": USAGE}
+    stream = sse(chunk, chunk, final)
+    expected = sse(chunk, chunk)
+    for size in (1, 7, 64, len(stream)):
+        hidden = HiddenUsage()
+        out = b"".join(hidden.feed(stream[i : i + size]) for i in range(0, len(stream), size))
+        out += hidden.flush()
+        assert out == expected, size
+        assert hidden.usage == (17, 8)
+        assert hidden.events == 3
+
+
+def test_hidden_usage_keeps_every_other_event() -> None:
+    # An event with `usage` and choices (continuous usage) is not the usage event.
+    chunk = {"id": "c", "choices": [{"index": 0}], "usage": USAGE}
+    stream = sse(chunk) + b"data: {not json\n\n"
+    hidden = HiddenUsage()
+    assert hidden.feed(stream) + hidden.flush() == stream
+    assert hidden.usage is None

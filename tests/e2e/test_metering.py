@@ -1,0 +1,281 @@
+"""Metering through a running gateway and simulated engines, one answer shape at a time
+(gateway/proxy/usage.py, gateway/proxy/metering.py): what each key is metered is what
+the engine meant, whatever the client asked for and however the answer is shaped.
+Each test uses its own key, so each reads its own counts."""
+
+from __future__ import annotations
+
+import io
+import json
+import wave
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from bench.harness.metrics import HTTP
+from bench.sim.config import DEFAULT_MODEL as MODEL
+from tests.procs import Proc, auth, gateway_proc, scrape, sim_proc, total, wait_for
+
+SCRAPER = "sk-meter-scraper-0123456789-SECRET"
+NAMES = (
+    "messages",
+    "decisions",
+    "binary",
+    "stored",
+    "audio",
+    "hidden",
+    "early",
+    "scrub",
+)
+KEYS = {name: f"sk-meter-{name}-0123456789-SECRET" for name in NAMES}
+
+
+@dataclass
+class Stack:
+    sim: Proc
+    gateway: Proc
+    pooling: Proc
+    pooling_gateway: Proc
+
+
+def metric(gateway: Proc, name: str, **labels: str) -> float:
+    return total(scrape(gateway.url + "/metrics", auth(SCRAPER)), name, **labels)
+
+
+def tokens(gateway: Proc, key: str) -> tuple[float, float]:
+    return (
+        metric(gateway, "gateway_prompt_tokens_total", key=key),
+        metric(gateway, "gateway_completion_tokens_total", key=key),
+    )
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("metering")
+    # Calibrated: a long stream takes seconds, so a client can leave in the middle.
+    sim = sim_proc(tmp, "--latency", "calibrated", "--enable-responses-api-store")
+    pooling = sim_proc(tmp, "--runner", "pooling", "--latency", "zero")
+    keys = [{"key": key, "name": name} for name, key in KEYS.items()]
+    keys.append({"key": SCRAPER, "name": "scraper", "scopes": ["metrics"]})
+    env = {"GATEWAY_API_KEYS": json.dumps(keys)}
+    gateway = gateway_proc(tmp, {**env, "GATEWAY_ENGINES": json.dumps([sim.url])})
+    pooling_gateway = gateway_proc(tmp, {**env, "GATEWAY_ENGINES": json.dumps([pooling.url])})
+    procs = (sim, pooling, gateway, pooling_gateway)
+    try:
+        for proc in procs:
+            proc.start("/healthz" if proc in (gateway, pooling_gateway) else "/health")
+        for gw in (gateway, pooling_gateway):
+            assert wait_for(lambda gw=gw: HTTP.get(gw.url + "/readyz").status_code == 200)
+        yield Stack(sim, gateway, pooling, pooling_gateway)
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def sse_events(client: httpx.Client, path: str, key: str, body: dict) -> list[dict]:
+    events = []
+    with client.stream("POST", path, headers=auth(key), json=body) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[len("data: ") :]))
+    return events
+
+
+@pytest.mark.slow
+def test_messages_are_metered_with_their_cached_prompt(stack: Stack) -> None:
+    # vLLM's Anthropic `input_tokens` leaves out the cached prompt tokens
+    # (`cache_read_input_tokens`): the prompt is all three counts.
+    key = KEYS["messages"]
+    system = "You answer in one line. " * 60
+    body = {
+        "model": MODEL,
+        "max_tokens": 8,
+        "system": system,
+        "messages": [{"role": "user", "content": "hello"}],
+    }
+    expected = [0, 0]
+    with httpx.Client(base_url=stack.gateway.url, timeout=30) as client:
+        for _ in range(2):
+            r = client.post("/v1/messages", headers=auth(key), json=body)
+            assert r.status_code == 200, r.text
+            usage = r.json()["usage"]
+            expected[0] += usage["input_tokens"] + usage["cache_read_input_tokens"]
+            expected[1] += usage["output_tokens"]
+        assert usage["cache_read_input_tokens"] > usage["input_tokens"]
+        events = sse_events(client, "/v1/messages", key, {**body, "stream": True})
+    final = events[-2]
+    assert final["type"] == "message_delta"
+    expected[0] += final["usage"]["input_tokens"] + final["usage"]["cache_read_input_tokens"]
+    expected[1] += final["usage"]["output_tokens"]
+    assert wait_for(lambda: tokens(stack.gateway, "messages") == tuple(expected))
+
+
+@pytest.mark.slow
+def test_a_question_named_usage_does_not_hide_the_usage(stack: Stack) -> None:
+    # /v1/systemone keys `answers` and `diagnostics` by the client's question ids, and
+    # `diagnostics` comes after `usage`: the answer is parsed, not searched from its end.
+    questions = {
+        "ok": {"type": "noul"},
+        "usage": {"type": "choice", "criteria": {"input_tokens": None, "prompt_tokens": None}},
+    }
+    body = {"model": MODEL, "state": "The door is open.", "questions": questions}
+    r = HTTP.post(stack.gateway.url + "/v1/systemone", headers=auth(KEYS["decisions"]), json=body)
+    assert r.status_code == 200, r.text
+    assert r.content.rindex(b'"usage":') > r.content.index(b'"usage":')
+    usage = r.json()["usage"]
+    expected = (usage["input_tokens"], usage["output_tokens"])
+    assert expected[0] > 0
+    assert wait_for(lambda: tokens(stack.gateway, "decisions") == expected)
+
+
+@pytest.mark.slow
+def test_binary_embeddings_are_metered_from_their_metadata(stack: Stack) -> None:
+    key = KEYS["binary"]
+    url = stack.pooling_gateway.url + "/v1/embeddings"
+    body = {"model": MODEL, "input": ["a b c d", "e f g"], "encoding_format": "bytes"}
+    r = HTTP.post(url, headers=auth(key), json=body)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "application/octet-stream"
+    metered = json.loads(r.headers["metadata"])["usage"]["prompt_tokens"]
+    assert metered > 0
+    assert wait_for(lambda: tokens(stack.pooling_gateway, "binary") == (metered, 0))
+    # `bytes_only` reports no usage anywhere: the gateway asks for `bytes`, and the client
+    # gets what it asked for: the same vectors, no header.
+    only = HTTP.post(url, headers=auth(key), json={**body, "encoding_format": "bytes_only"})
+    assert only.status_code == 200, only.text
+    assert "metadata" not in only.headers
+    assert only.content == r.content
+    assert wait_for(lambda: tokens(stack.pooling_gateway, "binary") == (2 * metered, 0))
+
+
+@pytest.mark.slow
+def test_a_stored_response_is_metered_once(stack: Stack) -> None:
+    key = KEYS["stored"]
+    body = {"model": MODEL, "input": "Say something.", "max_output_tokens": 6}
+    r = HTTP.post(stack.gateway.url + "/v1/responses", headers=auth(key), json=body)
+    assert r.status_code == 200, r.text
+    made = r.json()
+    expected = (made["usage"]["input_tokens"], made["usage"]["output_tokens"])
+    assert wait_for(lambda: tokens(stack.gateway, "stored") == expected)
+    for _ in range(3):
+        read = HTTP.get(f"{stack.gateway.url}/v1/responses/{made['id']}", headers=auth(key))
+        assert read.status_code == 200, read.text
+        assert read.json()["usage"] == made["usage"]
+    scraped = metric(stack.gateway, "gateway_requests_total", key="stored", status="200")
+    assert scraped == 4
+    assert tokens(stack.gateway, "stored") == expected
+
+
+@pytest.mark.slow
+def test_transcriptions_are_metered_in_seconds_of_audio(stack: Stack) -> None:
+    key = KEYS["audio"]
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(1)
+        w.setframerate(16_000)
+        w.writeframes(bytes(40_000))
+    audio = out.getvalue()
+    files = {"file": ("a.wav", audio, "audio/wav")}
+    url = stack.gateway.url + "/v1/audio/transcriptions"
+    seconds = 0
+    for _ in range(2):
+        r = HTTP.post(url, headers=auth(key), files=files, data={"model": MODEL}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["type"] == "duration"
+        seconds += r.json()["usage"]["seconds"]
+    assert seconds > 0
+    assert wait_for(
+        lambda: metric(stack.gateway, "gateway_audio_seconds_total", key="audio") == seconds
+    )
+    assert tokens(stack.gateway, "audio") == (0, 0)
+
+
+@pytest.mark.slow
+def test_a_stream_is_metered_whatever_the_client_asked(stack: Stack) -> None:
+    # A client that leaves out `stream_options.include_usage` still gets metered, and
+    # still gets no usage event: the gateway asks for it and takes it out.
+    key = KEYS["hidden"]
+    base = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "count to five"}],
+        "max_tokens": 12,
+        "stream": True,
+    }
+    with httpx.Client(base_url=stack.gateway.url, timeout=30) as client:
+        told = sse_events(
+            client,
+            "/v1/chat/completions",
+            key,
+            {**base, "stream_options": {"include_usage": True}},
+        )
+        usage = told[-1]["usage"]
+        assert wait_for(
+            lambda: (
+                tokens(stack.gateway, "hidden")
+                == (usage["prompt_tokens"], usage["completion_tokens"])
+            )
+        )
+        for body in (base, {**base, "stream_options": {"continuous_usage_stats": True}}):
+            events = sse_events(client, "/v1/chat/completions", key, body)
+            assert all(e.get("usage") is None for e in events)
+            assert len(events) == len(told) - 1
+            assert [e["choices"] for e in events] == [e["choices"] for e in told[:-1]]
+        completions = sse_events(
+            client, "/v1/completions", key, {**base, "messages": None, "prompt": "count to five"}
+        )
+        assert completions and all(e.get("usage") is None for e in completions)
+    assert wait_for(
+        lambda: (
+            tokens(stack.gateway, "hidden")[0] > 3 * usage["prompt_tokens"]
+            and tokens(stack.gateway, "hidden")[1] >= 3 * usage["completion_tokens"]
+        )
+    )
+
+
+@pytest.mark.slow
+def test_a_client_that_leaves_early_is_metered_for_what_it_got(stack: Stack) -> None:
+    key = KEYS["early"]
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "go on forever"}],
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    got = 0
+    with (
+        httpx.Client(base_url=stack.gateway.url, timeout=30) as client,
+        client.stream("POST", "/v1/chat/completions", headers=auth(key), json=body) as r,
+    ):
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                got += 1
+            if got == 20:
+                break
+    # Metered for the events relayed (at least those this client read), not for 3,000.
+    assert wait_for(lambda: tokens(stack.gateway, "early")[1] >= 20, timeout=30)
+    assert tokens(stack.gateway, "early")[1] < 3000
+    left = metric(stack.gateway, "gateway_requests_total", key="early", code="client_disconnected")
+    assert left == 1
+
+
+@pytest.mark.slow
+def test_an_engine_error_keeps_its_numbers(stack: Stack) -> None:
+    # vLLM lists out-of-vocabulary ids in brackets: `[99999999]` is no IPv6 address.
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "logit_bias": {"99999999": 5},
+    }
+    r = HTTP.post(
+        stack.gateway.url + "/v1/chat/completions", headers=auth(KEYS["scrub"]), json=body
+    )
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert "token_id(s) [99999999] in logit_bias" in message
+    assert "<address>" not in message
