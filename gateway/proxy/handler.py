@@ -92,7 +92,8 @@ class Proxy:
         charge = None
         if ex.key is not None:
             weight, param = sequences(ex.route.path, incoming.json)
-            charge = await self._admission.charge(ex.key, weight, param)
+            if weight > 1:  # most requests: no coroutine made
+                charge = await self._admission.charge(ex.key, weight, param)
         try:
             # Counted against max_in_flight from here: a body still arriving holds no slot.
             with self._slot:
