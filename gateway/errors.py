@@ -102,6 +102,15 @@ class InvalidRequest(GatewayError):
     default_message = "The request is not valid."
 
 
+class TooManySequences(InvalidRequest):
+    """A request that makes the engine run more sequences (prompts x `n`, batch items)
+    than one request may, or than the key's in-flight cap or burst hold: it can never
+    be admitted as it is, so it is not a 429."""
+
+    code = "too_many_sequences"
+    default_message = "The request asks for more engine sequences than this gateway accepts."
+
+
 class InvalidJson(InvalidRequest):
     code = "invalid_json"
     default_message = "The request body is not a valid JSON object."

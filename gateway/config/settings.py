@@ -67,6 +67,12 @@ class LimitsSettings(BaseModel):
     max_in_flight_per_key: int = Field(default=256, gt=0)
     # Requests per second with a burst, for every key without its own `rate`; None: off.
     rate_per_key: RateLimit | None = None
+    # Engine sequences one request may make the engine run (prompts x `n`, batch
+    # conversations, inputs; gateway/payload/sequences.py), 400 `too_many_sequences`
+    # beyond. 256: vLLM 0.32's default `max_num_seqs` on most GPUs (2x its CPU default)
+    # and `max_in_flight_per_key`: one request may fill a default engine's running batch
+    # once, never queue thousands (vLLM takes `n` up to 16,384 and batches unbounded).
+    max_sequences_per_request: int = Field(default=256, gt=0)
     max_upload_bytes: int = Field(default=25 * 1024 * 1024, gt=0)
     # Array elements and object members of a JSON body over 4 MiB (413 beyond; smaller
     # bodies are not counted: ~160 MiB parsed at most). Parsed, a value costs up to ~180

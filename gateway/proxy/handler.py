@@ -26,6 +26,7 @@ from gateway.errors import ModelUnavailable, NoEngineAvailable, ResponseNotFound
 from gateway.exchange import Exchange, exchange_of
 from gateway.observability.metrics import Metrics
 from gateway.payload.inspector import PayloadInspector
+from gateway.payload.sequences import sequences
 from gateway.proxy.body import ClientDisconnected, Incoming, header, read_incoming
 from gateway.proxy.disconnect import DisconnectWatch
 from gateway.proxy.forward import Forwarder
@@ -58,6 +59,7 @@ class Proxy:
     ) -> None:
         self.settings = settings
         self.connections = connections
+        self._admission = admission
         self._slot = admission.slot()
         self.inspector = inspector
         self.pool = pool
@@ -86,9 +88,22 @@ class Proxy:
             raise ResponseNotFound(param="response_id")
         incoming = await read_incoming(scope, receive, ex, self.settings, self.connections)
         ex.bytes_in = incoming.size
-        # Counted against max_in_flight from here: a body still arriving holds no slot.
-        with self._slot:
-            await self._serve(scope, receive, send, ex, incoming, query, response_id is not None)
+        # The key was charged one engine sequence at authentication; the rest of what
+        # the body asks for (prompts x n, batch items) now, before any media is fetched.
+        charge = None
+        if ex.key is not None:
+            weight, param = sequences(ex.route.path, incoming.json)
+            if weight > 1:  # most requests: no coroutine made
+                charge = await self._admission.charge(ex.key, weight, param)
+        try:
+            # Counted against max_in_flight from here: a body still arriving holds no slot.
+            with self._slot:
+                await self._serve(
+                    scope, receive, send, ex, incoming, query, response_id is not None
+                )
+        finally:
+            if charge is not None:
+                self._admission.refund(charge)
 
     async def _serve(
         self,

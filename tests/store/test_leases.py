@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -138,3 +139,46 @@ def test_failures_without_a_store_are_none() -> None:
             await shared.aclose()
 
     assert asyncio.run(run()) is None
+
+
+def test_a_lease_of_several_sequences_holds_them_all(store: RedisServer) -> None:
+    """A weight of N takes N tokens and a lease of N members under the cap, renewed
+    together and given back together; over the cap or the rate it takes nothing."""
+
+    async def run() -> None:
+        shared = client(store)
+        limits = SharedLimits(shared, lease=LEASE, renew=RENEW)
+        leases = f"{shared.prefix}:k:{DIGEST.hex()}:leases"
+        bucket = f"{shared.prefix}:k:{DIGEST.hex()}:rate"
+        rate = RateLimit(requests_per_second=0.001, burst=10)
+        try:
+            six = await limits.admit(DIGEST, rate, 8, 6)
+            assert six is not None and six[0] is Verdict.admitted and six[2] is not None
+            assert await shared.redis.zcard(leases) == 6
+            over = await limits.admit(DIGEST, rate, 8, 3)  # 6 + 3 > 8
+            assert over is not None and over[0] is Verdict.in_flight
+            assert float(await shared.redis.hget(bucket, "tokens")) == pytest.approx(4, abs=0.01)
+            poor = await limits.admit(DIGEST, rate, 8, 2)  # 6 + 2 fits; 2 of 4 tokens
+            assert poor is not None and poor[0] is Verdict.admitted and poor[2] is not None
+            broke = await limits.admit(DIGEST, rate, None, 3)  # 2 tokens left
+            assert broke is not None and broke[0] is Verdict.rate and broke[1] > 100
+            assert await shared.redis.zcard(leases) == 8
+            # Renewed past two lease lengths, every member of both leases holds.
+            renewing = asyncio.create_task(limits.run())
+            try:
+                await asyncio.sleep(2.5 * LEASE)
+                await shared.redis.zremrangebyscore(leases, "-inf", int(time.time() * 1000))
+                assert await shared.redis.zcard(leases) == 8
+            finally:
+                renewing.cancel()
+            limits.release(six[2])
+            await asyncio.sleep(0.2)
+            assert await shared.redis.zcard(leases) == 2
+            limits.release(poor[2])
+            await asyncio.sleep(0.2)
+            assert await shared.redis.zcard(leases) == 0
+            assert limits.held == {} and limits.weights == {}
+        finally:
+            await shared.aclose()
+
+    asyncio.run(run())

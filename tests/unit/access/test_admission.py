@@ -5,6 +5,7 @@ tests/e2e/test_fairness.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,7 +25,7 @@ from gateway.config.key_file import (
     load_key_file,
 )
 from gateway.config.settings import LimitsSettings, Settings
-from gateway.errors import Overloaded, RateLimited
+from gateway.errors import Overloaded, RateLimited, TooManySequences
 from gateway.observability.metrics import Metrics
 
 PLAIN = "sk-admission-0123456789abcdef"
@@ -146,6 +147,88 @@ def test_a_changed_rate_starts_a_full_bucket() -> None:
     for _ in range(5):
         with key_slot(a, faster):
             pass
+
+
+# --- engine sequences -------------------------------------------------------------------
+
+
+def enter(a: Admission, key: ApiKey, weight: int) -> object:
+    """A request of `key` whose body asks for `weight` sequences, admitted as
+    middleware.KeyLimits and the proxy admit it; the caller ends it with `leave`."""
+    a.enter_key(key)
+    try:
+        return asyncio.run(a.charge(key, weight, "n"))
+    except BaseException:
+        a.leave_key(key)
+        raise
+
+
+def leave(a: Admission, key: ApiKey, charge: object) -> None:
+    if charge is not None:
+        a.refund(charge)  # type: ignore[arg-type]
+    a.leave_key(key)
+
+
+def test_sequences_count_against_the_keys_cap() -> None:
+    a = admission(max_in_flight_per_key=8)
+    (key,) = build_keys([PLAIN])
+    held = enter(a, key, 6)
+    assert a.keys == {key.digest: 6}
+    with pytest.raises(RateLimited) as info:
+        enter(a, key, 3)
+    assert (info.value.code, info.value.headers) == ("rate_limited", {"Retry-After": "1"})
+    assert a.keys == {key.digest: 6}  # the refused request took nothing
+    two = enter(a, key, 2)
+    assert a.keys == {key.digest: 8}
+    with pytest.raises(RateLimited):
+        a.enter_key(key)
+    leave(a, key, two)
+    leave(a, key, held)
+    assert a.keys == {}
+
+
+def test_sequences_take_tokens_of_the_keys_rate() -> None:
+    clock = [0.0]
+    a = admission(clock, rate_per_key={"requests_per_second": 1, "burst": 10})
+    (key,) = build_keys([PLAIN])
+    for _ in range(2):
+        leave(a, key, enter(a, key, 4))
+    # 2 tokens left: the third request's first is taken at authentication, then 3 more
+    # are missing one; the one taken stays taken (its body was read).
+    with pytest.raises(RateLimited) as info:
+        enter(a, key, 4)
+    assert info.value.headers == {"Retry-After": "2"}
+    assert a.keys == {}
+    clock[0] = 2.0
+    leave(a, key, enter(a, key, 3))
+
+
+@pytest.mark.parametrize(
+    ("limits", "own", "weight", "message"),
+    [
+        ({}, {}, 257, "the gateway accepts at most 256 in one request"),
+        ({"max_sequences_per_request": 8}, {}, 9, "at most 8 in one request"),
+        ({"max_in_flight_per_key": 4}, {}, 5, "this API key may run at most 4 at once"),
+        ({}, {"max_in_flight": 2}, 3, "this API key may run at most 2 at once"),
+        ({}, {"rate": {"requests_per_second": 1, "burst": 6}}, 7, "may run at most 6 at once"),
+        ({"rate_per_key": {"requests_per_second": 3}}, {}, 4, "may run at most 3 at once"),
+    ],
+)
+def test_a_request_that_can_never_be_admitted_is_refused_400(
+    limits: dict[str, object], own: dict[str, object], weight: int, message: str
+) -> None:
+    a = admission(**limits)
+    (key,) = build_keys([ApiKeyConfig.model_validate({"key": PLAIN, **own})])
+    with pytest.raises(TooManySequences) as info:
+        enter(a, key, weight)
+    error = info.value
+    assert (error.status, error.code, error.param) == (400, "too_many_sequences", "n")
+    assert message in error.message and f"run {weight} sequences" in error.message
+    assert "Retry-After" not in error.headers
+    assert a.keys == {}
+    # One fewer passes (on a full bucket: the refused request's first token is gone).
+    a = admission(**limits)
+    leave(a, key, enter(a, key, weight - 1))
 
 
 # --- settings ---------------------------------------------------------------------------
