@@ -83,17 +83,23 @@ def unsupported(tmp_path: Path) -> Iterator[tuple[Proc, Proc]]:
 def test_one_keys_501s_leave_the_engine_in_rotation_and_throttle_that_key(
     unsupported: tuple[Proc, Proc],
 ) -> None:
-    """30 /v1/systemone from one key (501 at the engine: ejected after 5 before), each
-    followed by another key's chat: every chat is answered 200, the engine is never
-    ejected, and the attacker's requests past 8 are answered 429 too_many_engine_errors
-    without reaching the engine."""
+    """30 /v1/systemone from one key (501 at the engine: five in a row ejected it
+    before), ten in a row, then each followed by another key's chat: every chat is
+    answered 200, the engine is never ejected, and the attacker's requests past 8 are
+    answered 429 too_many_engine_errors without reaching the engine."""
     sim, gateway = unsupported
     before = sim_received(sim.url)
-    attacker, victim = [], []
+    attacker: list[httpx.Response] = []
+    victim: list[httpx.Response] = []
     with httpx.Client(base_url=gateway.url, timeout=30) as client:
-        for _ in range(30):
+        for i in range(30):
             attacker.append(client.post("/v1/systemone", json=DECISION, headers=auth(ATTACKER)))
-            victim.append(client.post("/v1/chat/completions", json=CHAT, headers=auth(VICTIM)))
+            if i >= 9:
+                chat = client.post("/v1/chat/completions", json=CHAT, headers=auth(VICTIM))
+                victim.append(chat)
+        victim += [
+            client.post("/v1/chat/completions", json=CHAT, headers=auth(VICTIM)) for _ in range(9)
+        ]
         ready = client.get("/readyz")
     assert [r.status_code for r in victim] == [200] * 30
     assert [(r.status_code, error_code(r)) for r in attacker[:8]] == [(501, "engine_error")] * 8
