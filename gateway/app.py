@@ -44,6 +44,7 @@ from gateway.observability.multiprocess import MetricFiles, Workers
 from gateway.payload.inspector import PayloadInspector
 from gateway.proxy.handler import Proxy
 from gateway.responses import send_json
+from gateway.routing.key_errors import KeyErrors
 from gateway.routing.policy import make_policy
 from gateway.routing.pool import EnginePool
 from gateway.server.limits import CONNECTION_GUARD, ConnectionGuard
@@ -261,6 +262,19 @@ class Gateway:
         if self.store is not None:
             store, admission = self.store, self.admission
             self.metrics.watch_shared_store(lambda: store.up, lambda: admission.store_fallbacks)
+        # Engine 5xx per key: a key past routing.key_errors is throttled (0: off); with
+        # a store, counted across every process.
+        routing = settings.routing
+        key_errors = (
+            KeyErrors(
+                routing.key_errors,
+                routing.key_errors_window,
+                logger=structlog.get_logger("gateway.access"),
+                shared=SharedFailures(self.store) if self.store is not None else None,
+            )
+            if routing.key_errors > 0
+            else None
+        )
         self.proxy = Proxy(
             settings,
             self.pool,
@@ -271,6 +285,7 @@ class Gateway:
             self.admission,
             self.connections,
             engine_auth=engine_auth,
+            key_errors=key_errors,
         )
         self.watcher = (
             KeyFileWatcher(settings.api_keys_file, self.keyring, settings, file_keys)

@@ -45,7 +45,9 @@ and URL parsers echo attacker input. Raised when:
   + RateLimited               429 rate_limited: over the key's in-flight cap or its rate
   | |                         limit (access/admission.py)
   | + TooManyFailures         429 too_many_failures: a client address past its failed
-  |                           authentications in the window (access/throttle.py)
+  | |                         authentications in the window (access/throttle.py)
+  | + TooManyEngineErrors     429 too_many_engine_errors: a key whose requests the engines
+  |                           answered 5xx too often in the window (routing/key_errors.py)
   + Overloaded                503 overloaded: over limits.max_in_flight (access/admission.py)
   | + NoEngineAvailable       503 no_engine_available: no engine, no healthy engine (for
   | |                         a route about an engine, not a model), or no models known yet
@@ -283,6 +285,15 @@ class TooManyFailures(RateLimited):
 
     code = "too_many_failures"
     default_message = "Too many failed authentications from this address; retry later."
+
+
+class TooManyEngineErrors(RateLimited):
+    """A key whose requests the engines answered 5xx (501 included) `routing.key_errors`
+    times in the current window (routing/key_errors.py); Retry-After: whole seconds to
+    the window's end. The key is throttled, not the engine."""
+
+    code = "too_many_engine_errors"
+    default_message = "Too many of this key's requests failed at the engine; retry later."
 
 
 # --- 5xx: the gateway or its engines could not answer ---------------------------------

@@ -23,6 +23,15 @@ async def health(engine: Engine, req: Request) -> None:
     await respond(req.send, 200, b"", None)
 
 
+async def not_implemented(engine: Engine, req: Request) -> None:
+    # vLLM's answer when a route's handler is not set up for the model: the route raises
+    # NotImplementedError, which its exception handler answers 501
+    # (vllm/entrypoints/serve/exception_handling/error_response.py).
+    raise SimError(
+        501, "The model does not support the structured decision API", "NotImplementedError"
+    )
+
+
 async def version(engine: Engine, req: Request) -> None:
     await respond_json(req.send, {"version": VERSION})
 

@@ -42,6 +42,8 @@ Handler = Callable[[Engine, Request], Coroutine[Any, Any, None]]
 # (docs/vllm.md).
 GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 RECORDER_PATH = "/sim/requests"
+# PUT a number of seconds: every GET /health waits that long before answering (0: not).
+HEALTH_DELAY_PATH = "/sim/health-delay"
 ADAPTERS_PREFIX = "/adapters/"
 
 
@@ -94,6 +96,8 @@ def routes(
         table["/v1/load_lora_adapter"] = {"POST": admin.load_lora}
         table["/v1/unload_lora_adapter"] = {"POST": admin.unload_lora}
         table["/adapters"] = {"POST": admin.load_lora}
+    for path in config.not_implemented:
+        table[path] = {"POST": admin.not_implemented}
     return table
 
 
@@ -119,6 +123,8 @@ class SimApp:
             config.allowed_local_media_path,
         )
         self.engine = Engine(config, media)
+        # Seconds each GET /health waits (HEALTH_DELAY_PATH): a starved engine.
+        self.health_delay = 0.0
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -155,7 +161,7 @@ class SimApp:
         metrics = self.engine.metrics
         is_recorder = self.recorder is not None and path == RECORDER_PATH
         label, table = self._lookup(path)
-        if not is_recorder:
+        if not (is_recorder or path == HEALTH_DELAY_PATH):
             metrics.received[label] = metrics.received.get(label, 0) + 1
         try:
             body = await read_body(receive, self.config.max_body_bytes)
@@ -172,6 +178,12 @@ class SimApp:
             assert self.recorder is not None
             await self.recorder.serve(req)
             return
+        if path == HEALTH_DELAY_PATH and method == "PUT":
+            self.health_delay = min(max(float(body or b"0"), 0.0), 600.0)
+            await respond(send, 200, b"", None)
+            return
+        if path == "/health" and self.health_delay:
+            await asyncio.sleep(self.health_delay)
         if self.recorder is not None:
             self.recorder.add(req)
         if self.config.api_key and method != "OPTIONS" and path.startswith(GUARDED_PREFIXES):

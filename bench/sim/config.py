@@ -31,6 +31,8 @@ class SimConfig:
     # Seconds the event loop is held per MiB of request body (0: not at all).
     loop_hold_per_mib: float = 0.0
     served_model_names: tuple[str, ...] = field(default=())
+    # Routes answered 501 as vLLM answers a route its model does not serve.
+    not_implemented: tuple[str, ...] = field(default=())
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -163,6 +165,14 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[str, int, SimConfig]:
         "server holds its loop parsing and validating a large body: health checks and "
         "other requests wait meanwhile (default: 0)",
     )
+    p.add_argument(
+        "--not-implemented",
+        nargs="+",
+        default=[],
+        metavar="PATH",
+        help="answer POST PATH 501 NotImplementedError, as vLLM 0.32 answers a route its "
+        "model does not serve (/v1/systemone on every architecture but six) (default: none)",
+    )
     a = p.parse_args(argv)
     if a.block_size < 1 or a.max_model_len < 1 or a.max_num_seqs < 1:
         p.error("--block-size, --max-model-len and --max-num-seqs must be positive")
@@ -185,5 +195,6 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[str, int, SimConfig]:
         record_requests=max(0, a.record_requests),
         served_model_names=tuple(a.served_model_name),
         loop_hold_per_mib=a.loop_hold_per_mib,
+        not_implemented=tuple(a.not_implemented),
     )
     return a.host, a.port, config

@@ -20,6 +20,7 @@ from gateway.errors import GatewayError, UpstreamBroken, UpstreamTimeout, Upstre
 from gateway.exchange import Exchange
 from gateway.observability.metrics import Metrics
 from gateway.routing.engine import Engine, Lease
+from gateway.routing.key_errors import KeyErrors
 from gateway.routing.pool import EnginePool
 from gateway.upstream.errors import (
     ConnectFailed,
@@ -52,10 +53,18 @@ class Forwarder:
     """Sends requests through an upstream client (`UpstreamClient`: the real one, or a
     fake engine in tests) and hands each answer to a relay while its engine is leased."""
 
-    def __init__(self, upstream: UpstreamClient, pool: EnginePool, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        upstream: UpstreamClient,
+        pool: EnginePool,
+        metrics: Metrics,
+        key_errors: KeyErrors | None = None,
+    ) -> None:
         self.upstream = upstream
         self.pool = pool
         self.metrics = metrics
+        # Engine 5xx per key (routing/key_errors.py); None: not counted.
+        self.key_errors = key_errors
         self._counts = metrics.routing
 
     async def forward(
@@ -95,15 +104,22 @@ class Forwarder:
                     raise gateway_error(exc, answering=False) from None
                 except UpstreamError as exc:
                     ex.engine = engine.public_url
+                    # A timeout or a broken answer: a failure of the engine's own.
                     pool.failed(engine)
                     raise gateway_error(exc, answering=False) from None
                 ex.engine = engine.public_url
                 ex.ttfb = time.perf_counter() - sent_at
                 self.metrics.observe_ttfb(ex.route.label, ex.ttfb)
                 if resp.status >= 500:
-                    pool.failed(engine)
-                elif engine.failures or engine.backoff:
-                    pool.succeeded(engine)
+                    # Maybe this request's doing: counted for its key, and toward
+                    # ejection only with other keys' (routing/pool.py, `failed`).
+                    pool.failed(engine, resp.status, ex.key_name or "")
+                    if self.key_errors is not None:
+                        await self.key_errors.failed(ex.key_name)
+                else:
+                    engine.answered_at = time.monotonic()
+                    if engine.failures or engine.backoff:
+                        pool.succeeded(engine)
                 try:
                     await relay(resp)
                 finally:

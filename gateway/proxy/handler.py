@@ -34,6 +34,7 @@ from gateway.proxy.headers import request_allowlist
 from gateway.proxy.metering import plan
 from gateway.proxy.relay import Relay
 from gateway.routing.engine import Engine
+from gateway.routing.key_errors import KeyErrors
 from gateway.routing.policy import Policy, RoutingRequest
 from gateway.routing.pool import EnginePool
 from gateway.server.limits import ConnectionGuard
@@ -56,6 +57,7 @@ class Proxy:
         connections: ConnectionGuard,
         *,
         engine_auth: Sequence[tuple[bytes, bytes]],
+        key_errors: KeyErrors | None = None,
     ) -> None:
         self.settings = settings
         self.connections = connections
@@ -65,7 +67,9 @@ class Proxy:
         self.pool = pool
         self.policy = policy
         self.check_request = RequestCheck(pool, settings.payload)
-        self.forwarder = Forwarder(upstream, pool, metrics)
+        # A key whose requests keep failing at the engine is throttled, not the engine.
+        self.key_errors = key_errors
+        self.forwarder = Forwarder(upstream, pool, metrics, key_errors)
         self.relay = Relay(settings.timeouts.idle)
         self._counts = metrics.routing
         # The engine's own key (app.py builds it), after the client's headers.
@@ -80,6 +84,9 @@ class Proxy:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ex = exchange_of(scope)
         self.check_request.route(ex)
+        if self.key_errors is not None:
+            # Before the body: a throttled key costs no read and reaches no engine.
+            self.key_errors.check(ex.key_name)
         # Checked before the body is read; only the checked parameters are forwarded.
         query = forwarded_query(ex.route, scope.get("query_string", b""))
         response_id = stored_response_id(ex.route, scope["gateway.path"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import structlog
 
@@ -42,8 +42,11 @@ class EngineChecks:
         settings: RoutingSettings,
         upstream: UpstreamClient,
         headers: Sequence[tuple[bytes, bytes]],
+        sole: Callable[[Engine], bool] = lambda engine: False,
     ) -> None:
         self._settings = settings
+        # Whether an engine is the last in rotation for its models (the pool knows).
+        self._sole = sole
         self._upstream = upstream
         self._headers = list(headers)
         # Whether the engine key goes with each request (health reasons name it).
@@ -95,17 +98,23 @@ class EngineChecks:
         return health_changed or models_changed
 
     def _busy(self, engine: Engine, verdict: Verdict | None) -> bool:
-        """True when `verdict` is a timeout that leaves `engine` in rotation: it is
-        healthy, has requests of this process in flight, and its checks have timed out
-        for less than `routing.busy_grace` seconds in a row (logged once per run)."""
-        if (
-            verdict is None
-            or verdict.reason != TIMEOUT
-            or not (engine.healthy and engine.in_flight)
-        ):
+        """True when `verdict` is a timeout that leaves `engine` in rotation (logged once
+        per run of them): it is healthy, and either has requests of this process in
+        flight while its checks have timed out for less than `routing.busy_grace`
+        seconds in a row, or is the last engine in rotation for its models and still
+        answers requests (one in flight, or one answered below 500 within busy_grace).
+        Slowness alone never takes out the last engine that answers: without it every
+        request is refused 503, where a slow answer is still an answer (a starved
+        engine took over 1 s to answer /health while it served every request)."""
+        if verdict is None or verdict.reason != TIMEOUT or not engine.healthy:
             engine.slow_since = None
             return False
         now = time.monotonic()
+        grace = self._settings.busy_grace
+        answering = engine.in_flight > 0 or now - engine.answered_at < grace
+        if not answering:
+            engine.slow_since = None
+            return False
         if engine.slow_since is None:
             engine.slow_since = now
             log.info(
@@ -114,7 +123,9 @@ class EngineChecks:
                 in_flight=engine.in_flight,
                 detail=verdict.detail,
             )
-        return now - engine.slow_since < self._settings.busy_grace
+        if self._sole(engine):
+            return True
+        return engine.in_flight > 0 and now - engine.slow_since < grace
 
     async def _models(self, engine: Engine) -> ModelList | Verdict:
         """The engine's model list, or why it could not be read."""

@@ -21,10 +21,13 @@ class Engine:
     user:password@, for logs and answers."""
 
     __slots__ = (
+        "answered_at",
         "backoff",
         "detail",
         "ejected_until",
         "ejections",
+        "failing_keys",
+        "failing_wide",
         "failures",
         "healthy",
         "in_flight",
@@ -65,6 +68,13 @@ class Engine:
         self.models_at = 0.0
         # Passive ejection: 5xx answers in a row, the current back-off, until when.
         self.failures = 0
+        # The run's keys (at most routing.eject_keys of them), and whether it holds a
+        # failure of the engine's own (a timeout, a broken answer): what lets it eject.
+        self.failing_keys: set[str] = set()
+        self.failing_wide = False
+        # When (time.monotonic()) it last answered a request of this process below 500;
+        # 0: never.
+        self.answered_at = 0.0
         self.backoff = 0.0
         self.ejected_until = 0.0
         self.ejections = 0

@@ -4,12 +4,19 @@
   every `routing.dns_interval` seconds to one engine per address (dns.py); such an
   engine keeps the entry's name for its Host header and TLS server name.
 - Health is checked actively (GET /health every `routing.health_interval`) and
-  passively: an engine that refuses a connection, or answers `routing.eject_after_5xx`
-  5xx in a row, is ejected for a back-off that doubles while it keeps failing, and comes
-  back when a health check passes after the back-off. A check that times out while the
+  passively: an engine that refuses a connection, or fails `routing.eject_after_5xx`
+  answers in a row, is ejected for a back-off that doubles while it keeps failing, and
+  comes back when a health check passes after the back-off. A run ejects only when it
+  says the engine is sick: 5xx for the requests of `routing.eject_keys` keys or more, or
+  a failure of the engine's own (a timeout, a broken answer). One key's requests can
+  fail on their content (vLLM answers 501 for a route its model does not serve, 500 for
+  some inputs): that key is throttled (key_errors.py), the engine stays. A 501 never
+  counts at all. A check that times out while the
   engine answers requests of this process keeps it in rotation for `routing.busy_grace`
   seconds of timeouts in a row (vLLM parses a body on its server's event loop, and one
-  large body can hold its /health answer for seconds); an idle engine is taken out.
+  large body can hold its /health answer for seconds); an idle engine is taken out. The
+  last engine in rotation for its models is never taken out by a timeout while it
+  answers requests (checks.py, `_busy`).
 - An engine is healthy only once its served models are known (GET /v1/models), so a
   ready gateway never refuses a served model as unknown. Models are read again every
   `routing.models_interval` seconds. `index` (models.py) says which healthy engines
@@ -47,6 +54,9 @@ from gateway.upstream.interfaces import UpstreamClient
 # While no engine is ready, health checks run at least this often, so a gateway that
 # started before its engines (or whose first model listing failed) turns ready soon.
 NOT_READY_INTERVAL = 0.25
+# vLLM answers 501 for a route its model does not serve (NotImplementedError, e.g.
+# /v1/systemone on every architecture but six): a property of the request, not the engine.
+NOT_IMPLEMENTED = 501
 
 log = structlog.get_logger("gateway.pool")
 
@@ -72,7 +82,7 @@ class EnginePool:
         resolver: Resolver = resolve,
     ) -> None:
         self._settings = settings
-        self._checks = EngineChecks(settings, upstream, headers)
+        self._checks = EngineChecks(settings, upstream, headers, sole=self._sole)
         self._on_health = on_health
         self._resolver = resolver
         self._static: list[Engine] = []
@@ -100,6 +110,16 @@ class EnginePool:
         """At least one engine is healthy, so its served models are known."""
         return bool(self._healthy)
 
+    def _sole(self, engine: Engine) -> bool:
+        """Whether no other engine in rotation serves any of `engine`'s models."""
+        others = [e for e in self._healthy if e is not engine]
+        if not others:
+            return True
+        if self.extra_models:
+            return False
+        models = engine.models
+        return not any(e.models & models for e in others)
+
     def _changed(self, engine: Engine | None = None) -> None:
         self._healthy = [e for e in self.engines if e.healthy]
         self.index = ModelIndex(self.engines, self.extra_models)
@@ -121,20 +141,34 @@ class EnginePool:
         engine.ejected_until = time.monotonic() + engine.backoff
         engine.ejections += 1
         after = engine.failures if reason == "5xx" else None
-        engine.failures = 0
+        _end_run(engine)
         judge(engine, ejected_verdict(error, after_5xx=after, backoff=engine.backoff))
         self._changed(engine)
 
-    def failed(self, engine: Engine) -> None:
-        """The engine answered 5xx (or broke a response off): a run of them ejects it."""
+    def failed(self, engine: Engine, status: int | None = None, key: str | None = None) -> None:
+        """A request failed at `engine`: it answered `status` (5xx) to the request of
+        the key named `key` ("" for a caller without a key), or (`status` None) it
+        timed out or broke its answer off, a failure of its own. A run of them ejects
+        it once it spans `eject_keys` keys or holds a failure of its own; a 501 (the
+        engine does not serve that route for its model) is not a failure of the engine
+        and does not count."""
+        if status == NOT_IMPLEMENTED:
+            return
+        s = self._settings
         engine.failures += 1
-        if engine.failures >= self._settings.eject_after_5xx:
+        if status is None or key is None:
+            engine.failing_wide = True
+        elif len(engine.failing_keys) < s.eject_keys:
+            engine.failing_keys.add(key)
+        if engine.failures >= s.eject_after_5xx and (
+            engine.failing_wide or len(engine.failing_keys) >= s.eject_keys
+        ):
             self.eject(engine, reason="5xx")
 
     @staticmethod
     def succeeded(engine: Engine) -> None:
         """The engine answered below 500: its run of failures and its back-off end."""
-        engine.failures = 0
+        _end_run(engine)
         engine.backoff = 0.0
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -248,6 +282,13 @@ class EnginePool:
 
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self._checks.scrape(e) for e in self._healthy))
+
+
+def _end_run(engine: Engine) -> None:
+    engine.failures = 0
+    engine.failing_wide = False
+    if engine.failing_keys:
+        engine.failing_keys.clear()
 
 
 async def _round(job: Callable[[], Coroutine[Any, Any, None]]) -> None:

@@ -25,7 +25,9 @@ class RoutingSettings(BaseModel):
     # keeps it in rotation for up to this many seconds of checks in a row timing out:
     # vLLM's API server parses and validates a request body on its event loop, so one
     # large body can hold its /health answer for seconds while nothing is wrong. An
-    # idle engine that times out, or one still timing out after this, is taken out.
+    # idle engine that times out, or one still timing out after this, is taken out;
+    # except the last engine in rotation for its models: while it answered a request
+    # within this many seconds (or has one in flight), slowness alone never takes it out.
     busy_grace: float = Field(default=10.0, ge=0.0)
     # A healthy engine's model list (GET /v1/models) is read again this often, at its
     # next health check: what it serves (adapters loaded or unloaded) and the gateway's
@@ -38,9 +40,20 @@ class RoutingSettings(BaseModel):
     # `eject_backoff` seconds and doubles with each ejection that follows without a
     # good answer in between (at most `eject_backoff_max`); it comes back when a health
     # check passes after the back-off.
+    # A run of 5xx ejects only when it says the engine is sick, not one request: it
+    # spans the requests of `eject_keys` keys or more, or holds a failure of the
+    # engine's own (a timeout, an answer broken off). An engine's 501 (a route its
+    # model does not serve) never counts (docs/routing.md, "Whose failure is it").
     eject_after_5xx: int = Field(default=5, ge=1)
+    eject_keys: int = Field(default=2, ge=1)
     eject_backoff: float = Field(default=1.0, gt=0.0)
     eject_backoff_max: float = Field(default=30.0, gt=0.0)
+    # A key whose requests the engines answer 5xx (501 included) this many times in a
+    # window of `key_errors_window` seconds, aligned to the epoch, is answered 429
+    # `too_many_engine_errors` until the window ends (routing/key_errors.py; 0: off).
+    # With a store the count is shared by every process and replica.
+    key_errors: int = Field(default=30, ge=0)
+    key_errors_window: float = Field(default=60.0, gt=0.0)
     # Scrape each healthy engine's /metrics this often for `vllm:num_requests_running`,
     # `vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc` (0: off). The load
     # bound and `least_loaded` then compare the engines' own running + waiting, which

@@ -244,14 +244,19 @@ def _held_chat(pool: ThreadPoolExecutor, gateway: Proc, key: str, mib: int) -> F
 
 
 @contextmanager
-def _busy_stack(tmp_path: Path, hold_per_mib: str, **env: str) -> Iterator[tuple[Proc, Proc]]:
+def _busy_stack(
+    tmp_path: Path, hold_per_mib: str, *others: Proc, **env: str
+) -> Iterator[tuple[Proc, Proc]]:
     """A simulated engine that holds its event loop `hold_per_mib` s per MiB of body (as
-    vLLM's server does parsing one), and a gateway checking it every 0.1 s within 0.2 s."""
+    vLLM's server does parsing one), and a gateway checking it (and `others`, started
+    by the caller, listed after it) every 0.1 s within 0.2 s."""
     sim = sim_proc(tmp_path, "--latency", "zero", "--loop-hold-per-mib", hold_per_mib)
     gateway = gateway_proc(
         tmp_path,
         {
-            "GATEWAY_ENGINES": json.dumps([sim.url]),
+            "GATEWAY_ENGINES": json.dumps([sim.url, *(o.url for o in others)]),
+            # The first engine takes each request while it is in rotation.
+            "GATEWAY_ROUTING__POLICY": "least_loaded",
             "GATEWAY_API_KEYS": json.dumps([ADMIN, UPSTREAM]),
             "GATEWAY_ROUTING__HEALTH_INTERVAL": "0.1",
             "GATEWAY_ROUTING__HEALTH_TIMEOUT": "0.2",
@@ -288,16 +293,25 @@ def test_an_engine_busy_with_our_request_stays_in_rotation_while_it_misses_check
 def test_an_engine_still_timing_out_after_its_grace_is_taken_out(tmp_path: Path) -> None:
     """With busy_grace 0.5 s and a 3 s hold, the engine is taken out (reason timeout)
     while the request is still in flight, and comes back once it answers checks again;
-    the request in flight is answered."""
+    the request in flight is answered. Another engine serves its model: the last one
+    would stay while it answers (tests/e2e/test_engine_blame.py)."""
     grace = {"GATEWAY_ROUTING__BUSY_GRACE": "0.5"}
-    with _busy_stack(tmp_path, "3", **grace) as (_, gateway), ThreadPoolExecutor(1) as pool:
+    spare = sim_proc(tmp_path, "--latency", "zero")
+    with (
+        running(spare),
+        _busy_stack(tmp_path, "3", spare, **grace) as (sim, gateway),
+        ThreadPoolExecutor(1) as pool,
+    ):
+        lines = lambda: [x for x in health_lines(gateway) if x["engine"] == sim.url]  # noqa: E731
         big = _held_chat(pool, gateway, ADMIN, 1)
-        out = lambda: [line for line in health_lines(gateway) if not line["healthy"]]  # noqa: E731
+        out = lambda: [line for line in lines() if not line["healthy"]]  # noqa: E731
         assert wait_for(out, timeout=20), gateway.log_tail()
         assert [line["reason"] for line in out()] == ["timeout"]
         assert not big.done()  # taken out while the request was in flight
         assert len(_slow_lines(gateway)) == 1
         assert big.result(30) == 200
-        assert wait_for(lambda: HTTP.get(gateway.url + "/readyz").status_code == 200, timeout=20)
+        assert wait_for(lambda: len(lines()) == 3, timeout=20)
         # Healthy at start, out, back.
-        assert [line["healthy"] for line in health_lines(gateway)] == [True, False, True]
+        assert [line["healthy"] for line in lines()] == [True, False, True]
+        spare_out = [x for x in health_lines(gateway) if x["engine"] == spare.url]
+        assert all(x["healthy"] for x in spare_out)

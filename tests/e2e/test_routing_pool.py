@@ -30,6 +30,7 @@ from tests.procs import Proc, gateway_proc, scrape, sim_proc, wait_for
 
 KEY = "sk-routing-pool-0123456789abcdef"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
+OTHER_KEY = "sk-routing-pool-other-0123456789abcdef"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 MODELS_BODY = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()
 CHAT_BODY = json.dumps({"id": "x", "object": "chat.completion", "choices": []}).encode()
@@ -272,14 +273,18 @@ def test_a_run_of_5xx_ejects_the_engine(sim: Proc, tmp_path: Path) -> None:
             [sim.url, bad.url],
             GATEWAY_ROUTING__POLICY="round_robin",
             GATEWAY_ROUTING__EJECT_BACKOFF="60",
+            GATEWAY_API_KEYS=json.dumps([KEY, OTHER_KEY]),
         )
         try:
+            # Two keys take turns: the run of 5xx spans both (one key's alone would not
+            # eject: tests/e2e/test_engine_blame.py).
+            keys = [HEADERS, {"Authorization": f"Bearer {OTHER_KEY}"}]
             with httpx.Client(timeout=10) as client:
                 statuses = [
                     client.post(
-                        gw.url + "/v1/chat/completions", headers=HEADERS, json=CHAT
+                        gw.url + "/v1/chat/completions", headers=keys[i // 2 % 2], json=CHAT
                     ).status_code
-                    for _ in range(20)
+                    for i in range(20)
                 ]
             # The engine's own 500s pass through until the fifth in a row ejects it.
             assert statuses.count(500) == 5 and statuses.count(200) == 15, statuses

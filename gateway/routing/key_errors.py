@@ -1,0 +1,114 @@
+"""Engine errors per key: a key whose requests keep failing at the engine is throttled,
+not the engine.
+
+An engine's 5xx to one key's request may be that request's doing: vLLM answers 501 to a
+route its model does not serve (/v1/systemone on every architecture but six) and 500 to
+some inputs. Those answers do not eject the engine (pool.py, `failed`); they count here,
+per key name, in windows aligned to multiples of `routing.key_errors_window` since the
+epoch (so every process and replica counts the same window). Once a key has
+`routing.key_errors` of them in the current window, each request of that key is
+answered 429 `too_many_engine_errors` before it reaches an engine, with Retry-After the
+seconds to the window's end.
+
+With a store (`SharedCount`, gateway/store/failures.py) the count is the larger of the
+store's, across all processes and replicas, and this process's own; the store is asked
+on an engine's 5xx only, so a process learns that a key is over the limit at that key's
+next 5xx in it. Without one, each process counts alone: a key gets up to `key_errors`
+5xx per window from each process.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gateway.access.throttle import SharedCount
+from gateway.errors import TooManyEngineErrors
+
+# Keys counted at once; past it, the one counted longest ago goes. Keys are configured,
+# so this bounds nothing an attacker controls; it keeps a key file of any size cheap.
+MAX_TRACKED = 16_384
+# The store counts these under the unit "key:<name>", apart from client addresses.
+UNIT_PREFIX = "key:"
+
+
+class _Window:
+    __slots__ = ("count", "logged", "start")
+
+    def __init__(self, start: float) -> None:
+        self.start = start
+        self.count = 0
+        self.logged = False
+
+
+class KeyErrors:
+    """Counts engine 5xx answers per key name and throttles a key past `limit` in a
+    window of `window` seconds."""
+
+    def __init__(
+        self,
+        limit: int,
+        window: float,
+        *,
+        logger: Any,
+        shared: SharedCount | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.limit = limit
+        self.window = window
+        self.shared = shared
+        self._log = logger
+        self._clock = clock
+        # Key name -> its current window; insertion order is the order counted.
+        self._windows: dict[str, _Window] = {}
+
+    def _start(self, now: float) -> float:
+        return math.floor(now / self.window) * self.window
+
+    def check(self, key: str | None) -> None:
+        """Raise TooManyEngineErrors when `key` is throttled in the current window."""
+        if key is None or not self._windows:
+            return
+        entry = self._windows.get(key)
+        if entry is None or entry.count < self.limit:
+            return
+        now = self._clock()
+        if entry.start != self._start(now):
+            return
+        seconds = max(1, math.ceil(entry.start + self.window - now))
+        if not entry.logged:
+            entry.logged = True
+            self._log.warning(
+                "key_engine_errors_throttled",
+                key=key,
+                errors=entry.count,
+                window=self.window,
+                retry_after=seconds,
+            )
+        raise TooManyEngineErrors(
+            f"Too many of this key's requests failed at the engine; retry in {seconds} s.",
+            retry_after=seconds,
+        )
+
+    async def failed(self, key: str | None) -> None:
+        """Count an engine's 5xx to a request of `key` (None: a caller without a key,
+        not counted)."""
+        if key is None:
+            return
+        now = self._clock()
+        start = self._start(now)
+        windows = self._windows
+        entry = windows.get(key)
+        if entry is None or entry.start != start:
+            if entry is not None:
+                del windows[key]
+            elif len(windows) >= MAX_TRACKED:
+                del windows[next(iter(windows))]
+            entry = windows[key] = _Window(start)
+        entry.count += 1
+        if self.shared is not None:
+            total = await self.shared.add(UNIT_PREFIX + key, self.window)
+            if total is not None and total > entry.count:
+                entry.count = total
