@@ -31,6 +31,8 @@ NAMES = ("messages", "hidden", "binary", "stored", "decisions", "scrub")
 KEYS = {name: f"sk-real-meter-{name}-0123456789" for name in NAMES}
 SECRET = "real-tier-namespace-secret-0123456789"
 OTHER_SECRET = "another-namespace-secret-0123456789"
+# Seconds for one answer: a busy 2-core machine shares the engine with other work.
+TIMEOUT = 60
 
 
 @dataclass
@@ -110,7 +112,7 @@ def metered_as_counted(
 
 def sse_events(url: str, key: str, body: dict[str, object]) -> list[dict[str, object]]:
     events = []
-    with HTTP.stream("POST", url, headers=auth(key), json=body, timeout=60) as r:
+    with HTTP.stream("POST", url, headers=auth(key), json=body, timeout=TIMEOUT) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -131,7 +133,7 @@ def test_messages_are_metered_at_the_engines_prompt_count(stack: Stack) -> None:
     answers: list[dict[str, int]] = []
 
     def ask() -> None:
-        r = HTTP.post(url, headers=auth(KEYS["messages"]), json=body, timeout=60)
+        r = HTTP.post(url, headers=auth(KEYS["messages"]), json=body, timeout=TIMEOUT)
         assert r.status_code == 200, r.text
         answers.append(r.json()["usage"])
 
@@ -201,7 +203,12 @@ def test_binary_embeddings_are_metered(stack: Stack) -> None:
 
     def ask(fmt: str) -> Callable[[], None]:
         def call() -> None:
-            r = HTTP.post(url, headers=auth(KEYS["binary"]), json={**body, "encoding_format": fmt})
+            r = HTTP.post(
+                url,
+                headers=auth(KEYS["binary"]),
+                json={**body, "encoding_format": fmt},
+                timeout=TIMEOUT,
+            )
             assert r.status_code == 200, r.text
             answers.append(r)
 
@@ -216,7 +223,9 @@ def test_binary_embeddings_are_metered(stack: Stack) -> None:
         metered_as_counted(stack.embed_gateway, "binary", stack.embed, ask("bytes_only")) == moved
     )
     direct = HTTP.post(
-        stack.embed.url + "/v1/embeddings", json={**body, "encoding_format": "bytes_only"}
+        stack.embed.url + "/v1/embeddings",
+        json={**body, "encoding_format": "bytes_only"},
+        timeout=TIMEOUT,
     )
     assert direct.status_code == 200
     assert "metadata" not in direct.headers and "metadata" not in answers[-1].headers
@@ -235,7 +244,9 @@ def test_a_stored_response_is_metered_once_and_read_by_a_twin_gateway(stack: Sta
     made: list[dict[str, object]] = []
 
     def create() -> None:
-        r = HTTP.post(stack.gateway.url + "/v1/responses", headers=auth(key), json=body)
+        r = HTTP.post(
+            stack.gateway.url + "/v1/responses", headers=auth(key), json=body, timeout=TIMEOUT
+        )
         assert r.status_code == 200, r.text
         made.append(r.json())
 
@@ -246,7 +257,7 @@ def test_a_stored_response_is_metered_once_and_read_by_a_twin_gateway(stack: Sta
     # Read back through the gateway that made it, and through another process with the
     # same namespace secret: the engine's stored answer, metered to nobody.
     for gw in (stack.gateway, stack.gateway, stack.twin):
-        read = HTTP.get(f"{gw.url}/v1/responses/{answer['id']}", headers=auth(key))
+        read = HTTP.get(f"{gw.url}/v1/responses/{answer['id']}", headers=auth(key), timeout=TIMEOUT)
         assert read.status_code == 200, read.text
         assert read.json() == answer
     assert len(received(stack.engine)) == before.requests + 3
@@ -266,7 +277,9 @@ def test_a_stored_response_is_metered_once_and_read_by_a_twin_gateway(stack: Sta
     assert metered(stack.twin, "stored") == (0, 0)
     # A gateway with another secret does not know the id: refused before the engine.
     seen = len(received(stack.engine))
-    other = HTTP.get(f"{stack.stranger.url}/v1/responses/{answer['id']}", headers=auth(key))
+    other = HTTP.get(
+        f"{stack.stranger.url}/v1/responses/{answer['id']}", headers=auth(key), timeout=TIMEOUT
+    )
     assert other.status_code == 404
     assert error_code(other) == "response_not_found"
     assert len(received(stack.engine)) == seen
@@ -284,7 +297,10 @@ def test_a_question_named_usage_is_metered(stack: Stack) -> None:
 
     def ask() -> None:
         r = HTTP.post(
-            stack.gateway.url + "/v1/systemone", headers=auth(KEYS["decisions"]), json=body
+            stack.gateway.url + "/v1/systemone",
+            headers=auth(KEYS["decisions"]),
+            json=body,
+            timeout=TIMEOUT,
         )
         assert r.status_code == 200, r.text
         answers.append(r)
@@ -303,9 +319,12 @@ def test_an_engine_error_keeps_its_numbers(stack: Stack) -> None:
         "logit_bias": {"99999999": 5},
     }
     r = HTTP.post(
-        stack.gateway.url + "/v1/chat/completions", headers=auth(KEYS["scrub"]), json=body
+        stack.gateway.url + "/v1/chat/completions",
+        headers=auth(KEYS["scrub"]),
+        json=body,
+        timeout=TIMEOUT,
     )
-    direct = HTTP.post(stack.engine.url + "/v1/chat/completions", json=body)
+    direct = HTTP.post(stack.engine.url + "/v1/chat/completions", json=body, timeout=TIMEOUT)
     assert r.status_code == direct.status_code == 400
     message = r.json()["error"]["message"]
     assert "token_id(s) [99999999] in logit_bias" in message
