@@ -27,7 +27,7 @@ import pytest
 
 from bench.harness.realvllm.home import Home
 from bench.harness.realvllm.launcher import Engine
-from bench.harness.realvllm.models import ALL, CHAT, EMBED, MULTIMODAL, RERANK
+from bench.harness.realvllm.models import ALL, CHAT, DECISIONS, EMBED, MULTIMODAL, RERANK
 
 # Label -> model. Two chat engines for the routing comparison.
 ENGINES = {
@@ -36,6 +36,18 @@ ENGINES = {
     "multimodal": MULTIMODAL,
     "embed": EMBED,
     "rerank": RERANK,
+    "metering": DECISIONS,
+}
+# Label -> (extra `vllm serve` arguments, extra environment) of engines not in vLLM's
+# default configuration.
+ENGINE_OPTIONS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
+    # Metering (test_metering.py): the cached part of a prompt in every usage object, the
+    # Responses store (vllm/envs.py), and the logprobs /v1/systemone reads its labels from
+    # (`select_read_strategy` in vllm/entrypoints/generate/structured_decisions/strategies.py).
+    "metering": (
+        ("--enable-prompt-tokens-details", "--logprobs-mode", "processed_logprobs"),
+        {"VLLM_ENABLE_RESPONSES_API_STORE": "1"},
+    ),
 }
 
 
@@ -54,7 +66,14 @@ class Engines:
         with self._lock:
             for label in labels:
                 if label not in self._starts:
-                    engine = Engine(ENGINES[label], served_name=ENGINES[label], home=self.home)
+                    args, env = ENGINE_OPTIONS.get(label, ((), {}))
+                    engine = Engine(
+                        ENGINES[label],
+                        served_name=ENGINES[label],
+                        args=args,
+                        env=env,
+                        home=self.home,
+                    )
                     self._starts[label] = self._pool.submit(engine.start)
 
     def get(self, label: str) -> Engine:

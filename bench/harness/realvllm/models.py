@@ -13,6 +13,7 @@ trainer's ids for equally frequent tokens change between runs).
 | tiny-qwen2vl | Qwen2VLForConditionalGeneration, ≤ 64 tokens an image | chat with images |
 | tiny-bert-embed | BertModel + mean pooling (sentence-transformers layout) | embeddings, score |
 | tiny-bert-rerank | BertForSequenceClassification, one label | score, rerank, classify |
+| tiny-qwen3 | Qwen3ForCausalLM, 2 layers, hidden 256 (`yes`, `no` are tokens) | /v1/systemone |
 
 Their output is gibberish: only HTTP behaviour, routes, metrics and media matter here.
 """
@@ -42,7 +43,8 @@ CHAT = "tiny-llama"
 MULTIMODAL = "tiny-qwen2vl"
 EMBED = "tiny-bert-embed"
 RERANK = "tiny-bert-rerank"
-ALL = (CHAT, MULTIMODAL, EMBED, RERANK)
+DECISIONS = "tiny-qwen3"
+ALL = (CHAT, MULTIMODAL, EMBED, RERANK, DECISIONS)
 
 BPE_SPECIALS = (
     "<|endoftext|>",  # padding
@@ -125,6 +127,13 @@ _WORD_TEXT = (
 WORDS = tuple(_WORD_TEXT.split())
 
 
+# /v1/systemone reads each label (A-Z, yes/no, 0-9) as the reply's one first token after
+# the generation prompt (`reply_label_ids` in
+# vllm/entrypoints/generate/structured_decisions/strategies.py), and the corpus has `yes`
+# and `no` only after a space: these lines make them tokens of their own.
+DECISION_LINES = ("yes", "no") * 50
+
+
 def corpus(sentences: int = 6000, seed: int = SEED) -> list[str]:
     """Deterministic training text: the same lines on every machine and every run."""
     rng = random.Random(seed)
@@ -159,7 +168,7 @@ def write_json(path: Path, data: Any) -> None:
 # --- tokenizers ------------------------------------------------------------------------
 
 
-def train_bpe() -> Any:
+def train_bpe(extra: Sequence[str] = ()) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -172,7 +181,7 @@ def train_bpe() -> Any:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus(), trainer)
+    tok.train_from_iterator([*corpus(), *extra], trainer)
     return tok
 
 
@@ -356,6 +365,38 @@ def build_multimodal(out: Path, bpe: Any) -> None:
     save_generation_config(out, end, ids["<|endoftext|>"], ids["<|endoftext|>"])
 
 
+def build_decisions(out: Path, bpe: Any) -> None:
+    """A Qwen3, the one small text architecture vLLM 0.32 serves /v1/systemone for
+    (`READ_STRATEGIES` in vllm/entrypoints/generate/structured_decisions/strategies.py)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    seed_everything()
+    tok = bpe_tokenizer(bpe, CHAT_TEMPLATE)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in BPE_SPECIALS}
+    config = Qwen3Config(
+        vocab_size=padded(len(tok)),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=MAX_LEN,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+        pad_token_id=ids["<|endoftext|>"],
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    config.architectures = ["Qwen3ForCausalLM"]
+    Qwen3ForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    save_template(out, CHAT_TEMPLATE)
+    save_generation_config(out, config.eos_token_id, config.pad_token_id, config.bos_token_id)
+
+
 def bert_config(vocab: int, **extra: Any) -> Any:
     from transformers import BertConfig
 
@@ -428,12 +469,14 @@ def build(out_dir: Path, names: Sequence[str] = ALL) -> list[Path]:
     torch.set_num_threads(1)
     out_dir.mkdir(parents=True, exist_ok=True)
     bpe = train_bpe() if {CHAT, MULTIMODAL} & set(names) else None
+    decisions_bpe = train_bpe(DECISION_LINES) if DECISIONS in names else None
     wordpiece = train_wordpiece() if {EMBED, RERANK} & set(names) else None
     builders: dict[str, Callable[[Path], None]] = {
         CHAT: lambda out: build_chat(out, bpe),
         MULTIMODAL: lambda out: build_multimodal(out, bpe),
         EMBED: lambda out: build_embed(out, wordpiece),
         RERANK: lambda out: build_rerank(out, wordpiece),
+        DECISIONS: lambda out: build_decisions(out, decisions_bpe),
     }
     built = []
     for name in names:
