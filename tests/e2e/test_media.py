@@ -413,7 +413,11 @@ def test_url_policy_table(stack: Stack) -> None:
 
 def _decision(**media: list[str]) -> dict[str, Any]:
     """A /v1/systemone body: media as top-level URL lists (docs/vllm.md)."""
-    question = {"type": "yes_no", "instructions": "Is there a cat?"}
+    question = {
+        "type": "noul",
+        "instructions": "Is there a cat?",
+        "criteria": {"true": "a cat is in the photo", "false": "no cat"},
+    }
     return {"model": MODEL, "state": "a photo", "questions": {"q1": question}, **media}
 
 
@@ -870,14 +874,14 @@ def test_inline_mode_hands_the_engine_a_validated_data_url(stack: Stack) -> None
 def test_structured_decisions_reach_the_engine_with_their_images_inlined(
     stack: Stack,
 ) -> None:
-    """/v1/systemone's `images` list is fetched, checked and inlined like a content part.
-    The simulated engine does not implement the route: it records the body, then
-    answers 404, which the gateway passes on."""
+    """/v1/systemone's `images` list is fetched, checked and inlined like a content part,
+    and the engine's answer comes back."""
     clear(stack, stack.gen)
     url = stack.o + "/img.png"
     r = stack.http.post(stack.inline.url + "/v1/systemone", headers=auth(),
                         json=_decision(images=[url]))  # fmt: skip
-    assert r.status_code == 404, r.text
+    assert r.status_code == 200, r.text
+    assert set(r.json()["answers"]) == {"q1"}
     (record,) = records(stack, stack.gen)
     assert record["path"] == "/v1/systemone"
     assert json.loads(record["body"])["images"] == [data_url("image/png", PNG)]
