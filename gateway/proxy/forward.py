@@ -97,6 +97,8 @@ class Forwarder:
                     ex.engine = engine.public_url
                     pool.failed(engine)
                     raise gateway_error(exc, answering=False) from None
+                # The engine has the body (it answers): not held for the answer's length.
+                data = None
                 ex.engine = engine.public_url
                 ex.ttfb = time.perf_counter() - sent_at
                 self.metrics.observe_ttfb(ex.route.label, ex.ttfb)
