@@ -122,8 +122,15 @@ async def read_body(
         bodies.pop(task, None)
     if len(chunks) == 1:
         return chunks[0]
-    # Joined, the chunks and the whole are held at once for a moment: charged as one.
-    return b"".join(chunks)
+    # While joined, the chunks and the whole are held at once: charged twice meanwhile.
+    if charge is not None:
+        charge.take(size)
+    try:
+        return b"".join(chunks)
+    finally:
+        del chunks
+        if charge is not None:
+            charge.give(size)
 
 
 class Incoming:
@@ -217,13 +224,22 @@ PAUSE_COLLECTOR_OVER = 64 * 1024
 _VALUE_OPENERS = b",[{"
 
 
-# What a parsed value holds at most, beyond its characters, for each byte of the body
-# that can start one or a member: `,` `[` `{` `:` (counted inside strings too: an upper
-# bound). Measured with tracemalloc over orjson.loads of 20 shapes, 0.3-1.2 million
-# values each (docs/facts.md, "Parsed bodies"): at most 78 bytes a marker (one-member
-# objects with unique keys, `{"k1":1},`), 73 for nested objects, 58 for one-character
-# strings, 32 for empty lists; a chat body 1.4x over its real size, token ids 1.9x.
-PARSED_PER_MARKER = 80
+# What a parsed body holds at most beyond its characters, for each byte of the body that
+# can make an object: `[` a list, `{` a dict (with its first entries' table), `,` a value
+# in a list or a member (its pointer, and a number or a string's header), `:` a member
+# (its key, its slot). Counted inside strings too: an upper bound. Fitted with
+# tracemalloc over orjson.loads of 27 shapes of 200,000 values each as the least
+# overcharge that charges none of them short (docs/facts.md, "What a parsed body
+# holds"): a chat 1.4x its real size, token ids 1.7x, unique strings and members 1.0x,
+# `[],` 1.9x, `true,` 7.6x (the singletons cost only their pointer).
+PARSED_PER_LIST = 64
+PARSED_PER_DICT = 136
+PARSED_PER_ITEM = 56
+PARSED_PER_MEMBER = 92
+# A str with a character past U+007F has a larger header (`PyCompactUnicodeObject`):
+# charged on each item and member of a body that may hold one (100,000 strings `"中1"`
+# hold 94 bytes each).
+PARSED_WIDE_HEADER = 32
 # Characters of a str take 1, 2 or 4 bytes, by the widest in the string: 4 for any
 # character past U+FFFF (a UTF-8 lead byte F0-F4, or a surrogate escape `\ud8`-`\udb`),
 # then 2 for any other non-ASCII byte or `\u` escape (an upper bound). One emoji in
@@ -231,23 +247,26 @@ PARSED_PER_MARKER = 80
 _FOUR_BYTE_CHARS = re.compile(rb"[\xf0-\xf4]|\\u[dD][89abAB]")
 
 
-def count_values(raw: bytes) -> int:
-    """The bytes of `raw` that open a value but for the first (`_VALUE_OPENERS`): an
-    upper bound of its values beyond one (1.3 ms a MiB)."""
-    return len(raw) - len(raw.translate(None, _VALUE_OPENERS))
-
-
-def parsed_size(raw: bytes, values: int) -> int:
-    """An upper bound of what `orjson.loads(raw)` holds, in bytes: its characters at
-    their widest, plus `PARSED_PER_MARKER` for each of its `values` (count_values) and
-    each `:`. An ASCII body without escapes is read twice more, fast (isascii, find)."""
+def parsed_size(raw: bytes) -> tuple[int, int]:
+    """An upper bound of what `orjson.loads(raw)` holds, in bytes, and the bytes that
+    open a value but for the body's first (`_VALUE_OPENERS`: an upper bound of its values
+    beyond one). Its characters at their widest, and the weights above for each byte
+    that can make an object. Counting passes over the bytes, ~0.3 ms a MiB each."""
+    header = 0
     if raw.isascii() and b"\\u" not in raw:
         width = 1
-    elif _FOUR_BYTE_CHARS.search(raw) is not None:
-        width = 4
     else:
-        width = 2
-    return width * len(raw) + PARSED_PER_MARKER * (values + raw.count(b":"))
+        width = 4 if _FOUR_BYTE_CHARS.search(raw) is not None else 2
+        header = PARSED_WIDE_HEADER
+    lists, dicts, items = raw.count(b"["), raw.count(b"{"), raw.count(b",")
+    size = (
+        width * len(raw)
+        + PARSED_PER_LIST * lists
+        + PARSED_PER_DICT * dicts
+        + (PARSED_PER_ITEM + header) * items
+        + (PARSED_PER_MEMBER + header) * raw.count(b":")
+    )
+    return size, lists + dicts + items
 
 
 def check_values(values: int, max_values: int) -> None:
@@ -269,7 +288,9 @@ def parse_json(raw: bytes, max_values: int, values: int | None = None) -> Any:
     4 MiB: 1.0 s, 0.1 s paused).
     """
     if len(raw) > COUNT_VALUES_OVER:
-        check_values(values if values is not None else count_values(raw), max_values)
+        if values is None:
+            values = len(raw) - len(raw.translate(None, _VALUE_OPENERS))
+        check_values(values, max_values)
     paused = len(raw) > PAUSE_COLLECTOR_OVER and gc.isenabled()
     if paused:
         gc.disable()
@@ -302,10 +323,9 @@ async def read_incoming(
         check_declared(scope["headers"], limits.max_body_bytes)
         raw = await read_body(receive, limits.max_body_bytes, guard, charge)
         # Charged before it is made: a body whose parse would not fit is not parsed.
-        values = count_values(raw)
+        json_size, values = parsed_size(raw)
         if len(raw) > COUNT_VALUES_OVER:
             check_values(values, limits.max_json_values)
-        json_size = parsed_size(raw, values)
         charge.take(json_size)
         loaded = parse_json(raw, limits.max_json_values, values)
         if not isinstance(loaded, dict):
