@@ -21,11 +21,15 @@ from bench.harness.metrics import HTTP
 from bench.sim.config import DEFAULT_MODEL as MODEL
 from gateway.config.settings import LimitsSettings
 from gateway.proxy.body import COUNT_VALUES_OVER
+from tests.e2e.test_media_request_bytes import padded_png
 from tests.procs import (
     Proc,
+    RecordingServer,
+    Route,
     auth,
     error_code,
     gateway_proc,
+    media_gateway_env,
     running,
     sim_proc,
     sim_received,
@@ -269,3 +273,40 @@ def test_a_body_is_given_back_once_the_engine_answers(slow_engine: tuple[Proc, P
         assert resp.status_code == 200, resp.text
         assert [line for line in events if line][-1] == "data: [DONE]"
     assert sim_received(sim.url) == before + 2
+
+
+# --- the body rewritten after media inlining ------------------------------------------------
+
+MEDIA_ITEM = 300_000
+
+
+@pytest.mark.slow
+def test_the_body_rewritten_with_inlined_media_is_charged(tmp_path: Path) -> None:
+    """A chat of a few hundred bytes naming images of 300 kB: inlined, each is a 400 kB
+    data: URL in the forwarded body and in the parsed object. One image (800 kB charged)
+    fits a key's 1 MB and is served; two (1.6 MB) never can: 413 request_too_large, with
+    nothing at the engine. Before, the rewritten body was never charged: both went."""
+    image = padded_png(MEDIA_ITEM)
+    route = Route(body=image, headers={"Content-Type": "image/png"})
+    with RecordingServer({"/a.png": route, "/b.png": route}) as origin:
+        host = origin.url.split("//", 1)[1]
+        sim = sim_proc(tmp_path, "--latency", "zero")
+        gateway = gateway_proc(tmp_path, media_gateway_env(sim.url, KEY, host, "http", **HELD))
+        with running(sim), running(gateway, ready_path="/readyz"):
+            url = gateway.url + "/v1/chat/completions"
+
+            def ask(names: str) -> httpx.Response:
+                parts: list[dict[str, object]] = [
+                    {"type": "image_url", "image_url": {"url": f"{origin.url}/{n}.png"}}
+                    for n in names
+                ]
+                content = [*parts, {"type": "text", "text": "?"}]
+                body = {**CHAT, "messages": [{"role": "user", "content": content}]}
+                return HTTP.post(url, json=body, headers=auth(KEY), timeout=30)
+
+            before = sim_received(sim.url)
+            resp = ask("ab")
+            assert (resp.status_code, error_code(resp)) == (413, "request_too_large"), resp.text
+            assert sim_received(sim.url) == before
+            assert ask("a").status_code == 200
+            assert sim_received(sim.url) == before + 1
