@@ -1,5 +1,5 @@
 """What a parsed JSON body holds against what the body budget charges for it
-(gateway/proxy/body.py `held_by`: a walk, or for many values `parsed_size`, the bound
+(gateway/proxy/footprint.py `held_by`: a walk, or for many values `parsed_size`, the bound
 from the bytes), shape by shape.
 
     python -m bench.suites.parsed_memory [--values N]
@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import orjson
 
-from gateway.proxy.body import parsed_size
+from gateway.proxy.footprint import parsed_size
 
 
 def held(raw: bytes) -> int:
@@ -37,7 +37,7 @@ def held(raw: bytes) -> int:
 
 
 def walk(raw: bytes) -> int:
-    """gateway/proxy/body.py `held_by`'s walk of the parsed body, whatever its size and
+    """gateway/proxy/footprint.py `held_by`'s walk of the parsed body, whatever its size and
     objects (it counts instead for small bodies and bodies of many objects)."""
     parsed = orjson.loads(raw)
     size = 0

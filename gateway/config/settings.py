@@ -75,8 +75,8 @@ class LimitsSettings(BaseModel):
     # parse_json).
     max_json_values: int = Field(default=2_000_000, gt=0)
     # Bytes request bodies hold in memory in this process, from each body's first byte
-    # until the engine has it: the raw bytes, the parsed object (an upper bound,
-    # gateway/proxy/body.py parsed_size) and the body rewritten after media inlining
+    # until the engine has it: the raw bytes, the parsed object (measured or bounded,
+    # gateway/proxy/footprint.py) and the body rewritten after media inlining
     # (503 overloaded beyond; gateway/proxy/budget.py). One key's 16 requests of 30 MiB
     # held by a slow engine took the gateway past 1 GiB without it. With the media decode
     # budget (~450 MiB at worst) and ~75 MiB idle, fits a 1 GiB container with margin.

@@ -7,7 +7,7 @@ the engine has it.
     charge.close()                     # the rest, once the engine has the body
 
 What a request holds: the raw bytes as they arrive and until forwarded (or replaced by
-a rewritten body), the parsed object (`parsed_size`, an upper bound) from its parse
+a rewritten body), the parsed object (gateway/proxy/footprint.py) from its parse
 until the body to forward is made, and the rewritten body after media inlining until
 the engine has it. Past `per_key` for one key: 429 `too_many_body_bytes`; past `limit`
 in all: 503 `overloaded`; a request that alone would hold more than a key may: 413

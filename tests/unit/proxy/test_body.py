@@ -12,7 +12,8 @@ import pytest
 from bench.suites.parsed_memory import held, shapes
 from gateway.config.settings import LimitsSettings, TimeoutSettings
 from gateway.errors import RequestTimeout
-from gateway.proxy.body import held_by, parsed_size, read_body
+from gateway.proxy.body import read_body
+from gateway.proxy.footprint import held_by, parsed_size
 from gateway.server.limits import BodyPace, ConnectionGuard
 
 PACE = BodyPace(deadline=60.0, grace=5.0, rate=1000.0)
