@@ -2,8 +2,9 @@
 gateway's peak RSS under 512 MiB at default settings and leave it healthy; one key's
 decode-heavy requests do not queue another key's small image; the decode budget answers
 503 media_busy with Retry-After when it cannot be had in time; the per-request pixel cap
-refuses a request before anything is decoded. Nothing refused reaches the engine (the
-simulator's counters)."""
+refuses a request before anything is decoded; one key's large bodies held by a slow
+engine keep the gateway under 640 MiB (the body budget). Nothing refused reaches the
+engine (the simulator's counters)."""
 
 from __future__ import annotations
 
