@@ -35,7 +35,9 @@ and URL parsers echo attacker input. Raised when:
   + MethodNotAllowed          405 method_not_allowed: the wrong method for a route
   + RequestTimeout            408 request_timeout: a body too slow or past its deadline
   |                           (proxy/body.py); the connection is closed
-  + RequestTooLarge           413 request_too_large: a body over its cap (proxy/body.py)
+  + RequestTooLarge           413 request_too_large: a body over its cap (proxy/body.py), or
+  | |                         one that alone would hold more than a key's body budget
+  | |                         (proxy/budget.py)
   | + MediaTooLarge           413 media_too_large: a media item over its caps (media/)
   + TooManyHeaders            431 too_many_headers: over limits.max_headers
   + HeadersTooLarge           431 headers_too_large: a head over limits.max_header_bytes,
@@ -47,8 +49,12 @@ and URL parsers echo attacker input. Raised when:
   | + TooManyFailures         429 too_many_failures: a client address past its failed
   | |                         authentications in the window (access/throttle.py)
   | + TooManyEngineErrors     429 too_many_engine_errors: a key whose requests the engines
-  |                           answered 5xx too often in the window (routing/key_errors.py)
-  + Overloaded                503 overloaded: over limits.max_in_flight (access/admission.py)
+  | |                         answered 5xx too often in the window (routing/key_errors.py)
+  | + TooManyBodyBytes        429 too_many_body_bytes: a key's request bodies held in
+  |                           memory past limits.max_buffered_body_bytes_per_key
+  |                           (proxy/budget.py)
+  + Overloaded                503 overloaded: over limits.max_in_flight (access/admission.py),
+  | |                         or over limits.max_buffered_body_bytes (proxy/budget.py)
   | + NoEngineAvailable       503 no_engine_available: no engine, no healthy engine (for
   | |                         a route about an engine, not a model), or no models known yet
   | + ModelUnavailable        503 model_unavailable: every engine serving the model is
@@ -294,6 +300,14 @@ class TooManyEngineErrors(RateLimited):
 
     code = "too_many_engine_errors"
     default_message = "Too many of this key's requests failed at the engine; retry later."
+
+
+class TooManyBodyBytes(RateLimited):
+    """A key whose request bodies, read and not yet at an engine, hold its share of the
+    gateway's memory (proxy/budget.py); Retry-After: 1."""
+
+    code = "too_many_body_bytes"
+    default_message = "This API key's request bodies hold their share of memory; retry shortly."
 
 
 # --- 5xx: the gateway or its engines could not answer ---------------------------------

@@ -80,10 +80,17 @@ class LimitsSettings(BaseModel):
     # at this cap a body parses into at most ~180 MiB, in ~0.3 s (gateway/proxy/body.py
     # parse_json).
     max_json_values: int = Field(default=2_000_000, gt=0)
-    # Bytes of request bodies still arriving, held in memory, in all; one key may hold
-    # half (503 overloaded beyond). 40 bodies of 32 MiB held a byte short of their end
-    # keep 1.3 GiB for the minute of their deadline.
+    # Bytes request bodies hold in memory in this process, from each body's first byte
+    # until the engine has it: the raw bytes, the parsed object (measured or bounded,
+    # gateway/proxy/footprint.py) and the body rewritten after media inlining
+    # (503 overloaded beyond; gateway/proxy/budget.py). One key's 16 requests of 30 MiB
+    # held by a slow engine took the gateway past 1 GiB without it. With the media decode
+    # budget (~450 MiB at worst) and ~75 MiB idle, fits a 1 GiB container with margin.
     max_buffered_body_bytes: int = Field(default=256 * 1024 * 1024, gt=0)
+    # The same for one key (429 too_many_body_bytes beyond; a request that alone would
+    # hold more: 413). Half the total: one key cannot hold every body the gateway
+    # takes, and a 32 MiB body (raw and parsed, ~64 MiB for text) fits with room.
+    max_buffered_body_bytes_per_key: int = Field(default=128 * 1024 * 1024, gt=0)
     # Header fields per request (431 beyond). uvicorn caps neither their number (httptools)
     # nor, with httptools, their total size; every header loop on the way is linear in it.
     max_headers: int = Field(default=100, gt=0)

@@ -1,21 +1,22 @@
 """Reading a request's body as its route declares it, under a size cap.
 
-    incoming = await read_incoming(scope, receive, ex, settings, guard)
+    incoming = await read_incoming(scope, receive, ex, settings, guard, charge)
 
 A JSON body is read whole and parsed once into an object; a multipart upload is read
-whole and validated (gateway/proxy/multipart.py); other routes take no body. The cap is
-enforced while reading, so a body sent without `Content-Length` (chunked) is cut off at
-the cap instead of being buffered whole first, and so is the pace (`BodyPace`,
-gateway/server/limits.py): a body that stalls or trickles is cut with 408 before it
-reaches an engine. The app's `ConnectionGuard`, whose sweep keeps the pace, is handed
-in by the proxy.
+whole and validated (gateway/proxy/multipart.py); other routes take no body. What the
+body holds is charged to the request's `Charge` (gateway/proxy/budget.py) from its first
+byte: each chunk as it arrives, the parsed object as soon as it is made
+(gateway/proxy/footprint.py). The cap is enforced while reading, so a body sent without
+`Content-Length` (chunked) is cut off at the cap instead of being buffered whole first,
+and so is the pace (`BodyPace`, gateway/server/limits.py): a body that stalls or
+trickles is cut with 408 before it reaches an engine. The app's `ConnectionGuard`,
+whose sweep keeps the pace, is handed in by the proxy.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -24,6 +25,8 @@ from gateway.access.endpoints import BodyKind
 from gateway.config.settings import Settings
 from gateway.errors import InvalidJson, RequestTimeout, RequestTooLarge, UnsupportedMediaType
 from gateway.exchange import Exchange
+from gateway.proxy.budget import Charge
+from gateway.proxy.footprint import held_by
 from gateway.proxy.multipart import Upload, content_type, validate_upload
 from gateway.server.limits import BodyPace, ConnectionGuard
 from gateway.types import Receive, Scope
@@ -70,13 +73,13 @@ def _too_slow(pace: BodyPace, received: int) -> RequestTimeout:
 
 
 async def read_body(
-    receive: Receive, limit: int, guard: ConnectionGuard, owner: bytes = b""
+    receive: Receive, limit: int, guard: ConnectionGuard, charge: Charge | None = None
 ) -> bytes:
     """The whole body; RequestTooLarge as soon as more than `limit` bytes arrived,
-    RequestTimeout once it falls behind the guard's `body_pace`, Overloaded when the
-    bytes held while the rest arrives are more than the guard's `body_bytes` allow
-    `owner` (the key's digest): 40 bodies of 32 MiB held a byte short of their end kept
-    1.3 GiB for a minute.
+    RequestTimeout once it falls behind the guard's `body_pace`; each chunk is charged to
+    `charge` as it arrives (its refusals: gateway/proxy/budget.py), and stays charged
+    when the body is complete: the caller gives it back when it drops the bytes. 40
+    bodies of 32 MiB held a byte short of their end kept 1.3 GiB for a minute.
 
     The pace is kept by the guard's sweep (gateway/server/limits.py), not by a timer: the
     body's due time is a dict entry, moved as each chunk arrives; a body late by it is
@@ -89,8 +92,7 @@ async def read_body(
     start = loop.time()
     bodies[task] = start + pace.due(0)
     chunks: list[bytes] = []
-    size = charged = 0
-    held = guard.body_bytes
+    size = 0
     try:
         while True:
             message = await receive()
@@ -102,10 +104,10 @@ async def read_body(
                 size += len(chunk)
                 if size > limit:
                     raise _too_large(limit)
+                if charge is not None:
+                    charge.take(len(chunk))
                 chunks.append(chunk)
                 if more:
-                    held.take(owner, len(chunk))
-                    charged += len(chunk)
                     bodies[task] = start + pace.due(size)
             if not more:
                 break
@@ -117,29 +119,84 @@ async def read_body(
         raise _too_slow(pace, size) from None
     finally:
         bodies.pop(task, None)
-        if charged:
-            held.give(owner, charged)
     if len(chunks) == 1:
         return chunks[0]
-    return b"".join(chunks)
+    # While joined, the chunks and the whole are held at once: charged twice meanwhile.
+    if charge is not None:
+        charge.take(size)
+    try:
+        return b"".join(chunks)
+    finally:
+        del chunks
+        if charge is not None:
+            charge.give(size)
 
 
-@dataclass(frozen=True, slots=True)
 class Incoming:
     """A request's body as read: the bytes to forward, the parsed JSON object or the
-    validated upload, and the Content-Type header to forward with them."""
+    validated upload, the Content-Type header to forward with them, and the `Charge`
+    for what it holds. Its holder drops each part as soon as it is not needed
+    (`drop_json`, `replace_data`, `take_data`) and the charge goes down with it."""
 
-    data: bytes | None = None
-    json: dict[str, Any] | None = None
-    upload: Upload | None = None
-    content_type: tuple[bytes, bytes] | None = None
+    __slots__ = ("charge", "content_type", "data", "json", "json_size", "size", "upload")
 
-    @property
-    def size(self) -> int:
-        return len(self.data) if self.data is not None else 0
+    def __init__(
+        self,
+        data: bytes | None = None,
+        json: dict[str, Any] | None = None,
+        upload: Upload | None = None,
+        content_type: tuple[bytes, bytes] | None = None,
+        *,
+        charge: Charge | None = None,
+        json_size: int = 0,
+    ) -> None:
+        self.data = data
+        self.json = json
+        self.upload = upload
+        self.content_type = content_type
+        self.charge = charge
+        # What the parsed object was charged (gateway/proxy/footprint.py).
+        self.json_size = json_size
+        # The body's size as the client sent it.
+        self.size = len(data) if data is not None else 0
 
+    def drop_json(self) -> None:
+        """The parsed object is no longer needed: dropped, its charge given back."""
+        self.json = None
+        if self.charge is not None:
+            self.charge.give(self.json_size)
+        self.json_size = 0
 
-_NO_BODY = Incoming()
+    def replace_data(self, data: bytes) -> None:
+        """Forward `data` (the body rewritten from the parsed object) instead of the bytes
+        the client sent, which are dropped. What the rewrite added (inlined media) is in
+        the parsed object too until `drop_json`: charged to it. Raises the budget's
+        refusals (nothing changed then)."""
+        old = self.data
+        grown = max(0, len(data) - (len(old) if old is not None else 0))
+        charge = self.charge
+        if charge is not None:
+            charge.take(len(data) + grown)
+            self.json_size += grown
+        self.data = data
+        if charge is not None and old is not None:
+            charge.give(len(old))
+
+    def drop(self) -> None:
+        """Everything it holds dropped, its charge given back: the request is over (or
+        the engine has the body)."""
+        self.json = None
+        self.data = None
+        self.json_size = 0
+        if self.charge is not None:
+            self.charge.close()
+
+    def take_data(self) -> bytes | None:
+        """The bytes to forward, handed over: this object keeps no reference to them.
+        Their charge stays until the request's charge is closed (the engine has them)."""
+        data = self.data
+        self.data = None
+        return data
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:
@@ -196,29 +253,38 @@ def parse_json(raw: bytes, max_values: int) -> Any:
 
 
 async def read_incoming(
-    scope: Scope, receive: Receive, ex: Exchange, settings: Settings, guard: ConnectionGuard
+    scope: Scope,
+    receive: Receive,
+    ex: Exchange,
+    settings: Settings,
+    guard: ConnectionGuard,
+    charge: Charge,
 ) -> Incoming:
-    """The request's body as `ex.route` declares it, held to `guard`'s pace and to its
-    bytes still arriving for `ex.key`. Raises UnsupportedMediaType, RequestTooLarge,
-    RequestTimeout, Overloaded, InvalidJson, ClientDisconnected and the upload's
-    refusals."""
+    """The request's body as `ex.route` declares it, held to `guard`'s pace, what it
+    holds charged to `charge` (the caller closes it). Raises UnsupportedMediaType,
+    RequestTooLarge, RequestTimeout, InvalidJson, ClientDisconnected, the budget's and
+    the upload's refusals."""
     route = ex.route
-    owner = b"" if ex.key is None else ex.key.digest
     limits = settings.limits
     if route.body is BodyKind.json:
         if not _is_json(header(scope, b"content-type")):
             raise UnsupportedMediaType("This endpoint takes 'Content-Type: application/json'.")
         check_declared(scope["headers"], limits.max_body_bytes)
-        raw = await read_body(receive, limits.max_body_bytes, guard, owner)
+        raw = await read_body(receive, limits.max_body_bytes, guard, charge)
         loaded = parse_json(raw, limits.max_json_values)
         if not isinstance(loaded, dict):
             raise InvalidJson("The request body must be a JSON object.")
-        return Incoming(raw, loaded, None, _JSON_CONTENT_TYPE)
+        # Charged as soon as it is made, before any other request can be admitted (no
+        # await between): one parse at a time may exceed the budget, for as long as
+        # this takes, by what it holds (~180 MiB at most: max_json_values).
+        json_size = held_by(loaded, raw)
+        charge.take(json_size)
+        return Incoming(raw, loaded, None, _JSON_CONTENT_TYPE, charge=charge, json_size=json_size)
     if route.body is BodyKind.multipart:
         # Read whole (capped) and validated before anything reaches an engine: the
         # upload is forwarded only when it is one well-formed audio file.
         check_declared(scope["headers"], limits.max_upload_bytes)
-        raw = await read_body(receive, limits.max_upload_bytes, guard, owner)
+        raw = await read_body(receive, limits.max_upload_bytes, guard, charge)
         declared = header(scope, b"content-type")
         upload = validate_upload(
             None if declared is None else declared.decode("latin-1"),
@@ -227,5 +293,5 @@ async def read_incoming(
             max_file_bytes=limits.max_upload_bytes,
         )
         # Written by the gateway with the boundary the body was parsed with.
-        return Incoming(raw, None, upload, (b"content-type", content_type(upload)))
-    return _NO_BODY
+        return Incoming(raw, None, upload, (b"content-type", content_type(upload)), charge=charge)
+    return Incoming()

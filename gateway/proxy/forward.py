@@ -107,6 +107,8 @@ class Forwarder:
                     # A timeout or a broken answer: a failure of the engine's own.
                     pool.failed(engine)
                     raise gateway_error(exc, answering=False) from None
+                # The engine has the body (it answers): not held for the answer's length.
+                data = None
                 ex.engine = engine.public_url
                 ex.ttfb = time.perf_counter() - sent_at
                 self.metrics.observe_ttfb(ex.route.label, ex.ttfb)

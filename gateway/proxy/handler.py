@@ -28,6 +28,7 @@ from gateway.observability.metrics import Metrics
 from gateway.payload.inspector import PayloadInspector
 from gateway.payload.sequences import sequences
 from gateway.proxy.body import ClientDisconnected, Incoming, header, read_incoming
+from gateway.proxy.budget import BodyBudget
 from gateway.proxy.disconnect import DisconnectWatch
 from gateway.proxy.forward import Forwarder
 from gateway.proxy.headers import request_allowlist
@@ -62,6 +63,12 @@ class Proxy:
         self.settings = settings
         self.connections = connections
         self._admission = admission
+        limits = settings.limits
+        # What request bodies hold in this process, from their first byte until the
+        # engine has them (proxy/budget.py).
+        self.bodies = BodyBudget(
+            limits.max_buffered_body_bytes, limits.max_buffered_body_bytes_per_key
+        )
         self._slot = admission.slot()
         self.inspector = inspector
         self.pool = pool
@@ -93,24 +100,32 @@ class Proxy:
         if response_id is not None and not self.inspector.owns_response(ex.key, response_id):
             # Another key's stored response, or one not made through the gateway.
             raise ResponseNotFound(param="response_id")
-        incoming = await read_incoming(scope, receive, ex, self.settings, self.connections)
-        ex.bytes_in = incoming.size
-        # The key was charged one engine sequence at authentication; the rest of what
-        # the body asks for (prompts x n, batch items) now, before any media is fetched.
-        charge = None
-        if ex.key is not None:
-            weight, param = sequences(ex.route.path, incoming.json)
-            if weight > 1:  # most requests: no coroutine made
-                charge = await self._admission.charge(ex.key, weight, param)
+        charge = self.bodies.charge(b"" if ex.key is None else ex.key.digest)
+        incoming: Incoming | None = None
+        sequences_charge = None
         try:
+            incoming = await read_incoming(
+                scope, receive, ex, self.settings, self.connections, charge
+            )
+            ex.bytes_in = incoming.size
+            # The key was charged one engine sequence at authentication; the rest of
+            # what the body asks for (prompts x n, batch items) now, before any media
+            # is fetched.
+            if ex.key is not None:
+                weight, param = sequences(ex.route.path, incoming.json)
+                if weight > 1:  # most requests: no coroutine made
+                    sequences_charge = await self._admission.charge(ex.key, weight, param)
             # Counted against max_in_flight from here: a body still arriving holds no slot.
             with self._slot:
                 await self._serve(
                     scope, receive, send, ex, incoming, query, response_id is not None
                 )
         finally:
-            if charge is not None:
-                self._admission.refund(charge)
+            if sequences_charge is not None:
+                self._admission.refund(sequences_charge)
+            if incoming is not None:
+                incoming.drop()
+            charge.close()
 
     async def _serve(
         self,
@@ -122,17 +137,20 @@ class Proxy:
         query: str,
         stored: bool,
     ) -> None:
-        """Everything after the body, holding a global slot."""
+        """Everything after the body, holding a global slot. The body's parts are
+        dropped as soon as they are not needed: the parsed object once the engines are
+        ordered, the bytes once the engine has them (its answer starts)."""
         engines = self._engines(ex, incoming)
         # What the engine is asked for so that its answer can be metered (proxy/metering.py).
         meter, asked = plan(ex.route, incoming.json, stored)
-        data, media = await self._inspect(incoming, ex, asked)
+        media = await self._inspect(incoming, ex, asked)
         if len(engines) == 1:
             # One candidate (the sidecar deployment): there is nothing to choose, so no
             # anchor is computed. The policy cost 9% of the CPU per request (py-spy).
             order: Sequence[Engine] = engines
         else:
             order = await self._choose(scope, ex, incoming, media, engines)
+        incoming.drop_json()
         target: str = scope["gateway.path"]
         if query:
             target += "?" + query
@@ -146,10 +164,16 @@ class Proxy:
         watch = DisconnectWatch(loop, receive, ex, task)
 
         async def relay(resp: Response) -> None:
+            # The engine answers: it has the body, which the forwarder has dropped.
+            incoming.drop()
             await self.relay(resp, send, ex, watch, meter)
 
         try:
-            await self.forwarder.forward(ex, order, scope["method"], target, headers, data, relay)
+            # The bytes handed over, not kept in a local: the forwarder drops them once
+            # the engine has them.
+            await self.forwarder.forward(
+                ex, order, scope["method"], target, headers, incoming.take_data(), relay
+            )
         except asyncio.CancelledError:
             if not ex.disconnected:
                 raise
@@ -178,21 +202,21 @@ class Proxy:
             raise ModelUnavailable()
         return engines
 
-    async def _inspect(
-        self, incoming: Incoming, ex: Exchange, changed: bool
-    ) -> tuple[bytes | None, dict[str, str]]:
-        """The bytes to forward, and the content hashes of the body's media items (for
-        routing). The single place where request bodies are inspected or rewritten
-        before they reach an engine. A body the inspector did not rewrite (no media, no
-        client identifier to namespace, nothing asked for metering: `changed`) is
-        forwarded as the client sent it."""
+    async def _inspect(self, incoming: Incoming, ex: Exchange, changed: bool) -> dict[str, str]:
+        """The content hashes of the body's media items (for routing); a body the
+        inspector rewrote replaces the client's bytes in `incoming` (charged). The single
+        place where request bodies are inspected or rewritten before they reach an
+        engine. A body the inspector did not rewrite (no media, no client identifier to
+        namespace, nothing asked for metering: `changed`) is forwarded as the client
+        sent it."""
         body = incoming.json
         if body is None:
-            return incoming.data, {}
+            return {}
         creates_response = ex.route.path == RESPONSES_PATH
         inspection = await self.inspector.inspect(body, ex.key, creates_response=creates_response)
-        data = orjson.dumps(body) if inspection.changed or changed else incoming.data
-        return data, dict(inspection.media)
+        if inspection.changed or changed:
+            incoming.replace_data(orjson.dumps(body))
+        return dict(inspection.media)
 
     def _upstream_headers(
         self, scope: Scope, request_id: str, content_type: tuple[bytes, bytes] | None

@@ -24,7 +24,6 @@ from typing import Any, Protocol
 import structlog
 
 from gateway.config.settings import LimitsSettings, TimeoutSettings
-from gateway.errors import Overloaded
 from gateway.observability.metrics import ConnectionCounts
 from gateway.server.process import fd_limit as process_fd_limit
 
@@ -93,38 +92,6 @@ class BodyPace:
         return min(self.deadline, self.grace + received / self.rate)
 
 
-class BodyBytes:
-    """Bytes of request bodies still arriving, held in memory: at most `limit` in all
-    and half of that for one owner (key); beyond, 503 `overloaded`. A body that arrives
-    in one piece is never charged: nothing of it was held waiting for the rest."""
-
-    __slots__ = ("held", "limit", "owners", "share")
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.share = limit // 2
-        self.held = 0
-        self.owners: dict[bytes, int] = {}
-
-    def take(self, owner: bytes, amount: int) -> None:
-        mine = self.owners.get(owner, 0) + amount
-        if self.held + amount > self.limit or mine > self.share:
-            raise Overloaded(
-                "The gateway holds as many request bodies still arriving as it accepts; "
-                "retry shortly."
-            )
-        self.held += amount
-        self.owners[owner] = mine
-
-    def give(self, owner: bytes, amount: int) -> None:
-        self.held -= amount
-        mine = self.owners[owner] - amount
-        if mine:
-            self.owners[owner] = mine
-        else:
-            del self.owners[owner]
-
-
 class ConnectionGuard:
     """The connection limits of one process, the open connections and the sweep."""
 
@@ -167,7 +134,6 @@ class ConnectionGuard:
         # being late.
         self.bodies: dict[asyncio.Task[Any], float] = {}
         self.late: set[asyncio.Task[Any]] = set()
-        self.body_bytes = BodyBytes(limits.max_buffered_body_bytes)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
 

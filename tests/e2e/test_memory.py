@@ -2,8 +2,9 @@
 gateway's peak RSS under 512 MiB at default settings and leave it healthy; one key's
 decode-heavy requests do not queue another key's small image; the decode budget answers
 503 media_busy with Retry-After when it cannot be had in time; the per-request pixel cap
-refuses a request before anything is decoded. Nothing refused reaches the engine (the
-simulator's counters)."""
+refuses a request before anything is decoded; one key's large bodies held by a slow
+engine keep the gateway under 640 MiB (the body budget). Nothing refused reaches the
+engine (the simulator's counters)."""
 
 from __future__ import annotations
 
@@ -386,3 +387,68 @@ def test_a_request_over_its_pixel_cap_is_413_before_decoding(
     small = [png(100 + i, 100) for i in range(3)]
     assert _post(gateway, chat_body(small)).status_code == 200
     assert sim_received(sim.url) - before == 1
+
+
+# --- request bodies held while an engine is slow to answer -------------------------------
+
+LONG_REQUESTS = 16
+LONG_BODY = 30 * 1024 * 1024
+LONG_PEAK_LIMIT_MIB = 640
+
+
+def _long_chat(filler: int) -> bytes:
+    """A chat that decodes 200 tokens, carrying `filler` bytes in a field vLLM ignores."""
+    head = {
+        "model": chat_body([])["model"],
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": "Hello"}],
+    }
+    return json.dumps(head)[:-1].encode() + b', "metadata_filler": "' + b"x" * filler + b'"}'
+
+
+@pytest.mark.slow
+def test_one_keys_long_requests_with_large_bodies_keep_peak_rss_under_640_mib(
+    tmp_path: Path,
+) -> None:
+    """One key's 16 chats with 30 MiB bodies, sent at once to an engine that runs one
+    request at a time (each waits for those before it: no first byte for seconds). A
+    body was charged only while it arrived, then held, raw and parsed, until the answer
+    ended: the gateway went from 74 to 959-1,073 MiB, past the sidecar's 1 GiB limit, and
+    one request got its connection dropped. Now a body is charged while held and the key
+    holds at most limits.max_buffered_body_bytes_per_key: the rest are answered 429
+    too_many_body_bytes, nothing of them at the engine, and the gateway stays up."""
+    body = _long_chat(LONG_BODY)
+    sim = sim_proc(tmp_path, "--max-num-seqs", "1")
+    env = {
+        "GATEWAY_ENGINES": json.dumps([sim.url]),
+        "GATEWAY_API_KEYS": json.dumps([KEY, OTHER_KEY]),
+    }
+    gateway = gateway_proc(tmp_path, env)
+    headers = {**auth(KEY), "Content-Type": "application/json"}
+    with running(sim), running(gateway, ready_path="/readyz"):
+        assert gateway.pid is not None
+        before = sim_received(sim.url)
+
+        def send(_: int) -> httpx.Response:
+            url = gateway.url + "/v1/chat/completions"
+            return HTTP.post(url, content=body, headers=headers, timeout=120)
+
+        with ThreadPoolExecutor(LONG_REQUESTS) as pool:
+            answers = list(pool.map(send, range(LONG_REQUESTS)))
+        peak_mib = _status_kib(gateway.pid, "VmHWM") / 1024
+        outcomes = [(a.status_code, error_code(a)) for a in answers]
+        served = outcomes.count((200, None))
+        refused = [a for a in answers if a.status_code != 200]
+        # Every request answered, with a status and a code: served, or refused for the
+        # key's share of body memory (Retry-After: 1).
+        assert served + len(refused) == LONG_REQUESTS
+        assert {(a.status_code, error_code(a)) for a in refused} == {(429, "too_many_body_bytes")}
+        assert {a.headers["retry-after"] for a in refused} == {"1"}
+        assert served >= 1
+        assert sim_received(sim.url) - before == served
+        assert peak_mib < LONG_PEAK_LIMIT_MIB, f"peak RSS {peak_mib:.0f} MiB"
+        # Up, and the key served again once its bodies reached the engine.
+        assert HTTP.get(gateway.url + "/healthz", timeout=10).status_code == 200
+        assert _post(gateway, _normal(), OTHER_KEY).status_code == 200
+        assert _post(gateway, _normal()).status_code == 200

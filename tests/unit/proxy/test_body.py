@@ -6,11 +6,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import orjson
 import pytest
 
+from bench.suites.parsed_memory import held, shapes
 from gateway.config.settings import LimitsSettings, TimeoutSettings
 from gateway.errors import RequestTimeout
 from gateway.proxy.body import read_body
+from gateway.proxy.footprint import held_by, parsed_size
 from gateway.server.limits import BodyPace, ConnectionGuard
 
 PACE = BodyPace(deadline=60.0, grace=5.0, rate=1000.0)
@@ -113,3 +116,14 @@ def test_the_body_reader_takes_the_loop_the_sweep_runs_on() -> None:
     # Stopped, then used from another loop: it starts again there.
     asyncio.run(scenario())
     assert loops[0] is not loops[1]
+
+
+@pytest.mark.parametrize("name", sorted(shapes(1)))
+def test_the_parsed_body_charged_covers_what_the_parse_holds(name: str) -> None:
+    """Every shape of bench/suites/parsed_memory.py, 20,000 values: the body budget's
+    charge for the parsed object, walked (held_by) or bounded from the bytes
+    (parsed_size), is at least what orjson.loads holds (tracemalloc)."""
+    raw = shapes(20_000)[name]
+    real = held(raw)
+    assert parsed_size(raw) >= real
+    assert held_by(orjson.loads(raw), raw) >= real

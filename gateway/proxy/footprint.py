@@ -1,0 +1,95 @@
+"""What a parsed JSON body holds in memory, for the body budget (gateway/proxy/budget.py).
+
+    size = held_by(orjson.loads(raw), raw)
+
+Two measures, both at or above what `orjson.loads` holds (tests/unit/proxy/test_body.py
+checks each against tracemalloc over bench/suites/parsed_memory.py's shapes): a walk of
+the parsed objects, for a large body of few objects (an image, long text); an upper bound
+counted from the bytes, for small bodies and bodies of many objects, where it costs less.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from typing import Any
+
+# What a parsed body holds at most beyond its characters, for each byte of the body that
+# can make an object: `[` a list, `{` a dict (with its first entries' table), `,` a value
+# in a list or a member (its pointer, and a number or a string's header), `:` a member
+# (its key, its slot). Counted inside strings too: an upper bound. Fitted with
+# tracemalloc over orjson.loads of 27 shapes of 200,000 values each as the least
+# overcharge that charges none of them short (docs/facts.md, "What a parsed body
+# holds"): a chat 1.4x its real size, token ids 1.7x, unique strings and members 1.0x,
+# `[],` 1.9x, `true,` 7.6x (the singletons cost only their pointer).
+PARSED_PER_LIST = 64
+PARSED_PER_DICT = 136
+PARSED_PER_ITEM = 56
+PARSED_PER_MEMBER = 92
+# A str with a character past U+007F has a larger header (`PyCompactUnicodeObject`):
+# charged on each item and member of a body that may hold one (100,000 strings `"中1"`
+# hold 94 bytes each).
+PARSED_WIDE_HEADER = 32
+# Characters of a str take 1, 2 or 4 bytes, by the widest in the string: 4 for any
+# character past U+FFFF (a UTF-8 lead byte F0-F4, or a surrogate escape `\ud8`-`\udb`),
+# then 2 for any other non-ASCII byte or `\u` escape (an upper bound). One emoji in
+# a 30 MiB ASCII string makes it 120 MiB.
+_FOUR_BYTE_CHARS = re.compile(rb"[\xf0-\xf4]|\\u[dD][89abAB]")
+
+
+def parsed_size(raw: bytes) -> int:
+    """An upper bound of what `orjson.loads(raw)` holds, in bytes: its characters at
+    their widest, and the weights above for each byte that can make an object. Counting
+    passes over the bytes, ~0.3 ms a MiB each: for a body of many values, where walking
+    them (`held_by`) would cost more."""
+    header = 0
+    if raw.isascii() and b"\\u" not in raw:
+        width = 1
+    else:
+        width = 4 if _FOUR_BYTE_CHARS.search(raw) is not None else 2
+        header = PARSED_WIDE_HEADER
+    lists, dicts, items = raw.count(b"["), raw.count(b"{"), raw.count(b",")
+    size = (
+        width * len(raw)
+        + PARSED_PER_LIST * lists
+        + PARSED_PER_DICT * dicts
+        + (PARSED_PER_ITEM + header) * items
+        + (PARSED_PER_MEMBER + header) * raw.count(b":")
+    )
+    return size
+
+
+# Bodies over this size are walked (`held_by`) rather than counted (`parsed_size`).
+WALK_OVER = 64 * 1024
+# Body bytes per object walked at most: the walk costs ~180 ns an object, the counting
+# passes ~1.2 ns a byte in all, so past one object for 128 bytes counting costs less.
+WALK_BYTES_PER_OBJECT = 128
+
+
+def held_by(parsed: Any, raw: bytes) -> int:
+    """What the parsed body `raw` holds, in bytes: over `WALK_OVER`, each object's
+    `sys.getsizeof` (shared and interned ones counted each time: an upper bound) while
+    there are few objects for its size; else `parsed_size(raw)`. A large body is mostly
+    a few long strings (an image is one): its walk takes microseconds, where counting
+    1.3 MB of base64 took ~3 ms."""
+    if len(raw) <= WALK_OVER:
+        return parsed_size(raw)
+    size = 0
+    left = len(raw) // WALK_BYTES_PER_OBJECT
+    stack = [parsed]
+    getsizeof = sys.getsizeof
+    while stack:
+        obj = stack.pop()
+        left -= 1
+        if left < 0:
+            return parsed_size(raw)
+        size += getsizeof(obj)
+        kind = type(obj)
+        if kind is dict:
+            left -= len(obj)
+            for key in obj:
+                size += getsizeof(key)
+            stack.extend(obj.values())
+        elif kind is list:
+            stack.extend(obj)
+    return size
