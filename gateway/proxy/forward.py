@@ -63,7 +63,7 @@ class Forwarder:
         self.upstream = upstream
         self.pool = pool
         self.metrics = metrics
-        # Engine 5xx per key (routing/key_errors.py); None: not counted.
+        # Engine failures (5xx, timeouts) per key (routing/key_errors.py); None: not counted.
         self.key_errors = key_errors
         self._counts = metrics.routing
 
@@ -104,8 +104,11 @@ class Forwarder:
                     raise gateway_error(exc, answering=False) from None
                 except UpstreamError as exc:
                     ex.engine = engine.public_url
-                    # A timeout or a broken answer: a failure of the engine's own.
-                    pool.failed(engine)
+                    # A timeout or a broken answer: maybe this request's doing (a long
+                    # enough generation outlasts timeouts.first_byte), counted like a 5xx.
+                    pool.failed(engine, ex.key_name or "")
+                    if self.key_errors is not None:
+                        await self.key_errors.failed(ex.key_name)
                     raise gateway_error(exc, answering=False) from None
                 # The engine has the body (it answers): not held for the answer's length.
                 data = None
@@ -115,7 +118,7 @@ class Forwarder:
                 if resp.status >= 500:
                     # Maybe this request's doing: counted for its key, and toward
                     # ejection only with other keys' (routing/pool.py, `failed`).
-                    pool.failed(engine, resp.status, ex.key_name or "")
+                    pool.failed(engine, ex.key_name or "", resp.status)
                     if self.key_errors is not None:
                         await self.key_errors.failed(ex.key_name)
                 else:

@@ -105,13 +105,18 @@ class EngineChecks:
         answers requests (one in flight, or one answered below 500 within busy_grace).
         Slowness alone never takes out the last engine that answers: without it every
         request is refused 503, where a slow answer is still an answer (a starved
-        engine took over 1 s to answer /health while it served every request)."""
+        engine took over 1 s to answer /health while it served every request).
+        An engine whose run of failures holds a request it never answered (a timeout,
+        since its last answer below 500) is not answering: one key's timeouts do not
+        eject (pool.py, `failed`), so a silent engine goes out here."""
         if verdict is None or verdict.reason != TIMEOUT or not engine.healthy:
             engine.slow_since = None
             return False
         now = time.monotonic()
         grace = self._settings.busy_grace
-        answering = engine.in_flight > 0 or now - engine.answered_at < grace
+        answering = not engine.unanswered and (
+            engine.in_flight > 0 or now - engine.answered_at < grace
+        )
         if not answering:
             engine.slow_since = None
             return False

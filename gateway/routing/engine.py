@@ -27,7 +27,6 @@ class Engine:
         "ejected_until",
         "ejections",
         "failing_keys",
-        "failing_wide",
         "failures",
         "healthy",
         "in_flight",
@@ -42,6 +41,7 @@ class Engine:
         "since",
         "slow_since",
         "stale",
+        "unanswered",
         "url",
         "waiting",
     )
@@ -66,12 +66,14 @@ class Engine:
         self.listing = ModelList()
         # When the models were last read; 0: never (the engine cannot be healthy yet).
         self.models_at = 0.0
-        # Passive ejection: 5xx answers in a row, the current back-off, until when.
+        # Passive ejection: failed requests in a row (5xx, timeouts), the current
+        # back-off, until when.
         self.failures = 0
-        # The run's keys (at most routing.eject_keys of them), and whether it holds a
-        # failure of the engine's own (a timeout, a broken answer): what lets it eject.
+        # The run's keys (at most routing.eject_keys of them): what lets it eject.
         self.failing_keys: set[str] = set()
-        self.failing_wide = False
+        # Whether the run holds a request the engine never answered (a timeout, an
+        # answer broken off): a timed-out check then takes it out (checks.py, `_busy`).
+        self.unanswered = False
         # When (time.monotonic()) it last answered a request of this process below 500;
         # 0: never.
         self.answered_at = 0.0

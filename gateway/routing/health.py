@@ -19,8 +19,8 @@ Reasons are stable strings, for alerts and scripts:
     upstream_key_refused  the engine answered 401 or 403: upstream_api_key is wrong or unset
     models_status         GET /v1/models answered a status other than 200
     models_unreadable     GET /v1/models: not JSON, not a model list, or no model in it
-    ejected_5xx           taken out of rotation by a run of failed answers (5xx across
-                          keys, timeouts, answers broken off; pool.py)
+    ejected_5xx           taken out of rotation by a run of failed requests across keys
+                          (5xx, timeouts, answers broken off; pool.py)
     ejected_connect       taken out of rotation by a connection that failed while forwarding
 
 and for a `dns+http://` entry (pool.EnginePool.dns_reasons, the `engine_dns` line):

@@ -1,10 +1,11 @@
 """Engine errors per key: a key whose requests keep failing at the engine is throttled,
 not the engine.
 
-An engine's 5xx to one key's request may be that request's doing: vLLM answers 501 to a
-route its model does not serve (/v1/systemone on every architecture but six) and 500 to
-some inputs. Those answers do not eject the engine (pool.py, `failed`); they count here,
-per key name, in windows aligned to multiples of `routing.key_errors_window` since the
+A request can fail at the engine by its own doing: vLLM answers 501 to a route its
+model does not serve (/v1/systemone on every architecture but six) and 500 to some
+inputs, and a long enough generation outlasts `timeouts.first_byte`. Those failures do
+not eject the engine on one key's account (pool.py, `failed`); they count here, per key
+name, in windows aligned to multiples of `routing.key_errors_window` since the
 epoch (so every process and replica counts the same window). Once a key has
 `routing.key_errors` of them in the current window, each request of that key is
 answered 429 `too_many_engine_errors` before it reaches an engine, with Retry-After the
@@ -12,9 +13,9 @@ seconds to the window's end.
 
 With a store (`SharedCount`, gateway/store/failures.py) the count is the larger of the
 store's, across all processes and replicas, and this process's own; the store is asked
-on an engine's 5xx only, so a process learns that a key is over the limit at that key's
-next 5xx in it. Without one, each process counts alone: a key gets up to `key_errors`
-5xx per window from each process.
+on a failure only, so a process learns that a key is over the limit at that key's
+next failure in it. Without one, each process counts alone: a key gets up to
+`key_errors` failures per window from each process.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ class _Window:
 
 
 class KeyErrors:
-    """Counts engine 5xx answers per key name and throttles a key past `limit` in a
-    window of `window` seconds."""
+    """Counts engine failures (5xx answers, timeouts) per key name and throttles a key
+    past `limit` in a window of `window` seconds."""
 
     def __init__(
         self,
@@ -93,8 +94,8 @@ class KeyErrors:
         )
 
     async def failed(self, key: str | None) -> None:
-        """Count an engine's 5xx to a request of `key` (None: a caller without a key,
-        not counted)."""
+        """Count a failure at the engine (a 5xx, a timeout) of a request of `key` (None:
+        a caller without a key, not counted)."""
         if key is None:
             return
         now = self._clock()

@@ -4,19 +4,21 @@
   every `routing.dns_interval` seconds to one engine per address (dns.py); such an
   engine keeps the entry's name for its Host header and TLS server name.
 - Health is checked actively (GET /health every `routing.health_interval`) and
-  passively: an engine that refuses a connection, or fails `routing.eject_after_5xx`
-  answers in a row, is ejected for a back-off that doubles while it keeps failing, and
-  comes back when a health check passes after the back-off. A run ejects only when it
-  says the engine is sick: 5xx for the requests of `routing.eject_keys` keys or more, or
-  a failure of the engine's own (a timeout, a broken answer). One key's requests can
-  fail on their content (vLLM answers 501 for a route its model does not serve, 500 for
-  some inputs): that key is throttled (key_errors.py), the engine stays. A 501 never
-  counts at all. A check that times out while the
+  passively: an engine that refuses a connection is ejected at once, and a run of
+  `routing.eject_after_5xx` failed requests in a row ejects it once the run spans the
+  requests of `routing.eject_keys` keys. Ejection lasts a back-off that doubles while
+  the engine keeps failing; it comes back when a health check passes after the
+  back-off. One key's requests can fail on their content or size (vLLM answers 501 for
+  a route its model does not serve, 500 for some inputs; a generation long enough
+  outlasts `timeouts.first_byte`): that key is throttled (key_errors.py), the engine
+  stays. A 501 never counts at all. A check that times out while the
   engine answers requests of this process keeps it in rotation for `routing.busy_grace`
   seconds of timeouts in a row (vLLM parses a body on its server's event loop, and one
   large body can hold its /health answer for seconds); an idle engine is taken out. The
   last engine in rotation for its models is never taken out by a timeout while it
-  answers requests (checks.py, `_busy`).
+  answers requests (checks.py, `_busy`). An engine whose run holds a request it never
+  answered (a timeout, an answer broken off) is not answering: a check that times out
+  then takes it out, busy or last.
 - An engine is healthy only once its served models are known (GET /v1/models), so a
   ready gateway never refuses a served model as unknown. Models are read again every
   `routing.models_interval` seconds. `index` (models.py) says which healthy engines
@@ -145,24 +147,25 @@ class EnginePool:
         judge(engine, ejected_verdict(error, after_5xx=after, backoff=engine.backoff))
         self._changed(engine)
 
-    def failed(self, engine: Engine, status: int | None = None, key: str | None = None) -> None:
-        """A request failed at `engine`: it answered `status` (5xx) to the request of
-        the key named `key` ("" for a caller without a key), or (`status` None) it
-        timed out or broke its answer off, a failure of its own. A run of them ejects
-        it once it spans `eject_keys` keys or holds a failure of its own; a 501 (the
-        engine does not serve that route for its model) is not a failure of the engine
-        and does not count."""
+    def failed(self, engine: Engine, key: str, status: int | None = None) -> None:
+        """A request of the key named `key` ("" for callers without a key) failed at
+        `engine`: it answered `status` (5xx), or (`status` None) it did not answer in
+        time or broke its answer off. A run of them ejects it once it spans
+        `eject_keys` keys. A timeout counts like a 5xx: one key's request can outlast
+        `timeouts.first_byte` by its own size (a long generation), so one key's
+        timeouts say nothing of the engine; one that is silent for every key fails its
+        health check, which then takes it out (checks.py, `_busy`). A 501 (the engine
+        does not serve that route for its model) is not a failure of the engine and
+        does not count."""
         if status == NOT_IMPLEMENTED:
             return
         s = self._settings
         engine.failures += 1
-        if status is None or key is None:
-            engine.failing_wide = True
-        elif len(engine.failing_keys) < s.eject_keys:
+        if status is None:
+            engine.unanswered = True
+        if len(engine.failing_keys) < s.eject_keys:
             engine.failing_keys.add(key)
-        if engine.failures >= s.eject_after_5xx and (
-            engine.failing_wide or len(engine.failing_keys) >= s.eject_keys
-        ):
+        if engine.failures >= s.eject_after_5xx and len(engine.failing_keys) >= s.eject_keys:
             self.eject(engine, reason="5xx")
 
     @staticmethod
@@ -286,7 +289,7 @@ class EnginePool:
 
 def _end_run(engine: Engine) -> None:
     engine.failures = 0
-    engine.failing_wide = False
+    engine.unanswered = False
     if engine.failing_keys:
         engine.failing_keys.clear()
 

@@ -35,22 +35,23 @@ class RoutingSettings(BaseModel):
     models_interval: float = Field(default=15.0, gt=0.0)
     # `dns+http://name:port` engine entries are resolved again this often (pool.py).
     dns_interval: float = Field(default=5.0, gt=0.0)
-    # Passive ejection (pool.py): an engine that refuses a connection, or answers this
-    # many 5xx in a row, leaves the rotation for a back-off that starts at
-    # `eject_backoff` seconds and doubles with each ejection that follows without a
-    # good answer in between (at most `eject_backoff_max`); it comes back when a health
-    # check passes after the back-off.
-    # A run of 5xx ejects only when it says the engine is sick, not one request: it
-    # spans the requests of `eject_keys` keys or more, or holds a failure of the
-    # engine's own (a timeout, an answer broken off). An engine's 501 (a route its
-    # model does not serve) never counts (docs/routing.md, "Whose failure is it").
+    # Passive ejection (pool.py): an engine that refuses a connection, or fails this
+    # many requests in a row (5xx, timeouts), leaves the rotation for a back-off that
+    # starts at `eject_backoff` seconds and doubles with each ejection that follows
+    # without a good answer in between (at most `eject_backoff_max`); it comes back
+    # when a health check passes after the back-off.
+    # A run ejects only when it says the engine is sick, not one request: it spans the
+    # requests of `eject_keys` keys or more. One key's timeouts can be its own long
+    # generations; an engine silent for everyone also fails its health checks, which
+    # take it out. An engine's 501 (a route its model does not serve) never counts
+    # (docs/routing.md, "Whose failure is it").
     eject_after_5xx: int = Field(default=5, ge=1)
     eject_keys: int = Field(default=2, ge=1)
     eject_backoff: float = Field(default=1.0, gt=0.0)
     eject_backoff_max: float = Field(default=30.0, gt=0.0)
-    # A key whose requests the engines answer 5xx (501 included) this many times in a
-    # window of `key_errors_window` seconds, aligned to the epoch, is answered 429
-    # `too_many_engine_errors` until the window ends (routing/key_errors.py; 0: off).
+    # A key whose requests fail at the engines (5xx, 501 included, and timeouts) this
+    # many times in a window of `key_errors_window` seconds, aligned to the epoch, is
+    # answered 429 `too_many_engine_errors` until the window ends (key_errors.py; 0: off).
     # With a store the count is shared by every process and replica.
     key_errors: int = Field(default=30, ge=0)
     key_errors_window: float = Field(default=60.0, gt=0.0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,8 @@ DECISION = {
     "questions": {"q1": {"type": "yes_no", "instructions": "Is there a cat?"}},
 }
 MODELS_BODY = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()
+# A completion the calibrated simulated engine takes seconds to generate (8 ms a token).
+LONG = {"model": MODEL, "prompt": "count", "max_tokens": 600, "ignore_eos": True}
 CHAT_BODY = json.dumps({"id": "x", "object": "chat.completion", "choices": []}).encode()
 JSON = {"Content-Type": "application/json"}
 
@@ -146,10 +149,58 @@ def test_one_keys_500s_do_not_eject_and_two_keys_500s_do(tmp_path: Path) -> None
             assert HTTP.get(gateway.url + "/readyz").json()["healthy_engines"] == 1
 
 
+def _long_completions(gateway: Proc, key: str, count: int) -> list[httpx.Response]:
+    """`count` non-streamed completions of LONG at once for `key`."""
+    with ThreadPoolExecutor(count) as pool:
+        futures = [
+            pool.submit(HTTP.post, gateway.url + "/v1/completions", json=LONG, headers=auth(key))
+            for _ in range(count)
+        ]
+        return [f.result() for f in futures]
+
+
 @pytest.mark.slow
-def test_timeouts_of_one_key_still_eject(tmp_path: Path) -> None:
-    """An engine that never starts answering a chat within timeouts.first_byte: five
-    timeouts for one key eject it (a failure of the engine's own, whoever sent it)."""
+def test_one_keys_timeouts_leave_the_engine_in_rotation_and_throttle_that_key(
+    tmp_path: Path,
+) -> None:
+    """The only engine (calibrated latency: LONG takes seconds) and timeouts.first_byte
+    0.5 s: one key's five LONG at once all time out (504), then one more; five such
+    timeouts ejected the engine, whoever sent them, and every tenant got 503. Now they
+    count for that key: past key_errors (6) it is answered 429 before the engine, while
+    another key's chats are all answered 200 and the engine never leaves the rotation."""
+    sim = sim_proc(tmp_path)
+    env = _env(
+        [sim.url],
+        GATEWAY_TIMEOUTS__FIRST_BYTE="0.5",
+        GATEWAY_ROUTING__KEY_ERRORS="6",
+        GATEWAY_ROUTING__KEY_ERRORS_WINDOW="3600",
+    )
+    with running(sim), running(gateway_proc(tmp_path, env), ready_path="/readyz") as (gateway,):
+        before = sim_received(sim.url)
+        attacker = _long_completions(gateway, ATTACKER, 5)
+        url = gateway.url + "/v1/completions"
+        with httpx.Client(timeout=30) as client:
+            attacker += [client.post(url, json=LONG, headers=auth(ATTACKER)) for _ in range(3)]
+            chat = gateway.url + "/v1/chat/completions"
+            victim = [client.post(chat, json=CHAT, headers=auth(VICTIM)) for _ in range(30)]
+            ready = client.get(gateway.url + "/readyz")
+        codes = [(r.status_code, error_code(r)) for r in attacker]
+        assert codes[:6] == [(504, "upstream_timeout")] * 6, codes
+        assert codes[6:] == [(429, "too_many_engine_errors")] * 2, codes
+        assert [r.status_code for r in victim] == [200] * 30
+        # The two 429s reached no engine: six completions and 30 chats did.
+        assert sim_received(sim.url) == before + 6 + 30
+        assert ready.status_code == 200 and ready.json()["healthy_engines"] == 1
+        assert metric(gateway.url, "gateway_engine_ejections_total", engine=sim.url) == 0
+        assert _unhealthy(gateway) == []
+
+
+@pytest.mark.slow
+def test_timeouts_of_two_keys_eject(tmp_path: Path) -> None:
+    """An engine that never starts answering a chat within timeouts.first_byte, beside a
+    good one (round robin): ten chats of one key time out five times there and leave it
+    in rotation; the first timeout of a second key ends a run of six across two keys
+    and ejects it."""
     routes = {
         "/health": Route(200),
         "/v1/models": Route(200, MODELS_BODY, JSON),
@@ -161,17 +212,55 @@ def test_timeouts_of_one_key_still_eject(tmp_path: Path) -> None:
             [sim.url, slow.url],
             GATEWAY_ROUTING__POLICY="round_robin",
             GATEWAY_ROUTING__EJECT_BACKOFF="60",
+            GATEWAY_ROUTING__KEY_ERRORS="0",
             GATEWAY_TIMEOUTS__FIRST_BYTE="0.3",
         )
         with running(gateway_proc(tmp_path, env), ready_path="/readyz") as (gateway,):
             url = gateway.url + "/v1/chat/completions"
             with httpx.Client(timeout=10) as client:
-                answers = [client.post(url, json=CHAT, headers=auth(ATTACKER)) for _ in range(14)]
-            timeouts = [r for r in answers if r.status_code == 504]
-            assert len(timeouts) == 5
-            assert {error_code(r) for r in timeouts} == {"upstream_timeout"}
+                one = [client.post(url, json=CHAT, headers=auth(ATTACKER)) for _ in range(10)]
+                timeouts = [r for r in one if r.status_code == 504]
+                assert len(timeouts) == 5
+                assert {error_code(r) for r in timeouts} == {"upstream_timeout"}
+                assert metric(gateway.url, "gateway_engine_ejections_total", engine=slow.url) == 0
+                assert HTTP.get(gateway.url + "/readyz").json()["healthy_engines"] == 2
+                two = [client.post(url, json=CHAT, headers=auth(VICTIM)) for _ in range(6)]
+            # The victim's first request that reached the slow engine ejected it.
+            assert [r.status_code for r in two].count(504) == 1
+            assert [r.status_code for r in two].count(200) == 5
             assert metric(gateway.url, "gateway_engine_ejections_total", engine=slow.url) == 1
-            assert [r.status_code for r in answers].count(200) == 9
+            assert wait_for(lambda: "ejected_5xx" in _unhealthy(gateway), timeout=5)
+
+
+@pytest.mark.slow
+def test_an_engine_silent_to_its_checks_goes_out_with_one_keys_timeouts(
+    tmp_path: Path,
+) -> None:
+    """The only engine answered a chat just now, then stops answering /health: while it
+    may still be answering, slowness alone keeps the last engine (busy_grace 60 s here).
+    One key's timeout says it is not: the next timed-out check takes it out (reason
+    `timeout`), though one key's timeouts alone never eject."""
+    sim = sim_proc(tmp_path)
+    env = _env(
+        [sim.url],
+        GATEWAY_TIMEOUTS__FIRST_BYTE="0.5",
+        GATEWAY_ROUTING__HEALTH_INTERVAL="0.1",
+        GATEWAY_ROUTING__HEALTH_TIMEOUT="0.2",
+        GATEWAY_ROUTING__BUSY_GRACE="60",
+    )
+    with running(sim), running(gateway_proc(tmp_path, env), ready_path="/readyz") as (gateway,):
+        with httpx.Client(timeout=30) as client:
+            chat = client.post(
+                gateway.url + "/v1/chat/completions", json=CHAT, headers=auth(VICTIM)
+            )
+            assert chat.status_code == 200
+            assert client.put(sim.url + "/sim/health-delay", content=b"30").status_code == 200
+            assert wait_for(lambda: '"engine_health_slow"' in gateway.log(), timeout=10)
+            assert _unhealthy(gateway) == []
+            late = client.post(gateway.url + "/v1/completions", json=LONG, headers=auth(ATTACKER))
+        assert (late.status_code, error_code(late)) == (504, "upstream_timeout")
+        assert wait_for(lambda: _unhealthy(gateway) == ["timeout"], timeout=10), gateway.log_tail()
+        assert metric(gateway.url, "gateway_engine_ejections_total", engine=sim.url) == 0
 
 
 @pytest.mark.slow

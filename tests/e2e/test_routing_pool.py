@@ -189,10 +189,10 @@ async def test_ejection_backs_off_then_recovers_on_a_good_check(sim: Proc) -> No
         await _until(lambda: engine.healthy)
         # A good answer ends the back-off; a run of 5xx (not a single one) ejects.
         pool.succeeded(engine)
-        pool.failed(engine)
-        pool.failed(engine)
+        pool.failed(engine, "a", 500)
+        pool.failed(engine, "b", 500)
         assert engine.healthy
-        pool.failed(engine)
+        pool.failed(engine, "a", 500)
         assert not engine.healthy and engine.backoff == 0.3
         assert (engine.reason, engine.detail) == (
             "ejected_5xx",

@@ -553,13 +553,14 @@ def test_a_reused_connection_closed_without_an_answer_is_retried_fresh(
 ) -> None:
     """Every request on a reused connection is dropped unanswered: the gateway sends it
     once more on a fresh connection to the same engine, GET and POST alike, and does not
-    count it against the engine (one failure would eject it here)."""
+    count it against the engine (one failure of any key would eject it here)."""
     env = {
         "GATEWAY_ENGINES": f'["{engine.url}"]',
         "GATEWAY_API_KEYS": f'["{KEY}"]',
         "GATEWAY_FORWARD_HEADERS": '["x-scenario"]',
         "GATEWAY_PUBLIC_METRICS": "true",
         "GATEWAY_ROUTING__EJECT_AFTER_5XX": "1",
+        "GATEWAY_ROUTING__EJECT_KEYS": "1",
         "GATEWAY_ROUTING__HEALTH_INTERVAL": "30",
     }
     proc = gateway_proc(tmp_path, env)

@@ -21,7 +21,8 @@ from gateway.routing.pool import EnginePool
 from gateway.routing.settings import RoutingSettings
 from tests.unit.engines import FakeEngine, FakeResponse, Sent
 
-# A failure: (status, key); status None is a timeout or a broken answer.
+# A failure: (status, key); status None is a timeout or a broken answer, key None a
+# caller without a key.
 Failure = tuple[int | None, str | None]
 
 RUNS: list[tuple[str, list[Failure], bool]] = [
@@ -34,8 +35,12 @@ RUNS: list[tuple[str, list[Failure], bool]] = [
     ("501s neither count nor end a run", [(500, "a"), (501, "b")] * 4, False),
     ("501s between five 500s over two keys", [(500, "a"), (501, "b")] * 4 + [(500, "b")], True),
     ("one key's run, then another key's 500", [(500, "a")] * 9 + [(500, "b")], True),
-    ("timeouts", [(None, "a")] * 5, True),
-    ("one key's 500s and a timeout", [(500, "a")] * 4 + [(None, "a")], True),
+    ("one key's timeouts", [(None, "a")] * 20, False),
+    ("timeouts over two keys", [(None, "a")] * 4 + [(None, "b")], True),
+    ("one key's 500s and a timeout", [(500, "a")] * 4 + [(None, "a")], False),
+    ("one key's 500s, another's timeout", [(500, "a")] * 4 + [(None, "b")], True),
+    ("keyless timeouts", [(None, None)] * 20, False),
+    ("keyless timeouts and a key's", [(None, None)] * 4 + [(None, "a")], True),
 ]
 
 
@@ -50,10 +55,7 @@ def _pool(**settings: Any) -> tuple[EnginePool, Engine]:
 def test_which_runs_eject(label: str, run: list[Failure], ejected: bool) -> None:
     pool, engine = _pool()
     for status, key in run:
-        if status is None:
-            pool.failed(engine)
-        else:
-            pool.failed(engine, status, "" if key is None else key)
+        pool.failed(engine, "" if key is None else key, status)
     assert (not engine.healthy) == ejected
     assert engine.ejections == int(ejected)
     if ejected:
@@ -64,30 +66,32 @@ def test_keyless_callers_share_one_name_and_never_eject_alone() -> None:
     # The forwarder passes "" for a request without a key: one caller, like a key.
     pool, engine = _pool()
     for _ in range(10):
-        pool.failed(engine, 500, "")
+        pool.failed(engine, "", 500)
     assert engine.healthy
 
 
 def test_an_answer_below_500_ends_the_run_and_its_keys() -> None:
     pool, engine = _pool()
-    for key in ("a", "b", "a", "b"):
-        pool.failed(engine, 500, key)
+    for key in ("a", "b", "a"):
+        pool.failed(engine, key, 500)
+    pool.failed(engine, "b")
+    assert engine.unanswered
     pool.succeeded(engine)
-    assert (engine.failures, engine.failing_keys, engine.failing_wide) == (0, set(), False)
+    assert (engine.failures, engine.failing_keys, engine.unanswered) == (0, set(), False)
     for _ in range(4):
-        pool.failed(engine, 500, "a")
-    pool.failed(engine, 500, "a")
+        pool.failed(engine, "a", 500)
+    pool.failed(engine, "a", 500)
     assert engine.healthy
 
 
 def test_eject_keys_one_is_the_old_rule_and_keys_held_are_bounded() -> None:
     pool, engine = _pool(eject_keys=1)
     for _ in range(5):
-        pool.failed(engine, 500, "a")
+        pool.failed(engine, "a", 500)
     assert not engine.healthy
     pool, engine = _pool(eject_keys=3, eject_after_5xx=1000)
     for i in range(100):
-        pool.failed(engine, 500, f"key-{i}")
+        pool.failed(engine, f"key-{i}", 500)
     assert len(engine.failing_keys) == 3
 
 
@@ -197,13 +201,17 @@ class Hanging(FakeEngine):
 
 
 SLOW_CASES: list[tuple[str, bool, int, float | None, bool]] = [
-    # label, sole, in flight, answered this many seconds ago (None: never), stays
+    # label, sole, in flight, answered this many seconds ago (None: never), stays;
+    # "timed out": the run of failures holds a request the engine never answered
     ("sole, answered just now", True, 0, 0.0, True),
     ("sole, a request in flight", True, 1, None, True),
     ("sole, idle past busy_grace", True, 0, 20.0, False),
     ("sole, never answered", True, 0, None, False),
     ("not sole, answered just now", False, 0, 0.0, False),
     ("not sole, a request in flight", False, 1, None, True),
+    ("sole, answered just now, then a request timed out", True, 0, 0.0, False),
+    ("sole, in flight, after a request timed out", True, 1, 0.0, False),
+    ("not sole, in flight, after a request timed out", False, 1, None, False),
 ]
 
 
@@ -220,6 +228,9 @@ async def test_a_slow_check_and_the_last_engine(
     engine.in_flight = in_flight
     if ago is not None:
         engine.answered_at = time.monotonic() - ago
+    if "timed out" in label:
+        pool = EnginePool([engine.url], settings, upstream=FakeEngine())
+        pool.failed(engine, "a")
     checks = EngineChecks(settings, Hanging(), [], sole=lambda e: sole)
     await checks.check(engine)
     assert engine.healthy == stays
