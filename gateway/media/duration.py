@@ -6,8 +6,8 @@ decoding): what the engine will decode, and resample, in full.
   decoder reads, whatever byte rate the header claims. A 1 Hz sample rate makes a small
   file days long. PCM, float, A-law and mu-law: a frame is a sample of each channel;
   IMA and Microsoft ADPCM: each block holds the samples a decoder makes of it (or the
-  header's `wSamplesPerBlock` where larger). Any other codec: None (a 5 MB IMA-ADPCM
-  file counted in blocks read 2.5 s and plays 1,262 s: a codec not counted is unknown).
+  header's `wSamplesPerBlock` where larger). Any other codec: None (a 5 MiB IMA-ADPCM
+  file counted in blocks read 2.6 s and plays 1,293 s: a codec not counted is unknown).
 - MP3: the MPEG frames walked from the first to the last (their samples over their
   rates); bytes after the walk stops are charged as frames at 8 kbit/s, the lowest bit
   rate, since a decoder resynchronises on any frame it finds in them.

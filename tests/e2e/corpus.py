@@ -85,6 +85,7 @@ STABLE_CODES = frozenset(
         "media_url_not_allowed",
         "media_invalid",
         "media_too_large",
+        "media_duration_unknown",
         "media_fetch_failed",
         "request_too_large",
         "model_not_allowed",
