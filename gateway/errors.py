@@ -39,6 +39,8 @@ and URL parsers echo attacker input. Raised when:
   | |                         one that alone would hold more than a key's body budget
   | |                         (proxy/budget.py)
   | + MediaTooLarge           413 media_too_large: a media item over its caps (media/)
+  |   + MediaDurationUnknown  413 media_duration_unknown: an audio or video item whose
+  |                           headers do not say how long it plays (media/av.py)
   + TooManyHeaders            431 too_many_headers: over limits.max_headers
   + HeadersTooLarge           431 headers_too_large: a head over limits.max_header_bytes,
   |                           written by the connection (server/protocol.py), which then closes
@@ -243,6 +245,15 @@ class RequestTooLarge(GatewayError):
 class MediaTooLarge(RequestTooLarge):
     code = "media_too_large"
     default_message = "The media item is larger than this gateway accepts."
+
+
+class MediaDurationUnknown(MediaTooLarge):
+    """Audio or video whose container does not say how long it plays, so it cannot be
+    held to `media.max_audio_seconds` / `max_video_seconds` (unless
+    `media.allow_unknown_duration`)."""
+
+    code = "media_duration_unknown"
+    default_message = "The media item's duration cannot be read from its headers."
 
 
 class TooManyHeaders(GatewayError):

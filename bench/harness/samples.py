@@ -72,11 +72,18 @@ def wav(samples: int = 800) -> bytes:
 SVG = b'<?xml version="1.0"?><svg xmlns="http://www.w3.org/2000/svg"><image href="http://169.254.169.254/"/></svg>'
 HTML = b"<!DOCTYPE html><html><body><script>alert(1)</script></body></html>"
 EPS = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n(/etc/passwd) (r) file\nshowpage\n"
-# The first structures of an MP4 (an `ftyp` box, then an `mdat` box) and of a WebM (an
-# EBML header naming `webm`, then a Segment of unknown size): what the gateway checks
-# of a video container (gateway/media/av.py). The payloads are not decodable video.
+# The first structures of an MP4 (an `ftyp` box, a `moov` whose `mvhd` says one second,
+# then an `mdat` box) and of a WebM (an EBML header naming `webm`, then a Segment of
+# unknown size): what the gateway checks of a video container (gateway/media/av.py,
+# duration.py; a WebM's duration is not read). The payloads are not decodable video.
+_MVHD = bytes(4) + struct.pack(">IIII", 0, 0, 1000, 1000) + bytes(80)
 MP4 = (
     b"\x00\x00\x00\x18ftypisom\x00\x00\x02\x00isomiso2"
+    + struct.pack(">I", 16 + len(_MVHD))
+    + b"moov"
+    + struct.pack(">I", 8 + len(_MVHD))
+    + b"mvhd"
+    + _MVHD
     + struct.pack(">I", 72)
     + b"mdat"
     + bytes(64)

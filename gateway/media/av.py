@@ -17,7 +17,7 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from gateway.errors import MediaInvalid, MediaTooLarge
+from gateway.errors import MediaDurationUnknown, MediaInvalid, MediaTooLarge
 from gateway.media.duration import duration
 from gateway.media.images import ImageHeader, base_type, decode_image, read_header
 from gateway.media.mpeg import SAME_STREAM, id3_length, mpeg_frame
@@ -31,6 +31,8 @@ class AvInfo:
     mime: str
     data: bytes
     frames: tuple[bytes, ...] = ()  # the JPEG frames of `video/jpeg`
+    # How long it plays, from its headers; None: unknown (`media.allow_unknown_duration`).
+    seconds: float | None = None
 
 
 def sniff(data: bytes) -> str | None:
@@ -261,10 +263,17 @@ def _validate(
         raise MediaInvalid("The media bytes are not a well-formed file of the declared type.")
     # The engine decodes (and resamples) the whole item: a 20 MiB file at a low bit rate
     # or sample rate is hours of samples. Read from the headers, before it is forwarded.
+    # Unknown is refused unless allowed: no byte rate bounds what such a file decodes to.
     seconds = duration(sniffed, data)
-    if seconds is not None and seconds > max_seconds:
+    if seconds is None:
+        if not settings.allow_unknown_duration:
+            raise MediaDurationUnknown(
+                "The media item's headers do not say how long it plays; "
+                "this gateway accepts only items it can time."
+            )
+    elif seconds > max_seconds:
         raise MediaTooLarge("The media item plays longer than this gateway accepts.")
-    return AvInfo(names[0], mime or "", data)
+    return AvInfo(names[0], mime or "", data, seconds=seconds)
 
 
 def validate_audio(data: bytes, declared: str | None, settings: MediaSettings) -> AvInfo:

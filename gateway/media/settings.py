@@ -100,12 +100,24 @@ class MediaSettings(BaseModel):
     audio_formats: list[str] = Field(default_factory=lambda: ["wav", "mp3", "flac", "ogg"])
     video_formats: list[str] = Field(default_factory=lambda: ["mp4", "webm"])
     # Seconds one audio or video item may play, read from its container's headers
-    # (gateway/media/duration.py: WAV, MP3, FLAC, MP4/M4A/MOV; Ogg and WebM are bounded
-    # by max_bytes alone); 413 media_too_large beyond. The engine decodes the whole item:
-    # 20 MiB of 8 kbit/s MP3 are almost 6 hours of samples. 10 minutes: Whisper-style
-    # models take 30 s windows, the audio chat models a few minutes.
+    # (gateway/media/duration.py: WAV, MP3, FLAC, MP4/M4A/MOV); 413 media_too_large
+    # beyond. The engine decodes the whole item: 20 MiB of 8 kbit/s MP3 are almost 6
+    # hours of samples. 10 minutes: Whisper-style models take 30 s windows, the audio
+    # chat models a few minutes.
     max_audio_seconds: float = Field(default=600.0, gt=0)
     max_video_seconds: float = Field(default=600.0, gt=0)
+    # An item whose headers do not say how long it plays (Ogg, WebM, a FLAC without its
+    # sample count, a WAV codec the gateway cannot count) is refused with 413
+    # media_duration_unknown: no byte rate bounds it (an Opus stream of 1-byte packets
+    # plays hours a MiB). True: such items are bounded by max_bytes alone, and an upload
+    # is weighed as if it played max_audio_seconds.
+    allow_unknown_duration: bool = False
+    # Seconds of audio each engine request of a transcription or translation covers
+    # at least: vLLM cuts longer audio into clips of `max_audio_clip_s` (Whisper: 30 s)
+    # at a quiet point of the last `overlap_chunk_second` (1 s) and runs every clip at
+    # once, so a file makes at most ceil(seconds / 29) requests (gateway/payload/
+    # sequences.py). Lower it for an engine whose model takes shorter clips.
+    audio_clip_seconds: float = Field(default=29.0, gt=0)
     # Fetched, validated media kept by canonical URL, bounded in bytes and age.
     cache_bytes: int = Field(default=64 * 1024 * 1024, ge=0)
     cache_ttl: float = Field(default=300.0, ge=0)

@@ -19,6 +19,8 @@ source (docs/gateway.md, "Per-key limits", has the table):
     /v1/systemone                 questions (one engine request each)
     /invocations                  the heaviest of the shapes above (vLLM takes the
                                   first that validates)
+    /v1/audio/transcriptions,     the clips the audio is cut into x `n` with
+      /v1/audio/translations      `use_beam_search` (multipart form fields: `speech`)
     anything else                 1
 
 `best_of` counts as `n` where it is larger: vLLM 0.32 ignores it, older engines ran that
@@ -31,7 +33,7 @@ charged for the larger count.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from gateway.errors import InvalidRequest
@@ -196,6 +198,40 @@ WEIGHERS: dict[str, Callable[[dict[str, Any]], Weight]] = {
     "/v1/systemone": decisions,
     "/invocations": invocations,
 }
+
+
+# The values pydantic reads as False for a bool field (any case); "" is the default
+# (FastAPI drops an empty form field). Anything else is beam search (or a 422).
+_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def speech(
+    fields: Mapping[str, list[str]],
+    seconds: float | None,
+    *,
+    clip_seconds: float,
+    max_seconds: float,
+) -> Weight:
+    """The engine sequences of a transcription or translation: its multipart form
+    `fields` (one value each, as the upload parser keeps them) and its file's playing
+    time (`seconds`; None when unknown and allowed: counted as `max_seconds`).
+
+    vLLM 0.32 (entrypoints/speech_to_text/base/serving.py) cuts audio longer than the
+    model's clip into clips of at least `clip_seconds` and sends one engine request per
+    clip, all at once. With `use_beam_search`, each is a beam search of width `n`
+    (generate/beam_search/online.py: one engine request per beam at every step); without
+    it `n` is ignored. Form values are strings, read as pydantic reads them: an empty
+    one is absent."""
+    values = {name: v[0] for name, v in fields.items() if v and v[0] != ""}
+    played = max_seconds if seconds is None else seconds
+    clips = max(math.ceil(played / clip_seconds), 1)
+    beam = values.get("use_beam_search")
+    beams = _number(values, "n") if beam is not None and beam.lower() not in _FALSE else 1
+    beams = max(beams, 1)
+    weight = clips * beams
+    if weight <= 1:
+        return _ONE
+    return weight, "n" if beams >= clips else "file"
 
 
 def sequences(path: str, body: dict[str, Any] | None) -> Weight:

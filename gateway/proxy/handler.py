@@ -26,7 +26,7 @@ from gateway.errors import ModelUnavailable, NoEngineAvailable, ResponseNotFound
 from gateway.exchange import Exchange, exchange_of
 from gateway.observability.metrics import Metrics
 from gateway.payload.inspector import PayloadInspector
-from gateway.payload.sequences import sequences
+from gateway.payload.sequences import sequences, speech
 from gateway.proxy.body import ClientDisconnected, Incoming, header, read_incoming
 from gateway.proxy.budget import BodyBudget
 from gateway.proxy.disconnect import DisconnectWatch
@@ -112,7 +112,18 @@ class Proxy:
             # what the body asks for (prompts x n, batch items) now, before any media
             # is fetched.
             if ex.key is not None:
-                weight, param = sequences(ex.route.path, incoming.json)
+                upload = incoming.upload
+                if upload is None:
+                    weight, param = sequences(ex.route.path, incoming.json)
+                else:
+                    # Its form fields and the file's playing time (`Upload.seconds`).
+                    media = self.settings.media
+                    weight, param = speech(
+                        upload.fields,
+                        upload.seconds,
+                        clip_seconds=media.audio_clip_seconds,
+                        max_seconds=media.max_audio_seconds,
+                    )
                 if weight > 1:  # most requests: no coroutine made
                     sequences_charge = await self._admission.charge(ex.key, weight, param)
             # Counted against max_in_flight from here: a body still arriving holds no slot.

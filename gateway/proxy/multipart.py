@@ -57,6 +57,9 @@ class _Part:
 class Upload:
     fields: dict[str, list[str]]
     boundary: bytes  # as parsed: the one the forwarded Content-Type names
+    # How long the file plays, from its headers; None: unknown (allowed by
+    # `media.allow_unknown_duration`). Weighs the request (payload/sequences.py).
+    seconds: float | None = None
 
     @property
     def model(self) -> str | None:
@@ -208,8 +211,8 @@ def _check(parts: list[_Part], settings: MediaSettings, boundary: bytes) -> Uplo
         declared = min(AUDIO_TYPES.get(sniffed or "", {""}))
     if not data:
         raise MediaInvalid("The uploaded file is empty.", param="file")
-    validate_audio(data, declared, settings)
-    return Upload(fields, boundary)
+    info = validate_audio(data, declared, settings)
+    return Upload(fields, boundary, info.seconds)
 
 
 _UPLOAD_TYPES: frozenset[str] = frozenset().union(*AUDIO_TYPES.values())

@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.harness.samples import WEBM, png, wav
+from bench.harness.samples import MP4, png, wav
 from gateway.media.types import MEDIA_KEYS, MEDIA_TYPES
 
 ORIGIN = "@@ORIGIN@@"
@@ -62,7 +62,7 @@ B64_WAV = base64.b64encode(WAV).decode()
 DATA = {
     "image": "data:image/png;base64," + B64_PNG,
     "audio": "data:audio/wav;base64," + B64_WAV,
-    "video": "data:video/webm;base64," + base64.b64encode(WEBM).decode(),
+    "video": "data:video/mp4;base64," + base64.b64encode(MP4).decode(),
 }
 # Bytes an embeds part would make vLLM torch.load (never sent anywhere: refused first).
 EMBEDS = base64.b64encode(b"PK\x03\x04 not a tensor").decode()
@@ -70,9 +70,9 @@ EMBEDS = base64.b64encode(b"PK\x03\x04 not a tensor").decode()
 ORIGIN_FILES: dict[str, tuple[bytes, str]] = {
     "/img.png": (PNG, "image/png"),
     "/clip.wav": (WAV, "audio/wav"),
-    "/clip.webm": (WEBM, "video/webm"),
+    "/clip.mp4": (MP4, "video/mp4"),
 }
-_ORIGIN_PATH = {"image": "/img.png", "audio": "/clip.wav", "video": "/clip.webm"}
+_ORIGIN_PATH = {"image": "/img.png", "audio": "/clip.wav", "video": "/clip.mp4"}
 # Text that merely mentions URLs lives under /mention: never a media reference.
 MENTION_PATH = "/mention"
 
@@ -85,6 +85,7 @@ STABLE_CODES = frozenset(
         "media_url_not_allowed",
         "media_invalid",
         "media_too_large",
+        "media_duration_unknown",
         "media_fetch_failed",
         "request_too_large",
         "model_not_allowed",

@@ -1,8 +1,10 @@
 """Audio and video that play longer than `media.max_audio_seconds` /
 `media.max_video_seconds` (read from the container's headers) are refused with 413
-`media_too_large` before the engine sees them; shorter ones are forwarded. Through the
-gateway under uvicorn, a simulated engine that records what it receives, and a loopback
-media origin."""
+`media_too_large` before the engine sees them; shorter ones are forwarded. Items whose
+headers do not say how long they play (Ogg, WebM, a FLAC without its sample count, a WAV
+codec the gateway does not count) are refused with 413 `media_duration_unknown`. Through
+the gateway under uvicorn, a simulated engine that records what it receives, and a
+loopback media origin."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from tests.procs import (
     sim_proc,
     wait_for,
 )
+from tests.unit.media.test_samples import av_sample
 
 KEY = "key-duration-0123456789abcdef"
 LIMIT = 5  # seconds, audio and video alike
@@ -40,6 +43,21 @@ def wav(frames: int, rate: int) -> bytes:
     body = b"WAVE" + b"fmt " + struct.pack("<I", 16) + fmt
     body += b"data" + struct.pack("<I", frames) + bytes(frames)
     return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
+def ima_adpcm(blocks: int) -> bytes:
+    """Mono IMA ADPCM at 8 kHz in 256-byte blocks: 505 samples (63 ms) a block, which a
+    count of blocks read as 1/8000 s."""
+    fmt = struct.pack("<HHIIHHHH", 0x11, 1, 8000, 4055, 256, 4, 2, 505)
+    body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt
+    body += b"data" + struct.pack("<I", 256 * blocks) + bytes(256 * blocks)
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
+def flac_without_length() -> bytes:
+    """A real FLAC whose STREAMINFO says 0 total samples (unknown)."""
+    flac = av_sample("tone.flac")
+    return flac[:21] + bytes([flac[21] & 0xF0]) + bytes(4) + flac[26:]
 
 
 def mp3(frames: int) -> bytes:
@@ -69,6 +87,15 @@ class Stack:
             self.gateway.url + "/v1/chat/completions", json=body, headers=auth(KEY), timeout=20
         )
 
+    def upload(self, name: str, data: bytes, mime: str) -> Any:
+        return HTTP.post(
+            self.gateway.url + "/v1/audio/transcriptions",
+            headers=auth(KEY),
+            files={"file": (name, data, mime)},
+            data={"model": MODEL},
+            timeout=20,
+        )
+
     def engine_posts(self) -> int:
         got = HTTP.get(self.sim.url + "/sim/requests").json()
         return sum(1 for r in got if r["method"] == "POST")
@@ -80,6 +107,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     routes = {
         "/long.mp3": Route(body=mp3(100), headers={"Content-Type": "audio/mpeg"}),
         "/short.mp3": Route(body=mp3(20), headers={"Content-Type": "audio/mpeg"}),
+        "/tone.ogg": Route(body=av_sample("tone.ogg"), headers={"Content-Type": "audio/ogg"}),
+        "/adpcm.wav": Route(body=ima_adpcm(100), headers={"Content-Type": "audio/wav"}),
     }
     sim = sim_proc(tmp, "--record-requests", "50", "--latency", "zero")
     with RecordingServer(routes) as origin, running(sim):
@@ -118,9 +147,22 @@ LONG = {
     "mp3 fetched": lambda o: audio_url(f"http://127.0.0.1:{o.port}/long.mp3"),
     "mp3 inline": lambda o: input_audio(mp3(100), "mp3"),
     "mp4 declared an hour": lambda o: video_url(data_url("video/mp4", mp4(3600))),
+    # 100 blocks: 6.3 s (read as 0.0125 s when blocks were counted as samples).
+    "ima adpcm wav inline": lambda o: input_audio(ima_adpcm(100), "wav"),
+    "ima adpcm wav data url": lambda o: audio_url(data_url("audio/wav", ima_adpcm(100))),
+    "ima adpcm wav fetched": lambda o: audio_url(f"http://127.0.0.1:{o.port}/adpcm.wav"),
+}
+UNKNOWN = {
+    "ogg inline": lambda o: input_audio(av_sample("tone.ogg"), "ogg"),
+    "ogg fetched": lambda o: audio_url(f"http://127.0.0.1:{o.port}/tone.ogg"),
+    "opus data url": lambda o: audio_url(data_url("audio/ogg", av_sample("tone.opus"))),
+    "flac without its length": lambda o: input_audio(flac_without_length(), "flac"),
+    "webm": lambda o: video_url(data_url("video/webm", av_sample("clip.webm"))),
 }
 SHORT = {
     "wav": lambda o: input_audio(wav(8000 * 4, 8000), "wav"),
+    "ima adpcm wav": lambda o: input_audio(ima_adpcm(60), "wav"),  # 3.8 s
+    "flac": lambda o: input_audio(av_sample("tone.flac"), "flac"),
     "mp3 fetched": lambda o: audio_url(f"http://127.0.0.1:{o.port}/short.mp3"),
     "mp4": lambda o: video_url(data_url("video/mp4", mp4(4))),
 }
@@ -140,5 +182,40 @@ def test_media_longer_than_the_limit_is_refused_before_the_engine(stack: Stack, 
 def test_media_within_the_limit_is_forwarded(stack: Stack, name: str) -> None:
     before = stack.engine_posts()
     r = stack.ask(SHORT[name](stack.origin))
+    assert error_code(r) is None, r.text
+    assert stack.engine_posts() == before + 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(UNKNOWN))
+def test_media_of_unknown_duration_is_refused_before_the_engine(stack: Stack, name: str) -> None:
+    before = stack.engine_posts()
+    r = stack.ask(UNKNOWN[name](stack.origin))
+    assert (r.status_code, error_code(r)) == (413, "media_duration_unknown"), r.text
+    assert stack.engine_posts() == before
+
+
+UPLOADS = {
+    "ima adpcm wav, 6.3 s": (ima_adpcm(100), "audio/wav", "media_too_large"),
+    "wav at 1 Hz": (wav(2000, 1), "application/octet-stream", "media_too_large"),
+    "ogg": (av_sample("tone.ogg"), "audio/ogg", "media_duration_unknown"),
+    "flac without its length": (flac_without_length(), "audio/flac", "media_duration_unknown"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(UPLOADS))
+def test_uploads_too_long_or_untimed_are_refused_before_the_engine(stack: Stack, name: str) -> None:
+    data, mime, code = UPLOADS[name]
+    before = stack.engine_posts()
+    r = stack.upload("a.bin", data, mime)
+    assert (r.status_code, error_code(r)) == (413, code), r.text
+    assert stack.engine_posts() == before
+
+
+@pytest.mark.slow
+def test_a_short_adpcm_upload_is_forwarded(stack: Stack) -> None:
+    before = stack.engine_posts()
+    r = stack.upload("a.wav", ima_adpcm(60), "audio/wav")
     assert error_code(r) is None, r.text
     assert stack.engine_posts() == before + 1

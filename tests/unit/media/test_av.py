@@ -20,7 +20,10 @@ from gateway.media.types import AUDIO_TYPES, VIDEO_TYPES
 from tests.unit.media.test_samples import av_sample
 
 SETTINGS = MediaSettings(
-    audio_formats=list(AUDIO_TYPES), video_formats=list(VIDEO_TYPES), max_bytes=1_000_000
+    audio_formats=list(AUDIO_TYPES),
+    video_formats=list(VIDEO_TYPES),
+    max_bytes=1_000_000,
+    allow_unknown_duration=True,  # the container checks, whether or not a file is timed
 )
 
 CANARY = b"http://127.0.0.1:9/seg.ts"

@@ -24,7 +24,7 @@ from bench.harness.samples import (
     png_header_only,
     wav,
 )
-from gateway.errors import GatewayError, MediaInvalid, MediaTooLarge
+from gateway.errors import GatewayError, MediaDurationUnknown, MediaInvalid, MediaTooLarge
 from gateway.media.av import validate_audio, validate_video
 from gateway.media.images import check_formats
 from gateway.media.settings import MediaSettings
@@ -134,7 +134,7 @@ def test_format_list_is_explicit() -> None:
         (wav(), "audio/x-wav", None),
         (av_sample("tone.mp3"), "audio/mpeg", None),
         (av_sample("tone.flac"), "audio/flac", None),
-        (av_sample("tone.ogg"), "audio/ogg", None),
+        (av_sample("tone.ogg"), "audio/ogg", MediaDurationUnknown),  # not timed
         (b"ID3\x03\x00" + b"\x00" * 40, "audio/mpeg", MediaInvalid),  # a tag and no frame
         (wav(), "audio/mpeg", MediaInvalid),  # magic must match the label
         (HTML, "audio/wav", MediaInvalid),
@@ -157,7 +157,7 @@ def test_audio_checks(data: bytes, declared: str | None, error: type[GatewayErro
     ("data", "declared", "error"),
     [
         (MP4, "video/mp4", None),
-        (WEBM, "video/webm", None),
+        (WEBM, "video/webm", MediaDurationUnknown),  # not timed
         (WEBM, "video/mp4", MediaInvalid),
         (HTML, "video/mp4", MediaInvalid),
         (MP4, "video/quicktime", MediaInvalid),  # not in the default list

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from gateway.errors import InvalidRequest
-from gateway.payload.sequences import WEIGHERS, sequences
+from gateway.payload.sequences import WEIGHERS, sequences, speech
 
 MSG = [{"role": "user", "content": "hi"}]
 TOKENS = [1, 2, 3]
@@ -111,3 +111,43 @@ def test_every_weighed_route_is_in_the_endpoint_table() -> None:
     from gateway.access.endpoints import TABLE
 
     assert set(WEIGHERS) <= set(TABLE)
+
+
+def _form(**values: str) -> dict[str, list[str]]:
+    return {name: [value] for name, value in values.items()}
+
+
+SPEECH = [
+    # (form fields, seconds the file plays, expected weight)
+    ({}, 10.0, (1, None)),
+    ({"n": "256"}, 10.0, (1, None)),  # without beam search vLLM ignores n
+    ({"n": "256", "use_beam_search": "true"}, 10.0, (256, "n")),
+    ({"n": "8", "use_beam_search": "On"}, 10.0, (8, "n")),  # pydantic: any case
+    ({"n": "8", "use_beam_search": "1"}, 10.0, (8, "n")),
+    ({"n": "8", "use_beam_search": "maybe"}, 10.0, (8, "n")),  # vLLM: 422; charged
+    ({"n": "8", "use_beam_search": "false"}, 10.0, (1, None)),
+    ({"n": "8", "use_beam_search": "No"}, 10.0, (1, None)),
+    ({"n": "8", "use_beam_search": ""}, 10.0, (1, None)),  # FastAPI: the default
+    ({"n": "", "use_beam_search": "true"}, 10.0, (1, None)),
+    ({"n": " 6_4 ", "use_beam_search": "y"}, 10.0, (64, "n")),
+    ({"n": "4.5", "use_beam_search": "t"}, 10.0, (5, "n")),
+    ({}, 600.0, (21, "file")),  # 600 s: 21 clips of at least 29 s
+    ({}, 29.0, (1, None)),
+    ({}, 29.5, (2, "file")),
+    ({"n": "4", "use_beam_search": "true"}, 120.0, (20, "file")),  # 5 clips x 4 beams
+    ({"n": "16", "use_beam_search": "true"}, 120.0, (80, "n")),
+    ({}, None, (21, "file")),  # unknown (allowed): as long as max_seconds
+]
+
+
+@pytest.mark.parametrize(("fields", "seconds", "expected"), SPEECH)
+def test_weight_of_a_transcription(
+    fields: dict[str, str], seconds: float | None, expected: tuple[int, Any]
+) -> None:
+    got = speech(_form(**fields), seconds, clip_seconds=29.0, max_seconds=600.0)
+    assert got == expected
+
+
+def test_a_form_count_that_cannot_be_read_is_refused() -> None:
+    with pytest.raises(InvalidRequest):
+        speech(_form(n="lots", use_beam_search="true"), 1.0, clip_seconds=29.0, max_seconds=600.0)
