@@ -17,7 +17,7 @@ import orjson
 from bench.sim import prompt
 from bench.sim.engine import Engine, EngineRequest
 from bench.sim.errors import invalid_body
-from bench.sim.generate import output
+from bench.sim.generate import lax_bool, output
 from bench.sim.http import Request, respond_json, start_stream
 
 
@@ -77,7 +77,7 @@ async def messages(engine: Engine, req: Request) -> None:
     async with EngineRequest(engine, len(tokens) - cached) as seq:
         seq.finish_reason = reason
         engine.metrics.generation_tokens += len(pieces)
-        if not body.get("stream"):
+        if not lax_bool(body.get("stream"), "stream"):
             await seq.decode(len(pieces))
             await respond_json(
                 req.send,

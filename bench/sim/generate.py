@@ -32,13 +32,25 @@ def _int_field(body: dict[str, Any], name: str, minimum: int) -> int | None:
     return value
 
 
+# What pydantic v2 in lax mode reads as a boolean string, in any case (vLLM's request
+# models): measured against pydantic 2.14.
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def lax_bool(value: object, name: str) -> bool:
+    """`value` as vLLM's pydantic reads a `bool | None = False` field."""
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int | float) and value in (0, 1):
+        return value == 1
+    if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+        return value.lower() in _TRUE
+    raise invalid_body(f"{name}: Input should be a valid boolean")
+
+
 def _bool_field(body: dict[str, Any], name: str) -> bool:
-    value = body.get(name, False)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise invalid_body(f"{name}: Input should be a valid boolean")
-    return value
+    return lax_bool(body.get(name), name)
 
 
 def _salt(body: dict[str, Any]) -> str:
@@ -50,13 +62,28 @@ def _salt(body: dict[str, Any]) -> str:
     return salt
 
 
-def _include_usage(body: dict[str, Any]) -> bool:
+def _include_usage(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(the usage event at the end, usage in every chunk): vLLM's `should_include_usage`,
+    which honours `continuous_usage_stats` only with `include_usage`."""
     options = body.get("stream_options")
     if options is None:
-        return False
+        return False, False
     if not isinstance(options, dict):
         raise invalid_body("stream_options: Input should be a valid dictionary")
-    return bool(options.get("include_usage"))
+    include = lax_bool(options.get("include_usage"), "stream_options.include_usage")
+    continuous = lax_bool(
+        options.get("continuous_usage_stats"), "stream_options.continuous_usage_stats"
+    )
+    return include, include and continuous
+
+
+def _chunk_usage(prompt_tokens: int, completion: int) -> dict[str, Any]:
+    """A chunk's usage with `continuous_usage_stats`, as vLLM 0.32 writes it."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion,
+        "completion_tokens": completion,
+    }
 
 
 def _max_tokens(engine: Engine, body: dict[str, Any], prompt_len: int) -> int:
@@ -139,7 +166,7 @@ async def chat(engine: Engine, req: Request) -> None:
     items = await engine.load_media(prompt.media_refs(segments))
     tokens, spans = prompt.assemble(segments, items)
     max_tokens = _max_tokens(engine, body, len(tokens))
-    include_usage = _include_usage(body)
+    include_usage, continuous = _include_usage(body)
     ignore_eos = _bool_field(body, "ignore_eos")
     salt = _salt(body)
     cached, hashes = engine.lookup_prefix(tokens, spans, lora, salt)
@@ -204,7 +231,10 @@ async def chat(engine: Engine, req: Request) -> None:
             "logprobs": None,
             "finish_reason": None,
         }
-        await send_event(req.send, {**head, "choices": [first]})
+        counts: dict[str, Any] = {}
+        if continuous:
+            counts = {"usage": {**_chunk_usage(len(tokens), 0), "completion_tokens_details": None}}
+        await send_event(req.send, {**head, "choices": [first], **counts})
         last = len(pieces) - 1
         for i, piece in enumerate(pieces):
             await seq.decode(1)
@@ -216,7 +246,11 @@ async def chat(engine: Engine, req: Request) -> None:
             }
             if i == last:
                 choice["stop_reason"] = None
-            await send_event(req.send, {**head, "choices": [choice]})
+            if continuous:
+                counts = {
+                    "usage": {**_chunk_usage(len(tokens), i + 1), "completion_tokens_details": None}
+                }
+            await send_event(req.send, {**head, "choices": [choice], **counts})
         cache_reply()
         if include_usage:
             await send_event(req.send, {**head, "choices": [], "usage": usage, **FINGERPRINT})
@@ -230,7 +264,7 @@ async def completions(engine: Engine, req: Request) -> None:
     if "prompt_embeds" in body:
         raise bad_request("The simulator does not accept `prompt_embeds`.", "prompt_embeds")
     prompts = prompt.completion_prompts(body.get("prompt"))
-    include_usage = _include_usage(body)
+    include_usage, continuous = _include_usage(body)
     ignore_eos = _bool_field(body, "ignore_eos")
     salt = _salt(body)
     results = []
@@ -291,7 +325,10 @@ async def completions(engine: Engine, req: Request) -> None:
                     "finish_reason": reason if i == last else None,
                     "stop_reason": None,
                 }
-                await send_event(req.send, {**head, "choices": [choice]})
+                event: dict[str, Any] = {**head, "choices": [choice]}
+                if continuous:
+                    event["usage"] = _chunk_usage(len(prompts[index]), i + 1)
+                await send_event(req.send, event)
         if include_usage:
             await send_event(req.send, {**head, "choices": [], "usage": usage, **FINGERPRINT})
         await end_stream(req.send)

@@ -21,7 +21,7 @@ from typing import Any
 from bench.sim import tokenizer
 from bench.sim.engine import Engine, EngineRequest
 from bench.sim.errors import SimError, bad_request, invalid_body
-from bench.sim.generate import output
+from bench.sim.generate import lax_bool, output
 from bench.sim.http import Request, respond_json
 
 PATH = "/v1/responses"
@@ -77,7 +77,7 @@ class ResponseStore:
         body = req.json()
         model, _ = engine.resolve_model(body.get("model"))
         for field in ("stream", "background"):
-            if body.get(field):
+            if lax_bool(body.get(field), field):
                 raise bad_request(f"The simulator does not simulate `{field}`.", field)
         request_id = body.get("request_id") or f"resp_{secrets.token_hex(16)}"
         if not isinstance(request_id, str):

@@ -11,6 +11,7 @@ from typing import Any
 from gateway.errors import FieldNotAllowed, InvalidRequest, ResponseNotFound
 from gateway.media.settings import MediaSettings
 from gateway.payload.identity import Identity
+from gateway.payload.lax import lax_bool
 from gateway.payload.rules import (
     FORBIDDEN_ANYWHERE,
     FORBIDDEN_TOP_LEVEL,
@@ -93,8 +94,9 @@ class FieldRules:
         """vLLM 0.32 answers a `background` Responses request at once (`queued`) and
         generates on: the key's in-flight cap counts the answered request, not the
         generation, and no client connection is left to abort it. Anything but
-        absent, null or false is refused (pydantic reads `1` and `"yes"` as true)."""
-        if value is None or value is False or OptIn.background in self.allowed:
+        absent, null or false (as vLLM's pydantic reads it: `0` and `"no"` are false,
+        `1` and `"yes"` true) is refused."""
+        if OptIn.background in self.allowed or not lax_bool(value, "background"):
             return
         raise FieldNotAllowed("The field 'background' is not allowed.", param="background")
 

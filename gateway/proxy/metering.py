@@ -1,11 +1,18 @@
 """What the gateway asks an engine for, so that every answer can be metered, and how the
 answer is read (proxy/usage.py, relayed by proxy/relay.py).
 
-- A stream of /v1/chat/completions, /v1/completions or /invocations asked without
-  `stream_options.include_usage` reports no usage: the gateway asks for it, and drops
-  `continuous_usage_stats` (vLLM honours it only with `include_usage`: `should_include_usage`
-  in vllm/entrypoints/serve/utils/api_utils.py, so the client never got it), then takes
-  the usage event out of the answer (`HiddenUsage`).
+- A stream of /v1/chat/completions, /v1/completions or /invocations reports its usage
+  only when asked (`stream_options.include_usage`), and only at its end; with
+  `continuous_usage_stats` as well, every chunk carries the prompt's and the choice's
+  counts so far (`should_include_usage` in vllm/entrypoints/serve/utils/api_utils.py;
+  the chunks: `chat_completion_stream_generator` and `completion_stream_generator`).
+  The gateway asks for both, and takes out of the answer what the client did not ask
+  for (`EventUsage`): a client that leaves early is metered the last counts it was
+  sent. `stream`, `include_usage` and `continuous_usage_stats` are read as vLLM's
+  pydantic reads them (payload/lax.py: `"true"` and `1` are true), so a stream is
+  never taken for an answer that reports its usage unasked.
+- /v1/systemone's answer is parsed whole for its usage: a request whose answer could
+  be too large for that is refused (payload/decisions.py).
 - `encoding_format: "bytes_only"` on /v1/embeddings, /pooling and /invocations reports no
   usage anywhere: the gateway asks for `"bytes"` (the same body; usage in the `metadata`
   header: `build_pooling_bytes_streaming_response` in vllm/entrypoints/pooling/utils.py)
@@ -20,6 +27,9 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from gateway.access.endpoints import Group, Route
+from gateway.errors import InvalidRequest
+from gateway.payload.decisions import check_echoes
+from gateway.payload.lax import lax_bool
 
 # Routes whose streams carry usage only when asked (`stream_options`).
 _STREAM_OPTIONS: Final = frozenset({"/v1/chat/completions", "/v1/completions", "/invocations"})
@@ -37,8 +47,15 @@ class Metering:
     count: bool = True
     # Parse the whole answer for its top-level `usage` (up to usage.WHOLE_LIMIT).
     whole: bool = False
+    # A stream of chunks that report usage (chat or completion): read event by event.
+    events: bool = False
     # The gateway asked for a stream's usage event: take it out of the answer.
     hide_usage: bool = False
+    # The gateway asked for every chunk's usage: take it out of each chunk.
+    hide_chunk_usage: bool = False
+    # Choices a prompt makes (`n`, when it reads as an int): the chunks' counts of one
+    # prompt's choices share its prompt tokens.
+    choices: int = 1
     # The gateway asked for `bytes` where the client asked `bytes_only`: the `metadata`
     # header stays behind.
     hide_metadata: bool = False
@@ -52,7 +69,7 @@ NOT_METERED: Final = Metering(count=False)
 def plan(route: Route, body: dict[str, Any] | None, stored: bool) -> tuple[Metering, bool]:
     """How to meter a request to `route` with `body` (its parsed JSON, changed in
     place), and whether the body was changed. `stored`: the route reads a stored
-    response."""
+    response. Raises InvalidRequest for a body whose answer could not be metered."""
     if stored:
         return NOT_METERED, False
     meter = Metering(whole=route.path in _CLIENT_KEYS, audio=route.group is Group.audio)
@@ -60,13 +77,36 @@ def plan(route: Route, body: dict[str, Any] | None, stored: bool) -> tuple[Meter
         return meter, False
     changed = False
     path = route.path
-    if path in _STREAM_OPTIONS and body.get("stream") is True:
-        options = body.get("stream_options")
-        if options is None or (type(options) is dict and not options.get("include_usage")):
-            # Anything else is left for vLLM to refuse.
-            body["stream_options"] = {"include_usage": True}
-            meter.hide_usage = changed = True
+    if path in _STREAM_OPTIONS and lax_bool(body.get("stream"), "stream"):
+        changed = _ask_usage(body, meter)
+    if path in _CLIENT_KEYS:
+        check_echoes(body)
     if path in _BINARY_POOLING and body.get("encoding_format") == "bytes_only":
         body["encoding_format"] = "bytes"
         meter.hide_metadata = changed = True
     return meter, changed
+
+
+def _ask_usage(body: dict[str, Any], meter: Metering) -> bool:
+    """Asks a stream for its usage in every chunk and at its end; whether the body
+    changed."""
+    options = body.get("stream_options")
+    if options is None:
+        options = {}
+    elif type(options) is not dict:
+        raise InvalidRequest("`stream_options` must be an object.", param="stream_options")
+    include = lax_bool(options.get("include_usage"), "stream_options.include_usage")
+    continuous = lax_bool(
+        options.get("continuous_usage_stats"), "stream_options.continuous_usage_stats"
+    )
+    meter.events = True
+    meter.hide_usage = not include
+    # vLLM honours `continuous_usage_stats` only with `include_usage`.
+    meter.hide_chunk_usage = not (include and continuous)
+    n = body.get("n")
+    meter.choices = n if type(n) is int and n > 1 else 1
+    if include and continuous:
+        return False
+    # Other keys are kept: vLLM's StreamOptions allows extra fields.
+    body["stream_options"] = {**options, "include_usage": True, "continuous_usage_stats": True}
+    return True

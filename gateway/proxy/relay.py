@@ -24,7 +24,7 @@ from gateway.proxy.headers import RESPONSE_HEADERS
 from gateway.proxy.metering import Metering
 from gateway.proxy.scrub import about_model, excerpt, scrub_json
 from gateway.proxy.usage import (
-    HiddenUsage,
+    EventUsage,
     Tail,
     Whole,
     audio_seconds,
@@ -46,7 +46,8 @@ _ERROR_LIMIT = 64 * 1024
 _SMALL_RESPONSE = 64 * 1024
 _METADATA = b"metadata"
 # Routes whose streams send one event per engine step, each with that step's tokens: a
-# stream left early is metered one completion token an event relayed.
+# stream left early that reported no counts is metered one completion token an event
+# relayed.
 _TOKEN_EVENTS = frozenset({"/v1/chat/completions", "/v1/completions", "/invocations"})
 
 
@@ -154,8 +155,9 @@ class Relay:
                     ex.usage = metadata_usage(value)
             if meter.hide_metadata:
                 out_headers = [(n, v) for n, v in out_headers if n != _METADATA]
+        by_event = meter.events and resp.content_type == "text/event-stream"
         length = resp.content_length
-        if length is not None and length <= _SMALL_RESPONSE and not meter.hide_usage:
+        if length is not None and length <= _SMALL_RESPONSE and not by_event:
             try:
                 # One timer, no asyncio.timeout context: this is the common path.
                 body = await resp.read(self.idle)
@@ -175,8 +177,8 @@ class Relay:
             return
 
         await send({"type": "http.response.start", "status": resp.status, "headers": out_headers})
-        if meter.hide_usage:
-            await self._hidden(resp, send, ex, watch)
+        if by_event:
+            await self._events(resp, send, ex, watch, meter)
             return
         idle = self.idle
         # What the engine reports its usage in, read as it passes (gateway/proxy/usage.py).
@@ -216,11 +218,16 @@ class Relay:
             ex.usage = reader.usage()
         await send({"type": "http.response.body", "body": b""})
 
-    async def _hidden(
-        self, resp: Response, send: Send, ex: Exchange, watch: DisconnectWatch
+    async def _events(
+        self, resp: Response, send: Send, ex: Exchange, watch: DisconnectWatch, meter: Metering
     ) -> None:
-        """A stream whose usage event the gateway asked for and the client did not."""
-        hidden = HiddenUsage()
+        """A chat or completion stream, whose usage the gateway asked for in every chunk
+        (proxy/metering.py)."""
+        reader = EventUsage(
+            hide_usage=meter.hide_usage,
+            hide_chunk_usage=meter.hide_chunk_usage,
+            choices=meter.choices,
+        )
         idle = self.idle
         finished = False
         try:
@@ -228,7 +235,7 @@ class Relay:
                 chunk = await resp.readsome(idle)
                 if not chunk:
                     break
-                out = hidden.feed(chunk)
+                out = reader.feed(chunk)
                 if out:
                     ex.bytes_out += len(out)
                     await send({"type": "http.response.body", "body": out, "more_body": True})
@@ -237,19 +244,19 @@ class Relay:
             await self._broken(resp, send, ex, watch, exc)
             return
         finally:
-            if hidden.usage is not None:
-                ex.usage = hidden.usage
-            elif not finished:
-                self._left_early(ex, hidden.events)
+            # Cut short (the client left, the engine broke): the engine's last counts.
+            ex.usage = reader.usage()
+            if not finished:
+                self._left_early(ex, reader.events)
         watch.stop()
-        rest = hidden.flush()
+        rest = reader.flush()
         ex.bytes_out += len(rest)
         await send({"type": "http.response.body", "body": rest})
 
     def _left_early(self, ex: Exchange, events: int) -> None:
-        """A stream cut before its usage (the client left, the engine broke): metered
-        one completion token an event relayed, on routes that send one event a step.
-        The prompt's count is not known: vLLM reports it only at the end."""
+        """A stream cut before it reported any usage (the client left, the engine
+        broke): metered one completion token an event relayed, on routes that send one
+        event a step; the prompt's count is not known."""
         if ex.usage is None and ex.route.path in _TOKEN_EVENTS and events > 0:
             ex.usage = (0, events)
 

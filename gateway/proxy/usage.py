@@ -20,9 +20,9 @@ What vLLM 0.32 reports, and where (the table of routes: docs/gateway.md, "Meteri
   JSON (`build_pooling_bytes_streaming_response` in vllm/entrypoints/pooling/utils.py).
 - Transcriptions: seconds of audio (`usage: {"type": "duration", "seconds": n}`) or
   `duration` (verbose_json), read by `audio_seconds`.
-- A stream the client asked without `stream_options.include_usage`: the gateway asked
-  for it (proxy/metering.py) and `HiddenUsage` takes the usage event out before the
-  client sees it.
+- A chat or completion stream: the gateway asks for the usage event at its end and for
+  every chunk's counts so far (proxy/metering.py); `EventUsage` reads them and takes out
+  what the client did not ask for, before the client sees it.
 """
 
 from __future__ import annotations
@@ -228,19 +228,61 @@ class Whole:
         return None if self._chunks is None else b"".join(self._chunks)
 
 
-class HiddenUsage:
-    """Takes the usage event the gateway asked for out of a stream whose client did not:
-    vLLM sends it last before `data: [DONE]`, as `{..., "choices": [], "usage": {...}}`
-    (chat and completion streams, vllm/entrypoints/openai/*/serving.py). Events are
+def _usage_span(event: bytes) -> tuple[int, int, int, int] | None:
+    """Where the first `"usage": {...}` key of an event is: (start, object start,
+    object end, end), start and end taking in the comma that separates it from a
+    neighbouring key, so that cutting [start:end] leaves valid JSON."""
+    at = 0
+    for _ in range(_MAX_TRIES):
+        at = event.find(_KEY, at)
+        if at < 0:
+            return None
+        before = at - 1
+        while before >= 0 and event[before] in _SPACE:
+            before -= 1
+        value = at + len(_KEY)
+        while event[value : value + 1] in _SPACE_BYTES:
+            value += 1
+        if before < 0 or event[before] not in b"{," or event[value : value + 1] != b"{":
+            at = value
+            continue
+        close = _object_end(event, value)
+        if close < 0:
+            return None
+        if event[before] == ord(","):
+            return before, value, close, close
+        after = close
+        while event[after : after + 1] in _SPACE_BYTES:
+            after += 1
+        if event[after : after + 1] == b",":
+            after += 1
+        return at, value, close, after
+    return None
+
+
+class EventUsage:
+    """Reads a chat or completion stream asked with `include_usage` and
+    `continuous_usage_stats`: vLLM then writes every chunk's `usage` (the prompt's
+    tokens and its choice's completion tokens so far), and a last event of its own,
+    `{..., "choices": [], "usage": {...}}`, before `data: [DONE]`
+    (vllm/entrypoints/openai/*/serving.py). What the client did not ask for is taken
+    out: the last event (`hide_usage`), each chunk's `usage` key (`hide_chunk_usage`,
+    cut from the bytes, the rest of the chunk as the engine wrote it). Events are
     relayed up to the last complete one of each chunk; only an event holding the bytes
     `"usage":` (which cannot occur inside a JSON string: its quotes are escaped) is
-    parsed. `events` counts the events relayed, for a stream the client leaves early."""
+    parsed. `events` counts the events relayed, for a stream that reported no usage."""
 
-    __slots__ = ("_rest", "events", "usage")
+    __slots__ = ("_choices", "_counts", "_hide_chunk", "_hide_usage", "_rest", "events", "last")
 
-    def __init__(self) -> None:
+    def __init__(self, *, hide_usage: bool, hide_chunk_usage: bool, choices: int) -> None:
         self._rest = b""
-        self.usage: Usage | None = None
+        self._hide_usage = hide_usage
+        self._hide_chunk = hide_chunk_usage
+        # Choices a prompt makes: a completion's choice i belongs to prompt i // n.
+        self._choices = max(choices, 1)
+        # The last counts of each choice index.
+        self._counts: dict[int, Usage] = {}
+        self.last: Usage | None = None
         self.events = 0
 
     def feed(self, chunk: bytes) -> bytes:
@@ -258,27 +300,57 @@ class HiddenUsage:
             return ready
         kept: list[bytes] = []
         for event in ready[: -len(_EVENT_END)].split(_EVENT_END):
-            if _KEY in event and self._take(event):
-                self.events -= 1
-                continue
+            if _KEY in event:
+                out = self._read(event)
+                if out is None:
+                    self.events -= 1
+                    continue
+                event = out
             kept.append(event + _EVENT_END)
         return b"".join(kept)
 
-    def _take(self, event: bytes) -> bool:
-        """Whether `event` is the usage event (then its usage is kept)."""
+    def _read(self, event: bytes) -> bytes | None:
+        """The event as the client gets it (None: not at all), its usage kept."""
         if not event.startswith(_DATA):
-            return False
+            return event
+        span = _usage_span(event)
+        if span is None:
+            return event
+        start, value, close, end = span
         try:
             data = orjson.loads(event[len(_DATA) :])
+            usage = orjson.loads(event[value:close])
         except orjson.JSONDecodeError:
-            return False
-        if type(data) is not dict or data.get("choices") != []:
-            return False
-        usage = usage_of(data.get("usage"))
-        if usage is None:
-            return False
-        self.usage = usage
-        return True
+            return event
+        if type(data) is not dict or data.get("usage") != usage:
+            # Not the top-level key: relayed as it is.
+            return event
+        counts = usage_of(usage)
+        if counts is None:
+            return event
+        choices = data.get("choices")
+        if choices == []:
+            self.last = counts
+            return None if self._hide_usage else event
+        if type(choices) is list:
+            for choice in choices:
+                index = choice.get("index") if type(choice) is dict else None
+                if type(index) is int and index >= 0:
+                    self._counts[index] = counts
+        return event[:start] + event[end:] if self._hide_chunk else event
+
+    def usage(self) -> Usage | None:
+        """The stream's usage: its last event's, or else (a stream cut short) its
+        chunks' last counts: each prompt's tokens once, each choice's completion."""
+        if self.last is not None or not self._counts:
+            return self.last
+        prompts: dict[int, int] = {}
+        completion = 0
+        for index, (prompt, done) in self._counts.items():
+            group = index // self._choices
+            prompts[group] = max(prompts.get(group, 0), prompt)
+            completion += done
+        return sum(prompts.values()), completion
 
     def flush(self) -> bytes:
         """What was held at the end of the stream (an event without its blank line)."""

@@ -16,7 +16,16 @@ import pytest
 
 from bench.harness.metrics import HTTP
 from bench.sim.config import DEFAULT_MODEL as MODEL
-from tests.procs import Proc, auth, gateway_proc, scrape, sim_proc, total, wait_for
+from tests.procs import (
+    Proc,
+    auth,
+    gateway_proc,
+    scrape,
+    sim_proc,
+    sim_received,
+    total,
+    wait_for,
+)
 
 SCRAPER = "sk-meter-scraper-0123456789-SECRET"
 NAMES = (
@@ -27,6 +36,9 @@ NAMES = (
     "audio",
     "hidden",
     "early",
+    "early-told",
+    "lax",
+    "refused",
     "scrub",
 )
 KEYS = {name: f"sk-meter-{name}-0123456789-SECRET" for name in NAMES}
@@ -236,32 +248,146 @@ def test_a_stream_is_metered_whatever_the_client_asked(stack: Stack) -> None:
     )
 
 
+def prompt_tokens(gateway: Proc, path: str, body: dict) -> int:
+    """The prompt tokens the engine counts for `body` (a short answer to the same)."""
+    short = {**body, "max_tokens": 1, "stream": False, "ignore_eos": False}
+    r = HTTP.post(gateway.url + path, headers=auth(KEYS["scrub"]), json=short)
+    assert r.status_code == 200, r.text
+    return int(r.json()["usage"]["prompt_tokens"])
+
+
 @pytest.mark.slow
-def test_a_client_that_leaves_early_is_metered_for_what_it_got(stack: Stack) -> None:
-    key = KEYS["early"]
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [("early", None), ("early-told", {"include_usage": True})],
+)
+def test_a_client_that_leaves_early_is_metered_for_what_it_got(
+    stack: Stack, name: str, options: dict | None
+) -> None:
+    # The gateway asks for every chunk's usage (`continuous_usage_stats`) and takes it
+    # out of what the client gets: a client that leaves is metered the engine's last
+    # counts, its whole prompt included.
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": "go on forever"}],
         "max_tokens": 3000,
         "ignore_eos": True,
         "stream": True,
+        "stream_options": options,
     }
+    prompt = prompt_tokens(stack.gateway, "/v1/chat/completions", body)
     got = 0
     with (
         httpx.Client(base_url=stack.gateway.url, timeout=30) as client,
-        client.stream("POST", "/v1/chat/completions", headers=auth(key), json=body) as r,
+        client.stream("POST", "/v1/chat/completions", headers=auth(KEYS[name]), json=body) as r,
     ):
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: "):
+                assert "usage" not in json.loads(line[len("data: ") :])
                 got += 1
             if got == 20:
                 break
-    # Metered for the events relayed (at least those this client read), not for 3,000.
-    assert wait_for(lambda: tokens(stack.gateway, "early")[1] >= 20, timeout=30)
-    assert tokens(stack.gateway, "early")[1] < 3000
-    left = metric(stack.gateway, "gateway_requests_total", key="early", code="client_disconnected")
+    # Metered for the tokens generated (at least those this client read), not for 3,000.
+    assert wait_for(lambda: tokens(stack.gateway, name)[1] >= 19, timeout=30)
+    metered = tokens(stack.gateway, name)
+    assert metered[0] == prompt > 0
+    assert metered[1] < 3000
+    left = metric(stack.gateway, "gateway_requests_total", key=name, code="client_disconnected")
     assert left == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("path", "base"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "count to five"}]}),
+        ("/v1/completions", {"prompt": "count to five"}),
+    ],
+)
+def test_a_stream_asked_with_lax_booleans_is_metered(
+    stack: Stack, path: str, base: dict[str, object]
+) -> None:
+    # vLLM's pydantic reads "true", 1 and "yes" as true and "false", 0 and "off" as
+    # false: each of these streams, and each is metered.
+    key = KEYS["lax"]
+    base = {**base, "model": MODEL, "max_tokens": 12}
+    before = tokens(stack.gateway, "lax")
+    with httpx.Client(base_url=stack.gateway.url, timeout=30) as client:
+        told = sse_events(
+            client, path, key, {**base, "stream": True, "stream_options": {"include_usage": True}}
+        )
+        usage = told[-1]["usage"]
+        unasked = [
+            {"stream": "true"},
+            {"stream": 1, "stream_options": {"include_usage": "false"}},
+            {"stream": "ON", "stream_options": {"include_usage": 0, "continuous_usage_stats": 1}},
+        ]
+        for body in unasked:
+            events = sse_events(client, path, key, {**base, **body})
+            assert len(events) == len(told) - 1 > 1, body
+            assert all("usage" not in e for e in events), body
+        # Asked with "yes": the usage event, and no chunk's usage.
+        asked = {"stream": "yes", "stream_options": {"include_usage": "t"}}
+        events = sse_events(client, path, key, {**base, **asked})
+        assert events[-1]["usage"] == usage
+        assert all("usage" not in e for e in events[:-1])
+    runs = len(unasked) + 2
+    expected = (
+        before[0] + runs * usage["prompt_tokens"],
+        before[1] + runs * usage["completion_tokens"],
+    )
+    assert wait_for(lambda: tokens(stack.gateway, "lax") == expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"stream": "maybe"}, "stream"),
+        ({"stream": 2}, "stream"),
+        (
+            {"stream": "true", "stream_options": {"include_usage": "sure"}},
+            "stream_options.include_usage",
+        ),
+        ({"stream": True, "stream_options": ["include_usage"]}, "stream_options"),
+    ],
+)
+def test_a_stream_option_vllm_cannot_read_is_refused(
+    stack: Stack, body: dict[str, object], param: str
+) -> None:
+    sent = sim_received(stack.sim.url)
+    full = {"model": MODEL, "prompt": "hi", "max_tokens": 4, **body}
+    r = HTTP.post(stack.gateway.url + "/v1/completions", headers=auth(KEYS["refused"]), json=full)
+    assert r.status_code == 400, r.text
+    assert (r.json()["error"]["code"], r.json()["error"]["param"]) == ("invalid_request", param)
+    assert sim_received(stack.sim.url) == sent
+
+
+@pytest.mark.slow
+def test_a_question_id_that_would_push_the_answer_past_its_parse_is_refused(
+    stack: Stack,
+) -> None:
+    # The id is echoed in `answers` and `diagnostics`: 2.2 MB of it made a 4.4 MB answer,
+    # over the 4 MiB the gateway parses for the usage, and nothing was metered.
+    sent = sim_received(stack.sim.url)
+    body = {"model": MODEL, "state": "s", "questions": {"q" * 2_200_000: {"type": "noul"}}}
+    url = stack.gateway.url + "/v1/systemone"
+    r = HTTP.post(url, headers=auth(KEYS["refused"]), json=body, timeout=30)
+    assert r.status_code == 400, r.text[:200]
+    assert (r.json()["error"]["code"], r.json()["error"]["param"]) == (
+        "invalid_request",
+        "questions",
+    )
+    assert sim_received(stack.sim.url) == sent
+    # A long id under the bound is answered and metered.
+    body["questions"] = {"q" * 100_000: {"type": "noul"}}
+    r = HTTP.post(url, headers=auth(KEYS["refused"]), json=body, timeout=30)
+    assert r.status_code == 200, r.text[:200]
+    usage = r.json()["usage"]
+    assert wait_for(
+        lambda: tokens(stack.gateway, "refused") == (usage["input_tokens"], usage["output_tokens"])
+    )
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ from tests.real.harness import Snapshot, gateway, received
 pytestmark = pytest.mark.real_vllm
 
 SCRAPER = "sk-real-meter-scraper-0123456789"
-NAMES = ("messages", "hidden", "binary", "stored", "decisions", "scrub")
+NAMES = ("messages", "hidden", "early", "refused", "binary", "stored", "decisions", "scrub")
 KEYS = {name: f"sk-real-meter-{name}-0123456789" for name in NAMES}
 SECRET = "real-tier-namespace-secret-0123456789"
 OTHER_SECRET = "another-namespace-secret-0123456789"
@@ -154,29 +154,33 @@ def test_messages_are_metered_at_the_engines_prompt_count(stack: Stack) -> None:
     assert streamed == first
 
 
-@pytest.mark.parametrize(
-    ("path", "options"),
-    [
-        ("/v1/chat/completions", None),
-        ("/v1/chat/completions", {"continuous_usage_stats": True}),
-        ("/v1/completions", None),
-    ],
-)
-def test_a_stream_without_include_usage_is_metered(
-    stack: Stack, path: str, options: dict[str, object] | None
-) -> None:
-    # vLLM reports a stream's usage only when asked (`stream_options.include_usage`): the
-    # gateway asks, meters the event and takes it out.
-    body: dict[str, object] = {
-        "model": stack.engine.name,
-        "max_tokens": 7,
-        "ignore_eos": True,
-        "stream": True,
-    }
+def _stream_body(stack: Stack, path: str, **fields: object) -> dict[str, object]:
+    body: dict[str, object] = {"model": stack.engine.name, **fields}
     if path == "/v1/completions":
         body["prompt"] = "Tell me about the city by the river."
     else:
         body["messages"] = [{"role": "user", "content": "Tell me about the city by the river."}]
+    return body
+
+
+@pytest.mark.parametrize(
+    ("path", "stream", "options"),
+    [
+        ("/v1/chat/completions", True, None),
+        ("/v1/chat/completions", True, {"continuous_usage_stats": True}),
+        ("/v1/completions", True, None),
+        # vLLM's pydantic reads these as a stream without usage: each is metered.
+        ("/v1/chat/completions", "true", None),
+        ("/v1/completions", 1, {"include_usage": "false"}),
+        ("/v1/chat/completions", "yes", {"include_usage": "off", "continuous_usage_stats": "on"}),
+    ],
+)
+def test_a_stream_without_include_usage_is_metered(
+    stack: Stack, path: str, stream: object, options: dict[str, object] | None
+) -> None:
+    # vLLM reports a stream's usage only when asked (`stream_options.include_usage`): the
+    # gateway asks, meters the event and takes it out, and takes out each chunk's usage.
+    body = _stream_body(stack, path, max_tokens=7, ignore_eos=True, stream=stream)
     if options is not None:
         body["stream_options"] = options
     seen: list[dict[str, object]] = []
@@ -187,9 +191,71 @@ def test_a_stream_without_include_usage_is_metered(
         lambda: seen.extend(sse_events(stack.gateway.url + path, KEYS["hidden"], body)),
     )
     assert moved[1] == 7
-    assert seen
+    assert len(seen) > 1
     assert all("usage" not in e or e["usage"] is None for e in seen)
     assert seen[-1]["choices"][0]["finish_reason"] == "length"  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("stream", "options", "param"),
+    [
+        ("maybe", None, "stream"),
+        (2, None, "stream"),
+        ("true", {"include_usage": "sure"}, "stream_options.include_usage"),
+    ],
+)
+def test_a_stream_flag_vllm_cannot_read_is_refused(
+    stack: Stack, stream: object, options: dict[str, object] | None, param: str
+) -> None:
+    body = _stream_body(stack, "/v1/completions", max_tokens=3, stream=stream)
+    if options is not None:
+        body["stream_options"] = options
+    # vLLM refuses it too.
+    direct = HTTP.post(stack.engine.url + "/v1/completions", json=body, timeout=TIMEOUT)
+    assert direct.status_code == 400
+    before = Snapshot.of(stack.engine)
+    r = HTTP.post(
+        stack.gateway.url + "/v1/completions",
+        headers=auth(KEYS["refused"]),
+        json=body,
+        timeout=TIMEOUT,
+    )
+    assert r.status_code == 400, r.text
+    assert (error_code(r), r.json()["error"]["param"]) == ("invalid_request", param)
+    assert Snapshot.of(stack.engine) == before
+
+
+def test_a_client_that_leaves_a_stream_is_metered_its_prompt(stack: Stack) -> None:
+    # The gateway asks for every chunk's usage (`continuous_usage_stats`): a client that
+    # leaves is metered the prompt as the engine counted it, and at most what the engine
+    # generated before it aborted.
+    path = "/v1/chat/completions"
+    body = _stream_body(stack, path, max_tokens=400, ignore_eos=True, stream=True)
+    before_key, before_engine = metered(stack.gateway, "early"), Snapshot.of(stack.engine)
+    got = 0
+    with HTTP.stream(
+        "POST", stack.gateway.url + path, headers=auth(KEYS["early"]), json=body, timeout=TIMEOUT
+    ) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                assert "usage" not in json.loads(line[len("data: ") :])
+                got += 1
+            if got == 6:
+                break
+    last: list[tuple[float, float]] = []
+
+    def settled() -> bool:
+        now = metered(stack.gateway, "early")
+        key = (now[0] - before_key[0], now[1] - before_key[1])
+        engine = counted(stack.engine, before_engine)
+        last[:] = [key, engine]
+        return key[1] >= 5 and engine[0] > 0 and Snapshot.of(stack.engine).running == 0
+
+    assert wait_for(settled, timeout=30), f"metered {last[0]}, the engine counted {last[1]}"
+    key, engine = last
+    assert key[0] == engine[0]
+    assert 5 <= key[1] <= engine[1] < 400
 
 
 def test_binary_embeddings_are_metered(stack: Stack) -> None:

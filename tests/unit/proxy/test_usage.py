@@ -10,7 +10,7 @@ import pytest
 from gateway.exchange import Usage
 from gateway.proxy.usage import (
     TAIL,
-    HiddenUsage,
+    EventUsage,
     Tail,
     audio_seconds,
     parse_usage,
@@ -276,24 +276,92 @@ def test_audio_seconds(answer: dict[str, object], expected: float | None) -> Non
     assert audio_seconds(orjson.dumps(answer)) == expected
 
 
-def test_hidden_usage_takes_the_usage_event_out_however_the_stream_is_cut() -> None:
+def cut(stream: bytes, size: int, reader: EventUsage) -> bytes:
+    out = b"".join(reader.feed(stream[i : i + size]) for i in range(0, len(stream), size))
+    return out + reader.flush()
+
+
+def counted(index: int, prompt: int, completion: int, **extra: object) -> dict[str, object]:
+    """A chunk asked with `continuous_usage_stats`, as vLLM 0.32 writes it (usage after
+    choices)."""
+    usage = {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+        "completion_tokens_details": None,
+    }
+    choice = {"index": index, "delta": {"content": '"usage": {}'}}
+    return {"id": "c", "model": "m", "choices": [choice], "usage": usage, **extra}
+
+
+def bare(event: dict[str, object]) -> dict[str, object]:
+    return {k: v for k, v in event.items() if k != "usage"}
+
+
+def test_event_usage_takes_the_usage_event_out_however_the_stream_is_cut() -> None:
     chunk = {"id": "c", "choices": [{"index": 0, "delta": {"content": '"usage": {}'}}]}
     final = {"id": "c", "choices": [], "usage": USAGE}
     stream = sse(chunk, chunk, final)
     expected = sse(chunk, chunk)
     for size in (1, 7, 64, len(stream)):
-        hidden = HiddenUsage()
-        out = b"".join(hidden.feed(stream[i : i + size]) for i in range(0, len(stream), size))
-        out += hidden.flush()
-        assert out == expected, size
-        assert hidden.usage == (17, 8)
-        assert hidden.events == 3
+        reader = EventUsage(hide_usage=True, hide_chunk_usage=True, choices=1)
+        assert cut(stream, size, reader) == expected, size
+        assert reader.usage() == (17, 8)
+        assert reader.events == 3
 
 
-def test_hidden_usage_keeps_every_other_event() -> None:
-    # An event with `usage` and choices (continuous usage) is not the usage event.
-    chunk = {"id": "c", "choices": [{"index": 0}], "usage": USAGE}
-    stream = sse(chunk) + b"data: {not json\n\n"
-    hidden = HiddenUsage()
-    assert hidden.feed(stream) + hidden.flush() == stream
-    assert hidden.usage is None
+def test_event_usage_takes_each_chunks_usage_out_byte_for_byte() -> None:
+    chunks = [counted(0, 17, 0), counted(0, 17, 1), counted(0, 17, 2, system_fingerprint="f")]
+    final = {"id": "c", "choices": [], "usage": USAGE}
+    stream = sse(*chunks, final)
+    for size in (1, 5, 300, len(stream)):
+        # The client asked for neither: the chunks as they are without the option.
+        reader = EventUsage(hide_usage=True, hide_chunk_usage=True, choices=1)
+        assert cut(stream, size, reader) == sse(*map(bare, chunks)), size
+        assert reader.usage() == (17, 8)
+        # It asked for the usage event only.
+        reader = EventUsage(hide_usage=False, hide_chunk_usage=True, choices=1)
+        assert cut(stream, size, reader) == sse(*map(bare, chunks), final), size
+        # It asked for both.
+        reader = EventUsage(hide_usage=False, hide_chunk_usage=False, choices=1)
+        assert cut(stream, size, reader) == stream, size
+
+
+def test_a_usage_key_first_in_its_event_is_cut_with_its_comma() -> None:
+    usage = b'{"prompt_tokens": 3, "completion_tokens": 1}'
+    event = b'data: {"usage": ' + usage + b', "choices": [{"index": 0}]}\n\n'
+    reader = EventUsage(hide_usage=True, hide_chunk_usage=True, choices=1)
+    out = reader.feed(event)
+    assert orjson.loads(out[len(b"data: ") :]) == {"choices": [{"index": 0}]}
+    assert reader.usage() == (3, 1)
+
+
+@pytest.mark.parametrize(
+    ("chunks", "choices", "expected"),
+    [
+        # One choice: its last counts.
+        ([counted(0, 17, 0), counted(0, 17, 1), counted(0, 17, 2)], 1, (17, 2)),
+        # n = 2 of one prompt: the prompt once, both choices' completions.
+        ([counted(0, 17, 0), counted(1, 17, 0), counted(0, 17, 3), counted(1, 17, 1)], 2, (17, 4)),
+        # Two prompts (a completion's choice i belongs to prompt i // n).
+        ([counted(0, 5, 2), counted(1, 9, 1)], 1, (14, 3)),
+        ([counted(0, 5, 2), counted(1, 5, 1), counted(2, 9, 4)], 2, (14, 7)),
+    ],
+)
+def test_a_stream_cut_short_is_metered_its_last_counts(
+    chunks: list[dict[str, object]], choices: int, expected: Usage
+) -> None:
+    reader = EventUsage(hide_usage=True, hide_chunk_usage=True, choices=choices)
+    stream = b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks)
+    out = reader.feed(stream)
+    assert b'"usage"' not in out.replace(b'\\"usage\\"', b"")
+    assert reader.usage() == expected
+
+
+def test_event_usage_keeps_every_other_event() -> None:
+    # A `usage` key inside a nested object is not the chunk's: relayed as it is.
+    nested = {"id": "c", "choices": [{"index": 0, "x": {"usage": USAGE}}]}
+    stream = sse(nested) + b"data: {not json\n\n"
+    reader = EventUsage(hide_usage=True, hide_chunk_usage=True, choices=1)
+    assert reader.feed(stream) + reader.flush() == stream
+    assert reader.usage() is None

@@ -1,0 +1,100 @@
+"""gateway/proxy/metering.py as a table: what the gateway asks of a stream so that it is
+metered, for every way vLLM's pydantic reads `stream` and the usage options. Through a
+running gateway and simulated engine: tests/e2e/test_metering.py."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from gateway.access.endpoints import TABLE
+from gateway.errors import InvalidRequest
+from gateway.proxy.metering import plan
+
+BOTH = {"include_usage": True, "continuous_usage_stats": True}
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/invocations"])
+@pytest.mark.parametrize(
+    ("body", "asked", "hide_usage", "hide_chunk_usage"),
+    [
+        ({"stream": True}, BOTH, True, True),
+        # vLLM streams these: the gateway asks for the usage.
+        ({"stream": "true"}, BOTH, True, True),
+        ({"stream": "ON"}, BOTH, True, True),
+        ({"stream": 1}, BOTH, True, True),
+        ({"stream": 1.0}, BOTH, True, True),
+        # `include_usage: "false"` is false: the usage event is asked for and hidden.
+        ({"stream": True, "stream_options": {"include_usage": "false"}}, BOTH, True, True),
+        ({"stream": True, "stream_options": {"include_usage": 0}}, BOTH, True, True),
+        ({"stream": True, "stream_options": {"include_usage": "yes"}}, BOTH, False, True),
+        # `continuous_usage_stats` alone is ignored by vLLM: the client gets neither.
+        ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, BOTH, True, True),
+        (
+            {"stream": True, "stream_options": {"include_usage": "1", "continuous_usage_stats": 1}},
+            {"include_usage": "1", "continuous_usage_stats": 1},
+            False,
+            False,
+        ),
+        (
+            {"stream": True, "stream_options": {"include_usage": True, "extra": 1}},
+            {**BOTH, "extra": 1},
+            False,
+            True,
+        ),
+    ],
+)
+def test_a_stream_asks_for_its_usage(
+    path: str,
+    body: dict[str, Any],
+    asked: dict[str, Any],
+    hide_usage: bool,
+    hide_chunk_usage: bool,
+) -> None:
+    body = copy.deepcopy(body)  # shared by the three paths
+    meter, changed = plan(TABLE[path], body, False)
+    assert meter.events
+    assert body["stream_options"] == asked
+    assert changed is (asked is BOTH or "extra" in asked)
+    assert (meter.hide_usage, meter.hide_chunk_usage) == (hide_usage, hide_chunk_usage)
+
+
+@pytest.mark.parametrize("stream", [False, None, "false", "no", "OFF", 0, 0.0, "0"])
+def test_a_body_that_does_not_stream_is_left_as_it_is(stream: object) -> None:
+    body = {"stream": stream, "stream_options": {"include_usage": "maybe"}}
+    meter, changed = plan(TABLE["/v1/chat/completions"], body, False)
+    assert not changed and not meter.events
+    assert body["stream_options"] == {"include_usage": "maybe"}
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"stream": "maybe"}, "stream"),
+        ({"stream": 2}, "stream"),
+        ({"stream": " true"}, "stream"),
+        ({"stream": True, "stream_options": "yes"}, "stream_options"),
+        (
+            {"stream": True, "stream_options": {"include_usage": "sure"}},
+            "stream_options.include_usage",
+        ),
+        (
+            {"stream": "y", "stream_options": {"continuous_usage_stats": []}},
+            "stream_options.continuous_usage_stats",
+        ),
+    ],
+)
+def test_what_vllm_would_refuse_is_refused(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        plan(TABLE["/v1/completions"], body, False)
+    assert (info.value.code, info.value.param) == ("invalid_request", param)
+
+
+def test_n_groups_a_prompts_choices() -> None:
+    meter, _ = plan(TABLE["/v1/completions"], {"stream": True, "n": 3}, False)
+    assert meter.choices == 3
+    meter, _ = plan(TABLE["/v1/completions"], {"stream": True, "n": "3"}, False)
+    # Not read: each choice its own prompt (the prompt counted more, never less).
+    assert meter.choices == 1
