@@ -20,6 +20,9 @@ and URL parsers echo attacker input. Raised when:
   | |                         query parameter (access/endpoints.py), refused
   | + MediaUrlNotAllowed      400 media_url_not_allowed: a media URL off policy (media/)
   | + MediaInvalid            400 media_invalid: a media item not valid (media/, payload/)
+  | + MediaNotIsolated        400 media_not_isolated: media where the engine cannot be given
+  |                           a per-tenant name for it, while payload.cache_isolation is on
+  |                           (payload/inspector.py)
   + InvalidApiKey             401 invalid_api_key: no key, not Bearer, unknown (access/api_keys.py)
   + PermissionDenied          403 scope_not_allowed: the key lacks the route's group
   | + EndpointBlocked         403 endpoint_blocked: a blocked route (middleware.py)
@@ -144,6 +147,19 @@ class MediaUrlNotAllowed(InvalidRequest):
 class MediaInvalid(InvalidRequest):
     code = "media_invalid"
     default_message = "The media item is not valid."
+
+
+class MediaNotIsolated(InvalidRequest):
+    """Media the engine would cache under a name every tenant shares (its bytes' hash),
+    while the gateway keeps tenants' caches apart: a request that could show whether
+    another tenant sent the same item. Depends on the body, not the route, so not 403
+    `endpoint_blocked`: the same route takes the media in a part that can be named."""
+
+    code = "media_not_isolated"
+    default_message = (
+        "This gateway keeps tenants' media apart in the engine's caches, and media here "
+        "cannot be named per tenant."
+    )
 
 
 class ModelRequired(InvalidRequest):

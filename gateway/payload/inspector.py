@@ -10,9 +10,10 @@ The proxy calls this once per JSON request, after auth and the model check:
 `inspect` mutates `body` in place: media rewritten to validated `data:` URLs (or their
 canonical form in passthrough), client identifiers namespaced. It raises `GatewayError`
 subclasses (`FieldNotAllowed`, `InvalidRequest`, `MediaUrlNotAllowed`,
-`MediaFetchFailed`, `MediaInvalid`, `MediaTooLarge`, `MediaBusy`). Every check that needs
-no I/O runs before the first fetch, so a refused request makes no outbound connection;
-every header is read, and the request's pixels summed, before the first decode.
+`MediaFetchFailed`, `MediaInvalid`, `MediaNotIsolated`, `MediaTooLarge`, `MediaBusy`).
+Every check that needs no I/O runs before the first fetch, so a refused request makes no
+outbound connection; every header is read, and the request's pixels summed, before the
+first decode.
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ import httpx
 import structlog
 
 from gateway.config.key_file import ApiKey
-from gateway.errors import MediaInvalid, MediaTooLarge
+from gateway.errors import MediaInvalid, MediaNotIsolated, MediaTooLarge
 from gateway.media.decoder import Decoder
 from gateway.media.fetch import FetchAllowance, MediaFetcher, Resolver
 from gateway.media.images import check_formats
 from gateway.media.resolve import MediaInliner, Prepared
 from gateway.media.settings import MediaSettings
-from gateway.media.urls import UrlPolicy
+from gateway.media.types import MediaMode
+from gateway.media.urls import RemoteUrl, UrlPolicy
 from gateway.payload.fields import FieldRules
 from gateway.payload.identity import Identity
 from gateway.payload.settings import CacheIsolation, PayloadSettings
@@ -98,6 +100,7 @@ class PayloadInspector:
         self._decoder = decoder or Decoder(media)
         self._inliner = MediaInliner(media, self._fetcher, self._decoder)
         self._isolation = self._payload.cache_isolation
+        self._passthrough = media.mode is MediaMode.passthrough
 
     def identity(self, key: ApiKey | None) -> Identity:
         """Identifiers are namespaced by the key itself (its digest), not by its name:
@@ -122,6 +125,8 @@ class PayloadInspector:
         if not walk.items:
             # Most requests carry no media: no tasks, no gather (~1% of the hot path).
             return Inspection((), True) if walk.changed else _NOTHING
+        if self._isolation is not CacheIsolation.off:
+            self._check_isolable(walk.items)
         # Fetch slots and the decode line are shared fairly between keys: the owner is the
         # key's digest. What the request's URLs may bring in, together
         # (media.max_request_fetch_bytes).
@@ -150,6 +155,33 @@ class PayloadInspector:
         if self._isolation is CacheIsolation.off:
             return ""
         return identity.tenant if self._isolation is CacheIsolation.tenant else identity.owner
+
+    def _check_isolable(self, items: Sequence[MediaItem]) -> None:
+        """With tenants isolated, every media item must reach the engine under a name
+        in its tenant's namespace: vLLM keys its multimodal caches on a part's uuid,
+        else on the item's bytes, which every tenant shares (a hit answers faster).
+        Refused before anything is fetched where no name can be given: a place vLLM
+        reads without a uuid (`/v1/messages` blocks, which it rebuilds without one;
+        `/v1/systemone`'s URL lists; a part holding more than one media key) and, in
+        passthrough, a URL the engine fetches itself (a name for content the gateway
+        never saw could go stale under the same URL)."""
+        for item in items:
+            if item.isolable(self._passthrough):
+                continue
+            if self._passthrough and isinstance(item.ref, RemoteUrl):
+                raise MediaNotIsolated(
+                    "This gateway keeps tenants' media apart in the engine's caches; the "
+                    "engine would fetch this URL itself, so its content cannot be named "
+                    "per tenant. Send the media as a data: URL.",
+                    param=item.path,
+                )
+            raise MediaNotIsolated(
+                "This gateway keeps tenants' media apart in the engine's caches, and the "
+                "engine reads media here without a name the gateway can give it. Send "
+                "each item as its own content part (image_url, input_image, audio_url, "
+                "input_audio or video_url) on a route that takes them.",
+                param=item.path,
+            )
 
     async def _prepare(
         self, item: MediaItem, owner: str, allowance: FetchAllowance, scope: str
@@ -184,9 +216,9 @@ class PayloadInspector:
             # media blocks) on a part's `uuid` when it has one, else on a hash of the
             # model and the item's bytes: the same image from two tenants would be one
             # entry. Named from the digest of the bytes the engine receives (so the same
-            # image still hits within a tenant), in the tenant's namespace. Not in
-            # passthrough (`data` is None): the engine fetches the URL, whose content
-            # the gateway never saw, so a name for it could be stale.
+            # image still hits within a tenant), in the tenant's namespace. A URL the
+            # engine fetches itself (passthrough, `data` is None) was refused before
+            # (`_check_isolable`).
             item.part["uuid"] = identity.namespaced(
                 "media", resolved.digest, tenant=self._isolation is CacheIsolation.tenant
             )

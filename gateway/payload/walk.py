@@ -51,6 +51,10 @@ _UUID_BRANCH_KEYS = frozenset(
     {"image_url", "image_pil", "image_embeds", "audio_embeds", "video_embeds",
      "prompt_embeds", "audio_url", "input_audio", "video_url", "tool_reference"}
 )  # fmt: skip
+# The media keys that branch reads a URL or inline audio from (`_UUID_PARTS`' values).
+# A part without a type is read by that same branch with or without a uuid, so an
+# untyped part holding one of these (and no other branch key) takes a uuid too.
+_UUID_KEYS = frozenset(_UUID_PARTS.values())
 # Keys that need more than a descent; every other key costs one set lookup.
 _SPECIAL_KEYS = frozenset({*MEDIA_KEYS, SOURCE_KEY, *FORBIDDEN_ANYWHERE, *URLISH_KEYS})
 
@@ -69,8 +73,20 @@ class MediaItem:
     apply: Setter | None = None
     # The content part that may take a `uuid` named for this item (the inspector names
     # one from the item's digest when tenants are isolated): set when the item is its
-    # part's only media and vLLM reads the part alike with a uuid (`_UUID_PARTS`).
+    # part's only media and vLLM reads the part alike with a uuid (`_UUID_PARTS`, or a
+    # part without a type in a list).
     part: dict[str, Any] | None = None
+    # The item's part carries the client's own uuid (namespaced per key), which vLLM
+    # keys its multimodal caches on instead of the bytes.
+    named: bool = False
+
+    def isolable(self, passthrough: bool) -> bool:
+        """Whether the engine can be given a per-tenant name for this item: its part
+        names it (the client's uuid, or a uuid-only reference), or the gateway can,
+        from bytes it holds (not a URL the engine fetches itself in passthrough)."""
+        if self.fixed is not None or self.named:
+            return True
+        return self.part is not None and not (passthrough and isinstance(self.ref, RemoteUrl))
 
 
 def render(trail: Trail) -> str:
@@ -196,19 +212,28 @@ class Walk:
         if is_part:
             self.part(obj, ptype, render(trail), skip, has_media=len(self.items) > before)
             if len(self.items) == before + 1:
-                self.uuid_part(obj, ptype)
+                listed = isinstance(trail, tuple) and bool(trail) and isinstance(trail[1], int)
+                self.uuid_part(obj, ptype, listed=listed)
 
-    def uuid_part(self, part: dict[str, Any], ptype: object) -> None:
-        """Marks the last item, its part's only one, as the one `part` names when the part
-        can take a uuid: typed as in `_UUID_PARTS`, holding that one media key of
-        vLLM's uuid branch and no uuid of the client's."""
-        key = _UUID_PARTS.get(ptype) if isinstance(ptype, str) else None
-        if key is None or "uuid" in part or key not in part:
+    def uuid_part(self, part: dict[str, Any], ptype: object, *, listed: bool) -> None:
+        """Marks the last item, its part's only one, as named by `part`'s uuid when vLLM
+        (0.32, renderers/chat_utils.py) reads the item with it. A part with a uuid is
+        read by its keys, whatever its type: the first of `_UUID_BRANCH_KEYS`, so the
+        part must hold only the item's. Without one it may take the gateway's when
+        reading it with one changes nothing: typed as in `_UUID_PARTS`, or without a
+        type (`listed`: a content part sits in a list; elsewhere no uuid is added)."""
+        branch = _UUID_BRANCH_KEYS.intersection(part)
+        if len(branch) != 1:
             return
-        if len(_UUID_BRANCH_KEYS.intersection(part)) != 1:
-            return
+        (key,) = branch
         item = self.items[-1]
-        if item.fixed is None and item.path.endswith((f".{key}", f".{key}.url")):
+        if key not in _UUID_KEYS or item.fixed is not None:
+            return
+        if not item.path.endswith((f".{key}", f".{key}.url")):
+            return
+        if part.get("uuid") is not None:
+            self.items[-1] = dataclasses.replace(item, named=True)
+        elif _UUID_PARTS.get(ptype) == key if isinstance(ptype, str) else listed:
             self.items[-1] = dataclasses.replace(item, part=part)
 
     def part(
