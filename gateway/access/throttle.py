@@ -28,11 +28,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import ipaddress
-import math
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
+from gateway.access.windows import SharedCount, Window, WindowCounts
 from gateway.errors import TooManyFailures
 from gateway.observability.metrics import Metrics
 
@@ -45,31 +45,12 @@ MAX_TRACKED = 16_384
 MAX_KNOWN = 16_384
 
 
-class SharedCount(Protocol):
-    """Failure counts shared by every process and replica (through the store)."""
-
-    async def add(self, client: str, window: float) -> int | None:
-        """Count one failure of `client` in the current window (`window` seconds long,
-        aligned to the epoch) and return that window's count across all replicas; None
-        when the store cannot be used (the caller counts locally)."""
-        ...
-
-
 @functools.lru_cache(maxsize=4096)
 def counted_as(client: str) -> str:
     """The unit failures are counted by: an IPv4 address, or an IPv6 address's /64."""
     if ":" not in client:
         return client
     return str(ipaddress.ip_network(client + "/64", strict=False))
-
-
-class _Window:
-    __slots__ = ("count", "logged", "start")
-
-    def __init__(self, start: float) -> None:
-        self.start = start
-        self.count = 0
-        self.logged = False
 
 
 class FailureThrottle:
@@ -85,31 +66,17 @@ class FailureThrottle:
         shared: SharedCount | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.limit = limit
-        self.window = window
-        self.shared = shared
+        self.counts = WindowCounts(
+            limit, window, shared=shared, clock=clock, max_tracked=MAX_TRACKED
+        )
         self._log = logger
         self._counts = metrics.auth_failures
-        self._clock = clock
-        # Counted unit -> its current window; insertion order is the order counted.
-        self._windows: dict[str, _Window] = {}
         # (client address, key digest) -> None, least recently used first.
         self._known: dict[tuple[str, bytes], None] = {}
 
-    def _start(self, now: float) -> float:
-        return math.floor(now / self.window) * self.window
-
     def over(self, client: str) -> bool:
         """Whether `client` is throttled: `limit` failures in the current window."""
-        windows = self._windows
-        if not windows:
-            return False
-        entry = windows.get(counted_as(client))
-        return (
-            entry is not None
-            and entry.count >= self.limit
-            and entry.start == self._start(self._clock())
-        )
+        return self.counts.over(counted_as(client)) is not None
 
     def known(self, client: str, authorization: bytes | None) -> bool:
         """Whether the key in `authorization` has authenticated from `client` before. The
@@ -133,37 +100,23 @@ class FailureThrottle:
     def refuse(self, client: str) -> TooManyFailures:
         """The answer to a request of a throttled `client` (`over` said so)."""
         unit = counted_as(client)
-        return self._refusal(client, unit, self._windows[unit], self._clock())
+        return self._refusal(client, unit, self.counts.windows[unit])
 
     async def failed(self, client: str) -> TooManyFailures | None:
         """Count a failure of `client`: None while it is within the limit (answer 401),
         else the error to answer instead."""
         unit = counted_as(client)
-        now = self._clock()
-        start = self._start(now)
-        windows = self._windows
-        entry = windows.get(unit)
-        if entry is None or entry.start != start:
-            if entry is not None:
-                del windows[unit]
-            elif len(windows) >= MAX_TRACKED:
-                del windows[next(iter(windows))]
-            entry = windows[unit] = _Window(start)
-        entry.count += 1
-        if self.shared is not None:
-            total = await self.shared.add(unit, self.window)
-            if total is not None and total > entry.count:
-                entry.count = total
-        if entry.count <= self.limit:
+        entry = await self.counts.add(unit, unit)
+        if entry.count <= self.counts.limit:
             self._counts.labels("counted").inc()
             return None
-        return self._refusal(client, unit, entry, now)
+        return self._refusal(client, unit, entry)
 
-    def _refusal(self, client: str, unit: str, entry: _Window, now: float) -> TooManyFailures:
+    def _refusal(self, client: str, unit: str, entry: Window) -> TooManyFailures:
         """429 with the seconds to the window's end; logs `auth_throttled` once per
         address and window (the address, never the key)."""
         self._counts.labels("throttled").inc()
-        seconds = max(1, math.ceil(entry.start + self.window - now))
+        seconds = self.counts.retry_after(entry)
         if not entry.logged:
             entry.logged = True
             self._log.warning(
@@ -171,7 +124,7 @@ class FailureThrottle:
                 client=client,
                 counted_as=unit,
                 failures=entry.count,
-                window=self.window,
+                window=self.counts.window,
                 retry_after=seconds,
             )
         return TooManyFailures(

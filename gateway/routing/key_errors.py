@@ -20,12 +20,11 @@ next failure in it. Without one, each process counts alone: a key gets up to
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from typing import Any
 
-from gateway.access.throttle import SharedCount
+from gateway.access.windows import SharedCount, WindowCounts
 from gateway.errors import TooManyEngineErrors
 
 # Keys counted at once; past it, the one counted longest ago goes. Keys are configured,
@@ -33,15 +32,6 @@ from gateway.errors import TooManyEngineErrors
 MAX_TRACKED = 16_384
 # The store counts these under the unit "key:<name>", apart from client addresses.
 UNIT_PREFIX = "key:"
-
-
-class _Window:
-    __slots__ = ("count", "logged", "start")
-
-    def __init__(self, start: float) -> None:
-        self.start = start
-        self.count = 0
-        self.logged = False
 
 
 class KeyErrors:
@@ -57,35 +47,27 @@ class KeyErrors:
         shared: SharedCount | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.limit = limit
-        self.window = window
-        self.shared = shared
+        self.counts = WindowCounts(
+            limit, window, shared=shared, clock=clock, max_tracked=MAX_TRACKED
+        )
         self._log = logger
-        self._clock = clock
-        # Key name -> its current window; insertion order is the order counted.
-        self._windows: dict[str, _Window] = {}
-
-    def _start(self, now: float) -> float:
-        return math.floor(now / self.window) * self.window
 
     def check(self, key: str | None) -> None:
         """Raise TooManyEngineErrors when `key` is throttled in the current window."""
-        if key is None or not self._windows:
+        if key is None:
             return
-        entry = self._windows.get(key)
-        if entry is None or entry.count < self.limit:
+        counts = self.counts
+        entry = counts.over(key)
+        if entry is None:
             return
-        now = self._clock()
-        if entry.start != self._start(now):
-            return
-        seconds = max(1, math.ceil(entry.start + self.window - now))
+        seconds = counts.retry_after(entry)
         if not entry.logged:
             entry.logged = True
             self._log.warning(
                 "key_engine_errors_throttled",
                 key=key,
                 errors=entry.count,
-                window=self.window,
+                window=counts.window,
                 retry_after=seconds,
             )
         raise TooManyEngineErrors(
@@ -98,18 +80,4 @@ class KeyErrors:
         a caller without a key, not counted)."""
         if key is None:
             return
-        now = self._clock()
-        start = self._start(now)
-        windows = self._windows
-        entry = windows.get(key)
-        if entry is None or entry.start != start:
-            if entry is not None:
-                del windows[key]
-            elif len(windows) >= MAX_TRACKED:
-                del windows[next(iter(windows))]
-            entry = windows[key] = _Window(start)
-        entry.count += 1
-        if self.shared is not None:
-            total = await self.shared.add(UNIT_PREFIX + key, self.window)
-            if total is not None and total > entry.count:
-                entry.count = total
+        await self.counts.add(key, UNIT_PREFIX + key)

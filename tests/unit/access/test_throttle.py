@@ -263,7 +263,7 @@ async def test_memory_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
         await send(s, f"203.0.113.{n}", WRONG)
     # Five addresses counted, four kept: the one counted longest ago went, and counts
     # from zero again.
-    assert len(s.throttle._windows) == 4
+    assert len(s.throttle.counts.windows) == 4
     assert outcomes([await send(s, "203.0.113.1", WRONG)]) == [UNAUTHORIZED]
     for n in range(1, 7):
         await send(s, f"198.51.100.{n}", GOOD)

@@ -160,7 +160,7 @@ async def test_a_keyless_failure_is_not_counted() -> None:
     errors, _, _ = _errors(limit=1)
     await errors.failed(None)
     errors.check(None)
-    assert errors._windows == {}
+    assert errors.counts.windows == {}
 
 
 async def test_the_store_count_throttles_a_key_other_processes_counted() -> None:
