@@ -35,6 +35,7 @@ def opted_in(media: MediaSettings, payload: PayloadSettings) -> frozenset[OptIn]
         OptIn.pooling_data: payload.allow_pooling_data,
         OptIn.priority: payload.allow_priority,
         OptIn.background: payload.allow_background,
+        OptIn.mcp_headers: payload.allow_mcp_headers,
     }
     return frozenset(opt for opt, on in settings.items() if on)
 
@@ -72,6 +73,7 @@ class FieldRules:
                 raise FieldNotAllowed(f"The field '{field}' is not allowed.", param=field)
         self._xargs(body.get("vllm_xargs"))
         self._background(body.get("background"))
+        self._mcp_headers(body.get("tools"))
         changed = self._request_id(body, identity, creates_response)
         self._previous_response(body.get("previous_response_id"), identity)
         for field in NAMESPACED_TOP_LEVEL:
@@ -99,6 +101,19 @@ class FieldRules:
         if OptIn.background in self.allowed or not lax_bool(value, "background"):
             return
         raise FieldNotAllowed("The field 'background' is not allowed.", param="background")
+
+    def _mcp_headers(self, tools: object) -> None:
+        """vLLM 0.32 opens a session with the operator's `--tool-server` for each `mcp`
+        tool of a Responses request and sends the tool's `headers` with it
+        (entrypoints/openai/responses/context.py): a client's `headers` on any tool are
+        refused unless opted in, whatever the tool's type says."""
+        if OptIn.mcp_headers in self.allowed or not isinstance(tools, list):
+            return
+        for i, tool in enumerate(tools):
+            if isinstance(tool, dict) and tool.get("headers") is not None:
+                raise FieldNotAllowed(
+                    "The field 'headers' of a tool is not allowed.", param=f"tools[{i}].headers"
+                )
 
     def _request_id(self, body: dict[str, Any], identity: Identity, creates_response: bool) -> bool:
         value = body.get("request_id")

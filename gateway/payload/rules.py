@@ -28,6 +28,7 @@ class OptIn(StrEnum):
     pooling_data = "pooling_data"
     priority = "priority"
     background = "background"
+    mcp_headers = "mcp_headers"
 
 
 # A media part's own keys that are never a URL vLLM fetches; any other string on a

@@ -49,6 +49,10 @@ class PayloadSettings(BaseModel):
     # on generating after the answer, outside the key's in-flight cap, and the client
     # leaving aborts nothing.
     allow_background: bool = False
+    # `headers` of a Responses `mcp` tool: vLLM 0.32 sends them to the operator's
+    # `--tool-server` with the tool session, so a client could speak to that server with
+    # credentials or identities of its choosing.
+    allow_mcp_headers: bool = False
     cache_isolation: CacheIsolation = CacheIsolation.off
 
     @field_validator("vllm_xargs_keys")

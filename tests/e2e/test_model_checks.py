@@ -144,6 +144,10 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
         (FULL, {"requestType": "NEW_SESSION"}, {}, 400, "field_not_allowed"),
         (FULL, {**CHAT, "requestType": "CLOSE"}, {}, 400, "field_not_allowed"),
         (FULL, {**CHAT, "model": "../x"}, {}, 404, "model_not_found"),
+        # An mcp tool's headers go to the operator's --tool-server with its session.
+        (FULL, {**CHAT, "tools": [{"type": "mcp", "server_label": "browser",
+                                   "headers": {"Authorization": "Bearer x"}}]}, {}, 400,
+         "field_not_allowed"),
     ],
 )  # fmt: skip
 def test_invocations_refusals(
@@ -230,3 +234,21 @@ def test_odd_shapes_are_answered_never_500(stack: Stack, body: dict[str, Any], p
 def test_no_unhandled_error_was_logged(stack: Stack) -> None:
     # Runs after the table above: not one request ended in the gateway's own 500.
     assert "unhandled_error" not in stack.gateway.log()
+
+
+@pytest.mark.slow
+def test_a_tool_with_headers_is_refused_before_the_engine(stack: Stack) -> None:
+    """vLLM 0.32 sends a Responses `mcp` tool's `headers` to the operator's
+    `--tool-server` with the session it opens: refused (400 field_not_allowed, the
+    tool's place in `param`), nothing at the engine; the same tool without them goes on."""
+    tool = {"type": "mcp", "server_label": "browser"}
+    body = {"model": MODEL, "input": "hi", "tools": [tool]}
+    before = stack.received()
+    with_headers = {**body, "tools": [{**tool, "headers": {"Authorization": "Bearer x"}}]}
+    r = HTTP.post(stack.gateway.url + "/v1/responses", json=with_headers, headers=auth(FULL))
+    assert (r.status_code, error_code(r)) == (400, "field_not_allowed")
+    assert r.json()["error"]["param"] == "tools[0].headers"
+    assert stack.received() == before
+    r = HTTP.post(stack.gateway.url + "/v1/responses", json=body, headers=auth(FULL))
+    assert error_code(r) != "field_not_allowed", r.text
+    assert stack.received() == before + 1

@@ -22,6 +22,7 @@ PAYLOAD_OPT_INS = {
     "allow_pooling_data": OptIn.pooling_data,
     "allow_priority": OptIn.priority,
     "allow_background": OptIn.background,
+    "allow_mcp_headers": OptIn.mcp_headers,
 }
 
 
@@ -44,5 +45,6 @@ def test_a_payload_setting_turns_on_its_opt_in_alone(setting: str, opt: OptIn) -
 def test_every_opt_in_has_its_setting_and_every_table_names_one() -> None:
     assert {*MEDIA_OPT_INS.values(), *PAYLOAD_OPT_INS.values()} == set(OptIn)
     named = {*FORBIDDEN_ANYWHERE.values(), *FORBIDDEN_TYPES.values(), *FORBIDDEN_TOP_LEVEL.values()}
-    # `background` is checked by its value (only absent, null or false pass), not by presence.
-    assert named - {None} == set(OptIn) - {OptIn.background}
+    # `background` is checked by its value (only absent, null or false pass), not by
+    # presence; a tool's `headers` by where they sit (in `tools`).
+    assert named - {None} == set(OptIn) - {OptIn.background, OptIn.mcp_headers}
