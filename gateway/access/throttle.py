@@ -20,7 +20,8 @@ cookie" rule, with the address and the key in place of the cookie).
 
 With a store (`SharedCount`) the count is the larger of the store's, across all
 processes and replicas, and this process's own; the store is asked on failures only, and
-a process learns that an address is over the limit at its next failure from it.
+a process learns that an address is over the limit at its next failure from it: across P
+processes at most `limit` + P keys per address and window are checked.
 """
 
 from __future__ import annotations
