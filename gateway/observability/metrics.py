@@ -74,6 +74,9 @@ class StoreStats(Protocol):
     @property
     def fallback(self) -> int: ...
 
+    @property
+    def dropped(self) -> int: ...
+
 
 class StoreCollector(Collector):
     """The shared placement store's counts and state, read at scrape time."""
@@ -93,13 +96,20 @@ class StoreCollector(Collector):
         placements.add_metric(["read"], float(store.read))
         placements.add_metric(["placed"], float(store.placed))
         placements.add_metric(["fallback"], float(store.fallback))
+        dropped = CounterMetricFamily(
+            "gateway_routing_store_anchors_dropped",
+            "Anchors deleted from the shared placement store because the key that used "
+            "them last held more than routing.store_anchors_per_key (its least recently "
+            "used first).",
+        )
+        dropped.add_metric([], float(store.dropped))
         up = GaugeMetricFamily(
             "gateway_routing_store_up",
             "1 while the shared placement store answers, 0 while requests are placed without "
             "it; the lowest over workers (0: some worker places without it).",
         )
         up.add_metric([], 1.0 if store.up else 0.0)
-        yield from (placements, up)
+        yield from (placements, dropped, up)
 
 
 class SharedStoreCollector(Collector):

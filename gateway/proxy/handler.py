@@ -263,6 +263,7 @@ class Proxy:
             body=incoming.json,
             media=media,
             key_name=ex.key_name,
+            key_digest=None if ex.key is None else ex.key.digest,
             session=session,
         )
         decision = await self.policy.choose(request, engines)

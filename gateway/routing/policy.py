@@ -44,6 +44,8 @@ class RoutingRequest:
     # Content digests of the validated media items, by their path in the body.
     media: Mapping[str, str] = field(default_factory=dict)
     key_name: str | None = None
+    # The digest of the request's key (the shared store counts its anchors per key).
+    key_digest: bytes | None = None
     # A client-named session (from the `session_header` setting); overrides the anchor.
     session: str | None = None
     # Set by the policy. `anchor` is a hex digest (safe to log: it carries no prompt
@@ -241,7 +243,12 @@ class Affinity:
         anchor, ordered, choices = self._decide(request, engines, count=True)
         if anchor is None:
             return ordered
-        url = await store.place(anchor.digest, [e.url for e in engines], [e.url for e in choices])
+        url = await store.place(
+            anchor.digest,
+            [e.url for e in engines],
+            [e.url for e in choices],
+            request.key_digest,
+        )
         if url is not None and url != ordered[0].url:
             for i, e in enumerate(ordered):
                 if e.url == url:

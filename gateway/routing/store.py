@@ -20,6 +20,14 @@ deployments can share a Redis):
                                       credit and its time; TTL store_ttl, refreshed
     <prefix>:engines                  hash: per engine URL its decayed requests, credit
                                       and time; the mean requests per anchor
+    <prefix>:k:<key digest's first 8 bytes, hex>:anchors
+                                      sorted set: the anchors this key was the last to
+                                      use, by the time of that use; TTL store_ttl
+
+A key holds at most `store_anchors_per_key` anchors: each anchor belongs to the key that
+used it last, and past the bound the key's least recently used anchor is deleted. So one
+key's unique prefixes displace its own placements, never another key's, and the store's
+size is bounded by the keys times the bound, whatever a key sends.
 
 Only digests and engine URLs are stored, never prompt text. A store that fails or
 answers slower than `store_timeout` leaves that request to the stateless rule, and is
@@ -34,10 +42,20 @@ from collections.abc import Sequence
 from gateway.routing.settings import RoutingSettings
 from gateway.store.client import StoreClient
 
-# KEYS: the anchor's hash, the engines' hash. ARGV: the anchor's TTL (ms), the decay
-# time constant (s), the engines' hash TTL (ms), the number of eligible engines E, the E
-# eligible URLs, then the URLs a new anchor may go to, best (rendezvous) first. Returns
-# the engine's URL and 1 if the placement was read, 0 if made here.
+# KEYS: the anchor's hash, the engines' hash, the request key's anchors (a sorted set).
+# ARGV: the anchor's TTL (ms), the decay time constant (s), the engines' hash TTL (ms),
+# the key's digest (hex), the anchors a key may hold, the anchor's digest (hex), the
+# store's prefix with its colon, the number of eligible engines E, the E eligible URLs,
+# then the URLs a new anchor may go to, best (rendezvous) first. Returns the engine's
+# URL, 1 if the placement was read (0 if made here), and the number of the key's
+# anchors deleted for the bound.
+#
+# Each anchor belongs to the key that used it last (its field `k`): that key's set
+# holds it, scored by the time of the use; one key taking over another's anchor takes
+# it out of the other's set. The set drops what has expired (the anchor's TTL runs from
+# its last use, the score) and then, past the bound, its oldest members, deleting each
+# anchor still its own. Key names are built here from the prefix, so Redis Cluster's
+# rule that a script names its keys up front does not hold (Cluster is not supported).
 #
 # An engine's expected load is its recent requests plus the credit of its anchors,
 # both decaying with the time constant: a new anchor brings a credit of the mean
@@ -53,12 +71,17 @@ local function decayed(constant, value, at)
   if value == 0 then return 0 end
   return value * math.exp(-(now - tonumber(at or now)) / constant)
 end
-local home = redis.call('HMGET', KEYS[1], 'u', 'c', 't')
-local n = tonumber(ARGV[4])
+local owner = ARGV[4]
+local bound = tonumber(ARGV[5])
+local anchor = ARGV[6]
+local prefix = ARGV[7]
+local home = redis.call('HMGET', KEYS[1], 'u', 'c', 't', 'k')
+local n = tonumber(ARGV[8])
+local first = 9
 local chosen = false
 local credit = 0
 if home[1] then
-  for i = 5, 4 + n do
+  for i = first, first - 1 + n do
     if ARGV[i] == home[1] then
       chosen = home[1]
       credit = decayed(tau, home[2], home[3])
@@ -75,7 +98,7 @@ local e = nil
 if not chosen then
   found = 0
   local best = nil
-  for i = 5 + n, #ARGV do
+  for i = first + n, #ARGV do
     local url = ARGV[i]
     local f = redis.call('HMGET', KEYS[2], 'r' .. url, 'c' .. url, 't' .. url)
     local load = decayed(tau, f[1], f[3]) + decayed(tau, f[2], f[3])
@@ -100,9 +123,28 @@ redis.call('HSET', KEYS[2],
   'r' .. chosen, decayed(tau, e[1], e[3]) + 1, 'c' .. chosen, engine_credit, 't' .. chosen, now,
   'R', requests + 1, 'A', anchors, 'T', now)
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
-redis.call('HSET', KEYS[1], 'u', chosen, 'c', credit, 't', now)
+redis.call('HSET', KEYS[1], 'u', chosen, 'c', credit, 't', now, 'k', owner)
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
-return {chosen, found}
+local before = home[4]
+if before and before ~= owner then
+  redis.call('ZREM', prefix .. 'k:' .. before .. ':anchors', anchor)
+end
+redis.call('ZADD', KEYS[3], now, anchor)
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. (now - tonumber(ARGV[1]) / 1000))
+local dropped = 0
+local over = redis.call('ZCARD', KEYS[3]) - bound
+if over > 0 then
+  local oldest = redis.call('ZPOPMIN', KEYS[3], over)
+  for i = 1, #oldest, 2 do
+    local gone = prefix .. 'a:' .. oldest[i]
+    if redis.call('HGET', gone, 'k') == owner then
+      redis.call('DEL', gone)
+      dropped = dropped + 1
+    end
+  end
+end
+redis.call('PEXPIRE', KEYS[3], ARGV[1])
+return {chosen, found, dropped}
 """
 
 
@@ -118,8 +160,10 @@ class PlacementStore:
         # Unused for a hundred time constants, the engines' figures have decayed to nothing.
         self._engines_ttl_ms = str(int(settings.store_decay * 100_000))
         prefix = client.prefix
+        self._prefix = f"{prefix}:"
         self._anchor_prefix = f"{prefix}:a:"
         self._engines_key = f"{prefix}:engines"
+        self._bound = str(settings.store_anchors_per_key)
         self._script = client.script(PLACE)
         # Placements by outcome, plain integer adds read at scrape time (observability/metrics.py):
         # the anchor's recorded engine was used, a new (or no longer eligible) anchor
@@ -127,26 +171,43 @@ class PlacementStore:
         self.read = 0
         self.placed = 0
         self.fallback = 0
+        # Anchors deleted because their key held more than `store_anchors_per_key`.
+        self.dropped = 0
 
     @property
     def up(self) -> bool:
         return self.client.up
 
     async def place(
-        self, anchor: bytes, eligible: Sequence[str], choices: Sequence[str]
+        self,
+        anchor: bytes,
+        eligible: Sequence[str],
+        choices: Sequence[str],
+        key_digest: bytes | None = None,
     ) -> str | None:
         """The engine URL for `anchor`: its recorded engine when that is in `eligible`,
-        else the least busy of `choices` (best first), recorded. None: the store is
-        unavailable, decide without it."""
+        else the least busy of `choices` (best first), recorded, and counted among the
+        anchors of the key of `key_digest` (requests without a key count as one key).
+        None: the store is unavailable, decide without it."""
         if not self.client.usable():
             self.fallback += 1
             return None
-        args = [self._ttl_ms, self._decay, self._engines_ttl_ms, str(len(eligible))]
+        name = anchor.hex()
+        # A key is named by 64 bits of its digest (the limits' keys use all of it):
+        # enough to tell the operator's keys apart, and 48 bytes less per anchor.
+        owner = key_digest[:8].hex() if key_digest else "anonymous"
+        args = [self._ttl_ms, self._decay, self._engines_ttl_ms]
+        args += [owner, self._bound, name, self._prefix, str(len(eligible))]
         args += [*eligible, *choices]
-        keys = [self._anchor_prefix + anchor.hex(), self._engines_key]
+        keys = [
+            self._anchor_prefix + name,
+            self._engines_key,
+            f"{self._prefix}k:{owner}:anchors",
+        ]
 
         async def call() -> tuple[str, bool]:
-            url, found = await self._script(keys=keys, args=args)
+            url, found, dropped = await self._script(keys=keys, args=args)
+            self.dropped += int(dropped)
             return str(url), bool(found)
 
         # Never a failed request because of the store: without an answer, the request

@@ -409,12 +409,13 @@ STORE_IMAGE = re.compile(r"^redis:(\d+)\.(\d+)\.(\d+)-alpine$")
 STORE_OLDEST = (7, 4, 9)
 # What the gateways run (gateway/routing/store.py, gateway/store/): EVALSHA, and SCRIPT
 # LOAD when Redis does not know a script yet; inside the placement script TIME, HMGET,
-# HSET and PEXPIRE, inside the limits' scripts also ZREMRANGEBYSCORE, ZCARD and ZADD,
-# inside the failure count INCR; ZREM gives leases back. PING: the probes, and a client
-# checking its connection.
+# HSET, PEXPIRE, the key's anchors' ZADD, ZREM, ZREMRANGEBYSCORE, ZCARD and ZPOPMIN, and
+# HGET and DEL of the anchors past its bound; inside the limits' scripts also
+# ZREMRANGEBYSCORE, ZCARD and ZADD, inside the failure count INCR; ZREM gives leases
+# back. PING: the probes, and a client checking its connection.
 STORE_COMMANDS = {
     "evalsha", "script|load", "time", "hmget", "hset", "pexpire", "zremrangebyscore", "zcard",
-    "zadd", "zrem", "incr", "ping",
+    "zadd", "zrem", "zpopmin", "hget", "del", "incr", "ping",
 }  # fmt: skip
 URL_WITH_PASSWORD = re.compile(r"rediss?://[^\s/@]*:[^\s/@]+@")
 # requirepass and masterauth, an ACL clear password (`>secret`) or a digest (`#<sha256>`).

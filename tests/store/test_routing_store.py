@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
+import redis as redis_client
 
 from bench.harness.redis_server import RedisServer
 from bench.sim.config import DEFAULT_MODEL as MODEL
@@ -68,10 +69,14 @@ def store_url(redis: RedisServer) -> str:
     return f"redis://127.0.0.1:{redis.port}/0"
 
 
-def start_gateway(tmp: Path, engines: Sequence[Proc], workers: int = 1, **routing: str) -> Proc:
+def start_gateway(
+    tmp: Path, engines: Sequence[Proc], workers: int = 1, keys: Sequence[str] = (), **routing: str
+) -> Proc:
     env = {
         "GATEWAY_ENGINES": json.dumps([e.url for e in engines]),
-        "GATEWAY_API_KEYS": json.dumps([KEY, {"key": ADMIN, "name": "ops", "scopes": ["admin"]}]),
+        "GATEWAY_API_KEYS": json.dumps(
+            [KEY, *keys, {"key": ADMIN, "name": "ops", "scopes": ["admin"]}]
+        ),
         "GATEWAY_ROUTING__POLICY": "affinity",
         "GATEWAY_ROUTING__HEALTH_INTERVAL": "30",
         "GATEWAY_PUBLIC_METRICS": "true",
@@ -82,8 +87,10 @@ def start_gateway(tmp: Path, engines: Sequence[Proc], workers: int = 1, **routin
     return proc
 
 
-def replicas(tmp: Path, engines: Sequence[Proc], count: int = 2, **routing: str) -> list[Proc]:
-    return [start_gateway(tmp, engines, **routing) for _ in range(count)]
+def replicas(
+    tmp: Path, engines: Sequence[Proc], count: int = 2, keys: Sequence[str] = (), **routing: str
+) -> list[Proc]:
+    return [start_gateway(tmp, engines, keys=keys, **routing) for _ in range(count)]
 
 
 def chat(conversation: str, turns: int) -> dict[str, Any]:
@@ -274,3 +281,73 @@ def test_two_workers_share_the_store(tmp: Path, engines: list[Proc], redis: Redi
         assert wait_for(lambda: placements() == 60, 30), placements()
     finally:
         gateway.stop()
+
+
+def test_one_keys_new_prefixes_displace_only_its_own_placements(
+    tmp: Path, engines: list[Proc], redis: RedisServer
+) -> None:
+    """routing.store_anchors_per_key 4, two replicas: a victim key begins 3
+    conversations, then a flooding key begins 40 through both replicas. The store holds
+    the victim's 3 and the flooder's last 4 anchors (36 of the flooder's dropped, counted
+    in gateway_routing_store_anchors_dropped_total); the victim's second turns read their
+    placements and stay on their engines; the flooder's first conversation is placed
+    anew, its last read. An anchor the victim uses becomes the victim's: the flooder's
+    next 4 new conversations do not displace it. Today's unbounded store holds all 43."""
+    flood = "sk-routing-store-flood-0123456789"
+    prefix = f"test-{uuid.uuid4().hex[:8]}"
+    gateways = replicas(
+        tmp,
+        engines,
+        keys=[flood],
+        store_url=store_url(redis),
+        store_prefix=prefix,
+        store_anchors_per_key="4",
+    )
+    run = uuid.uuid4().hex[:8]
+    flooding = {"Authorization": f"Bearer {flood}"}
+
+    def anchors() -> int:
+        with redis_client.Redis(port=redis.port) as r:
+            return sum(1 for _ in r.scan_iter(f"{prefix}:a:*"))
+
+    def counted() -> tuple[float, float, float]:
+        return (
+            sum(placements(g, "placed") for g in gateways),
+            sum(placements(g, "read") for g in gateways),
+            sum(metric(g.url, "gateway_routing_store_anchors_dropped_total") for g in gateways),
+        )
+
+    try:
+        with httpx.Client(timeout=10) as client:
+            for c in range(3):
+                send(client, gateways[c % 2], chat(f"{run}-v{c}", 1), f"{run}-v{c}-0")
+            for c in range(40):
+                test_routing_e2e.send(
+                    client, gateways[c % 2], chat(f"{run}-f{c}", 1), f"{run}-f{c}-0", flooding
+                )
+            assert anchors() == 3 + 4
+            assert counted() == (43, 0, 36)
+            for c in range(3):
+                send(client, gateways[(c + 1) % 2], chat(f"{run}-v{c}", 2), f"{run}-v{c}-1")
+            assert counted() == (43, 3, 36)
+            where = served(engines)
+            assert all(where[f"{run}-v{c}-0"] == where[f"{run}-v{c}-1"] for c in range(3))
+            # The flooder's newest conversation is still placed; its oldest was dropped.
+            for c in (39, 0):
+                test_routing_e2e.send(
+                    client, gateways[0], chat(f"{run}-f{c}", 2), f"{run}-f{c}-1", flooding
+                )
+            # f0 placed anew displaced the flooder's least recently used (f36).
+            assert counted() == (44, 4, 37)
+            # The victim takes over f38; the flooder's next four new ones drop its own.
+            send(client, gateways[1], chat(f"{run}-f38", 2), f"{run}-f38-v")
+            for c in range(40, 44):
+                test_routing_e2e.send(
+                    client, gateways[c % 2], chat(f"{run}-f{c}", 1), f"{run}-f{c}-0", flooding
+                )
+            send(client, gateways[0], chat(f"{run}-f38", 3), f"{run}-f38-w")
+            assert counted() == (48, 6, 40)
+            assert anchors() == 4 + 4
+    finally:
+        for g in gateways:
+            g.stop()
