@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import math
 import time
 from collections import deque
 from typing import Any
@@ -12,7 +11,7 @@ import orjson
 
 from bench.sim.config import VERSION
 from bench.sim.engine import Engine
-from bench.sim.errors import SimError, invalid_body
+from bench.sim.errors import SimError
 from bench.sim.http import TEXT, Request, respond, respond_json
 
 METRICS_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
@@ -151,58 +150,3 @@ class Recorder:
             await respond(req.send, 200, orjson.dumps(list(self.entries)))
         else:
             raise SimError(405, "Method Not Allowed")
-
-
-def transcription_text(data: bytes) -> str:
-    return f"Simulated transcription of {len(data)} bytes of audio."
-
-
-async def transcriptions(engine: Engine, req: Request) -> None:
-    # Starlette's form parser (python-multipart underneath) is imported here, off the
-    # startup path: only the audio route needs it.
-    from starlette.datastructures import UploadFile
-    from starlette.requests import Request as StarletteRequest
-
-    sent = False
-
-    async def replay() -> dict[str, Any]:
-        nonlocal sent
-        if sent:
-            return {"type": "http.disconnect"}
-        sent = True
-        return {"type": "http.request", "body": req.body, "more_body": False}
-
-    scope = {
-        "type": "http",
-        "method": req.method,
-        "path": req.path,
-        "headers": req.headers,
-        "query_string": req.query,
-    }
-    content_type = req.header(b"content-type") or ""
-    if not content_type.lower().startswith("multipart/form-data"):
-        raise invalid_body("Expected a multipart/form-data body with a `file` field.")
-    try:
-        async with StarletteRequest(scope, replay).form(max_part_size=25 * 1024 * 1024) as form:
-            upload = form.get("file")
-            model = form.get("model")
-            fmt = form.get("response_format") or "json"
-            if not isinstance(upload, UploadFile):
-                raise invalid_body("file: Field required")
-            data = await upload.read()
-    except SimError:
-        raise
-    except Exception:
-        # python-multipart's errors; the client gets vLLM's generic validation shape.
-        raise invalid_body("The multipart body could not be parsed.") from None
-    engine.resolve_model(model if isinstance(model, str) else None)
-    if len(data) > 25 * 1024 * 1024:
-        raise SimError(400, "Maximum file size exceeded.", "BadRequestError")
-    text = transcription_text(data)
-    if fmt == "text":
-        await respond(req.send, 200, text.encode(), TEXT)
-        return
-    # vLLM reports the audio's duration, rounded up (speech_to_text/base/serving.py);
-    # the simulator counts 16 kB a second (16 kHz, 8-bit mono).
-    seconds = math.ceil(len(data) / 16_000)
-    await respond_json(req.send, {"text": text, "usage": {"type": "duration", "seconds": seconds}})

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from bench.sim import admin, anthropic, decisions, generate, pooling
+from bench.sim import admin, anthropic, decisions, generate, pooling, speech
 from bench.sim.config import SimConfig
 from bench.sim.engine import Engine
 from bench.sim.errors import UNAUTHORIZED_BODY, SimError, invalid_body
@@ -79,7 +79,8 @@ def routes(
     if config.runner == "generate":
         table["/v1/chat/completions"] = {"POST": generate.chat}
         table["/v1/completions"] = {"POST": generate.completions}
-        table["/v1/audio/transcriptions"] = {"POST": admin.transcriptions}
+        table["/v1/audio/transcriptions"] = {"POST": speech.transcriptions}
+        table["/v1/audio/translations"] = {"POST": speech.translations}
         table["/v1/messages"] = {"POST": anthropic.messages}
         table["/v1/systemone"] = {"POST": decisions.decide}
         if responses is not None:

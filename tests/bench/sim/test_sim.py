@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -246,6 +247,87 @@ def test_audio_transcription_multipart(client: httpx.Client) -> None:
     assert "3004 bytes" in r.json()["text"]
     missing = client.post("/v1/audio/transcriptions", data={"model": MODEL}, files={"x": b"1"})
     assert missing.status_code == 400
+
+
+def _two_seconds() -> bytes:
+    """8-bit mono PCM at 16 kHz, 2.0 s."""
+    fmt = b"fmt " + struct.pack("<IHHIIHH", 16, 1, 1, 16_000, 16_000, 1, 8)
+    body = b"WAVE" + fmt + b"data" + (32_000).to_bytes(4, "little") + bytes(32_000)
+    return b"RIFF" + len(body).to_bytes(4, "little") + body
+
+
+# (route, form fields, status, the answer's keys, its usage): vLLM 0.32's shapes
+# (speech_to_text/base/serving.py): `text` is JSON too; translations report no usage;
+# srt and vtt are refused by the handler.
+SPEECH = [
+    ("transcriptions", {}, 200, ["text", "usage"], {"type": "duration", "seconds": 2}),
+    ("transcriptions", {"response_format": "text"}, 200, ["text", "usage"],
+     {"type": "duration", "seconds": 2}),
+    ("transcriptions", {"response_format": "verbose_json"}, 200,
+     ["duration", "language", "text", "segments", "words"], None),
+    ("translations", {}, 200, ["text"], None),
+    ("translations", {"response_format": "text"}, 200, ["text"], None),
+    ("translations", {"response_format": "verbose_json"}, 200,
+     ["duration", "language", "text", "segments"], None),
+    ("transcriptions", {"response_format": "srt"}, 400, ["error"], None),
+    ("translations", {"response_format": "vtt"}, 400, ["error"], None),
+    ("transcriptions", {"response_format": "xml"}, 400, ["error"], None),
+    ("translations", {"response_format": "diarized_json"}, 400, ["error"], None),
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("route", "fields", "status", "keys", "usage"), SPEECH)
+def test_speech_answers_in_vllm_shapes(
+    client: httpx.Client,
+    route: str,
+    fields: dict[str, str],
+    status: int,
+    keys: list[str],
+    usage: dict[str, object] | None,
+) -> None:
+    r = client.post(
+        f"/v1/audio/{route}",
+        files={"file": ("a.wav", _two_seconds(), "audio/wav")},
+        data={"model": MODEL, **fields},
+    )
+    assert r.status_code == status, r.text
+    answer = r.json()
+    assert list(answer) == keys
+    assert answer.get("usage") == usage
+    if "duration" in answer:
+        assert answer["duration"] == 2.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("route", ["transcriptions", "translations"])
+@pytest.mark.parametrize("include", [False, True])
+def test_speech_streams_report_tokens_only_when_asked(
+    client: httpx.Client, route: str, include: bool
+) -> None:
+    fields = {"model": MODEL, "stream": "true"}
+    if include:
+        fields["stream_include_usage"] = "true"
+    r = client.post(
+        f"/v1/audio/{route}",
+        files={"file": ("a.wav", _two_seconds(), "audio/wav")},
+        data=fields,
+    )
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    frames = [f for f in r.text.split("\n\n") if f]
+    assert frames[-1] == "data: [DONE]"
+    events = [orjson.loads(f[len("data: ") :]) for f in frames[:-1]]
+    kind = "transcription.chunk" if route == "transcriptions" else "translation.chunk"
+    assert {e["object"] for e in events} == {kind}
+    assert events[0]["id"].startswith("transcribe-" if route == "transcriptions" else "translate-")
+    words = events[:-1] if include else events
+    assert all("usage" not in e for e in words)
+    assert words[-1]["choices"][0]["finish_reason"] == "stop"
+    if include:
+        assert events[-1]["choices"] == []
+        assert list(events[-1]["usage"]) == ["prompt_tokens", "total_tokens", "completion_tokens"]
+        assert events[-1]["usage"]["completion_tokens"] == len(words)
 
 
 # --- errors -----------------------------------------------------------------------------
