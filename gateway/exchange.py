@@ -77,7 +77,8 @@ class Exchange:
         self.failovers = 0
         # The tokens the engine's answer reported (gateway/proxy/usage.py); None: none.
         self.usage: Usage | None = None
-        # Seconds of audio a transcription or translation reported; None: none.
+        # Seconds of audio a transcription or translation is metered (proxy/metering.py:
+        # `Metering.audio_seconds`); None: none.
         self.audio_seconds: float | None = None
 
 

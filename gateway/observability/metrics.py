@@ -213,8 +213,9 @@ class TokenCounts(Collector):
 
 
 class AudioSeconds(Collector):
-    """Seconds of audio the engines reported transcribing or translating, by key name
-    (proxy/usage.py: `audio_seconds`); plain float adds per answer, read at scrape time."""
+    """Seconds of audio of the transcriptions and translations answered, by key name
+    (proxy/metering.py: `Metering.audio_seconds`); plain float adds per answer, read at
+    scrape time."""
 
     def __init__(self) -> None:
         self.by_key: dict[str, float] = {}
@@ -225,8 +226,7 @@ class AudioSeconds(Collector):
     def collect(self) -> Iterator[Metric]:
         family = CounterMetricFamily(
             "gateway_audio_seconds",
-            "Seconds of audio of the transcriptions and translations whose engine reported "
-            "them, by key name.",
+            "Seconds of audio of the transcriptions and translations answered, by key name.",
             labels=["key"],
         )
         for key, seconds in self.by_key.items():

@@ -153,7 +153,14 @@ class Proxy:
         ordered, the bytes once the engine has them (its answer starts)."""
         engines = self._engines(ex, incoming)
         # What the engine is asked for so that its answer can be metered (proxy/metering.py).
-        meter, asked = plan(ex.route, incoming.json, stored)
+        upload = incoming.upload
+        meter, asked = plan(
+            ex.route,
+            incoming.json,
+            stored,
+            seconds=None if upload is None else upload.seconds,
+            unknown_seconds=self.settings.media.max_audio_seconds,
+        )
         media = await self._inspect(incoming, ex, asked)
         if len(engines) == 1:
             # One candidate (the sidecar deployment): there is nothing to choose, so no

@@ -19,6 +19,14 @@ answer is read (proxy/usage.py, relayed by proxy/relay.py).
   and does not relay the header. Refusing `bytes_only` would break clients for nothing.
 - `GET /v1/responses/{id}` and its cancel answer a stored response, metered when it was
   made: never metered again.
+- A transcription or translation answered 2xx is metered seconds of audio: the file's,
+  as the gateway measured it from its headers before the engine saw it
+  (gateway/media/duration.py), whatever the response format and whether it streams.
+  vLLM 0.32 reports seconds in some formats only (`usage.seconds` rounded up, or
+  `verbose_json`'s `duration`), and the client picks the format: the engine's count is
+  taken only when larger (a FLAC or MP4 that declares less than it holds; the rounding).
+  A file the gateway cannot time (`media.allow_unknown_duration`) is metered the
+  engine's count, or `media.max_audio_seconds` when the answer has none.
 """
 
 from __future__ import annotations
@@ -61,18 +69,41 @@ class Metering:
     hide_metadata: bool = False
     # Audio routes: seconds of audio, not tokens.
     audio: bool = False
+    # The upload's seconds as the gateway measured them; None: unknown.
+    seconds: float | None = None
+    # What an upload of unknown length is metered when its answer reports no seconds.
+    unknown_seconds: float = 0.0
+
+    def audio_seconds(self, reported: float | None) -> float:
+        """The seconds an audio answer is metered, given those the engine's answer
+        `reported` (None: none): never less than the gateway's own measure."""
+        if self.seconds is None:
+            return self.unknown_seconds if reported is None else reported
+        return self.seconds if reported is None else max(self.seconds, reported)
 
 
 NOT_METERED: Final = Metering(count=False)
 
 
-def plan(route: Route, body: dict[str, Any] | None, stored: bool) -> tuple[Metering, bool]:
+def plan(
+    route: Route,
+    body: dict[str, Any] | None,
+    stored: bool,
+    *,
+    seconds: float | None = None,
+    unknown_seconds: float = 0.0,
+) -> tuple[Metering, bool]:
     """How to meter a request to `route` with `body` (its parsed JSON, changed in
     place), and whether the body was changed. `stored`: the route reads a stored
-    response. Raises InvalidRequest for a body whose answer could not be metered."""
+    response. `seconds`: an upload's, as measured (None: unknown, then metered as
+    `unknown_seconds` unless the answer reports its own). Raises InvalidRequest for a
+    body whose answer could not be metered."""
     if stored:
         return NOT_METERED, False
     meter = Metering(whole=route.path in _CLIENT_KEYS, audio=route.group is Group.audio)
+    if meter.audio:
+        meter.seconds = seconds
+        meter.unknown_seconds = unknown_seconds
     if body is None:
         return meter, False
     changed = False

@@ -155,7 +155,11 @@ class Relay:
                     ex.usage = metadata_usage(value)
             if meter.hide_metadata:
                 out_headers = [(n, v) for n, v in out_headers if n != _METADATA]
-        by_event = meter.events and resp.content_type == "text/event-stream"
+        sse = resp.content_type == "text/event-stream"
+        by_event = meter.events and sse
+        # Audio is metered from the head on, whatever the format, streamed or cut short:
+        # the engine has decoded the whole file before it answers.
+        audio = meter.audio and 200 <= resp.status < 300
         length = resp.content_length
         if length is not None and length <= _SMALL_RESPONSE and not by_event:
             try:
@@ -165,26 +169,35 @@ class Relay:
                 raise gateway_error(exc, answering=True) from None
             watch.stop()
             ex.bytes_out = len(body)
+            if audio:
+                ex.audio_seconds = meter.audio_seconds(None)
             await send(
                 {"type": "http.response.start", "status": resp.status, "headers": out_headers}
             )
             await send({"type": "http.response.body", "body": body})
             # Once the client has its answer; held whole, so parsed whole.
             if meter.audio:
-                ex.audio_seconds = audio_seconds(body)
+                if audio:
+                    ex.audio_seconds = meter.audio_seconds(audio_seconds(body))
             elif meter.count and ex.usage is None:
                 ex.usage = parse_usage(body)
             return
 
         await send({"type": "http.response.start", "status": resp.status, "headers": out_headers})
+        if audio:
+            ex.audio_seconds = meter.audio_seconds(None)
         if by_event:
             await self._events(resp, send, ex, watch, meter)
             return
         idle = self.idle
         # What the engine reports its usage in, read as it passes (gateway/proxy/usage.py).
         reader: Tail | Whole | None = None
-        if meter.count and ex.usage is None:
-            reader = Whole() if meter.whole or meter.audio else Tail()
+        if meter.audio:
+            # The seconds a JSON answer reports; a stream reports none.
+            if audio and not sse:
+                reader = Whole()
+        elif meter.count and ex.usage is None:
+            reader = Whole() if meter.whole else Tail()
         events = 0
         finished = False
         try:
@@ -211,7 +224,7 @@ class Relay:
             if whole is None:
                 log.warning("usage_unread", request_id=ex.request_id, engine=ex.engine)
             elif meter.audio:
-                ex.audio_seconds = audio_seconds(whole)
+                ex.audio_seconds = meter.audio_seconds(audio_seconds(whole))
             else:
                 ex.usage = parse_usage(whole)
         elif reader is not None:

@@ -18,8 +18,10 @@ What vLLM 0.32 reports, and where (the table of routes: docs/gateway.md, "Meteri
   (`_build_anthropic_usage` in vllm/entrypoints/anthropic/serving.py).
 - A binary pooling answer (`encoding_format: bytes`): the `metadata` response header's
   JSON (`build_pooling_bytes_streaming_response` in vllm/entrypoints/pooling/utils.py).
-- Transcriptions: seconds of audio (`usage: {"type": "duration", "seconds": n}`) or
-  `duration` (verbose_json), read by `audio_seconds`.
+- Transcriptions and translations: the seconds of audio the answer reports (`usage:
+  {"type": "duration", "seconds": n}`, or `duration` in verbose_json), read by
+  `audio_seconds`; what is metered is decided with the gateway's own measure
+  (proxy/metering.py).
 - A chat or completion stream: the gateway asks for the usage event at its end and for
   every chunk's counts so far (proxy/metering.py); `EventUsage` reads them and takes out
   what the client did not ask for, before the client sees it.

@@ -98,3 +98,34 @@ def test_n_groups_a_prompts_choices() -> None:
     meter, _ = plan(TABLE["/v1/completions"], {"stream": True, "n": "3"}, False)
     # Not read: each choice its own prompt (the prompt counted more, never less).
     assert meter.choices == 1
+
+
+@pytest.mark.parametrize("path", ["/v1/audio/transcriptions", "/v1/audio/translations"])
+@pytest.mark.parametrize(
+    ("measured", "reported", "metered"),
+    [
+        # The gateway's measure, whatever the answer says or does not say.
+        (2.0, None, 2.0),
+        (2.0, 2.0, 2.0),
+        # vLLM's `usage.seconds`, rounded up; a container that declared less than it holds.
+        (2.5, 3.0, 3.0),
+        (1.0, 600.0, 600.0),
+        # An answer that reports less (or nothing, in the format the client chose).
+        (2.5, 0.0, 2.5),
+        (30.0, 1.0, 30.0),
+        # A file the gateway could not time: the engine's count, else the cap.
+        (None, 7.0, 7.0),
+        (None, None, 600.0),
+    ],
+)
+def test_audio_is_metered_at_least_the_gateway_s_measure(
+    path: str, measured: float | None, reported: float | None, metered: float
+) -> None:
+    meter, changed = plan(TABLE[path], None, False, seconds=measured, unknown_seconds=600.0)
+    assert meter.audio and not changed
+    assert meter.audio_seconds(reported) == metered
+
+
+def test_other_routes_carry_no_seconds() -> None:
+    meter, _ = plan(TABLE["/v1/chat/completions"], {}, False, seconds=2.0, unknown_seconds=600.0)
+    assert not meter.audio and meter.seconds is None
