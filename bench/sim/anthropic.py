@@ -5,7 +5,8 @@ Anthropic's is (`_build_anthropic_usage`): `input_tokens` is the prompt less its
 tokens, `cache_read_input_tokens` the cached ones (vLLM reports them with
 `--enable-prompt-tokens-details`, which the simulator always does). A stream is always
 asked with usage (`include_usage` and `continuous_usage_stats`): `message_start` carries
-the prompt's usage, `message_delta` the final one.
+the first chunk's usage, the whole prompt as `input_tokens` (a chunk's usage has no
+prompt-token details, so nothing is split off), and `message_delta` the final one.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ async def messages(engine: Engine, req: Request) -> None:
             "model": model,
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": usage(len(tokens), 0, cached),
+            "usage": {"input_tokens": len(tokens), "output_tokens": 0},
         }
         await _event(req, "message_start", {"type": "message_start", "message": start})
         block = {"type": "text", "text": ""}

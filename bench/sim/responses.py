@@ -7,8 +7,12 @@ id); `GET /v1/responses/{id}` reads it back, `POST /v1/responses/{id}/cancel` an
 vLLM does for a finished one, and `previous_response_id` must name a stored response.
 Like vLLM, the store is one dict per engine process: nothing is shared between engines
 or kept across a restart. Shapes of vllm/entrypoints/openai/responses (0.32:
-`ResponsesResponse.from_request`, `_make_not_found_error`). Not simulated: streaming,
-`background`, tools.
+`ResponsesResponse.from_request`, `_make_not_found_error`). A stream is vLLM's
+`responses_stream_generator` for a text answer (streaming_events.py,
+`emit_simple_content_*`): `response.created` and `response.in_progress` (no usage),
+the message item and its part opened, one `response.output_text.delta` a token, the
+text, part and item closed, then `response.completed`, the only event with a usage.
+Not simulated: `background`, tools.
 """
 
 from __future__ import annotations
@@ -18,11 +22,13 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+import orjson
+
 from bench.sim import tokenizer
 from bench.sim.engine import Engine, EngineRequest
 from bench.sim.errors import SimError, bad_request, invalid_body
 from bench.sim.generate import lax_bool, output
-from bench.sim.http import Request, respond_json
+from bench.sim.http import Request, respond_json, start_stream
 
 PATH = "/v1/responses"
 # The most responses kept; the oldest goes first (vLLM keeps every one until restart).
@@ -56,6 +62,59 @@ def _usage(prompt_tokens: int, completion: int, cached: int) -> dict[str, Any]:
     }
 
 
+async def _stream(
+    req: Request, seq: EngineRequest, response: dict[str, Any], item_id: str, pieces: list[str]
+) -> None:
+    """`response` streamed as vLLM 0.32 streams a text answer: `event:` and `data:`
+    frames, no `[DONE]`; each event's keys in alphabetical order, as vLLM writes them."""
+    number = 0
+
+    async def event(kind: str, fields: dict[str, Any], more: bool = True) -> None:
+        nonlocal number
+        data = dict(sorted({**fields, "sequence_number": number, "type": kind}.items()))
+        number += 1
+        body = f"event: {kind}\ndata: ".encode() + orjson.dumps(data) + b"\n\n"
+        await req.send({"type": "http.response.body", "body": body, "more_body": more})
+
+    started = {
+        **response,
+        "incomplete_details": None,
+        "output": [],
+        "status": "in_progress",
+        "usage": None,
+    }
+    text = "".join(pieces)
+    item: dict[str, Any] = {
+        "id": item_id,
+        "content": [],
+        "role": "assistant",
+        "status": "in_progress",
+    }
+    part = {"content_index": 0, "item_id": item_id, "output_index": 0}
+    empty: dict[str, Any] = {"annotations": [], "text": "", "type": "output_text", "logprobs": []}
+    done: dict[str, Any] = {
+        "annotations": [],
+        "text": text,
+        "type": "output_text",
+        "logprobs": None,
+    }
+    await start_stream(req.send)
+    await event("response.created", {"response": started})
+    await event("response.in_progress", {"response": started})
+    item_added = {"item": {**item, "type": "message", "phase": None}, "output_index": 0}
+    await event("response.output_item.added", item_added)
+    await event("response.content_part.added", {**part, "part": empty})
+    for piece in pieces:
+        await seq.decode(1)
+        await event("response.output_text.delta", {**part, "delta": piece, "logprobs": []})
+    await event("response.output_text.done", {**part, "logprobs": [], "text": text})
+    await event("response.content_part.done", {**part, "part": done})
+    item_done = {**item, "content": [done] if text else [], "status": "completed"}
+    item_done = {**item_done, "type": "message", "phase": None}
+    await event("response.output_item.done", {"item": item_done, "output_index": 0})
+    await event("response.completed", {"response": response}, more=False)
+
+
 class ResponseStore:
     """One engine's stored responses, by id, and the handlers that use them."""
 
@@ -76,9 +135,8 @@ class ResponseStore:
     async def create(self, engine: Engine, req: Request) -> None:
         body = req.json()
         model, _ = engine.resolve_model(body.get("model"))
-        for field in ("stream", "background"):
-            if lax_bool(body.get(field), field):
-                raise bad_request(f"The simulator does not simulate `{field}`.", field)
+        if lax_bool(body.get("background"), "background"):
+            raise bad_request("The simulator does not simulate `background`.", "background")
         request_id = body.get("request_id") or f"resp_{secrets.token_hex(16)}"
         if not isinstance(request_id, str):
             raise invalid_body("request_id: Input should be a valid string")
@@ -101,13 +159,10 @@ class ResponseStore:
             raise bad_request(f"This model's maximum context length is {limit} tokens.", "input")
         max_tokens = requested or limit - len(tokens)
         cached, _ = engine.lookup_prefix(tokens, (), "", "")
-        pieces, reason = output(tokens, max_tokens, False)
-        async with EngineRequest(engine, len(tokens) - cached) as seq:
-            seq.finish_reason = reason
-            engine.metrics.generation_tokens += len(pieces)
-            await seq.decode(len(pieces))
+        pieces, reason = output(tokens, max_tokens, lax_bool(body.get("ignore_eos"), "ignore_eos"))
         incomplete = reason == "length"
-        response = {
+        item_id = f"msg_{secrets.token_hex(16)}"
+        response: dict[str, Any] = {
             "id": request_id,
             "created_at": int(time.time()),
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
@@ -117,7 +172,7 @@ class ResponseStore:
             "object": "response",
             "output": [
                 {
-                    "id": f"msg_{secrets.token_hex(16)}",
+                    "id": item_id,
                     "content": [
                         {
                             "annotations": [],
@@ -129,6 +184,7 @@ class ResponseStore:
                     "role": "assistant",
                     "status": "completed",
                     "type": "message",
+                    "phase": None,
                 }
             ],
             "parallel_tool_calls": True,
@@ -156,12 +212,20 @@ class ResponseStore:
             "input_messages": None,
             "output_messages": None,
         }
+        async with EngineRequest(engine, len(tokens) - cached) as seq:
+            seq.finish_reason = reason
+            engine.metrics.generation_tokens += len(pieces)
+            if lax_bool(body.get("stream"), "stream"):
+                await _stream(req, seq, response, item_id, pieces)
+            else:
+                await seq.decode(len(pieces))
         if body.get("store", True) is not False:
             self.stored[request_id] = response
             self.stored.move_to_end(request_id)
             while len(self.stored) > CAPACITY:
                 self.stored.popitem(last=False)
-        await respond_json(req.send, response)
+        if not lax_bool(body.get("stream"), "stream"):
+            await respond_json(req.send, response)
 
     async def retrieve(self, engine: Engine, req: Request) -> None:
         response_id = req.path.split("/")[3]

@@ -11,6 +11,9 @@ answer is read (proxy/usage.py, relayed by proxy/relay.py).
   sent. `stream`, `include_usage` and `continuous_usage_stats` are read as vLLM's
   pydantic reads them (payload/lax.py: `"true"` and `1` are true), so a stream is
   never taken for an answer that reports its usage unasked.
+- A stream of /v1/messages or /v1/responses reports its usage only in its final events
+  (`message_delta`, `response.completed`): its events are read as they pass
+  (`usage.Steps`), so that one cut short is metered what came before them.
 - /v1/systemone's answer is parsed whole for its usage: a request whose answer could
   be too large for that is refused (payload/decisions.py).
 - `encoding_format: "bytes_only"` on /v1/embeddings, /pooling and /invocations reports no
@@ -45,6 +48,8 @@ _STREAM_OPTIONS: Final = frozenset({"/v1/chat/completions", "/v1/completions", "
 _BINARY_POOLING: Final = frozenset({"/v1/embeddings", "/pooling", "/invocations"})
 # Routes whose answers carry keys the client named: parsed whole (proxy/usage.py).
 _CLIENT_KEYS: Final = frozenset({"/v1/systemone"})
+# Routes whose streams report their usage only at their end, in events of their own.
+_STEP_STREAMS: Final = frozenset({"/v1/messages", "/v1/responses"})
 
 
 @dataclass(slots=True)
@@ -57,6 +62,8 @@ class Metering:
     whole: bool = False
     # A stream of chunks that report usage (chat or completion): read event by event.
     events: bool = False
+    # A stream (an SSE answer) whose events before its usage are counted (usage.Steps).
+    steps: bool = False
     # The gateway asked for a stream's usage event: take it out of the answer.
     hide_usage: bool = False
     # The gateway asked for every chunk's usage: take it out of each chunk.
@@ -100,7 +107,11 @@ def plan(
     body whose answer could not be metered."""
     if stored:
         return NOT_METERED, False
-    meter = Metering(whole=route.path in _CLIENT_KEYS, audio=route.group is Group.audio)
+    meter = Metering(
+        whole=route.path in _CLIENT_KEYS,
+        steps=route.path in _STEP_STREAMS,
+        audio=route.group is Group.audio,
+    )
     if meter.audio:
         meter.seconds = seconds
         meter.unknown_seconds = unknown_seconds

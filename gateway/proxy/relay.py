@@ -25,6 +25,7 @@ from gateway.proxy.metering import Metering
 from gateway.proxy.scrub import about_model, excerpt, scrub_json
 from gateway.proxy.usage import (
     EventUsage,
+    Steps,
     Tail,
     Whole,
     audio_seconds,
@@ -198,6 +199,11 @@ class Relay:
                 reader = Whole()
         elif meter.count and ex.usage is None:
             reader = Whole() if meter.whole else Tail()
+        # A /v1/messages or /v1/responses stream: its events before its usage, for one
+        # that ends without it.
+        steps: Steps | None = None
+        if isinstance(reader, Tail) and meter.steps and sse:
+            steps = Steps()
         events = 0
         finished = False
         try:
@@ -209,6 +215,8 @@ class Relay:
                 ex.bytes_out += len(chunk)
                 if reader is not None:
                     reader.add(chunk)
+                if steps is not None:
+                    steps.add(chunk)
                 events += chunk.count(b"\n\n")
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             finished = True
@@ -216,7 +224,10 @@ class Relay:
             await self._broken(resp, send, ex, watch, exc)
             return
         finally:
-            if not finished and meter.count:
+            if not finished and steps is not None and isinstance(reader, Tail):
+                # Cut short: what its events reported before its usage.
+                ex.usage = steps.usage(reader.usage())
+            elif not finished and meter.count:
                 self._left_early(ex, events)
         watch.stop()
         if isinstance(reader, Whole):
@@ -228,7 +239,7 @@ class Relay:
             else:
                 ex.usage = parse_usage(whole)
         elif reader is not None:
-            ex.usage = reader.usage()
+            ex.usage = reader.usage() if steps is None else steps.usage(reader.usage())
         await send({"type": "http.response.body", "body": b""})
 
     async def _events(

@@ -25,6 +25,9 @@ What vLLM 0.32 reports, and where (the table of routes: docs/gateway.md, "Meteri
 - A chat or completion stream: the gateway asks for the usage event at its end and for
   every chunk's counts so far (proxy/metering.py); `EventUsage` reads them and takes out
   what the client did not ask for, before the client sees it.
+- A /v1/messages or /v1/responses stream reports its usage in its last events only
+  (`message_delta`, `response.completed`); `Steps` reads what came before them, for a
+  stream cut short.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ _MAX_TRIES = 4
 # never occurs inside an event's data.
 _EVENT_END = b"\n\n"
 _DATA = b"data: "
+_EVENT = b"event: "
 
 
 def _count(value: Any) -> int | None:
@@ -358,3 +362,92 @@ class EventUsage:
         """What was held at the end of the stream (an event without its blank line)."""
         rest, self._rest = self._rest, b""
         return rest
+
+
+# What vLLM 0.32 names the events of a /v1/messages stream (`message_stream_converter` in
+# vllm/entrypoints/anthropic/serving.py) and of a /v1/responses stream
+# (`responses_stream_generator` in vllm/entrypoints/openai/responses/serving.py); the two
+# sets share no name.
+# The first event: its usage is the first chunk's, the whole prompt in `input_tokens`.
+_START = b"message_start"
+# An Anthropic block's output, and every Responses `*.delta` event (text, reasoning,
+# tool arguments): each carries what one engine output added.
+_BLOCK_DELTA = b"content_block_delta"
+_DELTA_SUFFIX = b".delta"
+# The thinking block's closing `content_block_delta`: its signature, no output. `":"`
+# cannot occur inside a JSON string (its quotes are escaped), so these bytes are a key
+# and its value.
+_SIGNATURE = b'"type":"signature_delta"'
+# The events that carry the final usage.
+_FINAL = frozenset({b"message_delta", b"response.completed"})
+
+
+class Steps:
+    """What a /v1/messages or /v1/responses stream reported before its final usage, for
+    a stream that ends without it (the client left, the engine broke or sent an `error`
+    event): the prompt's count of `message_start` (/v1/messages; a Responses stream
+    reports none before `response.completed`) and one completion token an output event
+    (`*_delta` and `*.delta`, a thinking block's signature aside). vLLM sends an event an
+    engine output, and an output holds one token or, when the server lags, several: the
+    count is at most what was generated. Only the first `TAIL` bytes of each event are
+    kept (a `response.created` echoes the request's `instructions`)."""
+
+    __slots__ = ("_ended", "_head", "_newline", "_outputs", "_prompt")
+
+    def __init__(self) -> None:
+        # The first bytes of the event under way.
+        self._head = b""
+        # The event under way has bytes and its last one is a newline: a chunk opening
+        # with a newline ends it.
+        self._newline = False
+        self._prompt: int | None = None
+        self._outputs = 0
+        self._ended = False
+
+    def _keep(self, chunk: bytes, start: int, end: int) -> bytes:
+        """The head of the event under way with `chunk[start:end]` added, up to `TAIL`
+        bytes."""
+        head = self._head
+        self._head = b""
+        room = TAIL - len(head)
+        if room <= 0:
+            return head
+        return head + chunk[start : min(end, start + room)]
+
+    def add(self, chunk: bytes) -> None:
+        start = 0
+        if self._newline and chunk[:1] == b"\n":
+            self._event(self._keep(chunk, 0, 0))
+            start = 1
+        while (end := chunk.find(_EVENT_END, start)) >= 0:
+            self._event(self._keep(chunk, start, end))
+            start = end + len(_EVENT_END)
+        self._newline = start < len(chunk) and chunk.endswith(b"\n")
+        if start < len(chunk):
+            self._head = self._keep(chunk, start, len(chunk))
+
+    def _event(self, head: bytes) -> None:
+        if not head.startswith(_EVENT):
+            return
+        line = head.find(b"\n")
+        name = head[len(_EVENT) : line if line >= 0 else len(head)]
+        if name == _BLOCK_DELTA:
+            if _SIGNATURE not in head:
+                self._outputs += 1
+        elif name.endswith(_DELTA_SUFFIX):
+            self._outputs += 1
+        elif name == _START:
+            counts = read_usage(head)
+            if counts is not None:
+                self._prompt = counts[0]
+        elif name in _FINAL:
+            self._ended = True
+
+    def usage(self, reported: Usage | None) -> Usage | None:
+        """The stream's usage: `reported` (the last usage object of its bytes: `Tail`)
+        once its final event came whole; else what the events before it reported."""
+        if self._ended and reported is not None:
+            return reported
+        if self._prompt is None and not self._outputs:
+            return None
+        return self._prompt or 0, self._outputs

@@ -37,6 +37,9 @@ NAMES = (
     "hidden",
     "early",
     "early-told",
+    "early-messages",
+    "early-responses",
+    "responses",
     "lax",
     "refused",
     "scrub",
@@ -295,6 +298,94 @@ def test_a_client_that_leaves_early_is_metered_for_what_it_got(
     assert metered[1] < 3000
     left = metric(stack.gateway, "gateway_requests_total", key=name, code="client_disconnected")
     assert left == 1
+
+
+def leave_after(gateway: Proc, path: str, key: str, body: dict, outputs: int) -> list[dict]:
+    """The events of a `path` stream up to its `outputs`-th output event (an Anthropic
+    `content_block_delta`, a Responses `*.delta`), then the client leaves."""
+    events: list[dict] = []
+    seen = 0
+    with (
+        httpx.Client(base_url=gateway.url, timeout=30) as client,
+        client.stream("POST", path, headers=auth(key), json=body) as r,
+    ):
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[len("data: ") :]))
+                seen += events[-1]["type"] in ("content_block_delta", "response.output_text.delta")
+            if seen == outputs:
+                break
+    return events
+
+
+@pytest.mark.slow
+def test_a_client_that_leaves_a_messages_stream_is_metered_its_prompt(stack: Stack) -> None:
+    # vLLM reports a /v1/messages stream's usage in `message_delta`, at its end; its
+    # `message_start` carries the prompt's count and each `content_block_delta` one
+    # output: a client that leaves before the end is metered those.
+    body = {
+        "model": MODEL,
+        "max_tokens": 3000,
+        "messages": [{"role": "user", "content": "tell me about the river"}],
+    }
+    # The whole answer's length (Anthropic's API has no `ignore_eos`).
+    whole = HTTP.post(stack.gateway.url + "/v1/messages", headers=auth(KEYS["scrub"]), json=body)
+    assert whole.status_code == 200, whole.text
+    length = whole.json()["usage"]["output_tokens"]
+    assert length > 10
+    events = leave_after(
+        stack.gateway, "/v1/messages", KEYS["early-messages"], {**body, "stream": True}, 5
+    )
+    assert events[0]["type"] == "message_start"
+    prompt = events[0]["message"]["usage"]["input_tokens"]
+    assert prompt > 0
+    assert all(e["type"] != "message_delta" for e in events)
+    assert wait_for(lambda: tokens(stack.gateway, "early-messages")[1] >= 5, timeout=30)
+    metered = tokens(stack.gateway, "early-messages")
+    assert metered[0] == prompt
+    assert metered[1] < length
+    left = metric(
+        stack.gateway, "gateway_requests_total", key="early-messages", code="client_disconnected"
+    )
+    assert left == 1
+
+
+@pytest.mark.slow
+def test_a_client_that_leaves_a_responses_stream_is_metered_its_output(stack: Stack) -> None:
+    # A /v1/responses stream reports no count before `response.completed`, its last
+    # event: a client that leaves before it is metered one token an output event.
+    body = {
+        "model": MODEL,
+        "max_output_tokens": 3000,
+        "input": "go on forever about the river",
+        "ignore_eos": True,
+        "stream": True,
+        "store": False,
+    }
+    events = leave_after(stack.gateway, "/v1/responses", KEYS["early-responses"], body, 20)
+    assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[0]["response"]["usage"] is None
+    assert wait_for(lambda: tokens(stack.gateway, "early-responses")[1] >= 20, timeout=30)
+    metered = tokens(stack.gateway, "early-responses")
+    assert metered[0] == 0
+    assert metered[1] < 3000
+    left = metric(
+        stack.gateway, "gateway_requests_total", key="early-responses", code="client_disconnected"
+    )
+    assert left == 1
+
+
+@pytest.mark.slow
+def test_a_whole_responses_stream_is_metered_its_usage(stack: Stack) -> None:
+    body = {"model": MODEL, "max_output_tokens": 9, "input": "count to five", "stream": True}
+    with httpx.Client(base_url=stack.gateway.url, timeout=30) as client:
+        events = sse_events(client, "/v1/responses", KEYS["responses"], body)
+    assert sum(e["type"] == "response.output_text.delta" for e in events) == 9
+    usage = events[-1]["response"]["usage"]
+    expected = (usage["input_tokens"], usage["output_tokens"])
+    assert expected[0] > 0
+    assert wait_for(lambda: tokens(stack.gateway, "responses") == expected)
 
 
 @pytest.mark.slow

@@ -27,7 +27,18 @@ from tests.real.harness import Snapshot, gateway, received
 pytestmark = pytest.mark.real_vllm
 
 SCRAPER = "sk-real-meter-scraper-0123456789"
-NAMES = ("messages", "hidden", "early", "refused", "binary", "stored", "decisions", "scrub")
+NAMES = (
+    "messages",
+    "hidden",
+    "early",
+    "early-messages",
+    "early-responses",
+    "refused",
+    "binary",
+    "stored",
+    "decisions",
+    "scrub",
+)
 KEYS = {name: f"sk-real-meter-{name}-0123456789" for name in NAMES}
 SECRET = "real-tier-namespace-secret-0123456789"
 OTHER_SECRET = "another-namespace-secret-0123456789"
@@ -256,6 +267,86 @@ def test_a_client_that_leaves_a_stream_is_metered_its_prompt(stack: Stack) -> No
     key, engine = last
     assert key[0] == engine[0]
     assert 5 <= key[1] <= engine[1] < 400
+
+
+def leave_after(
+    stack: Stack, path: str, key: str, body: dict[str, object], outputs: int
+) -> list[dict[str, object]]:
+    """The events of a `path` stream up to its `outputs`-th output event (an Anthropic
+    `content_block_delta`, a Responses `response.output_text.delta`); then the client
+    leaves."""
+    events: list[dict[str, object]] = []
+    seen = 0
+    with HTTP.stream(
+        "POST", stack.gateway.url + path, headers=auth(key), json=body, timeout=TIMEOUT
+    ) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[len("data: ") :]))
+                seen += events[-1]["type"] in ("content_block_delta", "response.output_text.delta")
+            if seen == outputs:
+                break
+    return events
+
+
+def left_early(
+    stack: Stack, name: str, since: tuple[tuple[float, float], Snapshot]
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """(metered, counted by the engine) for key `name` once the engine aborted."""
+    before_key, before_engine = since
+    last: list[tuple[float, float]] = []
+
+    def settled() -> bool:
+        now = metered(stack.gateway, name)
+        key = (now[0] - before_key[0], now[1] - before_key[1])
+        engine = counted(stack.engine, before_engine)
+        last[:] = [key, engine]
+        return key[1] >= 6 and engine[0] > 0 and Snapshot.of(stack.engine).running == 0
+
+    assert wait_for(settled, timeout=30), f"metered {last}"
+    return last[0], last[1]
+
+
+def test_a_client_that_leaves_a_messages_stream_is_metered_its_prompt(stack: Stack) -> None:
+    # vLLM reports a /v1/messages stream's usage in `message_delta`, at its end; its
+    # `message_start` carries the prompt's count, each `content_block_delta` one engine
+    # output (one token or more).
+    body = {
+        "model": stack.engine.name,
+        "max_tokens": 400,
+        "messages": [{"role": "user", "content": "Tell me about the city by the river."}],
+        "stream": True,
+    }
+    since = metered(stack.gateway, "early-messages"), Snapshot.of(stack.engine)
+    events = leave_after(stack, "/v1/messages", KEYS["early-messages"], body, 6)
+    assert all(e["type"] != "message_delta" for e in events)
+    key, engine = left_early(stack, "early-messages", since)
+    start = events[0]
+    assert start["type"] == "message_start"
+    assert key[0] == engine[0] == start["message"]["usage"]["input_tokens"]  # type: ignore[index]
+    assert 6 <= key[1] <= engine[1] < 400
+
+
+def test_a_client_that_leaves_a_responses_stream_is_metered_its_output(stack: Stack) -> None:
+    # A /v1/responses stream reports no count before `response.completed`, its last
+    # event: what the engine generated before it aborted is metered one token an output
+    # event, and the prompt not at all.
+    body = {
+        "model": stack.engine.name,
+        "max_output_tokens": 400,
+        "ignore_eos": True,
+        "input": "Tell me about the city by the river.",
+        "stream": True,
+        "store": False,
+    }
+    since = metered(stack.gateway, "early-responses"), Snapshot.of(stack.engine)
+    events = leave_after(stack, "/v1/responses", KEYS["early-responses"], body, 6)
+    assert events[0]["response"]["usage"] is None  # type: ignore[index]
+    assert all(e["type"] != "response.completed" for e in events)
+    key, engine = left_early(stack, "early-responses", since)
+    assert key[0] == 0 < engine[0]
+    assert 6 <= key[1] <= engine[1] < 400
 
 
 def test_binary_embeddings_are_metered(stack: Stack) -> None:

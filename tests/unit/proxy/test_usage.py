@@ -11,6 +11,7 @@ from gateway.exchange import Usage
 from gateway.proxy.usage import (
     TAIL,
     EventUsage,
+    Steps,
     Tail,
     audio_seconds,
     parse_usage,
@@ -365,3 +366,112 @@ def test_event_usage_keeps_every_other_event() -> None:
     reader = EventUsage(hide_usage=True, hide_chunk_usage=True, choices=1)
     assert reader.feed(stream) + reader.flush() == stream
     assert reader.usage() is None
+
+
+def named(name: str, data: dict[str, object]) -> bytes:
+    """An event as vLLM 0.32 writes /v1/messages and /v1/responses events."""
+    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+def block_delta(delta: dict[str, object]) -> bytes:
+    return named("content_block_delta", {"type": "content_block_delta", "delta": delta, "index": 0})
+
+
+# A /v1/messages stream as the real engine sent it (tiny-qwen3, max_tokens 5,
+# --enable-prompt-tokens-details), with a thinking block's signature added.
+_START_MESSAGE = {
+    "id": "chatcmpl-a",
+    "type": "message",
+    "role": "assistant",
+    "content": [],
+    "model": "tiny-qwen3",
+    "stop_reason": None,
+    "stop_sequence": None,
+    "usage": {"input_tokens": 37, "output_tokens": 0},
+}
+MESSAGES = [
+    named("message_start", {"type": "message_start", "message": _START_MESSAGE}),
+    named(
+        "content_block_start",
+        {"type": "content_block_start", "content_block": {"type": "text", "text": ""}, "index": 0},
+    ),
+    *(block_delta({"type": "text_delta", "text": t}) for t in ("ant", " 437", ' "usage":{', "x")),
+    block_delta({"type": "signature_delta", "signature": "abc"}),
+    block_delta({"type": "input_json_delta", "partial_json": '{"type":"signature_delta"'}),
+    named("content_block_stop", {"type": "content_block_stop", "index": 0}),
+    named(
+        "message_delta",
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+            "usage": {
+                "input_tokens": 5,
+                "output_tokens": 5,
+                "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": 32,
+            },
+        },
+    ),
+    named("message_stop", {"type": "message_stop"}),
+]
+
+
+def responses_events(instructions: str) -> list[bytes]:
+    """A /v1/responses stream in the real engine's shape, the request's `instructions`
+    echoed in its first and last events."""
+    started = {"id": "resp_a", "instructions": instructions, "status": "in_progress", "usage": None}
+    item = {"content_index": 0, "item_id": "msg_a", "output_index": 0}
+    usage = {"input_tokens": 37, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 5}
+    done = {**started, "status": "completed", "usage": usage, "user": None}
+    return [
+        named("response.created", {"response": started, "type": "response.created"}),
+        named("response.in_progress", {"response": started, "type": "response.in_progress"}),
+        named("response.content_part.added", {**item, "type": "response.content_part.added"}),
+        *(
+            named(name, {**item, "delta": "d", "type": name})
+            for name in (
+                "response.output_text.delta",
+                "response.reasoning_text.delta",
+                "response.function_call_arguments.delta",
+            )
+        ),
+        named("response.output_text.done", {**item, "text": "ddd", "type": "x"}),
+        named("response.completed", {"response": done, "type": "response.completed"}),
+    ]
+
+
+def steps_of(events: list[bytes], size: int) -> tuple[Steps, Usage | None]:
+    """The stream's events fed in chunks of `size` bytes, and its `Tail`'s usage."""
+    stream = b"".join(events)
+    steps, tail = Steps(), Tail()
+    for at in range(0, len(stream), size):
+        steps.add(stream[at : at + size])
+        tail.add(stream[at : at + size])
+    return steps, tail.usage()
+
+
+@pytest.mark.parametrize("size", [1, 2, 7, 64, TAIL + 1, 10**6])
+@pytest.mark.parametrize(
+    ("events", "whole", "cut"),
+    [
+        # The prompt: all of `message_start`'s (Anthropic's split at the end: 5 + 32);
+        # 5 outputs, the thinking block's signature aside.
+        (MESSAGES, (37, 5), [None, (37, 0), (37, 0), (37, 1), (37, 2), (37, 3), (37, 4),
+                             (37, 4), (37, 5), (37, 5), (37, 5), (37, 5)]),
+        # No count before `response.completed`: the outputs alone.
+        (responses_events("i"), (37, 5), [None, None, None, None, (0, 1), (0, 2), (0, 3),
+                                          (0, 3)]),
+        (responses_events("i" * 3 * TAIL), (37, 5), None),
+    ],
+)  # fmt: skip
+def test_steps_meter_a_stream_cut_before_its_usage(
+    events: list[bytes], whole: Usage, cut: list[Usage | None] | None, size: int
+) -> None:
+    steps, tail = steps_of(events, size)
+    assert steps.usage(tail) == whole
+    for end, expected in enumerate(cut or []):
+        steps, tail = steps_of(events[:end], size)
+        assert steps.usage(tail) == expected, end
+    # Cut inside the final event: what came before it.
+    steps, tail = steps_of([*events[:-1], events[-1][:-1]], size)
+    assert steps.usage(tail) == steps_of(events[:-1], size)[0].usage(None)
