@@ -279,9 +279,11 @@ def candidate_anchors(
     return chain.anchors[:max_candidates]
 
 
-def session_anchor(body: dict[str, Any] | None, session: str) -> Anchor:
-    """The anchor of a client-named session: it replaces the prefix candidates."""
+def session_anchor(body: dict[str, Any] | None, session: str, key: bytes = b"") -> Anchor:
+    """The anchor of a client-named session: it replaces the prefix candidates. A
+    session is its client key's (`key`, the key's digest): another key naming the same
+    session gets another anchor."""
     model = body.get("model") if isinstance(body, dict) else None
-    header = b"session\x00" + (_encode(model) if isinstance(model, str) else b"")
+    header = b"session\x00" + key + b"\x00" + (_encode(model) if isinstance(model, str) else b"")
     digest = hashlib.blake2b(header + b"\x00" + _encode(session), digest_size=DIGEST_SIZE).digest()
     return Anchor(digest, AnchorKind.session)

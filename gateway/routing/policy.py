@@ -163,7 +163,7 @@ class Affinity:
             user = body.get("user")
             session = user if isinstance(user, str) and user else None
         if session is not None:
-            return [session_anchor(body, session)]
+            return [session_anchor(body, session, request.key_digest or b"")]
         return candidate_anchors(
             body,
             request.media,

@@ -21,13 +21,13 @@ deployments can share a Redis):
     <prefix>:engines                  hash: per engine URL its decayed requests, credit
                                       and time; the mean requests per anchor
     <prefix>:k:<key digest's first 8 bytes, hex>:anchors
-                                      sorted set: the anchors this key was the last to
-                                      use, by the time of that use; TTL store_ttl
+                                      sorted set: the anchors this key placed, by the
+                                      time of their last use; TTL store_ttl
 
 A key holds at most `store_anchors_per_key` anchors: each anchor belongs to the key that
-used it last, and past the bound the key's least recently used anchor is deleted. So one
-key's unique prefixes displace its own placements, never another key's, and the store's
-size is bounded by the keys times the bound, whatever a key sends.
+placed it, and past the bound the key's least recently used anchor is deleted. So one
+key's unique prefixes displace only anchors it placed itself, never another key's, and
+the store's size is bounded by the keys times the bound, whatever a key sends.
 
 Only digests and engine URLs are stored, never prompt text. A store that fails or
 answers slower than `store_timeout` leaves that request to the stateless rule, and is
@@ -50,18 +50,13 @@ from gateway.store.client import StoreClient
 # URL, 1 if the placement was read (0 if made here), and the number of the key's
 # anchors deleted for the bound.
 #
-# Each anchor belongs to the key that used it last (its field `k`): that key's set
-# holds it, scored by the time of the use; one key taking over another's anchor takes
-# it out of the other's set. The set drops what has expired (the anchor's TTL runs from
-# its last use, the score) and then, past the bound, its oldest members, deleting each
-# anchor still its own. Key names are built here from the prefix, so Redis Cluster's
-# rule that a script names its keys up front does not hold (Cluster is not supported).
-#
-# An engine's expected load is its recent requests plus the credit of its anchors,
-# both decaying with the time constant: a new anchor brings a credit of the mean
-# requests per anchor (measured over ten time constants), which its requests use up.
-# Without the credit, a burst of new conversations would be placed by their first
-# turns alone, before the later turns that make most of their load.
+# Each anchor belongs to the key that placed it (its field `k`, kept while the anchor
+# lives): that key's set holds it, scored by its last use by any key, so another key's
+# use keeps it fresh but never makes it that key's. When a key places an anchor, its set
+# drops what has expired (the anchor's TTL runs from its last use, the score) and then,
+# past the bound, its least recently used members, deleting each anchor it placed. Key
+# names are built here from the prefix, so Redis Cluster's rule that a script names its
+# keys up front does not hold (Cluster is not supported).
 PLACE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -123,27 +118,30 @@ redis.call('HSET', KEYS[2],
   'r' .. chosen, decayed(tau, e[1], e[3]) + 1, 'c' .. chosen, engine_credit, 't' .. chosen, now,
   'R', requests + 1, 'A', anchors, 'T', now)
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
-redis.call('HSET', KEYS[1], 'u', chosen, 'c', credit, 't', now, 'k', owner)
+local placer = home[4] or owner
+redis.call('HSET', KEYS[1], 'u', chosen, 'c', credit, 't', now, 'k', placer)
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
-local before = home[4]
-if before and before ~= owner then
-  redis.call('ZREM', prefix .. 'k:' .. before .. ':anchors', anchor)
-end
-redis.call('ZADD', KEYS[3], now, anchor)
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. (now - tonumber(ARGV[1]) / 1000))
 local dropped = 0
-local over = redis.call('ZCARD', KEYS[3]) - bound
-if over > 0 then
-  local oldest = redis.call('ZPOPMIN', KEYS[3], over)
-  for i = 1, #oldest, 2 do
-    local gone = prefix .. 'a:' .. oldest[i]
-    if redis.call('HGET', gone, 'k') == owner then
-      redis.call('DEL', gone)
-      dropped = dropped + 1
+if placer ~= owner then
+  local theirs = prefix .. 'k:' .. placer .. ':anchors'
+  redis.call('ZADD', theirs, 'XX', now, anchor)
+  redis.call('PEXPIRE', theirs, ARGV[1])
+else
+  redis.call('ZADD', KEYS[3], now, anchor)
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. (now - tonumber(ARGV[1]) / 1000))
+  local over = redis.call('ZCARD', KEYS[3]) - bound
+  if over > 0 then
+    local oldest = redis.call('ZPOPMIN', KEYS[3], over)
+    for i = 1, #oldest, 2 do
+      local gone = prefix .. 'a:' .. oldest[i]
+      if redis.call('HGET', gone, 'k') == owner then
+        redis.call('DEL', gone)
+        dropped = dropped + 1
+      end
     end
   end
+  redis.call('PEXPIRE', KEYS[3], ARGV[1])
 end
-redis.call('PEXPIRE', KEYS[3], ARGV[1])
 return {chosen, found, dropped}
 """
 

@@ -291,8 +291,9 @@ def test_one_keys_new_prefixes_displace_only_its_own_placements(
     the victim's 3 and the flooder's last 4 anchors (36 of the flooder's dropped, counted
     in gateway_routing_store_anchors_dropped_total); the victim's second turns read their
     placements and stay on their engines; the flooder's first conversation is placed
-    anew, its last read. An anchor the victim uses becomes the victim's: the flooder's
-    next 4 new conversations do not displace it. Today's unbounded store holds all 43."""
+    anew, its last read. An anchor stays its placer's: the flooder using one of the
+    victim's conversations and then beginning 4 more drops 4 of its own, and the victim's
+    is read again. An unbounded store holds all 43."""
     flood = "sk-routing-store-flood-0123456789"
     prefix = f"test-{uuid.uuid4().hex[:8]}"
     gateways = replicas(
@@ -339,15 +340,18 @@ def test_one_keys_new_prefixes_displace_only_its_own_placements(
                 )
             # f0 placed anew displaced the flooder's least recently used (f36).
             assert counted() == (44, 4, 37)
-            # The victim takes over f38; the flooder's next four new ones drop its own.
-            send(client, gateways[1], chat(f"{run}-f38", 2), f"{run}-f38-v")
+            # The flooder using the victim's conversation does not make it the
+            # flooder's: its next four new ones drop four of its own, not the victim's.
+            test_routing_e2e.send(
+                client, gateways[1], chat(f"{run}-v0", 2), f"{run}-v0-f", flooding
+            )
             for c in range(40, 44):
                 test_routing_e2e.send(
                     client, gateways[c % 2], chat(f"{run}-f{c}", 1), f"{run}-f{c}-0", flooding
                 )
-            send(client, gateways[0], chat(f"{run}-f38", 3), f"{run}-f38-w")
-            assert counted() == (48, 6, 40)
-            assert anchors() == 4 + 4
+            send(client, gateways[0], chat(f"{run}-v0", 3), f"{run}-v0-2")
+            assert counted() == (48, 6, 41)
+            assert anchors() == 3 + 4
     finally:
         for g in gateways:
             g.stop()

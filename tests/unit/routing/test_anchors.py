@@ -259,11 +259,13 @@ def test_candidates_are_capped_keeping_the_shortest() -> None:
     assert anchors == candidate_anchors(body, max_candidates=1000)[:10]
 
 
-def test_session_anchor_depends_on_model_and_session_only() -> None:
-    a = session_anchor(chat(user("x")), "s1")
-    assert a == session_anchor(chat(user("something else")), "s1")
-    assert a != session_anchor(chat(user("x")), "s2")
-    assert a != session_anchor(chat(user("x"), model="other"), "s1")
+def test_session_anchor_depends_on_model_session_and_key_only() -> None:
+    a = session_anchor(chat(user("x")), "s1", b"key-a")
+    assert a == session_anchor(chat(user("something else")), "s1", b"key-a")
+    assert a != session_anchor(chat(user("x")), "s2", b"key-a")
+    assert a != session_anchor(chat(user("x"), model="other"), "s1", b"key-a")
+    # Another key naming the same session gets another anchor.
+    assert a != session_anchor(chat(user("x")), "s1", b"key-b")
     assert a.kind is AnchorKind.session
 
 
