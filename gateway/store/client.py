@@ -2,7 +2,9 @@
 
 A store that fails or answers slower than `store_timeout` is left alone for
 `store_retry` seconds: every caller then decides without it at once, and after that one
-call at a time tries it again. The change of state is logged once each way, with event
+call at a time tries it again. A call that timed out because this process's loop was
+held (its timer late by more than the timeout) goes without the store but is not the
+store's failure. The change of state is logged once each way, with event
 `store` and the URL without its password; the exception's class is logged, never its
 text (it may quote the URL).
 """
@@ -70,10 +72,20 @@ class StoreClient:
             if self._probing or time.monotonic() < self._retry_at:
                 return None
             self._probing = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
         try:
-            async with asyncio.timeout(self.timeout):
+            async with asyncio.timeout_at(deadline):
                 result = await call()
-        except Exception as exc:  # RedisError, OSError, TimeoutError, a reply not as expected
+        except TimeoutError as exc:
+            # A timer that fires a whole timeout after its deadline says this process's
+            # loop was held (a long parse of one request's body), so a reply that had
+            # arrived could not be read: that call goes without the store, but the
+            # store is not left alone for it.
+            if loop.time() - deadline <= self.timeout:
+                self._failed(exc)
+            return None
+        except Exception as exc:  # RedisError, OSError, a reply not as expected
             self._failed(exc)
             return None
         finally:
