@@ -98,7 +98,7 @@ class FieldRules:
         generation, and no client connection is left to abort it. Anything but
         absent, null or false (as vLLM's pydantic reads it: `0` and `"no"` are false,
         `1` and `"yes"` true) is refused."""
-        if OptIn.background in self.allowed or not lax_bool(value, "background"):
+        if value is None or OptIn.background in self.allowed or not lax_bool(value, "background"):
             return
         raise FieldNotAllowed("The field 'background' is not allowed.", param="background")
 
@@ -107,7 +107,7 @@ class FieldRules:
         tool of a Responses request and sends the tool's `headers` with it
         (entrypoints/openai/responses/context.py): a client's `headers` on any tool are
         refused unless opted in, whatever the tool's type says."""
-        if OptIn.mcp_headers in self.allowed or not isinstance(tools, list):
+        if not isinstance(tools, list) or OptIn.mcp_headers in self.allowed:
             return
         for i, tool in enumerate(tools):
             if isinstance(tool, dict) and tool.get("headers") is not None:

@@ -119,6 +119,8 @@ def _times(count: int, param: str, body: dict[str, Any]) -> Weight:
 
 
 def chat(body: dict[str, Any]) -> Weight:
+    if body.get("n") is None and "best_of" not in body:
+        return _ONE
     samples, by = _samples(body)
     return (samples, by) if samples > 1 else _ONE
 

@@ -77,7 +77,8 @@ class Charge:
 
     def give(self, amount: int) -> None:
         """Give back `amount` of the bytes taken (their object was dropped)."""
-        amount = min(amount, self.held)
+        if amount > self.held:
+            amount = self.held
         if not amount:
             return
         budget = self.budget
@@ -90,4 +91,5 @@ class Charge:
             del budget.owners[self.owner]
 
     def close(self) -> None:
-        self.give(self.held)
+        if self.held:
+            self.give(self.held)

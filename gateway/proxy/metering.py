@@ -90,6 +90,9 @@ class Metering:
 
 
 NOT_METERED: Final = Metering(count=False)
+# A JSON request answered in one piece with its usage, as the engine writes it: one
+# shared plan (never changed), no object made per request.
+_PLAIN: Final = Metering()
 
 
 def plan(
@@ -107,9 +110,25 @@ def plan(
     body whose answer could not be metered."""
     if stored:
         return NOT_METERED, False
+    path = route.path
+    if (
+        body is not None
+        and path not in _CLIENT_KEYS
+        and path not in _STEP_STREAMS
+        and route.group is not Group.audio
+    ):
+        stream = body.get("stream")
+        if path in _STREAM_OPTIONS and stream is not None and stream is not False:
+            stream = lax_bool(stream, "stream")
+        else:
+            stream = False
+        if not stream and (
+            path not in _BINARY_POOLING or body.get("encoding_format") != "bytes_only"
+        ):
+            return _PLAIN, False
     meter = Metering(
-        whole=route.path in _CLIENT_KEYS,
-        steps=route.path in _STEP_STREAMS,
+        whole=path in _CLIENT_KEYS,
+        steps=path in _STEP_STREAMS,
         audio=route.group is Group.audio,
     )
     if meter.audio:
@@ -118,7 +137,6 @@ def plan(
     if body is None:
         return meter, False
     changed = False
-    path = route.path
     if path in _STREAM_OPTIONS and lax_bool(body.get("stream"), "stream"):
         changed = _ask_usage(body, meter)
     if path in _CLIENT_KEYS:

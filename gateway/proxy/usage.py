@@ -56,6 +56,13 @@ _MAX_TRIES = 4
 _EVENT_END = b"\n\n"
 _DATA = b"data: "
 _EVENT = b"event: "
+_KEY_LEN = len(_KEY)
+_EVENT_END_LEN = len(_EVENT_END)
+_DATA_LEN = len(_DATA)
+# Anthropic's prompt counts besides `input_tokens`.
+_PROMPT_PARTS = ("cache_read_input_tokens", "cache_creation_input_tokens")
+_COMMA = ord(",")
+_OPEN = ord("{")
 
 
 def _count(value: Any) -> int | None:
@@ -70,6 +77,16 @@ def usage_of(usage: Any) -> Usage | None:
     Completion tokens are 0 when absent (pooling answers)."""
     if type(usage) is not dict:
         return None
+    if (
+        "tokens" not in usage
+        and "cache_read_input_tokens" not in usage
+        and "cache_creation_input_tokens" not in usage
+    ):
+        # The OpenAI shape, as the general reading below reads it.
+        prompt = usage.get("prompt_tokens")
+        completion = usage.get("completion_tokens")
+        if type(prompt) is int and type(completion) is int and prompt >= 0 and completion >= 0:
+            return prompt, completion
     get = usage.get
     if type(usage.get("tokens")) is dict:
         # Cohere's chat API: {"tokens": {"input_tokens", "output_tokens"}, "billed_units"}.
@@ -80,8 +97,10 @@ def usage_of(usage: Any) -> Usage | None:
         return None
     prompt = prompt or 0
     # Anthropic's usage: the prompt is split into three counts (never set elsewhere).
-    for part in ("cache_read_input_tokens", "cache_creation_input_tokens"):
-        prompt += _count(get(part)) or 0
+    for part in _PROMPT_PARTS:
+        value = get(part)
+        if value is not None:
+            prompt += _count(value) or 0
     return prompt, completion or 0
 
 
@@ -234,11 +253,11 @@ class Whole:
         return None if self._chunks is None else b"".join(self._chunks)
 
 
-def _usage_span(event: bytes) -> tuple[int, int, int, int] | None:
+def _usage_span(event: bytes, at: int = 0) -> tuple[int, int, int, int] | None:
     """Where the first `"usage": {...}` key of an event is: (start, object start,
     object end, end), start and end taking in the comma that separates it from a
-    neighbouring key, so that cutting [start:end] leaves valid JSON."""
-    at = 0
+    neighbouring key, so that cutting [start:end] leaves valid JSON. `at`: where the
+    search starts (no `"usage":` before it)."""
     for _ in range(_MAX_TRIES):
         at = event.find(_KEY, at)
         if at < 0:
@@ -298,52 +317,99 @@ class EventUsage:
         if end < 0:
             self._rest = data
             return b""
-        end += len(_EVENT_END)
-        self._rest = data[end:]
-        ready = data[:end]
+        end += _EVENT_END_LEN
+        if end == len(data):
+            self._rest = b""
+            ready = data
+        else:
+            self._rest = data[end:]
+            ready = data[:end]
         self.events += ready.count(_EVENT_END)
-        if _KEY not in ready:
+        at = ready.find(_KEY)
+        if at < 0:
             return ready
+        # Only the events holding the key are looked at, in place: what goes out is
+        # `ready` less the cuts, joined once. Events are `ready` less its last blank
+        # line, split at each blank line from the left.
+        last = len(ready) - _EVENT_END_LEN
         kept: list[bytes] = []
-        for event in ready[: -len(_EVENT_END)].split(_EVENT_END):
-            if _KEY in event:
-                out = self._read(event)
-                if out is None:
-                    self.events -= 1
-                    continue
-                event = out
-            kept.append(event + _EVENT_END)
+        pos = 0  # `ready[:pos]` is decided (in `kept`, or cut)
+        event = 0  # where the event looked at starts
+        while at >= 0:
+            stop = ready.find(_EVENT_END, event, last)
+            while 0 <= stop < at:
+                event = stop + _EVENT_END_LEN
+                stop = ready.find(_EVENT_END, event, last)
+            if stop < 0:
+                stop = last
+            cut = self._cut(ready, event, stop, at)
+            if cut is not None:
+                kept.append(ready[pos : cut[0]])
+                pos = cut[1]
+            event = stop + _EVENT_END_LEN
+            at = ready.find(_KEY, event)
+        if not pos:
+            return ready
+        kept.append(ready[pos:])
         return b"".join(kept)
 
-    def _read(self, event: bytes) -> bytes | None:
-        """The event as the client gets it (None: not at all), its usage kept."""
-        if not event.startswith(_DATA):
-            return event
-        span = _usage_span(event)
-        if span is None:
-            return event
-        start, value, close, end = span
+    def _cut(self, ready: bytes, start: int, stop: int, at: int) -> tuple[int, int] | None:
+        """The event `ready[start:stop]`, whose first `"usage":` is at `at`, read: what
+        of `ready` to cut from what the client gets (the whole event with its blank
+        line, or its usage key), None for nothing."""
+        value = at + _KEY_LEN
+        if (
+            ready[at - 1] == _COMMA
+            and ready[value] == _OPEN
+            and ready.startswith(_DATA, start)
+            and at - 1 > start
+        ):
+            # vLLM's layout, `,"usage":{` with no space: read in place.
+            # `_object_end`, inlined, within the event.
+            pos = value
+            depth = 0
+            while True:
+                close = ready.find(b"}", pos, stop)
+                if close < 0:
+                    return None
+                depth += ready.count(b"{", pos, close) - 1
+                if depth <= 0:
+                    break
+                pos = close + 1
+            close += 1
+            first, last = at - 1, close
+        else:
+            event = ready[start:stop]
+            if not event.startswith(_DATA):
+                return None
+            span = _usage_span(event, at - start)
+            if span is None:
+                return None
+            first, value, close, last = (i + start for i in span)
         try:
-            data = orjson.loads(event[len(_DATA) :])
-            usage = orjson.loads(event[value:close])
+            data = orjson.loads(ready[start + _DATA_LEN : stop])
+            usage = orjson.loads(ready[value:close])
         except orjson.JSONDecodeError:
-            return event
+            return None
         if type(data) is not dict or data.get("usage") != usage:
             # Not the top-level key: relayed as it is.
-            return event
+            return None
         counts = usage_of(usage)
         if counts is None:
-            return event
+            return None
         choices = data.get("choices")
         if choices == []:
             self.last = counts
-            return None if self._hide_usage else event
+            if self._hide_usage:
+                self.events -= 1
+                return start, stop + _EVENT_END_LEN
+            return None
         if type(choices) is list:
             for choice in choices:
                 index = choice.get("index") if type(choice) is dict else None
                 if type(index) is int and index >= 0:
                     self._counts[index] = counts
-        return event[:start] + event[end:] if self._hide_chunk else event
+        return (first, last) if self._hide_chunk else None
 
     def usage(self) -> Usage | None:
         """The stream's usage: its last event's, or else (a stream cut short) its
