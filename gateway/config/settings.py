@@ -146,6 +146,9 @@ class TimeoutSettings(BaseModel):
     first_byte: float = Field(default=600.0, gt=0)
     # Longest silence between two chunks of a response.
     idle: float = Field(default=300.0, gt=0)
+    # How long a stream whose client left (or was dropped for not reading it) is still
+    # read, unrelayed, for the token counts the engine already sent (proxy/relay.py).
+    left_grace: float = Field(default=1.0, gt=0, le=30.0)
     # vLLM closes idle keep-alive connections after 5 s (docs/vllm.md, "Wire details");
     # stay below it so the gateway never writes a request onto a connection the engine
     # is closing.

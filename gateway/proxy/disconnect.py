@@ -23,9 +23,14 @@ class DisconnectWatch:
     `WATCH_AFTER` seconds: most answers are complete sooner and then cost one timer, not
     a task. The caller must `stop()` the watch before sending the answer's last message
     (after it uvicorn's `receive` reports a disconnect) and when it is done.
+
+    With `hold`, a client that leaves before `release()` (before its answer starts) only
+    marks the exchange disconnected: the engine's request goes on, bounded by the
+    first-byte timeout, so that its answer can be read and metered (the engine does the
+    work whether or not the client waits for it; docs/gateway.md, "Metering").
     """
 
-    __slots__ = ("_ex", "_handle", "_loop", "_receive", "_target", "_task")
+    __slots__ = ("_ex", "_handle", "_loop", "_receive", "_target", "_task", "hold")
 
     def __init__(
         self,
@@ -33,7 +38,9 @@ class DisconnectWatch:
         receive: Receive,
         ex: Exchange,
         target: asyncio.Task[Any],
+        hold: bool = False,
     ) -> None:
+        self.hold = hold
         self._loop = loop
         self._receive = receive
         self._ex = ex
@@ -50,8 +57,13 @@ class DisconnectWatch:
             message = await self._receive()
             if message["type"] == "http.disconnect":
                 self._ex.disconnected = True
-                self._target.cancel()
+                if not self.hold:
+                    self._target.cancel()
                 return
+
+    def release(self) -> None:
+        """The answer starts: a client that leaves from now on cancels `target`."""
+        self.hold = False
 
     def stop(self) -> None:
         if self._handle is not None:

@@ -77,7 +77,7 @@ class Proxy:
         # A key whose requests keep failing at the engine is throttled, not the engine.
         self.key_errors = key_errors
         self.forwarder = Forwarder(upstream, pool, metrics, key_errors)
-        self.relay = Relay(settings.timeouts.idle)
+        self.relay = Relay(settings.timeouts.idle, settings.timeouts.left_grace)
         self._counts = metrics.routing
         # The engine's own key (app.py builds it), after the client's headers.
         self._auth_header = list(engine_auth)
@@ -178,8 +178,10 @@ class Proxy:
         loop = self.connections.running_loop()
         task = asyncio.current_task(loop)
         assert task is not None
-        # The body is consumed: from now on `receive` only reports a disconnect.
-        watch = DisconnectWatch(loop, receive, ex, task)
+        # The body is consumed: from now on `receive` only reports a disconnect. A
+        # metered request whose client leaves before its answer starts goes on at the
+        # engine, to be metered what the engine made (proxy/relay.py reads it unrelayed).
+        watch = DisconnectWatch(loop, receive, ex, task, hold=meter.count and not meter.audio)
 
         async def relay(resp: Response) -> None:
             # The engine answers: it has the body, which the forwarder has dropped.

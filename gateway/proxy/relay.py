@@ -13,6 +13,7 @@ routing/models.py.)
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import structlog
 
@@ -60,10 +61,14 @@ def response_headers(resp: Response) -> list[tuple[bytes, bytes]]:
 
 class Relay:
     """Sends one engine answer to its client. `idle` bounds the engine's silence between
-    two chunks; time spent writing to a slow client is not counted against the engine."""
+    two chunks; time spent writing to a slow client is not counted against the engine.
+    `grace`: how long a stream whose client left (or was dropped for not reading) is
+    still read, unrelayed, for the counts the engine already sent; a JSON answer, made
+    whole before it is sent, is read to its end within `idle`."""
 
-    def __init__(self, idle: float) -> None:
+    def __init__(self, idle: float, grace: float) -> None:
         self.idle = idle
+        self.grace = grace
 
     async def __call__(
         self,
@@ -205,42 +210,85 @@ class Relay:
         if isinstance(reader, Tail) and meter.steps and sse:
             steps = Steps()
         events = 0
+
+        def take(chunk: bytes) -> None:
+            nonlocal events
+            if reader is not None:
+                reader.add(chunk)
+            if steps is not None:
+                steps.add(chunk)
+            events += chunk.count(b"\n\n")
+
         finished = False
+        # A client that left: a JSON answer is generated whole before it is sent, its
+        # usage at its end; a stream's unsent chunks carry the engine's latest counts.
+        left_for = self.grace if sse else idle
+        watch.release()
         try:
-            while True:
-                # The limit is the engine's silence: not counted while a slow client reads.
-                chunk = await resp.readsome(idle)
-                if not chunk:
-                    break
-                ex.bytes_out += len(chunk)
-                if reader is not None:
-                    reader.add(chunk)
-                if steps is not None:
-                    steps.add(chunk)
-                events += chunk.count(b"\n\n")
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            finished = True
+            if ex.disconnected:
+                # It left before the answer started (proxy/disconnect.py, `hold`).
+                finished = await self._drain(resp, take, left_for)
+            else:
+                while True:
+                    # The limit is the engine's silence: not counted while a slow client
+                    # reads.
+                    chunk = await resp.readsome(idle)
+                    if not chunk:
+                        break
+                    ex.bytes_out += len(chunk)
+                    take(chunk)
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                finished = True
         except UpstreamError as exc:
             await self._broken(resp, send, ex, watch, exc)
             return
+        except asyncio.CancelledError:
+            if not ex.disconnected:
+                raise
+            finished = await self._drain(resp, take, left_for)
+            raise
         finally:
-            if not finished and steps is not None and isinstance(reader, Tail):
-                # Cut short: what its events reported before its usage.
-                ex.usage = steps.usage(reader.usage())
-            elif not finished and meter.count:
-                self._left_early(ex, events)
+            self._meter_stream(ex, meter, reader, steps, finished, events)
         watch.stop()
+        await send({"type": "http.response.body", "body": b""})
+
+    def _meter_stream(
+        self,
+        ex: Exchange,
+        meter: Metering,
+        reader: Tail | Whole | None,
+        steps: Steps | None,
+        finished: bool,
+        events: int,
+    ) -> None:
+        """The usage of an answer read as it passed: read to its end (`finished`), or cut
+        short (the client left, the engine broke)."""
         if isinstance(reader, Whole):
-            whole = reader.body()
+            whole = reader.body() if finished else None
             if whole is None:
-                log.warning("usage_unread", request_id=ex.request_id, engine=ex.engine)
+                if finished:
+                    log.warning("usage_unread", request_id=ex.request_id, engine=ex.engine)
             elif meter.audio:
                 ex.audio_seconds = meter.audio_seconds(audio_seconds(whole))
             else:
                 ex.usage = parse_usage(whole)
         elif reader is not None:
+            # Cut short, a /v1/messages or /v1/responses stream is metered what its
+            # events reported before its usage; any other answer the usage it passed.
             ex.usage = reader.usage() if steps is None else steps.usage(reader.usage())
-        await send({"type": "http.response.body", "body": b""})
+        if not finished and meter.count:
+            self._left_early(ex, events)
+
+    async def _drain(self, resp: Response, take: Callable[[bytes], None], limit: float) -> bool:
+        """Reads what the engine sends, unrelayed, into `take`, for at most `limit`
+        seconds; whether the answer was read to its end."""
+        try:
+            async with asyncio.timeout(limit):
+                while chunk := await resp.readsome(limit):
+                    take(chunk)
+        except (UpstreamError, TimeoutError):
+            return False
+        return True
 
     async def _events(
         self, resp: Response, send: Send, ex: Exchange, watch: DisconnectWatch, meter: Metering
@@ -253,20 +301,37 @@ class Relay:
             choices=meter.choices,
         )
         idle = self.idle
+
+        def take(chunk: bytes) -> None:
+            reader.feed(chunk)
+
         finished = False
+        watch.release()
         try:
-            while True:
-                chunk = await resp.readsome(idle)
-                if not chunk:
-                    break
-                out = reader.feed(chunk)
-                if out:
-                    ex.bytes_out += len(out)
-                    await send({"type": "http.response.body", "body": out, "more_body": True})
-            finished = True
+            if ex.disconnected:
+                # The client left before the stream started (proxy/disconnect.py, `hold`).
+                finished = await self._drain(resp, take, self.grace)
+            else:
+                while True:
+                    chunk = await resp.readsome(idle)
+                    if not chunk:
+                        break
+                    out = reader.feed(chunk)
+                    if out:
+                        ex.bytes_out += len(out)
+                        await send({"type": "http.response.body", "body": out, "more_body": True})
+                finished = True
         except UpstreamError as exc:
             await self._broken(resp, send, ex, watch, exc)
             return
+        except asyncio.CancelledError:
+            if not ex.disconnected:
+                raise
+            # The client left or was dropped for not reading: the chunks the engine
+            # already sent carry its latest counts (vLLM merges the deltas it could not
+            # send into its next chunk).
+            await self._drain(resp, take, self.grace)
+            raise
         finally:
             # Cut short (the client left, the engine broke): the engine's last counts.
             ex.usage = reader.usage()

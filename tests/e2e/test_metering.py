@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import io
 import json
+import socket
+import time
 import wave
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -43,6 +45,9 @@ NAMES = (
     "lax",
     "refused",
     "scrub",
+    "left-json",
+    "stalled",
+    "abandoned",
 )
 KEYS = {name: f"sk-meter-{name}-0123456789-SECRET" for name in NAMES}
 
@@ -75,7 +80,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     keys = [{"key": key, "name": name} for name, key in KEYS.items()]
     keys.append({"key": SCRAPER, "name": "scraper", "scopes": ["metrics"]})
     env = {"GATEWAY_API_KEYS": json.dumps(keys)}
-    gateway = gateway_proc(tmp, {**env, "GATEWAY_ENGINES": json.dumps([sim.url])})
+    # A stream whose client left is read for a few more tokens only: the streams the
+    # tests leave are still cut before their end.
+    gateway = gateway_proc(
+        tmp,
+        {
+            **env,
+            "GATEWAY_ENGINES": json.dumps([sim.url]),
+            "GATEWAY_TIMEOUTS__LEFT_GRACE": "0.05",
+        },
+    )
     pooling_gateway = gateway_proc(tmp, {**env, "GATEWAY_ENGINES": json.dumps([pooling.url])})
     procs = (sim, pooling, gateway, pooling_gateway)
     try:
@@ -87,6 +101,47 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     finally:
         for proc in procs:
             proc.stop()
+
+
+@pytest.fixture(scope="module")
+def fast(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    """A gateway before an engine that answers at once: a long answer is whole at the
+    engine before the client has read much of it. A client that leaves its answer unread
+    is dropped after a second."""
+    tmp = tmp_path_factory.mktemp("metering-fast")
+    sim = sim_proc(tmp, "--latency", "zero")
+    keys = [{"key": key, "name": name} for name, key in KEYS.items()]
+    keys.append({"key": SCRAPER, "name": "scraper", "scopes": ["metrics"]})
+    env = {
+        "GATEWAY_API_KEYS": json.dumps(keys),
+        "GATEWAY_ENGINES": json.dumps([sim.url]),
+        "GATEWAY_TIMEOUTS__RESPONSE_STALL": "1",
+        "GATEWAY_TIMEOUTS__LEFT_GRACE": "20",
+    }
+    gateway = gateway_proc(tmp, env)
+    try:
+        sim.start("/health")
+        gateway.start("/healthz")
+        assert wait_for(lambda: HTTP.get(gateway.url + "/readyz").status_code == 200)
+        yield gateway
+    finally:
+        gateway.stop()
+        sim.stop()
+
+
+def unread(gateway: Proc, path: str, key: str, body: dict) -> socket.socket:
+    """A connection that has sent `body` to `path` and has a small receive window: the
+    gateway's buffers fill soon when it is not read."""
+    data = json.dumps(body).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", gateway.port))
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data)
+    return sock
 
 
 def sse_events(client: httpx.Client, path: str, key: str, body: dict) -> list[dict]:
@@ -496,3 +551,78 @@ def test_an_engine_error_keeps_its_numbers(stack: Stack) -> None:
     message = r.json()["error"]["message"]
     assert "token_id(s) [99999999] in logit_bias" in message
     assert "<address>" not in message
+
+
+@pytest.mark.slow
+def test_a_client_that_leaves_a_long_json_answer_is_metered_its_usage(fast: Proc) -> None:
+    # A JSON answer over 64 KiB is relayed as it comes, its usage near its end; the
+    # engine made it whole before sending it. A client that leaves after its first bytes
+    # is metered the usage the gateway reads in the rest (not relayed).
+    body = {
+        "model": MODEL,
+        "prompt": [f"tell story {i} at length" for i in range(64)],
+        "max_tokens": 30000,
+        "ignore_eos": True,
+    }
+    prompt = prompt_tokens(fast, "/v1/completions", body)
+    with unread(fast, "/v1/completions", KEYS["left-json"], body) as sock:
+        got = b""
+        while b"\r\n\r\n" not in got:
+            got += sock.recv(1024)
+        assert got.startswith(b"HTTP/1.1 200")
+        # 7.7 MB of text: the answer's usage has not reached the client.
+        assert b'"usage"' not in got
+    assert wait_for(lambda: tokens(fast, "left-json")[1] > 0, timeout=30)
+    assert tokens(fast, "left-json") == (prompt, 64 * 30000)
+    left = metric(fast, "gateway_requests_total", key="left-json", code="client_disconnected")
+    assert left == 1
+
+
+@pytest.mark.slow
+def test_a_client_dropped_for_not_reading_a_stream_is_metered_what_was_made(fast: Proc) -> None:
+    # The engine goes on while the client does not read; the gateway drops the client
+    # (timeouts.response_stall) and reads what the engine sent meanwhile, for up to
+    # timeouts.left_grace, unrelayed: the chunks' counts are the engine's latest.
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "go on forever"}],
+        "max_tokens": 30000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    prompt = prompt_tokens(fast, "/v1/chat/completions", body)
+    with unread(fast, "/v1/chat/completions", KEYS["stalled"], body) as sock:
+        dropped = lambda: (  # noqa: E731
+            metric(fast, "gateway_requests_total", key="stalled", code="client_disconnected") == 1
+        )
+        assert wait_for(dropped, timeout=60)
+        # 30,000 chunks of ~300 bytes: far more than the buffers between engine and client.
+        got = b""
+        while chunk := sock.recv(65536):
+            got += chunk
+        assert b"[DONE]" not in got
+    assert wait_for(lambda: tokens(fast, "stalled")[1] > 0, timeout=30)
+    assert tokens(fast, "stalled") == (prompt, 30000)
+
+
+@pytest.mark.slow
+def test_a_client_that_leaves_before_a_json_answer_starts_is_metered_it(stack: Stack) -> None:
+    # A non-streamed answer starts once the engine has made it whole: a client that
+    # leaves while it is made does not stop the engine's request, whose answer the
+    # gateway reads (not relayed) and meters.
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "tell a long story"}],
+        "max_tokens": 300,
+        "ignore_eos": True,
+    }
+    prompt = prompt_tokens(stack.gateway, "/v1/chat/completions", body)
+    with unread(stack.gateway, "/v1/chat/completions", KEYS["abandoned"], body):
+        # 300 simulated decode steps take 2.4 s; the client leaves well before.
+        time.sleep(0.5)
+    assert wait_for(lambda: tokens(stack.gateway, "abandoned")[1] > 0, timeout=30)
+    assert tokens(stack.gateway, "abandoned") == (prompt, 300)
+    left = metric(
+        stack.gateway, "gateway_requests_total", key="abandoned", code="client_disconnected"
+    )
+    assert left == 1

@@ -1,6 +1,8 @@
-"""A client that leaves mid-request, streamed or not, must end the request inside vLLM:
-the gateway closes its upstream connection, and vLLM aborts only then (docs/vllm.md,
-"Wire details").
+"""A client that leaves a stream must end the request inside vLLM: the gateway closes
+its upstream connection (after `timeouts.left_grace`, read for the engine's counts), and
+vLLM aborts only then (docs/vllm.md, "Wire details"). A non-streamed request whose
+client leaves before its answer starts runs to its end instead, to be metered
+(docs/gateway.md, "A client that leaves").
 
 How vLLM 0.32 shows a client abort in its own metrics: the API server aborts the request
 (`OutputProcessor.abort_requests`) without recording it as finished, so no
@@ -34,9 +36,8 @@ def chat_gw(tmp_path_factory: pytest.TempPathFactory, real_chat_engine: Engine) 
         yield proc
 
 
-@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "not streamed"])
 def test_client_disconnect_aborts_the_request_in_vllm(
-    chat_gw: Proc, real_chat_engine: Engine, stream: bool
+    chat_gw: Proc, real_chat_engine: Engine
 ) -> None:
     engine = real_chat_engine
     assert wait_for(lambda: Snapshot.of(engine).running == 0, timeout=30)
@@ -47,23 +48,16 @@ def test_client_disconnect_aborts_the_request_in_vllm(
         now = Snapshot.of(engine)
         return now.running == 1 and now.generated > before.generated
 
-    if stream:
-        with (
-            httpx.Client(base_url=chat_gw.url, headers=AUTH, timeout=60) as client,
-            client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r,
-        ):
-            assert r.status_code == 200
-            # Keep the iterator: a discarded one is closed, and the response with it.
-            chunks = r.iter_raw()
-            next(chunks)
-            assert wait_for(at_work, timeout=10), Snapshot.of(engine)
-    else:
-        # A raw connection: the request sent, no answer read, the socket closed while the
-        # engine is at work on it.
-        with socket.create_connection(("127.0.0.1", chat_gw.port)) as conn:
-            conn.sendall(raw_chat_request(body, AUTH))
-            assert wait_for(at_work, timeout=10), Snapshot.of(engine)
-    # The client is gone: the request leaves the running set at once...
+    with (
+        httpx.Client(base_url=chat_gw.url, headers=AUTH, timeout=60) as client,
+        client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r,
+    ):
+        assert r.status_code == 200
+        # Keep the iterator: a discarded one is closed, and the response with it.
+        chunks = r.iter_raw()
+        next(chunks)
+        assert wait_for(at_work, timeout=10), Snapshot.of(engine)
+    # The client is gone: the request leaves the running set after the grace...
     assert wait_for(lambda: Snapshot.of(engine).running == 0, timeout=5), Snapshot.of(engine)
     time.sleep(1)
     after = Snapshot.of(engine)
@@ -71,3 +65,26 @@ def test_client_disconnect_aborts_the_request_in_vllm(
     assert after.finished == before.finished, after
     assert 0 < after.generated - before.generated < MAX_TOKENS / 2, after
     assert Snapshot.of(engine).generated == after.generated
+
+
+def test_a_request_left_before_its_answer_runs_to_its_end(
+    chat_gw: Proc, real_chat_engine: Engine
+) -> None:
+    # A raw connection: the request sent, no answer read, the socket closed while the
+    # engine is at work on it. The engine's request is not closed: vLLM finishes it.
+    engine = real_chat_engine
+    assert wait_for(lambda: Snapshot.of(engine).running == 0, timeout=30)
+    before = Snapshot.of(engine)
+    body = chat_body(engine.name, "Count the trees.", max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    def at_work() -> bool:
+        now = Snapshot.of(engine)
+        return now.running == 1 and now.generated > before.generated
+
+    with socket.create_connection(("127.0.0.1", chat_gw.port)) as conn:
+        conn.sendall(raw_chat_request(body, AUTH))
+        assert wait_for(at_work, timeout=10), Snapshot.of(engine)
+    assert wait_for(lambda: Snapshot.of(engine).running == 0, timeout=60), Snapshot.of(engine)
+    after = Snapshot.of(engine)
+    assert after.finished == before.finished + 1, after
+    assert after.generated - before.generated == MAX_TOKENS, after

@@ -11,6 +11,7 @@ engine. Both run for this module only. Each test meters its own key."""
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ NAMES = (
     "stored",
     "decisions",
     "scrub",
+    "left-json",
 )
 KEYS = {name: f"sk-real-meter-{name}-0123456789" for name in NAMES}
 SECRET = "real-tier-namespace-secret-0123456789"
@@ -63,6 +65,9 @@ def _env(secret: str) -> dict[str, str]:
     return {
         "GATEWAY_API_KEYS": json.dumps(keys),
         "GATEWAY_PAYLOAD__NAMESPACE_SECRET": secret,
+        # A stream whose client left is read for a few more outputs only: the streams
+        # the tests leave are still cut before their end.
+        "GATEWAY_TIMEOUTS__LEFT_GRACE": "0.05",
     }
 
 
@@ -347,6 +352,57 @@ def test_a_client_that_leaves_a_responses_stream_is_metered_its_output(stack: St
     key, engine = left_early(stack, "early-responses", since)
     assert key[0] == 0 < engine[0]
     assert 6 <= key[1] <= engine[1] < 400
+
+
+def test_a_client_that_leaves_a_long_json_answer_is_metered_its_usage(stack: Stack) -> None:
+    # vLLM makes a non-streamed answer whole before sending it; one over 64 KiB is
+    # relayed as it comes, its usage after the choices' logprobs. A client that leaves
+    # after the first choice's text is metered what the engine counted: the gateway
+    # reads the rest of the answer, not relayed, for its usage.
+    body = {
+        "model": stack.engine.name,
+        "messages": [{"role": "user", "content": "Tell me a story."}],
+        "max_tokens": 1000,
+        "ignore_eos": True,
+        "n": 4,
+        "logprobs": True,
+        "top_logprobs": 20,
+    }
+    data = json.dumps(body).encode()
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n"
+        f"Authorization: Bearer {KEYS['left-json']}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    ).encode()
+
+    def leave() -> None:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.settimeout(TIMEOUT)
+            sock.connect(("127.0.0.1", stack.gateway.port))
+            sock.sendall(head + data)
+            got = b""
+            while b'"logprobs":{' not in got:
+                chunk = sock.recv(65536)
+                assert chunk, got[:300]
+                got += chunk
+            assert got.startswith(b"HTTP/1.1 200")
+            assert b'"usage"' not in got
+
+    before_key, before_engine = metered(stack.gateway, "left-json"), Snapshot.of(stack.engine)
+    leave()
+    last: list[tuple[float, float]] = []
+
+    def settled() -> bool:
+        now = metered(stack.gateway, "left-json")
+        last[:] = [(now[0] - before_key[0], now[1] - before_key[1])]
+        last.append(counted(stack.engine, before_engine))
+        return last[0][1] > 0 and Snapshot.of(stack.engine).running == 0
+
+    assert wait_for(settled, timeout=30), f"metered {last}"
+    key, engine = last
+    # vLLM's prompt counter counts the prompt once a choice (n = 4); `usage` once.
+    assert (key[0] * 4, key[1]) == engine == (engine[0], 4 * 1000)
 
 
 def test_binary_embeddings_are_metered(stack: Stack) -> None:
