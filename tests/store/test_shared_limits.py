@@ -247,9 +247,12 @@ def test_a_key_without_limits_sends_nothing_to_the_store(
     """Twenty requests of a key with neither a rate nor its own cap: the store runs no
     command; the same of a rated key: it does (one engine: nothing to place)."""
 
-    def settled() -> bool:  # the leases of the streams before given back
+    def settled() -> bool:
+        # The leases of the streams before given back: a stream whose client left is
+        # read for timeouts.left_grace (1 s) before its lease goes, so nothing for
+        # longer than that.
         first = commands(store)
-        time.sleep(0.5)
+        time.sleep(1.5)
         return commands(store) == first
 
     assert wait_for(settled, 20)
