@@ -98,9 +98,9 @@ class StoreCollector(Collector):
         placements.add_metric(["fallback"], float(store.fallback))
         dropped = CounterMetricFamily(
             "gateway_routing_store_anchors_dropped",
-            "Anchors deleted from the shared placement store because the key that used "
-            "them last held more than routing.store_anchors_per_key (its least recently "
-            "used first).",
+            "Anchors deleted from the shared placement store because the key that placed "
+            "them held more than routing.store_anchors_per_key (its least recently used "
+            "first).",
         )
         dropped.add_metric([], float(store.dropped))
         up = GaugeMetricFamily(

@@ -111,21 +111,19 @@ def plan(
     if stored:
         return NOT_METERED, False
     path = route.path
+    stream: bool | None = False
+    if body is not None and path in _STREAM_OPTIONS:
+        value = body.get("stream")
+        stream = value is not None and value is not False and lax_bool(value, "stream")
     if (
         body is not None
+        and not stream
         and path not in _CLIENT_KEYS
         and path not in _STEP_STREAMS
         and route.group is not Group.audio
+        and (path not in _BINARY_POOLING or body.get("encoding_format") != "bytes_only")
     ):
-        stream = body.get("stream")
-        if path in _STREAM_OPTIONS and stream is not None and stream is not False:
-            stream = lax_bool(stream, "stream")
-        else:
-            stream = False
-        if not stream and (
-            path not in _BINARY_POOLING or body.get("encoding_format") != "bytes_only"
-        ):
-            return _PLAIN, False
+        return _PLAIN, False
     meter = Metering(
         whole=path in _CLIENT_KEYS,
         steps=path in _STEP_STREAMS,
@@ -137,7 +135,7 @@ def plan(
     if body is None:
         return meter, False
     changed = False
-    if path in _STREAM_OPTIONS and lax_bool(body.get("stream"), "stream"):
+    if stream:
         changed = _ask_usage(body, meter)
     if path in _CLIENT_KEYS:
         check_echoes(body)

@@ -264,14 +264,15 @@ class Relay:
         """The usage of an answer read as it passed: read to its end (`finished`), or cut
         short (the client left, the engine broke)."""
         if isinstance(reader, Whole):
-            whole = reader.body() if finished else None
-            if whole is None:
-                if finished:
+            # A JSON answer cut short has no usage to read.
+            if finished:
+                whole = reader.body()
+                if whole is None:
                     log.warning("usage_unread", request_id=ex.request_id, engine=ex.engine)
-            elif meter.audio:
-                ex.audio_seconds = meter.audio_seconds(audio_seconds(whole))
-            else:
-                ex.usage = parse_usage(whole)
+                elif meter.audio:
+                    ex.audio_seconds = meter.audio_seconds(audio_seconds(whole))
+                else:
+                    ex.usage = parse_usage(whole)
         elif reader is not None:
             # Cut short, a /v1/messages or /v1/responses stream is metered what its
             # events reported before its usage; any other answer the usage it passed.

@@ -54,9 +54,9 @@ class KeyErrors:
 
     def check(self, key: str | None) -> None:
         """Raise TooManyEngineErrors when `key` is throttled in the current window."""
-        counts = self.counts
-        if key is None or not counts.windows:
+        if key is None:
             return
+        counts = self.counts
         entry = counts.over(key)
         if entry is None:
             return

@@ -87,8 +87,8 @@ class RoutingSettings(BaseModel):
     # replica reads that placement, kept `store_ttl` seconds after its last use.
     store_ttl: float = Field(default=900.0, gt=0.0)
     store_decay: float = Field(default=10.0, gt=0.0)
-    # The anchors one key holds in the store (each anchor counts for the key that used
-    # it last); past it, the key's least recently used one is deleted, so one key's
+    # The anchors one key holds in the store (each anchor counts for the key that
+    # placed it); past it, the key's least recently used one is deleted, so one key's
     # unique prefixes cannot displace other keys' placements (store.py).
     store_anchors_per_key: int = Field(default=10_000, ge=1)
     # Accepted aliases of the top-level `store_url`, `store_prefix`, `store_timeout`

@@ -50,6 +50,12 @@ from gateway.store.client import StoreClient
 # URL, 1 if the placement was read (0 if made here), and the number of the key's
 # anchors deleted for the bound.
 #
+# An engine's expected load is its recent requests plus the credit of its anchors,
+# both decaying with the time constant: a new anchor brings a credit of the mean
+# requests per anchor (measured over ten time constants), which its requests use up.
+# Without the credit, a burst of new conversations would be placed by their first
+# turns alone, before the later turns that make most of their load.
+#
 # Each anchor belongs to the key that placed it (its field `k`, kept while the anchor
 # lives): that key's set holds it, scored by its last use by any key, so another key's
 # use keeps it fresh but never makes it that key's. When a key places an anchor, its set
