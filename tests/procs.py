@@ -302,6 +302,25 @@ async def held_streams(
         yield
 
 
+def leave_after(
+    gateway: str, path: str, key: str, body: Mapping[str, Any], outputs: int, timeout: float = 30
+) -> list[dict[str, Any]]:
+    """The events of a `path` stream up to its `outputs`-th output event (an Anthropic
+    `content_block_delta`, a Responses `response.output_text.delta`); then the client
+    leaves."""
+    events: list[dict[str, Any]] = []
+    seen = 0
+    with HTTP.stream("POST", gateway + path, headers=auth(key), json=body, timeout=timeout) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[len("data: ") :]))
+                seen += events[-1]["type"] in ("content_block_delta", "response.output_text.delta")
+            if seen == outputs:
+                break
+    return events
+
+
 def transcribe(gateway: str, key: str, data: Mapping[str, str]) -> httpx.Response:
     """An upload to /v1/audio/transcriptions: a short WAV file and the form fields `data`."""
     return HTTP.post(

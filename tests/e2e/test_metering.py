@@ -22,6 +22,7 @@ from tests.procs import (
     Proc,
     auth,
     gateway_proc,
+    leave_after,
     scrape,
     sim_proc,
     sim_received,
@@ -355,25 +356,6 @@ def test_a_client_that_leaves_early_is_metered_for_what_it_got(
     assert left == 1
 
 
-def leave_after(gateway: Proc, path: str, key: str, body: dict, outputs: int) -> list[dict]:
-    """The events of a `path` stream up to its `outputs`-th output event (an Anthropic
-    `content_block_delta`, a Responses `*.delta`), then the client leaves."""
-    events: list[dict] = []
-    seen = 0
-    with (
-        httpx.Client(base_url=gateway.url, timeout=30) as client,
-        client.stream("POST", path, headers=auth(key), json=body) as r,
-    ):
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append(json.loads(line[len("data: ") :]))
-                seen += events[-1]["type"] in ("content_block_delta", "response.output_text.delta")
-            if seen == outputs:
-                break
-    return events
-
-
 @pytest.mark.slow
 def test_a_client_that_leaves_a_messages_stream_is_metered_its_prompt(stack: Stack) -> None:
     # vLLM reports a /v1/messages stream's usage in `message_delta`, at its end; its
@@ -390,7 +372,7 @@ def test_a_client_that_leaves_a_messages_stream_is_metered_its_prompt(stack: Sta
     length = whole.json()["usage"]["output_tokens"]
     assert length > 10
     events = leave_after(
-        stack.gateway, "/v1/messages", KEYS["early-messages"], {**body, "stream": True}, 5
+        stack.gateway.url, "/v1/messages", KEYS["early-messages"], {**body, "stream": True}, 5
     )
     assert events[0]["type"] == "message_start"
     prompt = events[0]["message"]["usage"]["input_tokens"]
@@ -418,7 +400,7 @@ def test_a_client_that_leaves_a_responses_stream_is_metered_its_output(stack: St
         "stream": True,
         "store": False,
     }
-    events = leave_after(stack.gateway, "/v1/responses", KEYS["early-responses"], body, 20)
+    events = leave_after(stack.gateway.url, "/v1/responses", KEYS["early-responses"], body, 20)
     assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
     assert events[0]["response"]["usage"] is None
     assert wait_for(lambda: tokens(stack.gateway, "early-responses")[1] >= 20, timeout=30)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -30,6 +30,20 @@ pytestmark = pytest.mark.real_vllm
 MAX_TOKENS = 1900  # ~5 s on this machine; the model's context is 2,048
 
 
+def long_request(engine: Engine) -> tuple[Snapshot, dict[str, object], Callable[[], bool]]:
+    """Once `engine` is idle: its counters, a chat asking for MAX_TOKENS tokens, and
+    whether the engine is at work on a request of its own since then."""
+    assert wait_for(lambda: Snapshot.of(engine).running == 0, timeout=30)
+    before = Snapshot.of(engine)
+    body = chat_body(engine.name, "Count the trees.", max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    def at_work() -> bool:
+        now = Snapshot.of(engine)
+        return now.running == 1 and now.generated > before.generated
+
+    return before, body, at_work
+
+
 @pytest.fixture(scope="module")
 def chat_gw(tmp_path_factory: pytest.TempPathFactory, real_chat_engine: Engine) -> Iterator[Proc]:
     with gateway(tmp_path_factory.mktemp("disconnect"), [real_chat_engine]) as proc:
@@ -40,13 +54,7 @@ def test_client_disconnect_aborts_the_request_in_vllm(
     chat_gw: Proc, real_chat_engine: Engine
 ) -> None:
     engine = real_chat_engine
-    assert wait_for(lambda: Snapshot.of(engine).running == 0, timeout=30)
-    before = Snapshot.of(engine)
-    body = chat_body(engine.name, "Count the trees.", max_tokens=MAX_TOKENS, ignore_eos=True)
-
-    def at_work() -> bool:
-        now = Snapshot.of(engine)
-        return now.running == 1 and now.generated > before.generated
+    before, body, at_work = long_request(engine)
 
     with (
         httpx.Client(base_url=chat_gw.url, headers=AUTH, timeout=60) as client,
@@ -73,13 +81,7 @@ def test_a_request_left_before_its_answer_runs_to_its_end(
     # A raw connection: the request sent, no answer read, the socket closed while the
     # engine is at work on it. The engine's request is not closed: vLLM finishes it.
     engine = real_chat_engine
-    assert wait_for(lambda: Snapshot.of(engine).running == 0, timeout=30)
-    before = Snapshot.of(engine)
-    body = chat_body(engine.name, "Count the trees.", max_tokens=MAX_TOKENS, ignore_eos=True)
-
-    def at_work() -> bool:
-        now = Snapshot.of(engine)
-        return now.running == 1 and now.generated > before.generated
+    before, body, at_work = long_request(engine)
 
     with socket.create_connection(("127.0.0.1", chat_gw.port)) as conn:
         conn.sendall(raw_chat_request(body, AUTH))

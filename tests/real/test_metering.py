@@ -21,7 +21,7 @@ import pytest
 
 from bench.harness.metrics import HTTP
 from bench.harness.realvllm.launcher import Engine
-from tests.procs import Proc, auth, error_code, scrape, total, wait_for
+from tests.procs import Proc, auth, error_code, leave_after, scrape, total, wait_for
 from tests.real.conftest import Engines
 from tests.real.harness import Snapshot, gateway, received
 
@@ -274,27 +274,6 @@ def test_a_client_that_leaves_a_stream_is_metered_its_prompt(stack: Stack) -> No
     assert 5 <= key[1] <= engine[1] < 400
 
 
-def leave_after(
-    stack: Stack, path: str, key: str, body: dict[str, object], outputs: int
-) -> list[dict[str, object]]:
-    """The events of a `path` stream up to its `outputs`-th output event (an Anthropic
-    `content_block_delta`, a Responses `response.output_text.delta`); then the client
-    leaves."""
-    events: list[dict[str, object]] = []
-    seen = 0
-    with HTTP.stream(
-        "POST", stack.gateway.url + path, headers=auth(key), json=body, timeout=TIMEOUT
-    ) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append(json.loads(line[len("data: ") :]))
-                seen += events[-1]["type"] in ("content_block_delta", "response.output_text.delta")
-            if seen == outputs:
-                break
-    return events
-
-
 def left_early(
     stack: Stack, name: str, since: tuple[tuple[float, float], Snapshot]
 ) -> tuple[tuple[float, float], tuple[float, float]]:
@@ -324,12 +303,14 @@ def test_a_client_that_leaves_a_messages_stream_is_metered_its_prompt(stack: Sta
         "stream": True,
     }
     since = metered(stack.gateway, "early-messages"), Snapshot.of(stack.engine)
-    events = leave_after(stack, "/v1/messages", KEYS["early-messages"], body, 6)
+    events = leave_after(
+        stack.gateway.url, "/v1/messages", KEYS["early-messages"], body, 6, TIMEOUT
+    )
     assert all(e["type"] != "message_delta" for e in events)
     key, engine = left_early(stack, "early-messages", since)
     start = events[0]
     assert start["type"] == "message_start"
-    assert key[0] == engine[0] == start["message"]["usage"]["input_tokens"]  # type: ignore[index]
+    assert key[0] == engine[0] == start["message"]["usage"]["input_tokens"]
     assert 6 <= key[1] <= engine[1] < 400
 
 
@@ -346,8 +327,10 @@ def test_a_client_that_leaves_a_responses_stream_is_metered_its_output(stack: St
         "store": False,
     }
     since = metered(stack.gateway, "early-responses"), Snapshot.of(stack.engine)
-    events = leave_after(stack, "/v1/responses", KEYS["early-responses"], body, 6)
-    assert events[0]["response"]["usage"] is None  # type: ignore[index]
+    events = leave_after(
+        stack.gateway.url, "/v1/responses", KEYS["early-responses"], body, 6, TIMEOUT
+    )
+    assert events[0]["response"]["usage"] is None
     assert all(e["type"] != "response.completed" for e in events)
     key, engine = left_early(stack, "early-responses", since)
     assert key[0] == 0 < engine[0]
