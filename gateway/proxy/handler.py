@@ -181,7 +181,7 @@ class Proxy:
         # The body is consumed: from now on `receive` only reports a disconnect. A
         # metered request whose client leaves before its answer starts goes on at the
         # engine, to be metered what the engine made (proxy/relay.py reads it unrelayed).
-        watch = DisconnectWatch(loop, receive, ex, task, hold=meter.count and not meter.audio)
+        watch = DisconnectWatch(loop, receive, ex, task, hold=meter.count)
 
         async def relay(resp: Response) -> None:
             # The engine answers: it has the body, which the forwarder has dropped.

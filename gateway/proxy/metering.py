@@ -71,6 +71,8 @@ class Metering:
     # Choices a prompt makes (`n`, when it reads as an int): the chunks' counts of one
     # prompt's choices share its prompt tokens.
     choices: int = 1
+    # One prompt, one choice: the chunks' counts are the last chunk's.
+    single: bool = False
     # The gateway asked for `bytes` where the client asked `bytes_only`: the `metadata`
     # header stays behind.
     hide_metadata: bool = False
@@ -163,8 +165,23 @@ def _ask_usage(body: dict[str, Any], meter: Metering) -> bool:
     meter.hide_chunk_usage = not (include and continuous)
     n = body.get("n")
     meter.choices = n if type(n) is int and n > 1 else 1
+    meter.single = meter.choices == 1 and n in (None, 1) and _one_prompt(body)
     if include and continuous:
         return False
     # Other keys are kept: vLLM's StreamOptions allows extra fields.
     body["stream_options"] = {**options, "include_usage": True, "continuous_usage_stats": True}
     return True
+
+
+def _one_prompt(body: dict[str, Any]) -> bool:
+    """Whether a chat or completion body asks about one prompt: a chat's conversation, a
+    completion's string or token list (vLLM's CompletionRequest `prompt`), no
+    `prompt_embeds`."""
+    if "messages" in body:
+        return True
+    if body.get("prompt_embeds") is not None:
+        return False
+    prompt = body.get("prompt")
+    if type(prompt) is str:
+        return True
+    return type(prompt) is list and (len(prompt) == 1 or type(prompt[0]) is int)

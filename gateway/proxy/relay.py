@@ -300,6 +300,7 @@ class Relay:
             hide_usage=meter.hide_usage,
             hide_chunk_usage=meter.hide_chunk_usage,
             choices=meter.choices,
+            single=meter.single,
         )
         idle = self.idle
 

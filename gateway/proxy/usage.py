@@ -32,6 +32,7 @@ What vLLM 0.32 reports, and where (the table of routes: docs/gateway.md, "Meteri
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -63,6 +64,11 @@ _DATA_LEN = len(_DATA)
 _PROMPT_PARTS = ("cache_read_input_tokens", "cache_creation_input_tokens")
 _COMMA = ord(",")
 _OPEN = ord("{")
+# A chunk in vLLM's layout: a flat `usage`, its last key (one `}` closes the event after
+# it), after a list of choices that is not empty (the usage event that ends a stream has
+# none). Usage is a top-level key there: a nested one would be followed by two `}`.
+_CHUNK_USAGE = re.compile(rb'\}\],"usage":(\{[^{}]*\})(?=\}\n\n)')
+_CHOICES_END = b"}]"
 
 
 def _count(value: Any) -> int | None:
@@ -295,18 +301,43 @@ class EventUsage:
     cut from the bytes, the rest of the chunk as the engine wrote it). Events are
     relayed up to the last complete one of each chunk; only an event holding the bytes
     `"usage":` (which cannot occur inside a JSON string: its quotes are escaped) is
-    parsed. `events` counts the events relayed, for a stream that reported no usage."""
+    looked at. A stream of one prompt and one choice (`single`) is metered its last
+    usage, whichever event it came in, parsed once at the end: the chunks in vLLM's
+    layout (`usage` their last key, `,"usage":{...}}` closing the event) are cut in one
+    pass, their last usage kept as bytes; other events holding the key are parsed whole.
+    `events` counts the events relayed, for a stream that reported no usage."""
 
-    __slots__ = ("_choices", "_counts", "_hide_chunk", "_hide_usage", "_rest", "events", "last")
+    __slots__ = (
+        "_choices",
+        "_counts",
+        "_hide_chunk",
+        "_hide_usage",
+        "_pending",
+        "_pending_at",
+        "_rest",
+        "_single",
+        "_tail",
+        "events",
+        "last",
+    )
 
-    def __init__(self, *, hide_usage: bool, hide_chunk_usage: bool, choices: int) -> None:
+    def __init__(
+        self, *, hide_usage: bool, hide_chunk_usage: bool, choices: int, single: bool = False
+    ) -> None:
         self._rest = b""
         self._hide_usage = hide_usage
         self._hide_chunk = hide_chunk_usage
         # Choices a prompt makes: a completion's choice i belongs to prompt i // n.
         self._choices = max(choices, 1)
+        self._single = single
         # The last counts of each choice index.
         self._counts: dict[int, Usage] = {}
+        # `single`: the last chunk's usage object, unparsed.
+        self._pending: bytes | None = None
+        # Where in the events being read the kept chunk's were (-1: in none).
+        self._pending_at = -1
+        # `single`, nothing cut: the last events that held a `"usage":` key.
+        self._tail: bytes | None = None
         self.last: Usage | None = None
         self.events = 0
 
@@ -325,21 +356,44 @@ class EventUsage:
             self._rest = data[end:]
             ready = data[:end]
         self.events += ready.count(_EVENT_END)
+        if not self._single:
+            return self._scan(ready)
+        if not self._hide_chunk:
+            # Nothing to cut (`hide_usage` comes with `hide_chunk`): the stream's last
+            # usage, the final event's or its last chunk's, is its count.
+            if _KEY in ready:
+                self._tail = ready
+            return ready
+        # The chunks in vLLM's layout, in one pass: their usage cut, the last one kept.
+        pieces = _CHUNK_USAGE.split(ready)
+        if len(pieces) == 1:
+            self._pending_at = -1
+            return self._scan(ready)
+        cut = _CHOICES_END.join(pieces[::2])
+        self._pending = pieces[-2]
+        self._pending_at = len(cut) - len(pieces[-1])
+        # What is left to read: events in another layout, the usage event.
+        out = self._scan(cut)
+        return out if self._hide_chunk else ready
+
+    def _scan(self, ready: bytes) -> bytes:
+        """`ready` (whole events) less what the client did not ask for, each event
+        holding a `"usage":` key read."""
         at = ready.find(_KEY)
         if at < 0:
             return ready
         # Only the events holding the key are looked at, in place: what goes out is
         # `ready` less the cuts, joined once. Events are `ready` less its last blank
-        # line, split at each blank line from the left.
+        # line, split at each blank line.
         last = len(ready) - _EVENT_END_LEN
         kept: list[bytes] = []
         pos = 0  # `ready[:pos]` is decided (in `kept`, or cut)
         event = 0  # where the event looked at starts
         while at >= 0:
-            stop = ready.find(_EVENT_END, event, last)
-            while 0 <= stop < at:
-                event = stop + _EVENT_END_LEN
-                stop = ready.find(_EVENT_END, event, last)
+            before = ready.rfind(_EVENT_END, event, at)
+            if before >= 0:
+                event = before + _EVENT_END_LEN
+            stop = ready.find(_EVENT_END, at, last)
             if stop < 0:
                 stop = last
             cut = self._cut(ready, event, stop, at)
@@ -405,6 +459,9 @@ class EventUsage:
                 return start, stop + _EVENT_END_LEN
             return None
         if type(choices) is list:
+            if start > self._pending_at:
+                # Newer than the chunk kept unparsed.
+                self._pending = None
             for choice in choices:
                 index = choice.get("index") if type(choice) is dict else None
                 if type(index) is int and index >= 0:
@@ -414,8 +471,17 @@ class EventUsage:
     def usage(self) -> Usage | None:
         """The stream's usage: its last event's, or else (a stream cut short) its
         chunks' last counts: each prompt's tokens once, each choice's completion."""
-        if self.last is not None or not self._counts:
+        if self._tail is not None:
+            return read_usage(self._tail)
+        if self.last is not None:
             return self.last
+        if self._pending is not None:
+            try:
+                return usage_of(orjson.loads(self._pending))
+            except orjson.JSONDecodeError:
+                return None
+        if not self._counts:
+            return None
         prompts: dict[int, int] = {}
         completion = 0
         for index, (prompt, done) in self._counts.items():

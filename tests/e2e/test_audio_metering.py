@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import io
 import json
+import socket
+import time
 import wave
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -57,7 +59,7 @@ REFUSED = {
     "transcription vtt": (TRANSCRIPTIONS, {"response_format": "vtt"}),
     "translation srt": (TRANSLATIONS, {"response_format": "srt"}),
 }
-OTHERS = ("rounded", "unknown", "unknown-reported", "srt-engine")
+OTHERS = ("rounded", "unknown", "unknown-reported", "srt-engine", "left")
 KEYS = {name: f"sk-audio-{name.replace(' ', '-')}-0123456789" for name in (*ANSWERED, *REFUSED)}
 KEYS.update({name: f"sk-audio-{name}-0123456789" for name in OTHERS})
 
@@ -112,6 +114,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             body=json.dumps(MODELS).encode(), headers={"Content-Type": "application/json"}
         ),
         TRANSCRIPTIONS: Route(body=SRT, headers={"Content-Type": "text/plain; charset=utf-8"}),
+        # An engine that takes its time (vLLM 0.32's translation json: no seconds).
+        TRANSLATIONS: Route(
+            body=b'{"text":"Simulated translation."}',
+            headers={"Content-Type": "application/json"},
+            delay=1.5,
+        ),
     }
     sim = sim_proc(tmp, "--latency", "zero")
     with RecordingServer(routes) as srt_engine, running(sim):
@@ -202,3 +210,30 @@ def test_audio_the_gateway_cannot_time_is_metered_the_engine_s_count_or_the_cap(
         answer = send(stack.gateway, "unknown", path, fields, ogg)
         assert answer.startswith(b"200 "), answer
     assert wait_for(lambda: stack.seconds("unknown") == 2 * MAX_SECONDS)
+
+
+@pytest.mark.slow
+def test_a_client_that_leaves_before_the_answer_is_metered_the_clip_s_seconds(
+    stack: Stack,
+) -> None:
+    # The engine decodes the whole file before it answers: a client that leaves while
+    # it works does not stop the request, whose answer the gateway reads and meters.
+    request = httpx.Request(
+        "POST",
+        stack.srt_gateway.url + TRANSLATIONS,
+        headers=auth(KEYS["left"]),
+        files={"file": ("a.wav", clip(2.0), "audio/wav")},
+        data={"model": MODEL},
+    )
+    body = request.read()
+    head = f"POST {TRANSLATIONS} HTTP/1.1\r\nHost: gateway\r\n" + "".join(
+        f"{name}: {value}\r\n" for name, value in request.headers.items() if name != "host"
+    )
+    with socket.create_connection(("127.0.0.1", stack.srt_gateway.port)) as sock:
+        sock.sendall(head.encode() + b"\r\n" + body)
+        # The engine answers after 1.5 s; the client leaves well before.
+        time.sleep(0.5)
+    gateway = stack.srt_gateway
+    assert wait_for(lambda: stack.seconds("left", gateway) == 2.0, timeout=30)
+    scraped = scrape(gateway.url + "/metrics", auth(SCRAPER))
+    assert total(scraped, "gateway_requests_total", key="left", code="client_disconnected") == 1

@@ -311,21 +311,49 @@ def test_event_usage_takes_the_usage_event_out_however_the_stream_is_cut() -> No
         assert reader.events == 3
 
 
-def test_event_usage_takes_each_chunks_usage_out_byte_for_byte() -> None:
+@pytest.mark.parametrize("single", [False, True])
+def test_event_usage_takes_each_chunks_usage_out_byte_for_byte(single: bool) -> None:
     chunks = [counted(0, 17, 0), counted(0, 17, 1), counted(0, 17, 2, system_fingerprint="f")]
     final = {"id": "c", "choices": [], "usage": USAGE}
     stream = sse(*chunks, final)
     for size in (1, 5, 300, len(stream)):
         # The client asked for neither: the chunks as they are without the option.
-        reader = EventUsage(hide_usage=True, hide_chunk_usage=True, choices=1)
+        reader = EventUsage(hide_usage=True, hide_chunk_usage=True, choices=1, single=single)
         assert cut(stream, size, reader) == sse(*map(bare, chunks)), size
         assert reader.usage() == (17, 8)
         # It asked for the usage event only.
-        reader = EventUsage(hide_usage=False, hide_chunk_usage=True, choices=1)
+        reader = EventUsage(hide_usage=False, hide_chunk_usage=True, choices=1, single=single)
         assert cut(stream, size, reader) == sse(*map(bare, chunks), final), size
         # It asked for both.
-        reader = EventUsage(hide_usage=False, hide_chunk_usage=False, choices=1)
+        reader = EventUsage(hide_usage=False, hide_chunk_usage=False, choices=1, single=single)
         assert cut(stream, size, reader) == stream, size
+
+
+def chunk_bytes(prompt: int, completion: int, *, details: bool = False) -> bytes:
+    """A chat chunk with its counts as vLLM 0.32 writes it (compact, `usage` last)."""
+    usage = {"prompt_tokens": prompt, "total_tokens": prompt + completion}
+    usage["completion_tokens"] = completion
+    if details:
+        usage["prompt_tokens_details"] = {"cached_tokens": 16}  # type: ignore[assignment]
+    head = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    choice = {"index": 0, "delta": {"content": '"usage":{'}, "logprobs": None}
+    return b"data: " + orjson.dumps({**head, "choices": [choice], "usage": usage}) + b"\n\n"
+
+
+@pytest.mark.parametrize("size", [1, 9, 40, 10_000])
+def test_a_single_choice_stream_cut_short_is_metered_its_last_chunk(size: int) -> None:
+    # Chunks in vLLM's layout are kept unparsed; one with nested counts, read whole, and
+    # one in the layout after it: the last one's counts are the stream's.
+    stream = chunk_bytes(17, 1) + chunk_bytes(17, 2, details=True) + chunk_bytes(17, 3)
+    for chunks, expected in ((stream, (17, 3)), (stream[: stream.rfind(b"data:")], (17, 2))):
+        reader = EventUsage(hide_usage=True, hide_chunk_usage=True, choices=1, single=True)
+        out = cut(chunks, size, reader)
+        assert b'"usage":{' not in out.replace(b'\\"usage\\":{', b"")
+        assert [orjson.loads(e[6:])["choices"] for e in out.split(b"\n\n")[:-1]] == [
+            orjson.loads(e[6:])["choices"] for e in chunks.split(b"\n\n")[:-1]
+        ]
+        assert reader.usage() == expected
+        assert reader.events == chunks.count(b"\n\n")
 
 
 def test_a_usage_key_first_in_its_event_is_cut_with_its_comma() -> None:
