@@ -90,7 +90,8 @@ def _listen(settings: Settings) -> socket.socket:
         sock.bind((settings.host, settings.port))
     except OSError as exc:
         sock.close()
-        where = f"{settings.host}:{settings.port}"
+        host = f"[{settings.host}]" if ":" in settings.host else settings.host
+        where = f"{host}:{settings.port}"
         if exc.errno == errno.EADDRINUSE:
             raise ConfigError(
                 f"cannot listen on {where}: the port is in use by another process "
@@ -104,8 +105,8 @@ def _listen(settings: Settings) -> socket.socket:
 
 def _validate(settings: Settings) -> None:
     """What building the gateway checks beyond the settings' own validation (the keys,
-    the key file), without building one: for the parent of `--workers N`,
-    which serves nothing itself."""
+    the key file), without building one: for the parent of `--workers N`, which serves
+    nothing itself."""
     try:
         load_keys(settings)
     except ValueError as exc:  # KeyConfigError included
