@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
+import functools
 import os
 import socket
 import sys
@@ -21,18 +23,21 @@ from urllib.parse import urlsplit
 import orjson
 import structlog
 import uvicorn
+from uvicorn.supervisors import Multiprocess
 
 from gateway.app import CONFIG_ENV, Gateway, create_app, engine_states, load_keys
 from gateway.config.key_file import hash_key
 from gateway.config.settings import Settings, load_settings
 from gateway.config.sources import ConfigError
+from gateway.config.tls import server_context_factory
 from gateway.observability.logging import configure_logging
 from gateway.observability.multiprocess import shared_directory
 from gateway.payload.inspector import generate_secret
 from gateway.server.process import raise_fd_limit, tune_collector
 from gateway.server.protocol import GatewayProtocol
 
-# uvicorn's exit code when the server could not start (the port taken, say).
+# uvicorn's exit code when the server could not start (its lifespan failed). A port
+# that cannot be bound is the gateway's own configuration error: exit code 2.
 STARTUP_FAILURE = 3
 # The variable each worker reads payload.namespace_secret from.
 _SECRET_ENV = "GATEWAY_PAYLOAD__NAMESPACE_SECRET"  # noqa: S105 (a variable name)
@@ -50,6 +55,7 @@ settings:
   GATEWAY_API_KEYS         client keys: plain (16+ characters) or sha256:<hex> digests
   GATEWAY_API_KEYS_FILE    a key file, reloaded when it changes
   GATEWAY_UPSTREAM_API_KEY the key vLLM was started with (--api-key)
+  GATEWAY_SSL_CERTFILE     TLS for clients: certificate chain (PEM), with GATEWAY_SSL_KEYFILE
 """
 
 
@@ -60,6 +66,41 @@ def _build(settings: Settings) -> Gateway:
         return create_app(settings)
     except ValueError as exc:  # KeyConfigError included
         raise ConfigError(f"invalid settings: {exc}") from None
+
+
+def _require_engines(settings: Settings) -> None:
+    """A gateway without engines would answer every request 503: refused before it
+    starts. (`dns+http://` entries that resolve to nothing yet are engines configured.)"""
+    if not settings.engines:
+        raise ConfigError(
+            "no engines configured: set GATEWAY_ENGINES or `engines` in the config file to "
+            "each vLLM engine's base URL (e.g. http://127.0.0.1:8000); without one every "
+            "request is answered 503"
+        )
+
+
+def _listen(settings: Settings) -> socket.socket:
+    """The listening socket, bound as uvicorn binds it, before anything starts: an
+    address that cannot be bound is one line of the gateway's own and exit code 2, not
+    uvicorn's log line after the app's start."""
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((settings.host, settings.port))
+    except OSError as exc:
+        sock.close()
+        host = f"[{settings.host}]" if ":" in settings.host else settings.host
+        where = f"{host}:{settings.port}"
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(
+                f"cannot listen on {where}: the port is in use by another process "
+                "(choose another with --port, GATEWAY_PORT or `port`, or stop the other)"
+            ) from None
+        reason = exc.strerror or type(exc).__name__
+        raise ConfigError(f"cannot listen on {where}: {reason} (--host, --port)") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def _validate(settings: Settings) -> None:
@@ -97,10 +138,10 @@ def _log_serving(
     )
 
 
-def _address(sock: socket.socket) -> str:
+def _address(sock: socket.socket, scheme: str) -> str:
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
-    return f"http://{host}:{port}"
+    return f"{scheme}://{host}:{port}"
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -111,9 +152,14 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["port"] = args.port
     if args.log_format is not None:
         overrides["log_format"] = args.log_format
+    if args.ssl_certfile is not None:
+        overrides["ssl_certfile"] = args.ssl_certfile
+    if args.ssl_keyfile is not None:
+        overrides["ssl_keyfile"] = args.ssl_keyfile
     if args.workers < 1:
         raise ConfigError(f"--workers: must be at least 1, not {args.workers}")
     settings = load_settings(args.config, **overrides)
+    _require_engines(settings)
     configure_logging(settings.log_format, settings.log_level)
     # Each client connection holds a descriptor: the soft limit up to the hard one
     # (workers inherit it); the app lowers max_connections to fit what remains.
@@ -131,11 +177,20 @@ def _serve(args: argparse.Namespace) -> int:
         "proxy_headers": False,
         "lifespan": "on",
     }
+    scheme = "http"
+    if settings.ssl_certfile is not None and settings.ssl_keyfile is not None:
+        # TLS under the same protocol class, so the same limits: asyncio's TLS layer
+        # hands it the decrypted bytes.
+        scheme = "https"
+        options["ssl_context_factory"] = functools.partial(
+            server_context_factory, settings.ssl_certfile, settings.ssl_keyfile
+        )
     if args.workers > 1:
         # Workers build their own app from an import string: their parent checks what
         # the app would refuse before any worker starts, then hands them the same
         # settings through the environment (they validate them again).
         _validate(settings)
+        sock = _listen(settings)
         if args.config is not None:
             os.environ[CONFIG_ENV] = str(args.config.resolve())
         for name, value in overrides.items():
@@ -145,12 +200,16 @@ def _serve(args: argparse.Namespace) -> int:
             # response ids it binds to a key must read the same on each of them. The
             # warning comes from here, once; the workers find a secret set.
             os.environ[_SECRET_ENV] = generate_secret()
-        host = f"[{settings.host}]" if ":" in settings.host else settings.host
-        _log_serving(settings, [f"http://{host}:{settings.port}"], args.workers)
+        # The bound address: with port 0, the one the system chose.
+        _log_serving(settings, [_address(sock, scheme)], args.workers)
+        config = uvicorn.Config(
+            "gateway.app:app_from_env", factory=True, workers=args.workers, **options
+        )
         # The workers' metric files, merged by each scrape; removed when the parent exits.
-        with shared_directory(args.workers):
-            uvicorn.run("gateway.app:app_from_env", factory=True, workers=args.workers, **options)
+        with shared_directory(args.workers), contextlib.suppress(KeyboardInterrupt):
+            Multiprocess(config, sockets=[sock]).run()
         return 0
+    sock = _listen(settings)
     app = _build(settings)
     tune_collector()
 
@@ -159,17 +218,18 @@ def _serve(args: argparse.Namespace) -> int:
             await super().startup(sockets)
             if self.started:
                 # The bound address: with port 0, the one the system chose.
-                bound = [_address(s) for srv in self.servers for s in srv.sockets]
+                bound = [_address(s, scheme) for srv in self.servers for s in srv.sockets]
                 # The lifespan ran first: the pool has checked every engine once.
                 _log_serving(settings, bound, 1, app)
 
     server = Server(uvicorn.Config(app, **options))
-    server.run()
+    server.run(sockets=[sock])
     return 0 if server.started else STARTUP_FAILURE
 
 
 def _check_config(args: argparse.Namespace) -> int:
     settings = load_settings(args.config)
+    _require_engines(settings)
     # What building the app logs (a generated secret, a lowered limit) goes to stderr:
     # stdout is the settings' JSON.
     with contextlib.redirect_stdout(sys.stderr):
@@ -244,6 +304,19 @@ def parser() -> argparse.ArgumentParser:
         "--log-format",
         choices=["json", "console"],
         help="log line format (default: GATEWAY_LOG_FORMAT, else json)",
+    )
+    serve.add_argument(
+        "--ssl-certfile",
+        type=Path,
+        metavar="FILE",
+        help="serve clients over TLS with this PEM certificate chain, with --ssl-keyfile "
+        "(default: GATEWAY_SSL_CERTFILE, else plain HTTP)",
+    )
+    serve.add_argument(
+        "--ssl-keyfile",
+        type=Path,
+        metavar="FILE",
+        help="the certificate's unencrypted PEM private key (default: GATEWAY_SSL_KEYFILE)",
     )
     serve.set_defaults(func=_serve)
     check = _settings_command(

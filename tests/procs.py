@@ -11,6 +11,7 @@ import hashlib
 import hmac
 import json
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -61,14 +62,22 @@ def sim_proc(tmp: Path, *opts: str, port: int | None = None) -> Proc:
     return Proc("sim", args, port, tmp / f"sim-{port}.log")
 
 
-def gateway_proc(tmp: Path, env: Mapping[str, str], *opts: str, port: int | None = None) -> Proc:
-    """The gateway under uvicorn (`vllm-gateway serve`), not yet started."""
+def gateway_proc(
+    tmp: Path,
+    env: Mapping[str, str],
+    *opts: str,
+    port: int | None = None,
+    tls: ssl.SSLContext | None = None,
+) -> Proc:
+    """The gateway under uvicorn (`vllm-gateway serve`), not yet started. `tls`: it
+    serves TLS (its options in `opts` or `env`), and this client context trusts it."""
     port = port or free_port()
     args = [
         sys.executable, "-m", "gateway.cli", "serve",
         "--host", "127.0.0.1", "--port", str(port), *opts,
     ]  # fmt: skip
-    return Proc("gateway", args, port, tmp / f"gateway-{port}.log", env=clean_env(env))
+    log = tmp / f"gateway-{port}.log"
+    return Proc("gateway", args, port, log, env=clean_env(env), tls=tls)
 
 
 def run_cli(

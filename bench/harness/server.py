@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.error
@@ -47,10 +48,12 @@ def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def http_status(url: str, timeout: float = 0.5) -> int | None:
-    """Status of a GET, or None when nothing answered."""
+def http_status(
+    url: str, timeout: float = 0.5, context: ssl.SSLContext | None = None
+) -> int | None:
+    """Status of a GET (an https:// one trusting `context`), or None when nothing answered."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (loopback)
+        with urllib.request.urlopen(url, timeout=timeout, context=context) as resp:  # noqa: S310 (loopback)
             return int(resp.status)
     except urllib.error.HTTPError as exc:
         return int(exc.code)
@@ -96,6 +99,12 @@ class Server(LoopbackChild):
     cpus: frozenset[int] | None = None
     ready_path: str = "/health"
     popen: subprocess.Popen[bytes] | None = None
+    # A server on TLS: the client context that trusts its certificate; `url` is https://.
+    tls: ssl.SSLContext | None = None
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     def start(self, ready_path: str | None = None, timeout: float = 30.0) -> Self:
         """Start the process and wait until `ready_path` (default `self.ready_path`)
@@ -124,7 +133,7 @@ class Server(LoopbackChild):
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:
                 raise RuntimeError(f"{self.name} exited early:\n{self.log_tail()}")
-            status = http_status(url)
+            status = http_status(url, context=self.tls)
             if status is not None and status < 500:
                 return self
             time.sleep(0.05)

@@ -36,7 +36,7 @@ from pydantic_settings import (
 from gateway.access.clients import parse_networks
 from gateway.config.key_file import ApiKeyConfig, RateLimit, build_keys, load_key_file
 from gateway.config.sources import Sources, YamlFile, check_environment, explain, read_yaml
-from gateway.config.tls import check_ca_file
+from gateway.config.tls import check_ca_file, check_server_files
 from gateway.media.settings import MediaSettings
 from gateway.payload.settings import PayloadSettings
 from gateway.proxy.headers import forwardable
@@ -173,6 +173,16 @@ def check_engine(entry: str) -> str:
         )
     if parts.query or parts.fragment or "?" in entry or "#" in entry:
         raise ValueError("an engine URL may not carry a query or a fragment")
+    # The OpenAI clients' `base_url` habit: the gateway adds each route's /v1/... to the
+    # engine URL, so with /v1 in it every request (and every health check's model list)
+    # would go to /v1/v1/... and be answered 404. A path of its own (an engine behind a
+    # proxy's prefix) is kept.
+    if "v1" in [segment.lower() for segment in parts.path.split("/")]:
+        raise ValueError(
+            "an engine URL is the engine's base URL, without /v1 (the gateway adds "
+            "/v1/... to it): did you mean the base URL without /v1, such as "
+            "http://127.0.0.1:8000?"
+        )
     if is_dns_entry(entry):
         # The origin each resolved address becomes (the pool builds it per address).
         dns = DnsEntry(entry)
@@ -191,6 +201,11 @@ class Settings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
+    # TLS for the gateway's own clients: a PEM certificate chain and its unencrypted
+    # private key, both or neither (gateway/config/tls.py); none: plain HTTP, for a
+    # gateway behind an Ingress or a mesh that terminates TLS (deploy/README.md).
+    ssl_certfile: FilePath | None = None
+    ssl_keyfile: FilePath | None = None
     # Each checked by the parsers the pool uses (`check_engine`).
     engines: list[Annotated[str, AfterValidator(check_engine)]] = Field(default_factory=list)
     # The CA (PEM) that signs engines' certificates, for https:// and dns+https://
@@ -287,6 +302,11 @@ class Settings(BaseSettings):
                     f"{name} only (routing.{name} is its older name)"
                 )
             setattr(self, name, alias)
+        return self
+
+    @model_validator(mode="after")
+    def _check_server_tls(self) -> Settings:
+        check_server_files(self.ssl_certfile, self.ssl_keyfile)
         return self
 
     @model_validator(mode="after")

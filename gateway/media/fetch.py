@@ -98,7 +98,12 @@ class SafeTransport(httpx.AsyncBaseTransport):
         # Every answer must pass: a resolver may hand a client's name both a public and
         # a private address, and the OS would be free to pick either.
         if not all(self._addresses.allows(a) for a in answers):
-            raise _failed("address refused")
+            # Names the setting an operator changes to allow the address, never the
+            # address or the networks allowed.
+            raise _failed(
+                "address refused: the host resolves to an address that is not public "
+                "and not in the gateway's media.allowed_networks"
+            )
         extensions = dict(request.extensions)
         if url.scheme == "https":
             # Certificate and SNI checks run against the name, the socket to the IP.

@@ -31,6 +31,8 @@ from tests.procs import (
 
 SECRET = "sk-cli-secret-0123456789abcdef"
 UPSTREAM = "upstream-secret-0123456789"
+# An engine nothing listens on: enough for the settings, and for `serve` to start.
+ENGINES = json.dumps(["http://127.0.0.1:9"])
 
 
 def check_config(*argv: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
@@ -71,6 +73,7 @@ def test_check_config_masks_keys_from_the_environment() -> None:
     env = {
         "GATEWAY_API_KEYS": json.dumps([SECRET, {"key": SECRET + "y"}]),
         "GATEWAY_UPSTREAM_API_KEY": UPSTREAM,
+        "GATEWAY_ENGINES": ENGINES,
     }
     code, out, err = check_config(env=env)
     assert code == 0, err
@@ -260,7 +263,7 @@ def test_serve_logs_where_it_listens(tmp_path: Path) -> None:
     env = clean_env(
         {
             "GATEWAY_API_KEYS": json.dumps([SECRET]),
-            "GATEWAY_ENGINES": json.dumps(["http://127.0.0.1:9/v1"]),
+            "GATEWAY_ENGINES": json.dumps(["http://127.0.0.1:9/vllm"]),
             "GATEWAY_ROUTING__POLICY": "round_robin",
             "GATEWAY_MEDIA__MODE": "data_only",
         }
@@ -281,7 +284,7 @@ def test_serve_logs_where_it_listens(tmp_path: Path) -> None:
                     line = json.loads(raw)
         assert line is not None, log.read_text()
         assert line["policy"] == "round_robin" and line["media_mode"] == "data_only"
-        assert line["engines"] == ["http://127.0.0.1:9/v1"]
+        assert line["engines"] == ["http://127.0.0.1:9/vllm"]
         (listen,) = line["listen"]
         assert listen.startswith("http://127.0.0.1:") and not listen.endswith(":0")
         assert HTTP.get(listen + "/healthz").status_code == 200
@@ -301,10 +304,16 @@ def socket_bound() -> Iterator[int]:
 
 
 @pytest.mark.slow
-def test_serve_exits_with_a_line_when_the_port_is_taken(tmp_path: Path) -> None:
-    env = clean_env({"GATEWAY_API_KEYS": json.dumps([SECRET])})
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_serve_exits_with_a_line_when_the_port_is_taken(workers: str) -> None:
+    """The gateway's own configuration line and exit code 2, before anything starts: no
+    `gateway_started` line, no uvicorn line."""
+    env = clean_env({"GATEWAY_API_KEYS": json.dumps([SECRET]), "GATEWAY_ENGINES": ENGINES})
     with socket_bound() as port:
-        result = run_cli("serve", "--port", str(port), env=env)
-    assert result.returncode == 3
-    assert "Traceback" not in result.stdout + result.stderr
-    assert "address already in use" in (result.stdout + result.stderr).lower()
+        result = run_cli("serve", "--port", str(port), "--workers", workers, env=env)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"vllm-gateway: cannot listen on 127.0.0.1:{port}: the port is in use by another "
+        "process (choose another with --port, GATEWAY_PORT or `port`, or stop the other)"
+    ]

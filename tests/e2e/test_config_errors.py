@@ -35,9 +35,14 @@ from tests.procs import (
 
 SECRET = "sk-cfg-secret-0123456789abcdef"
 KEYS = json.dumps([SECRET])
+# An engine, for the cases that must get past the check that one is configured.
+ENGINES = json.dumps(["http://127.0.0.1:8001"])
 OTHER = "sk-cfg-other-0123456789abcdef"
-# A settings file with one unnamed key (`key-1`) and the key file beside it.
-BOTH_SOURCES = f"api_keys: [{SECRET}]\napi_keys_file: {{dir}}/keys.yaml\n"
+# A settings file with one unnamed key (`key-1`) and the key file beside it (and an
+# engine: keys are checked as the app is built, after the check that one is configured).
+BOTH_SOURCES = (
+    f"api_keys: [{SECRET}]\napi_keys_file: {{dir}}/keys.yaml\nengines: [http://127.0.0.1:8001]\n"
+)
 
 
 @dataclass
@@ -264,14 +269,18 @@ MISTAKES: dict[str, Mistake] = {
         says=("api_keys entry 1 and key file {dir}/keys.yaml entry 2: the same key",),
     ),
     "the same key, as its digest in the key file": Mistake(
-        env={"GATEWAY_API_KEYS": KEYS, "GATEWAY_API_KEYS_FILE": "{dir}/keys.yaml"},
+        env={
+            "GATEWAY_API_KEYS": KEYS,
+            "GATEWAY_API_KEYS_FILE": "{dir}/keys.yaml",
+            "GATEWAY_ENGINES": ENGINES,
+        },
         keys=f"- {hash_key(SECRET)}\n",
         says=("api_keys entry 1 and key file {dir}/keys.yaml entry 1: the same key",),
     ),
     # Usage and limits by name would meter two keys as one.
     "a key name in api_keys and the key file": Mistake(
         file=f"api_keys:\n  - {OTHER}x\n  - key: {SECRET}\n    name: team-a\n"
-        "api_keys_file: {dir}/keys.yaml\n",
+        "api_keys_file: {dir}/keys.yaml\nengines: [http://127.0.0.1:8001]\n",
         keys=f"- key: {OTHER}\n  name: team-a\n",
         says=(
             'api_keys entry 2 and key file {dir}/keys.yaml entry 1: the name "team-a" is '
@@ -310,6 +319,46 @@ MISTAKES: dict[str, Mistake] = {
         keys="not a certificate\n",
         source="{dir}/gateway.yaml:2",
         says=("engine_ca_file: the file holds no PEM certificate TLS can load",),
+    ),
+    "an engine URL ending in /v1": Mistake(
+        env={"GATEWAY_API_KEYS": KEYS, "GATEWAY_ENGINES": '["http://127.0.0.1:8000/v1"]'},
+        source="GATEWAY_ENGINES",
+        says=("engines.0", "did you mean the base URL without /v1"),
+    ),
+    "a DNS engine entry with /v1/ in its path": Mistake(
+        file=f"api_keys: [{SECRET}]\nengines:\n  - http://127.0.0.1:8000/vllm\n"
+        "  - dns+http://engine.svc:8000/v1/\n",
+        source="{dir}/gateway.yaml:4",
+        says=("engines.1", "did you mean the base URL without /v1"),
+    ),
+    "no engines": Mistake(
+        env={"GATEWAY_API_KEYS": KEYS, "GATEWAY_ENGINES": "[]"},
+        says=("no engines configured: set GATEWAY_ENGINES or `engines`",),
+    ),
+    "a certificate without its key": Mistake(
+        env={
+            "GATEWAY_API_KEYS": KEYS,
+            "GATEWAY_ENGINES": ENGINES,
+            "GATEWAY_SSL_CERTFILE": "{dir}/keys.yaml",
+        },
+        keys="not a certificate\n",
+        says=("ssl_certfile and ssl_keyfile go together: set both",),
+    ),
+    "a certificate and key TLS cannot load": Mistake(
+        file=f"api_keys: [{SECRET}]\nssl_certfile: {{dir}}/keys.yaml\n"
+        "ssl_keyfile: {dir}/keys.yaml\n",
+        keys="not a certificate\n",
+        says=("ssl_certfile and ssl_keyfile: TLS cannot load them",),
+    ),
+    "a key file for TLS that does not exist": Mistake(
+        env={
+            "GATEWAY_API_KEYS": KEYS,
+            "GATEWAY_SSL_CERTFILE": "{dir}/keys.yaml",
+            "GATEWAY_SSL_KEYFILE": "{dir}/nowhere.pem",
+        },
+        keys="not a certificate\n",
+        source="GATEWAY_SSL_KEYFILE",
+        says=("ssl_keyfile",),
     ),
     "a CA file that does not exist": Mistake(
         env={"GATEWAY_API_KEYS": KEYS, "GATEWAY_ENGINE_CA_FILE": "{dir}/nowhere.pem"},
@@ -384,7 +433,15 @@ def test_check_config_in_a_subprocess_says_the_same(tmp_path: Path, name: str) -
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "name", ["a URL in allowed_domains", "misspelt variable", "YAML syntax error"]
+    "name",
+    [
+        "a URL in allowed_domains",
+        "misspelt variable",
+        "YAML syntax error",
+        "an engine URL ending in /v1",
+        "no engines",
+        "a certificate without its key",
+    ],
 )
 def test_serve_refuses_the_same_mistakes_the_same_way(tmp_path: Path, name: str) -> None:
     """`serve` loads settings with the same code: it exits before listening."""
@@ -410,7 +467,9 @@ def test_every_mistake_is_reported_at_once(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_documented_variable_that_is_not_a_setting_is_let_through(tmp_path: Path) -> None:
     """compose.yaml reads GATEWAY_BIND on the host: an operator's shell may export it."""
-    env = clean_env({"GATEWAY_API_KEYS": KEYS, "GATEWAY_BIND": "0.0.0.0"})
+    env = clean_env(
+        {"GATEWAY_API_KEYS": KEYS, "GATEWAY_ENGINES": ENGINES, "GATEWAY_BIND": "0.0.0.0"}
+    )
     result = run_cli("check-config", env=env)
     assert result.returncode == 0, result.stderr
 
@@ -423,7 +482,7 @@ def test_the_environment_wins_over_the_file_and_is_named_as_the_source(tmp_path:
     result = run_cli("check-config", "--config", config, env=env)
     assert result.returncode == 2
     assert result.stderr.startswith("vllm-gateway: GATEWAY_ROUTING__POLICY: routing.policy:")
-    env = clean_env({"GATEWAY_ROUTING__POLICY": "round_robin"})
+    env = clean_env({"GATEWAY_ROUTING__POLICY": "round_robin", "GATEWAY_ENGINES": ENGINES})
     result = run_cli("check-config", "--config", config, env=env)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["routing"]["policy"] == "round_robin"

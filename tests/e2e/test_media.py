@@ -658,7 +658,9 @@ def test_allowed_host_resolving_outside_allowed_networks_is_refused_at_connect(
     ALLOWED_NETWORKS: the transport refuses before connecting."""
     url = f"http://[::1]:{stack.canary6.port}/img.png"
     refused(stack, stack.inline, "/v1/chat/completions", chat(image(url)), 422,
-            "media_fetch_failed", "address refused")  # fmt: skip
+            "media_fetch_failed",
+            "address refused: the host resolves to an address that is not public and not "
+            "in the gateway's media.allowed_networks")  # fmt: skip
 
 
 @pytest.mark.slow

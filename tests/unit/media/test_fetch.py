@@ -21,6 +21,9 @@ from tests.procs import RecordingServer, Route, SocketCanary
 
 PNG = png()
 
+# The reason names the setting that allows an address, and nothing of the address.
+REFUSED = r"\(reason: address refused: .* media\.allowed_networks\)"
+
 
 class Chunks(httpx.AsyncByteStream):
     """`data` in 1 KiB pieces."""
@@ -171,7 +174,7 @@ async def test_non_public_answers_are_refused_before_connecting(
     target = SocketCanary()
     try:
         s = settings(target.port, allowed_networks=networks)
-        with pytest.raises(MediaFetchFailed, match="reason: address refused"):
+        with pytest.raises(MediaFetchFailed, match=REFUSED):
             await fetch(s, f"http://origin.test:{target.port}/img.png", StaticResolver(answers))
         assert target.accepted == 0
     finally:
@@ -182,7 +185,7 @@ async def test_ip_literal_hosts_still_pass_the_address_check() -> None:
     target = SocketCanary()
     try:
         s = settings(target.port, allowed_networks=[])
-        with pytest.raises(MediaFetchFailed, match="reason: address refused"):
+        with pytest.raises(MediaFetchFailed, match=REFUSED):
             await fetch(s, f"http://127.0.0.1:{target.port}/img.png")
         assert target.accepted == 0
     finally:
@@ -212,7 +215,7 @@ async def test_dns_rebinding_cannot_move_the_connection() -> None:
                 target = url(s, f"http://rebind.test:{good.port}/img.png")
                 assert (await fetcher.fetch(target)).data == PNG
                 assert resolver.calls == ["rebind.test"]  # resolved once for the fetch
-                with pytest.raises(MediaFetchFailed, match="reason: address refused"):
+                with pytest.raises(MediaFetchFailed, match=REFUSED):
                     await fetcher.fetch(target)
             finally:
                 await fetcher.aclose()
