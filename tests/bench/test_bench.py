@@ -18,7 +18,7 @@ import pytest
 
 from bench.suites.floor import data_urls
 from bench.suites.loadgen import percentile
-from bench.suites.report import paired_ratios, spread
+from bench.suites.report import NOT_GRADED, SMOKE, paired_ratios, spread
 from tests.procs import ROOT, gateway_proc, running, sim_proc
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -38,6 +38,7 @@ class SuiteRun:
 
     def __init__(self, out: Path, *args: str) -> None:
         self.out = out
+        self.data: dict[str, Any] | None = None
         self.temp = out.with_name(out.name + "-tmp")
         self.temp.mkdir(parents=True)
         cmd = [sys.executable, "-m", "bench", *args, "--quick", "--loadgen", "python"]
@@ -52,6 +53,11 @@ class SuiteRun:
         )
 
     def result(self, timeout: float = 120) -> dict[str, Any]:
+        if self.data is None:
+            self.data = self._wait(timeout)
+        return self.data
+
+    def _wait(self, timeout: float) -> dict[str, Any]:
         stdout, stderr = self.proc.communicate(timeout=timeout)
         assert self.proc.returncode == 0, stderr[-3000:]
         assert "report:" in stdout
@@ -276,6 +282,30 @@ def test_scale_against_an_external_deployment(external_scale: dict[str, Any]) ->
             assert run["connections"] == int(level)
             assert run["requests"] > 0 and run["errors"] == 0
             assert run["p99_us"] >= run["p50_us"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["overhead", "reference", "scale", "routing"])
+def test_a_quick_run_is_a_smoke_run_that_grades_no_goal(
+    suites: dict[str, SuiteRun], name: str
+) -> None:
+    """`--quick` is a smoke run: its report says so at the top and in every plot's
+    title, and shows each goal's figure without a verdict (a busy machine once read
+    "met" beside a gateway at 2 req/s)."""
+    run = suites[name]
+    data = run.result()
+    lines = (run.out / "report.md").read_text().splitlines()
+    assert lines[0] == f"# bench: {data['meta']['suite']}"
+    assert lines[2].startswith(f"**{SMOKE}.**")
+    assert data["smoke"] is True and data["goals"]
+    assert [g["graded"] for g in data["goals"]] == [False] * len(data["goals"])
+    table = lines[lines.index("## Goals") + 4 :]
+    verdicts = [line.rsplit("|", 2)[1].strip() for line in table[: len(data["goals"])]]
+    assert verdicts == [NOT_GRADED] * len(data["goals"])
+    assert not any(f"| {word}" in line for line in lines for word in ("met", "missed"))
+    assert set(data["plot_titles"]) == set(data["plots"]) and data["plots"]
+    for titles in data["plot_titles"].values():
+        assert titles and all(title.startswith(SMOKE) for title in titles)
 
 
 def _group_members(pgid: int) -> list[int]:
