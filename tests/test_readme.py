@@ -57,3 +57,20 @@ def test_the_readme_first_run_works_as_written() -> None:
     (client_reply,) = [line for line in lines if line.startswith("openai client:")]
     assert client_reply.removeprefix("openai client:").strip()
     assert "Traceback" not in err
+
+
+def test_the_cost_section_is_a_link_to_the_latest_table() -> None:
+    """The README gives no figure of its own: one sentence pointing at bench/README.md's
+    latest table, which names each run's date and command and gives ratios to a baseline
+    measured in the same run."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## What it costs\n", 1)[1].split("\n## ", 1)[0].strip()
+    assert section.count(". ") == 0 and section.endswith(".")
+    assert "(bench/README.md#latest-table)" in section
+    assert not re.search(r"\d", section.replace("bench/README.md#latest-table", ""))
+    bench = (ROOT / "bench" / "README.md").read_text()
+    table = bench.split("### Latest table\n", 1)[1].split("\n### ", 1)[0]
+    assert re.findall(r"\*\*\d{4}-\d\d-\d\d \d\d:\d\d-\d\d:\d\d\*\*", table)
+    assert table.count("`python -m bench overhead") >= 1
+    header = next(line for line in table.splitlines() if line.startswith("| figure |"))
+    assert all(" / " in column for column in header.strip("|").split("|")[1:])

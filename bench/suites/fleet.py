@@ -11,7 +11,8 @@ import os
 import shutil
 import sys
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,6 +90,14 @@ class Fleet:
 
     def close(self) -> None:
         self._stack.close()
+
+    def at_once(self, *starts: Callable[[], Server]) -> list[Server]:
+        """Run `starts` (e.g. `partial(fleet.sim, ...)`) side by side: each waits for its
+        server to answer, so the servers are up in the time of the slowest, not the sum.
+        A server that started is stopped with the fleet even if another start failed."""
+        with ThreadPoolExecutor(len(starts)) as pool:
+            futures = [pool.submit(start) for start in starts]
+            return [f.result() for f in futures]
 
     def _start(self, server: Server, timeout: float = 30.0) -> Server:
         server.start(timeout=timeout)

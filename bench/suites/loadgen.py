@@ -223,6 +223,10 @@ def stream_timing(client: KeepAliveClient, raw: bytes) -> StreamTiming:
 
 @dataclass
 class LoadResult:
+    """One throughput run. `duration_s` is the elapsed time the generator measured, not
+    the window it was asked for: a loaded machine or a slow target stretches a run past
+    its window, and a rate over the window would overstate what was served."""
+
     generator: str
     connections: int
     duration_s: float
@@ -398,6 +402,16 @@ class _WorkerStats:
     statuses: dict[str, int] = field(default_factory=dict)
     errors: int = 0
     non_2xx: int = 0
+    # perf_counter when the worker fired its first requests and when its last
+    # connection ended (CLOCK_MONOTONIC: comparable across the worker processes).
+    span: tuple[float, float] = (0.0, 0.0)
+
+
+def elapsed(spans: Sequence[tuple[float, float]]) -> float:
+    """Seconds from the first worker's start to the last worker's end."""
+    if not spans:
+        return 0.0
+    return max(end for _, end in spans) - min(start for start, _ in spans)
 
 
 def _load_worker(
@@ -418,15 +432,17 @@ def _load_worker(
             protos.append(proto)
         conn.send("ready")
         conn.recv()  # go
-        stop_at = time.perf_counter() + duration
+        started = time.perf_counter()
+        stop_at = started + duration
         for p in protos:
             p.stop_at = stop_at
             p.fire()
         await asyncio.wait([p.done for p in protos], timeout=duration + 30)
+        stats.span = (started, time.perf_counter())
         return stats
 
     stats = uvloop.run(main())
-    conn.send((stats.latencies.tobytes(), stats.statuses, stats.errors, stats.non_2xx))
+    conn.send((stats.latencies.tobytes(), stats.statuses, stats.errors, stats.non_2xx, stats.span))
     conn.close()
 
 
@@ -450,11 +466,9 @@ def run_python(target: Target, load: Load) -> LoadResult:
         for p in pipes:
             if not p.poll(60) or p.recv() != "ready":
                 raise RuntimeError("load generator worker did not start")
-        started = time.perf_counter()
         for p in pipes:
             p.send("go")
         results = [p.recv() if p.poll(duration + 60) else None for p in pipes]
-        elapsed = time.perf_counter() - started
     finally:
         for p in pipes:
             p.close()
@@ -466,10 +480,12 @@ def run_python(target: Target, load: Load) -> LoadResult:
     latencies: array[float] = array("d")
     statuses: dict[str, int] = {}
     errors = non_2xx = 0
+    spans: list[tuple[float, float]] = []
     for res in results:
         if res is None:
             errors += 1
             continue
+        spans.append(res[4])
         lat = array("d")
         lat.frombytes(res[0])
         latencies.extend(lat)
@@ -481,7 +497,7 @@ def run_python(target: Target, load: Load) -> LoadResult:
     return LoadResult(
         "python",
         connections,
-        min(elapsed, duration) if ordered else elapsed,
+        elapsed(spans),
         len(ordered),
         errors + non_2xx,
         statuses,

@@ -16,6 +16,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import orjson
@@ -319,10 +320,16 @@ def run(cfg: RunConfig, report: Report) -> None:
                 sim, pool = cfg.real.generate, cfg.real.pooling
             else:
                 progress("starting simulated engines (zero latency) and gateways")
-                sim = fleet.sim("--latency", "zero", "--runner", "generate", name="sim-generate")
-                pool = fleet.sim("--latency", "zero", "--runner", "pooling", name="sim-pooling")
-            gen_gateway = fleet.gateway([sim.url], name="gateway")
-            pool_gateway = fleet.gateway([pool.url], name="gateway-pooling")
+                sim, pool = fleet.at_once(
+                    partial(fleet.sim, "--latency", "zero", "--runner", "generate",
+                            name="sim-generate"),
+                    partial(fleet.sim, "--latency", "zero", "--runner", "pooling",
+                            name="sim-pooling"),
+                )  # fmt: skip
+            gen_gateway, pool_gateway = fleet.at_once(
+                partial(fleet.gateway, [sim.url], name="gateway"),
+                partial(fleet.gateway, [pool.url], name="gateway-pooling"),
+            )
             direct = cfg.direct_target(sim.url, sim.pid)
             pool_direct = cfg.direct_target(pool.url, pool.pid)
             gateway = cfg.gateway_target(gen_gateway.url, gen_gateway.pid)
@@ -428,13 +435,16 @@ def image_cases(
     figures["pillow_decode_us"] = pillow_decode_us(png, cfg.cpus.proxy, 10 if cfg.quick else 100)
     # The floor runs under the gateway's allocator policy (like for like); a second one,
     # next to the cached case only, under glibc's default (what that policy costs).
-    floor_server = fleet.floor(direct.url)
+    # Next to the default depth only: the floor that also decodes the image (the third),
+    # so the goal is read against one figure measured in the same blocks, not only
+    # against a sum.
+    floor_server, plain_server, decoding_server = fleet.at_once(
+        partial(fleet.floor, direct.url),
+        partial(fleet.floor, direct.url, "default", name="floor-default-malloc"),
+        partial(fleet.floor, direct.url, name="floor-decode", decode=True),
+    )
     floor = Target("floor", floor_server.url, {}, floor_server.pid)
-    plain_server = fleet.floor(direct.url, "default", name="floor-default-malloc")
     plain = Target("floor, glibc default malloc", plain_server.url, {}, plain_server.pid)
-    # Next to the default depth only: the floor that also decodes the image, so the goal
-    # is read against one figure measured in the same blocks, not only against a sum.
-    decoding_server = fleet.floor(direct.url, name="floor-decode", decode=True)
     decoding = Target("floor + decode", decoding_server.url, {}, decoding_server.pid)
     engines = [direct.url]
     # The same body is sent every time: with the media cache off each request pays the
@@ -511,10 +521,15 @@ def image_cases(
             "GATEWAY_MEDIA__ALLOWED_SCHEMES": json.dumps(["http", "https"]),
             "GATEWAY_MEDIA__ALLOWED_NETWORKS": json.dumps(["127.0.0.0/8"]),
         }
-        gw = fleet.gateway(
-            engines, {**env, "GATEWAY_MEDIA__CACHE_BYTES": "0"}, name="gateway-inline"
+        gw, cgw = fleet.at_once(
+            partial(
+                fleet.gateway,
+                engines,
+                {**env, "GATEWAY_MEDIA__CACHE_BYTES": "0"},
+                name="gateway-inline",
+            ),
+            partial(fleet.gateway, engines, env, name="gateway-inline-cached"),
         )
-        cgw = fleet.gateway(engines, env, name="gateway-inline-cached")
         try:
             inline = cfg.gateway_target(gw.url, gw.pid, "gateway (data: URL)")
             fetched = cfg.gateway_target(gw.url, gw.pid, "gateway (inline fetch, no cache)")

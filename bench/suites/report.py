@@ -4,6 +4,11 @@
 `results.json` (every measurement, raw samples summarised), `report.md` (tables, goals
 met or missed by how much, the plots) and the PNGs. The summary printed at the end of a
 run is the report's tables.
+
+A smoke run (`--quick`: tiny sizes that check that a suite works) says so at the top of
+its report, in the summary and in the title of every plot, and grades no goal: the
+report shows each goal's target and figure with "not graded: smoke run". results.json
+keeps what the check said (`met`) beside `graded: false`, for the tests of the suites.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
+
+SMOKE = "smoke run: not a measurement"
+NOT_GRADED = "not graded: smoke run"
 
 _T0 = time.monotonic()
 
@@ -76,6 +84,14 @@ class Goal:
     measured: str
     met: bool | None  # None: could not be checked in this run
     detail: str = ""
+    graded: bool = True  # False on a smoke run: no verdict is shown
+
+    @property
+    def verdict(self) -> str:
+        if not self.graded:
+            return NOT_GRADED
+        verdict = {True: "met", False: "missed", None: "not checked"}[self.met]
+        return f"{verdict} ({self.detail})" if self.detail else verdict
 
 
 @dataclass
@@ -98,9 +114,12 @@ class Report:
     notes: list[str] = field(default_factory=list)
     plots: list[str] = field(default_factory=list)
     raw: dict[str, Any] = field(default_factory=dict)
+    smoke: bool = False
+    # The titles of each plot's axes, as drawn.
+    plot_titles: dict[str, list[str]] = field(default_factory=dict)
 
     @classmethod
-    def create(cls, suite: str, out_dir: Path | None = None) -> Report:
+    def create(cls, suite: str, out_dir: Path | None = None, *, smoke: bool = False) -> Report:
         if out_dir is None:
             stamp = time.strftime("%Y%m%d-%H%M%S")
             out_dir = RESULTS / f"{stamp}-{suite}"
@@ -115,7 +134,7 @@ class Report:
             "python": sys.version.split()[0],
             "platform": platform.platform(),
         }
-        return cls(suite, out_dir, meta)
+        return cls(suite, out_dir, meta, smoke=smoke)
 
     def table(self, title: str, columns: list[str], rows: list[list[Any]], note: str = "") -> None:
         self.tables.append(Table(title, columns, [[fmt(c) for c in r] for r in rows], note))
@@ -123,7 +142,7 @@ class Report:
     def goal(
         self, name: str, target: str, measured: str, met: bool | None, detail: str = ""
     ) -> None:
-        self.goals.append(Goal(name, target, measured, met, detail))
+        self.goals.append(Goal(name, target, measured, met, detail, graded=not self.smoke))
 
     def bound(
         self,
@@ -155,7 +174,8 @@ class Report:
         rows: int = 1,
     ) -> None:
         """Draw with `draw(ax)` on a fresh figure and save it as `<name>.png`; with
-        `rows` above 1, `draw` gets that many axes, one above the other."""
+        `rows` above 1, `draw` gets that many axes, one above the other. On a smoke run
+        every axes' title starts with "smoke run: not a measurement"."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -164,6 +184,12 @@ class Report:
         fig, ax = plt.subplots(rows, 1, figsize=size)
         try:
             draw(ax)
+            for each in fig.axes:
+                if self.smoke:
+                    title = each.get_title()
+                    # set_text keeps the title's padding and font, set by `draw`.
+                    each.title.set_text(f"{SMOKE}: {title}" if title else SMOKE)
+            self.plot_titles[f"{name}.png"] = [each.get_title() for each in fig.axes]
             fig.tight_layout()
             fig.savefig(self.out_dir / f"{name}.png", dpi=100)
         finally:
@@ -172,15 +198,19 @@ class Report:
 
     def markdown(self) -> str:
         lines = [f"# bench: {self.suite}", ""]
+        if self.smoke:
+            lines += [
+                f"**{SMOKE}.** `--quick` runs tiny sizes on whatever else the machine is "
+                "doing: it checks that the suite works. No goal is graded; the figures are "
+                "not the gateway's cost.",
+                "",
+            ]
         lines += [f"- {k}: {v}" for k, v in self.meta.items()]
         lines.append("")
         if self.goals:
             lines += ["## Goals", "", "| goal | target | measured | verdict |", "|---|---|---|---|"]
             for g in self.goals:
-                verdict = {True: "met", False: "missed", None: "not checked"}[g.met]
-                if g.detail:
-                    verdict += f" ({g.detail})"
-                lines.append(f"| {g.name} | {g.target} | {g.measured} | {verdict} |")
+                lines.append(f"| {g.name} | {g.target} | {g.measured} | {g.verdict} |")
             lines.append("")
         for t in self.tables:
             lines += [f"## {t.title}", ""]
@@ -198,7 +228,7 @@ class Report:
 
     def summary(self) -> str:
         """Plain-text tables for the terminal."""
-        out: list[str] = []
+        out: list[str] = [SMOKE] if self.smoke else []
         for t in self.tables:
             widths = [
                 max(len(str(x)) for x in [c, *[r[i] for r in t.rows]])
@@ -212,6 +242,7 @@ class Report:
             out.append("\nGoals")
             for g in self.goals:
                 verdict = {True: "MET", False: "MISSED", None: "not checked"}[g.met]
+                verdict = verdict if g.graded else NOT_GRADED
                 out.append(f"  {verdict:11} {g.name}: {g.measured} (target {g.target}) {g.detail}")
         for n in self.notes:
             out.append(f"note: {n}")
@@ -223,10 +254,12 @@ class Report:
         self.meta["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
         data = {
             "meta": self.meta,
+            "smoke": self.smoke,
             "goals": [asdict(g) for g in self.goals],
             "tables": [asdict(t) for t in self.tables],
             "notes": self.notes,
             "plots": self.plots,
+            "plot_titles": self.plot_titles,
             "raw": self.raw,
         }
         (self.out_dir / "results.json").write_text(json.dumps(data, indent=1, default=str))

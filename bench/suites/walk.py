@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from bench.suites.report import RESULTS
+from bench.suites.report import RESULTS, SMOKE
 from gateway.media.settings import MediaSettings
 from gateway.media.urls import UrlPolicy
 from gateway.payload.fields import FieldRules
@@ -96,7 +96,7 @@ def measure(raw: bytes, repeats: int) -> tuple[list[float], list[float]]:
     return parse, walk
 
 
-def run(sizes: Sequence[int], out: Path) -> list[dict[str, Any]]:
+def run(sizes: Sequence[int], out: Path, smoke: bool = False) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for label, build in SHAPES.items():
         for size in sizes:
@@ -110,14 +110,15 @@ def run(sizes: Sequence[int], out: Path) -> list[dict[str, Any]]:
                          "walk_per_parse": w / p if p else 0.0})  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(rows, indent=1))
-    (out / "report.md").write_text(report(rows))
+    (out / "report.md").write_text(report(rows, smoke))
     return rows
 
 
-def report(rows: Sequence[dict[str, Any]]) -> str:
+def report(rows: Sequence[dict[str, Any]], smoke: bool = False) -> str:
     lines = [
         "# Body walk cost (`python -m bench.suites.walk`)",
         "",
+        *([f"**{SMOKE}** (`--quick`: the two smallest bodies).", ""] if smoke else []),
         "Median per body; the walk as a ratio to parsing the same body in the same run.",
         "",
         "| shape | body | objects | parse (orjson) | walk | walk / parse |",
@@ -134,10 +135,16 @@ def report(rows: Sequence[dict[str, Any]]) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.suites.walk", description=__doc__)
     p.add_argument("--quick", action="store_true", help="only the 1 KB and 30 KB bodies")
-    p.add_argument("--out", type=Path, default=RESULTS / "latest" / "walk")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="results folder (default bench/results/latest/walk; with --quick "
+        "bench/results/walk-quick, so that a smoke run never replaces the measurement)",
+    )
     args = p.parse_args(argv)
-    rows = run(SIZES[:2] if args.quick else SIZES, args.out)
-    print(report(rows))
+    out = args.out or RESULTS / ("walk-quick" if args.quick else "latest/walk")
+    rows = run(SIZES[:2] if args.quick else SIZES, out, args.quick)
+    print(report(rows, args.quick))
 
 
 if __name__ == "__main__":

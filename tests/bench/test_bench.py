@@ -18,7 +18,11 @@ import pytest
 
 from bench.suites.floor import data_urls
 from bench.suites.loadgen import percentile
-from bench.suites.report import paired_ratios, spread
+from bench.suites.report import NOT_GRADED, SMOKE, Report, paired_ratios, spread
+from bench.suites.routing import MODEL, Result
+from bench.suites.routing.live import merged_rows
+from bench.suites.routing.report import write_report
+from bench.suites.routing.workloads import build
 from tests.procs import ROOT, gateway_proc, running, sim_proc
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -26,6 +30,15 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # suite: above the suite's own 120 s wait (SuiteRun.result), not the project's 60 s per
 # test, which the overhead suite overran on a loaded 2-core machine (load average 7-10).
 pytestmark = pytest.mark.timeout(150)
+# The routing rows, one run each, side by side: a row waits on its engines' modelled
+# latency (about 15 s on little CPU), so the runs take the time of the longest row. The
+# workload is seeded: every run replays the same requests. The first run has the goals.
+ROUTING_RUNS = {
+    "routing": ("--front", "ideal", "--front", "affinity", "--replicas", "1"),
+    "routing-affinity-2": ("--front", "affinity", "--replicas", "2"),
+    "routing-rr": ("--front", "round_robin", "--replicas", "1"),
+    "routing-rr-2": ("--front", "round_robin", "--replicas", "2"),
+}
 
 
 class SuiteRun:
@@ -38,6 +51,7 @@ class SuiteRun:
 
     def __init__(self, out: Path, *args: str) -> None:
         self.out = out
+        self.data: dict[str, Any] | None = None
         self.temp = out.with_name(out.name + "-tmp")
         self.temp.mkdir(parents=True)
         cmd = [sys.executable, "-m", "bench", *args, "--quick", "--loadgen", "python"]
@@ -52,6 +66,11 @@ class SuiteRun:
         )
 
     def result(self, timeout: float = 120) -> dict[str, Any]:
+        if self.data is None:
+            self.data = self._wait(timeout)
+        return self.data
+
+    def _wait(self, timeout: float) -> dict[str, Any]:
         stdout, stderr = self.proc.communicate(timeout=timeout)
         assert self.proc.returncode == 0, stderr[-3000:]
         assert "report:" in stdout
@@ -76,7 +95,7 @@ class SuiteRun:
 
 @pytest.fixture(scope="module")
 def suites(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, SuiteRun]]:
-    """All three suites run at once (they only share the machine), to keep this module
+    """All the suites run at once (they only share the machine), to keep this module
     fast; `scale` is pointed at an engine and a gateway it did not start."""
     tmp = tmp_path_factory.mktemp("bench")
     key = "external-bench-key-0123456789"
@@ -89,13 +108,9 @@ def suites(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Suite
         try:
             runs["overhead"] = SuiteRun(tmp / "overhead", "overhead", "--no-peers")
             runs["reference"] = SuiteRun(tmp / "reference", "reference")
-            runs["routing"] = SuiteRun(
-                tmp / "routing",
-                "routing",
-                *("--workload", "chat", "--no-pin"),
-                *("--front", "ideal", "--front", "affinity", "--front", "round_robin"),
-                *("--replicas", "1", "--replicas", "2"),
-            )
+            for name, args in ROUTING_RUNS.items():
+                routing = ("routing", "--workload", "chat", "--no-pin", *args)
+                runs[name] = SuiteRun(tmp / name, *routing)
             runs["scale"] = SuiteRun(
                 tmp / "scale",
                 "scale",
@@ -125,8 +140,26 @@ def _result_of(suite: str) -> Any:
 
 overhead = _result_of("overhead")
 reference = _result_of("reference")
-routing = _result_of("routing")
 external_scale = _result_of("scale")
+
+
+@pytest.fixture(scope="module")
+def routing(
+    suites: dict[str, SuiteRun], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    """The routing runs' rows in one report, joined as `--merge` joins an earlier run's
+    rows (`merged_rows`) and reported by the suite's own report code."""
+    first, *others = (suites[name] for name in ROUTING_RUNS)
+    workloads = build(["chat"], MODEL, scale=0.25)  # what --quick replays
+    results = [Result(**row) for row in first.result()["raw"]["results"]]
+    for run in others:
+        run.result()
+        results += merged_rows(run.out, results, workloads)
+    report = Report.create("routing", tmp_path_factory.mktemp("routing-merged"), smoke=True)
+    write_report(report, results, workloads)
+    report.write()
+    merged: dict[str, Any] = json.loads((report.out_dir / "results.json").read_text())
+    return merged
 
 
 @pytest.mark.slow
@@ -276,6 +309,32 @@ def test_scale_against_an_external_deployment(external_scale: dict[str, Any]) ->
             assert run["connections"] == int(level)
             assert run["requests"] > 0 and run["errors"] == 0
             assert run["p99_us"] >= run["p50_us"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["overhead", "reference", "scale", *ROUTING_RUNS])
+def test_a_quick_run_is_a_smoke_run_that_grades_no_goal(
+    suites: dict[str, SuiteRun], name: str
+) -> None:
+    """`--quick` is a smoke run: its report says so at the top and in every plot's
+    title, and shows each goal's figure without a verdict (a busy machine once read
+    "met" beside a gateway at 2 req/s)."""
+    run = suites[name]
+    data = run.result()
+    lines = (run.out / "report.md").read_text().splitlines()
+    assert lines[0] == f"# bench: {data['meta']['suite']}"
+    assert lines[2].startswith(f"**{SMOKE}.**")
+    assert data["smoke"] is True
+    # Every suite has goals to leave ungraded; of the routing runs, the first.
+    assert data["goals"] or (name != "routing" and name in ROUTING_RUNS)
+    assert [g["graded"] for g in data["goals"]] == [False] * len(data["goals"])
+    table = lines[lines.index("## Goals") + 4 :] if data["goals"] else []
+    verdicts = [line.rsplit("|", 2)[1].strip() for line in table[: len(data["goals"])]]
+    assert verdicts == [NOT_GRADED] * len(data["goals"])
+    assert not any(f"| {word}" in line for line in lines for word in ("met", "missed"))
+    assert set(data["plot_titles"]) == set(data["plots"]) and data["plots"]
+    for titles in data["plot_titles"].values():
+        assert titles and all(title.startswith(SMOKE) for title in titles)
 
 
 def _group_members(pgid: int) -> list[int]:

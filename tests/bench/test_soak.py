@@ -21,6 +21,7 @@ import pytest
 from PIL import Image
 
 from bench.__main__ import parse_args
+from bench.suites.report import NOT_GRADED, SMOKE
 from bench.suites.soak.legit import Outcome
 from bench.suites.soak.payloads import HeavyPng
 from bench.suites.soak.suite import (
@@ -189,6 +190,20 @@ def test_soak_samples_the_gateway_throughout(soak: dict[str, Any]) -> None:
         assert plot in soak["plots"]
         assert (out / plot).read_bytes()[:8] == PNG_MAGIC
         assert f"]({plot})" in report
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(130)
+def test_the_quick_soak_is_a_smoke_run_that_grades_no_goal(soak: dict[str, Any]) -> None:
+    lines = (soak["_out"] / "report.md").read_text().splitlines()
+    assert lines[2].startswith(f"**{SMOKE}.**") and soak["smoke"] is True
+    assert [g["graded"] for g in soak["goals"]] == [False] * len(GOALS)
+    goal_rows = [line for line in lines if line.startswith(tuple(f"| {g} |" for g in GOALS))]
+    assert len(goal_rows) == len(GOALS)
+    assert all(line.endswith(f"| {NOT_GRADED} |") for line in goal_rows)
+    assert set(soak["plot_titles"]) == {"soak_resources.png", "soak_latency.png"}
+    for titles in soak["plot_titles"].values():
+        assert titles and all(title.startswith(SMOKE) for title in titles)
 
 
 # --- pieces -------------------------------------------------------------------------------

@@ -135,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     cpus = CpuPlan(None, None) if args.no_pin else CpuPlan.detect()
     cpus.pin_self()
-    report = Report.create("routing", args.out)
+    report = Report.create("routing", args.out, smoke=args.quick)
     report.meta.update(
         engines=opts.engines,
         kv_cache_tokens_per_engine=opts.kv_cache_tokens,
