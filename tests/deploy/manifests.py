@@ -1,7 +1,7 @@
 """Reading deploy/'s Kubernetes manifests as the cluster would get them.
 
 One renderer (`render`) for every kustomization, without the kustomize binary: resources,
-strategic-merge `patches` and `namespace`, the fields deploy/k8s uses. Any other field of
+components, strategic-merge `patches` and `namespace`, the fields deploy/ uses. Any other field of
 a kustomization.yaml is refused rather than ignored, and
 test_routing_tier.test_renderer_agrees_with_kubectl_kustomize compares the result with
 `kubectl kustomize` where kubectl is installed.
@@ -32,7 +32,9 @@ NAMESPACE_ENV = "GATEWAY_PAYLOAD__NAMESPACE_SECRET"
 # Kinds without a namespace among those a kustomization here may hold.
 CLUSTER_SCOPED = frozenset({"Namespace", "PersistentVolume", "StorageClass", "ClusterRole"})
 POD_TEMPLATE_KINDS = frozenset({"Deployment", "StatefulSet", "DaemonSet", "Job", "ReplicaSet"})
-_KUSTOMIZATION_FIELDS = frozenset({"apiVersion", "kind", "resources", "patches", "namespace"})
+_KUSTOMIZATION_FIELDS = frozenset(
+    {"apiVersion", "kind", "resources", "components", "patches", "namespace"}
+)
 
 
 def load_all(path: Path) -> list[Any]:
@@ -89,14 +91,20 @@ def strategic_merge(base: Any, patch: Any) -> Any:
     return copy.deepcopy(patch)
 
 
-def kustomize(directory: Path) -> list[dict[str, Any]]:
+def kustomize(directory: Path, parent: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """The manifests of the kustomization in `directory`; a Component (kind) adds to and
+    patches `parent`, the manifests of the kustomization that lists it so far."""
     spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
     unsupported = sorted(set(spec) - _KUSTOMIZATION_FIELDS)
     assert not unsupported, f"{directory}: the test renderer does not implement {unsupported}"
-    docs: list[dict[str, Any]] = []
+    component = spec.get("kind") == "Component"
+    assert component == (parent is not None), f"{directory}: a Component only in `components`"
+    docs: list[dict[str, Any]] = parent if parent is not None else []
     for resource in spec.get("resources", []):
         path = (directory / resource).resolve()
         docs.extend(kustomize(path) if path.is_dir() else load_all(path))
+    for entry in spec.get("components", []):
+        docs = kustomize((directory / entry).resolve(), docs)
     for entry in spec.get("patches", []):
         patch = yaml.safe_load((directory / entry["path"]).read_text())
         for i, doc in enumerate(docs):

@@ -32,6 +32,7 @@ from gateway.config.settings import Settings
 from gateway.payload.settings import PLACEHOLDER_PREFIX, PayloadSettings
 from gateway.routing.dns import DnsEntry, is_dns_entry
 from tests.deploy.manifests import (
+    DEPLOY,
     K8S,
     K8S_SECRETS,
     LAYOUTS,
@@ -42,6 +43,7 @@ from tests.deploy.manifests import (
     example_secrets,
     flag_values,
     k8s_env,
+    kustomize,
     load_all,
     named,
     of_kind,
@@ -783,20 +785,24 @@ def test_store_users_check_catches_its_breakage(case: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_renderer_agrees_with_kubectl_kustomize(layout: str) -> None:
+@pytest.mark.parametrize(
+    "directory", [*(f"k8s/{x}" for x in LAYOUTS), *(f"monitoring/overlays/{x}" for x in LAYOUTS)]
+)
+def test_renderer_agrees_with_kubectl_kustomize(directory: str) -> None:
     """The tests' renderer gives what `kubectl kustomize` (kustomize built into kubectl,
-    offline) gives, so the checks above see what a cluster would get."""
+    offline) gives, so the checks above see what a cluster would get: for each layout,
+    and each with deploy/monitoring's components."""
     r = subprocess.run(
-        ["kubectl", "kustomize", str(K8S / layout)], capture_output=True, text=True, timeout=60
-    )
+        ["kubectl", "kustomize", str(DEPLOY / directory)], capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
     assert r.returncode == 0, r.stderr
 
     def key(d: dict[str, Any]) -> tuple[str, str]:
         return d["kind"], d["metadata"]["name"]
 
     theirs = sorted((d for d in yaml.safe_load_all(r.stdout) if d), key=key)
-    assert theirs == sorted(render(layout), key=key)
+    assert theirs == sorted(kustomize(DEPLOY / directory), key=key)
 
 
 # --- each check catches its breakage -------------------------------------------------------
