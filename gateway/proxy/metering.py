@@ -184,4 +184,4 @@ def _one_prompt(body: dict[str, Any]) -> bool:
     prompt = body.get("prompt")
     if type(prompt) is str:
         return True
-    return type(prompt) is list and (len(prompt) == 1 or type(prompt[0]) is int)
+    return type(prompt) is list and len(prompt) > 0 and (len(prompt) == 1 or type(prompt[0]) is int)

@@ -100,6 +100,34 @@ def test_n_groups_a_prompts_choices() -> None:
     assert meter.choices == 1
 
 
+@pytest.mark.parametrize(
+    ("path", "extra", "single"),
+    [
+        ("/v1/chat/completions", {"messages": []}, True),
+        ("/v1/chat/completions", {"messages": [], "n": 1}, True),
+        ("/v1/chat/completions", {"messages": [], "n": 2}, False),
+        ("/v1/chat/completions", {"messages": [], "n": "2"}, False),
+        ("/v1/chat/completions", {"messages": [], "n": 2.0}, False),
+        ("/v1/completions", {"prompt": "a"}, True),
+        ("/v1/completions", {"prompt": [1, 2, 3]}, True),
+        ("/v1/completions", {"prompt": ["a"]}, True),
+        ("/v1/completions", {"prompt": ["a", "b"]}, False),
+        ("/v1/completions", {"prompt": [[1], [2]]}, False),
+        ("/v1/completions", {"prompt": []}, False),
+        ("/v1/completions", {"prompt": "a", "prompt_embeds": "x"}, False),
+        ("/v1/completions", {}, False),
+        ("/invocations", {"messages": []}, True),
+        ("/invocations", {"prompt": ["a", "b"]}, False),
+    ],
+)
+def test_a_stream_of_one_prompt_and_one_choice_is_read_as_one(
+    path: str, extra: dict[str, Any], single: bool
+) -> None:
+    # One choice: its last chunk's counts are the stream's (proxy/usage.py, EventUsage).
+    meter, _ = plan(TABLE[path], {"stream": True, **extra}, False)
+    assert meter.single is single
+
+
 @pytest.mark.parametrize("path", ["/v1/audio/transcriptions", "/v1/audio/translations"])
 @pytest.mark.parametrize(
     ("measured", "reported", "metered"),
