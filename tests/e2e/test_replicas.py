@@ -151,7 +151,10 @@ def test_workers_without_a_secret_warn_once(tmp_path: Path) -> None:
 def test_a_single_process_without_a_secret_warns_once(tmp_path: Path) -> None:
     """`check-config` builds the gateway as a one-worker `serve` does; its log goes to
     stderr, in the console format. With a secret configured there is no warning."""
-    env = {"GATEWAY_API_KEYS": json.dumps([KEY])}
+    # An engine is configured (a configuration without one is refused); check-config
+    # does not contact it.
+    engines = json.dumps(["http://127.0.0.1:9"])
+    env = {"GATEWAY_API_KEYS": json.dumps([KEY]), "GATEWAY_ENGINES": engines}
     result = run_cli("check-config", env=env)
     assert result.returncode == 0, result.stderr
     (line,) = [x for x in result.stderr.splitlines() if WARNING in x]
