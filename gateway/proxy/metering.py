@@ -138,7 +138,7 @@ def plan(
         return meter, False
     changed = False
     if stream:
-        changed = _ask_usage(body, meter)
+        changed = _ask_usage(path, body, meter)
     if path in _CLIENT_KEYS:
         check_echoes(body)
     if path in _BINARY_POOLING and body.get("encoding_format") == "bytes_only":
@@ -147,7 +147,7 @@ def plan(
     return meter, changed
 
 
-def _ask_usage(body: dict[str, Any], meter: Metering) -> bool:
+def _ask_usage(path: str, body: dict[str, Any], meter: Metering) -> bool:
     """Asks a stream for its usage in every chunk and at its end; whether the body
     changed."""
     options = body.get("stream_options")
@@ -165,7 +165,7 @@ def _ask_usage(body: dict[str, Any], meter: Metering) -> bool:
     meter.hide_chunk_usage = not (include and continuous)
     n = body.get("n")
     meter.choices = n if type(n) is int and n > 1 else 1
-    meter.single = meter.choices == 1 and n in (None, 1) and _one_prompt(body)
+    meter.single = meter.choices == 1 and n in (None, 1) and _one_prompt(path, body)
     if include and continuous:
         return False
     # Other keys are kept: vLLM's StreamOptions allows extra fields.
@@ -173,14 +173,18 @@ def _ask_usage(body: dict[str, Any], meter: Metering) -> bool:
     return True
 
 
-def _one_prompt(body: dict[str, Any]) -> bool:
+def _one_prompt(path: str, body: dict[str, Any]) -> bool:
     """Whether a chat or completion body asks about one prompt: a chat's conversation, a
     completion's string or token list (vLLM's CompletionRequest `prompt`), no
-    `prompt_embeds`."""
-    if "messages" in body:
+    `prompt_embeds`. A `messages` key says nothing on the other routes: vLLM's
+    CompletionRequest ignores it, and /invocations runs a body whose `messages` chat
+    cannot read as a completion."""
+    if path == "/v1/chat/completions":
         return True
     if body.get("prompt_embeds") is not None:
         return False
+    if "prompt" not in body:
+        return "messages" in body
     prompt = body.get("prompt")
     if type(prompt) is str:
         return True

@@ -49,6 +49,7 @@ NAMES = (
     "left-json",
     "stalled",
     "abandoned",
+    "early-prompts",
 )
 KEYS = {name: f"sk-meter-{name}-0123456789-SECRET" for name in NAMES}
 
@@ -354,6 +355,42 @@ def test_a_client_that_leaves_early_is_metered_for_what_it_got(
     assert metered[1] < 3000
     left = metric(stack.gateway, "gateway_requests_total", key=name, code="client_disconnected")
     assert left == 1
+
+
+@pytest.mark.slow
+def test_a_client_that_leaves_a_stream_of_several_prompts_is_metered_every_prompt(
+    stack: Stack,
+) -> None:
+    # vLLM runs every prompt of the list; a `messages` key beside it (a completion
+    # ignores it) does not make it one prompt.
+    body = {
+        "model": MODEL,
+        "prompt": [f"prompt {i} " + "lorem ipsum dolor sit amet " * 20 for i in range(4)],
+        "messages": [],
+        "max_tokens": 60,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    prompt = prompt_tokens(stack.gateway, "/v1/completions", {**body, "messages": None})
+    before = tokens(stack.gateway, "early-prompts")
+    seen: set[int] = set()
+    with (
+        httpx.Client(base_url=stack.gateway.url, timeout=30) as client,
+        client.stream(
+            "POST", "/v1/completions", headers=auth(KEYS["early-prompts"]), json=body
+        ) as r,
+    ):
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen.update(c["index"] for c in json.loads(line[len("data: ") :])["choices"])
+            if len(seen) == 4:
+                # Every prompt has begun; the client leaves long before 4 x 60 tokens.
+                break
+    assert wait_for(lambda: tokens(stack.gateway, "early-prompts")[0] > before[0], timeout=30)
+    metered = tokens(stack.gateway, "early-prompts")
+    # Each prompt once: four prompts, not the last chunk's one.
+    assert metered[0] - before[0] == prompt
 
 
 @pytest.mark.slow

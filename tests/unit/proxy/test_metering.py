@@ -118,6 +118,11 @@ def test_n_groups_a_prompts_choices() -> None:
         ("/v1/completions", {}, False),
         ("/invocations", {"messages": []}, True),
         ("/invocations", {"prompt": ["a", "b"]}, False),
+        # `messages` beside a prompt list: vLLM runs every prompt (a completion ignores
+        # it; /invocations runs a `messages` chat cannot read as a completion).
+        ("/v1/completions", {"messages": [], "prompt": ["a", "b"]}, False),
+        ("/invocations", {"messages": "x", "prompt": ["a", "b"]}, False),
+        ("/invocations", {"messages": [], "prompt": [[1], [2]]}, False),
     ],
 )
 def test_a_stream_of_one_prompt_and_one_choice_is_read_as_one(
