@@ -373,8 +373,7 @@ class EventUsage:
         self._pending = pieces[-2]
         self._pending_at = len(cut) - len(pieces[-1])
         # What is left to read: events in another layout, the usage event.
-        out = self._scan(cut)
-        return out if self._hide_chunk else ready
+        return self._scan(cut)
 
     def _scan(self, ready: bytes) -> bytes:
         """`ready` (whole events) less what the client did not ask for, each event
