@@ -32,7 +32,6 @@ What vLLM 0.32 reports, and where (the table of routes: docs/gateway.md, "Meteri
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import orjson
@@ -64,11 +63,17 @@ _DATA_LEN = len(_DATA)
 _PROMPT_PARTS = ("cache_read_input_tokens", "cache_creation_input_tokens")
 _COMMA = ord(",")
 _OPEN = ord("{")
-# A chunk in vLLM's layout: a flat `usage`, its last key (one `}` closes the event after
-# it), after a list of choices that is not empty (the usage event that ends a stream has
-# none). Usage is a top-level key there: a nested one would be followed by two `}`.
-_CHUNK_USAGE = re.compile(rb'\}\],"usage":(\{[^{}]*\})(?=\}\n\n)')
+# A chunk in vLLM's layout: `usage` its last key after a list of choices that is not
+# empty (the usage event that ends a stream has none), `,"usage":{...}` closed by the
+# first `}` that is followed by the `}` closing the event and the blank line. In JSON
+# that can only be the top-level key's flat object: a nested object's `}` is followed by
+# `,` or a second `}`, and a string holds no newline. The bytes are split at the key, not
+# searched with a regular expression: `re` costs ~20 instructions a byte (callgrind), a
+# split ~3, and a Python loop ~6K a chunk against ~3K for comprehensions.
+_CHUNK_KEY = b'}],"usage":{'
+_CHUNK_END = b"}\n\n"
 _CHOICES_END = b"}]"
+_USAGE_KEY = b',"usage":{'
 
 
 def _count(value: Any) -> int | None:
@@ -305,7 +310,8 @@ class EventUsage:
     usage, whichever event it came in, parsed once at the end: the chunks in vLLM's
     layout (`usage` their last key, `,"usage":{...}}` closing the event) are cut in one
     pass, their last usage kept as bytes; other events holding the key are parsed whole.
-    `events` counts the events relayed, for a stream that reported no usage."""
+    `events` counts the events relayed, for a stream that reported no usage (a read
+    in which a chunk's usage was kept is not counted: the stream is metered by it)."""
 
     __slots__ = (
         "_choices",
@@ -332,7 +338,7 @@ class EventUsage:
         self._single = single
         # The last counts of each choice index.
         self._counts: dict[int, Usage] = {}
-        # `single`: the last chunk's usage object, unparsed.
+        # `single`: the last chunk's usage object, unparsed, less its braces.
         self._pending: bytes | None = None
         # Where in the events being read the kept chunk's were (-1: in none).
         self._pending_at = -1
@@ -355,25 +361,46 @@ class EventUsage:
         else:
             self._rest = data[end:]
             ready = data[:end]
-        self.events += ready.count(_EVENT_END)
         if not self._single:
+            self.events += ready.count(_EVENT_END)
             return self._scan(ready)
         if not self._hide_chunk:
             # Nothing to cut (`hide_usage` comes with `hide_chunk`): the stream's last
             # usage, the final event's or its last chunk's, is its count.
+            self.events += ready.count(_EVENT_END)
             if _KEY in ready:
                 self._tail = ready
             return ready
         # The chunks in vLLM's layout, in one pass: their usage cut, the last one kept.
-        pieces = _CHUNK_USAGE.split(ready)
+        pieces = ready.split(_CHUNK_KEY)
         if len(pieces) == 1:
             self._pending_at = -1
+            self.events += ready.count(_EVENT_END)
             return self._scan(ready)
-        cut = _CHOICES_END.join(pieces[::2])
-        self._pending = pieces[-2]
-        self._pending_at = len(cut) - len(pieces[-1])
-        # What is left to read: events in another layout, the usage event.
-        return self._scan(cut)
+        if len(pieces) == 2:
+            # One chunk (an engine streaming token by token sends one a read).
+            usage, _, rest = pieces[1].partition(b"}")
+            if rest.startswith(_CHUNK_END):
+                self._pending = usage
+                self._pending_at = len(pieces[0]) + len(_CHOICES_END)
+                return self._scan(pieces[0] + _CHOICES_END + rest)
+        # Each piece after the first: the usage object less its braces, `}`, the rest.
+        parts = [piece.partition(b"}") for piece in pieces[1:]]
+        kept = [r if r.startswith(_CHUNK_END) else _USAGE_KEY + u + c + r for u, c, r in parts]
+        cut = _CHOICES_END.join([pieces[0], *kept])
+        # The last chunk cut: its usage kept, and where it was in `cut`.
+        after = 0
+        for (usage, _, rest), piece in zip(reversed(parts), reversed(kept), strict=True):
+            if piece is rest:
+                self._pending = usage
+                self._pending_at = len(cut) - after - len(piece)
+                # What is left to read: events in another layout, the usage event.
+                return self._scan(cut)
+            after += len(piece) + len(_CHOICES_END)
+        # No chunk's usage: its events count for a stream cut before any usage.
+        self._pending_at = -1
+        self.events += ready.count(_EVENT_END)
+        return self._scan(ready)
 
     def _scan(self, ready: bytes) -> bytes:
         """`ready` (whole events) less what the client did not ask for, each event
@@ -476,7 +503,7 @@ class EventUsage:
             return self.last
         if self._pending is not None:
             try:
-                return usage_of(orjson.loads(self._pending))
+                return usage_of(orjson.loads(b"{" + self._pending + b"}"))
             except orjson.JSONDecodeError:
                 return None
         if not self._counts:

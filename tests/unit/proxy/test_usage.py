@@ -353,7 +353,19 @@ def test_a_single_choice_stream_cut_short_is_metered_its_last_chunk(size: int) -
             orjson.loads(e[6:])["choices"] for e in chunks.split(b"\n\n")[:-1]
         ]
         assert reader.usage() == expected
-        assert reader.events == chunks.count(b"\n\n")
+
+
+def test_a_single_choice_stream_without_chunk_counts_counts_its_events() -> None:
+    # No chunk carries its counts (an engine that ignored the option): the events
+    # relayed are what a stream cut short is metered by (relay.py, `_left_early`).
+    stream = b"".join(
+        chunk_bytes(17, i)[: -len(b"}\n\n")].rsplit(b',"usage"', 1)[0] + b"}\n\n" for i in (1, 2, 3)
+    )
+    for size in (1, 9, 10_000):
+        reader = EventUsage(hide_usage=True, hide_chunk_usage=True, choices=1, single=True)
+        assert cut(stream, size, reader) == stream
+        assert reader.usage() is None
+        assert reader.events == 3
 
 
 def test_a_usage_key_first_in_its_event_is_cut_with_its_comma() -> None:
