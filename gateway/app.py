@@ -3,7 +3,7 @@
 The forwarding path is plain ASGI, not FastAPI routes: FastAPI's request handling cost
 ~200-270 us of CPU per request on this machine (docs/facts.md, "Measurements behind
 design choices"). The gateway's own routes are a FastAPI application (control.py),
-which `Dispatch` hands only the requests the endpoint table marks `local`.
+which `middleware.Front` hands only the requests the endpoint table marks `local`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,6 @@ from pydantic import SecretStr
 from gateway.access.admission import Admission
 from gateway.access.api_keys import KeyRing
 from gateway.access.clients import ClientAddresses
-from gateway.access.endpoints import Action
 from gateway.access.throttle import FailureThrottle
 from gateway.config.key_file import (
     ApiKey,
@@ -37,7 +35,7 @@ from gateway.control import control_app
 from gateway.errors import NoEngineAvailable
 from gateway.exchange import exchange_of
 from gateway.media.decoder import Decoder
-from gateway.middleware import Authentication, EndpointGuard, KeyLimits, RequestContext
+from gateway.middleware import Front
 from gateway.observability.logging import RequestLog, configure_logging
 from gateway.observability.metrics import Metrics
 from gateway.observability.multiprocess import MetricFiles, Workers
@@ -59,7 +57,6 @@ from gateway.upstream.interfaces import UpstreamClient
 # The env var through which `vllm-gateway serve --workers N` hands each worker its
 # config file (uvicorn starts workers from an import string, not an object).
 CONFIG_ENV = "VLLM_GATEWAY_CONFIG"
-MODELS_PATH = "/v1/models"
 KEY_FILE_POLL = 1.0
 
 log = structlog.get_logger("gateway.app")
@@ -82,27 +79,6 @@ class ModelList:
         body = self.pool.index.listing(None if key is None else key.models)
         ex.bytes_out = len(body)
         await send_json(send, 200, body)
-
-
-class Dispatch:
-    """Sends the gateway's own routes to `local` (the control plane), except
-    /v1/models to `models`, and everything else to `proxy`: one attribute test per
-    forwarded request."""
-
-    def __init__(self, local: ASGIApp, proxy: ASGIApp, models: ASGIApp) -> None:
-        self.local = local
-        self.proxy = proxy
-        self.models = models
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        ex = exchange_of(scope)
-        if ex.route.action is Action.local:
-            if ex.route.path == MODELS_PATH:
-                await self.models(scope, receive, send)
-            else:
-                await self.local(scope, receive, send)
-        else:
-            await self.proxy(scope, receive, send)
 
 
 class KeyFileWatcher:
@@ -255,7 +231,7 @@ class Gateway:
             settings.timeouts, settings.limits, self.metrics.connections
         )
         self.metrics.watch_connections(lambda: len(self.connections.open))
-        # Per-key limits from authentication on (KeyLimits), the global slot once the
+        # Per-key limits from authentication on (middleware.Front), the global slot once the
         # body is in (Proxy): one object, so the counts are the same ones.
         self.shared_limits = SharedLimits(self.store) if self.store is not None else None
         self.admission = Admission(settings.limits, self.metrics, shared=self.shared_limits)
@@ -311,29 +287,6 @@ class Gateway:
             if limits.auth_failures > 0
             else None
         )
-        # The middleware stack, outermost first.
-        middleware: list[tuple[Callable[..., ASGIApp], dict[str, Any]]] = [
-            (
-                RequestContext,
-                {
-                    "metrics": self.metrics,
-                    "logger": logger,
-                    "request_log": self.request_log,
-                    "max_headers": settings.limits.max_headers,
-                    "clients": self.clients,
-                },
-            ),
-            (EndpointGuard, {"keyring": self.keyring}),
-            (
-                Authentication,
-                {
-                    "keyring": self.keyring,
-                    "public_metrics": settings.public_metrics,
-                    "throttle": self.throttle,
-                },
-            ),
-            (KeyLimits, {"admission": self.admission}),
-        ]
         control = control_app(
             self.pool,
             self.metrics,
@@ -344,10 +297,21 @@ class Gateway:
             workers=workers.count,
             metric_files=self.metric_files,
         )
-        app: ASGIApp = Dispatch(control, self.proxy, ModelList(self.pool))
-        for cls, options in reversed(middleware):
-            app = cls(app, **options)
-        self.stack = app
+        # Everything before the handler, one layer (middleware.py).
+        self.stack: ASGIApp = Front(
+            proxy=self.proxy,
+            local=control,
+            models=ModelList(self.pool),
+            metrics=self.metrics,
+            logger=logger,
+            request_log=self.request_log,
+            max_headers=settings.limits.max_headers,
+            keyring=self.keyring,
+            admission=self.admission,
+            public_metrics=settings.public_metrics,
+            throttle=self.throttle,
+            clients=self.clients,
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]

@@ -6,8 +6,8 @@
     GET /gateway/status         admin      engines, routing policy, key file, version
     GET /gateway/openapi.json   admin      the OpenAPI schema of these routes
 
-Only requests the endpoint table marks `local` reach it (app.Dispatch), after the same
-middleware as every request: keys and scopes are checked there, refusals rendered and
+Only requests the endpoint table marks `local` reach it (middleware.Front), after the
+same steps as every request: keys and scopes are checked there, refusals rendered and
 logged there. Forwarded requests never enter FastAPI, whose request handling cost
 ~200-270 us of CPU per request (docs/facts.md, "Measurements behind design choices").
 
@@ -235,7 +235,7 @@ class _ControlApp(FastAPI):
 async def _internal_error(request: Request, exc: Exception) -> Response:
     # Starlette's last-resort handler: the gateway's 500 body (responses.error_body, the
     # bytes send_error writes) instead of its plain text; the exception goes on to
-    # RequestContext, which logs it.
+    # middleware.Front, which logs it.
     error = GatewayError()
     return Response(error_body(error), status_code=error.status, media_type="application/json")
 

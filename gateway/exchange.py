@@ -1,6 +1,6 @@
 """The record of one request as it passes through the gateway.
 
-Each middleware fills in what it learns (route, key, model, engine, sizes); the
+Each step fills in what it learns (route, key, model, engine, sizes); the
 outermost one turns it into the request's log line and metrics.
 """
 
@@ -52,7 +52,7 @@ class Exchange:
         # The client's address (access/clients.py); None: no IP peer.
         self.client = client
         # The id the engine gets (its request id in vLLM): ours, or the client's made
-        # unique (see middleware.RequestContext).
+        # unique (see middleware.Front).
         self.engine_request_id = request_id
         self.path = path
         self.started = started

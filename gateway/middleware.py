@@ -1,7 +1,11 @@
-"""The gateway's middleware: plain ASGI classes, composed in app.py.
+"""What every HTTP request meets before its handler, in one plain ASGI layer (`Front`):
+its context (id, clock, client, log line, metrics), the endpoint table, the key, the
+key's share, then the handler: the proxy, the gateway's own routes, or /v1/models.
 
-Refusals are raised as `GatewayError`; `RequestContext`, the outermost, renders them
-(through `responses.send_error`, the one renderer) and writes the request's log line.
+One coroutine per request, not one per step: every step is a plain call, and each await
+the handler makes resumes through one frame here instead of five nested ones.
+Refusals are raised as `GatewayError`; `Front` renders them (through
+`responses.send_error`, the one renderer) and writes the request's log line.
 """
 
 from __future__ import annotations
@@ -14,9 +18,10 @@ from typing import Any
 from gateway.access.admission import Admission
 from gateway.access.api_keys import KeyRing
 from gateway.access.clients import ClientAddresses
-from gateway.access.endpoints import Action, Group, match
+from gateway.access.endpoints import MODELS_PATH, Action, Group, Route, match
 from gateway.access.permissions import check_route
 from gateway.access.throttle import FailureThrottle
+from gateway.config.key_file import ApiKey
 from gateway.errors import (
     EndpointBlocked,
     GatewayError,
@@ -25,7 +30,7 @@ from gateway.errors import (
     TooManyHeaders,
     UnknownEndpoint,
 )
-from gateway.exchange import SCOPE_KEY, Exchange, exchange_of
+from gateway.exchange import SCOPE_KEY, Exchange
 from gateway.observability.logging import RequestLog
 from gateway.observability.metrics import Metrics
 from gateway.proxy.body import ClientDisconnected
@@ -59,37 +64,56 @@ class RequestIds:
         return self._buffer[pos : pos + 16].hex()
 
 
-class RequestContext:
-    """Request id, clock, the client's address, the error renderer, the request's log
-    line and metrics.
+class Front:
+    """The steps before a request's handler, in order (docs/gateway.md, "Request path"):
 
-    A request with more than `max_headers` header fields is refused (431) before
-    anything else looks at them, its own X-Request-Id and X-Forwarded-For included (its
-    client is then the peer).
+    1. Context: a request with more than `max_headers` header fields is refused (431)
+       before anything else looks at them, its own X-Request-Id and X-Forwarded-For
+       included (its client is then the peer). The request id, its clock and client.
+    2. The endpoint table: unknown paths 404, blocked ones 403, wrong methods 405.
+    3. Bearer key check and route-group scopes; /healthz and /readyz need no key. With a
+       `throttle`, failed authentications are counted per client address, and an address
+       past the limit is refused 429 `too_many_failures` before its key is checked, unless
+       that key has authenticated from that address before (access/throttle.py).
+    4. The key's share: its cap on requests in flight and its rate limit
+       (access/admission.py); over either, 429 `rate_limited` with Retry-After. The global
+       `max_in_flight` slot is taken later, by the proxy, once the body is in. With a
+       store, a key that has limits of its own is admitted through it (one round trip).
+    5. The handler: `local` (the control plane) for the gateway's own routes, `models`
+       for /v1/models, `proxy` for everything forwarded.
     """
 
     def __init__(
         self,
-        app: ASGIApp,
         *,
+        proxy: ASGIApp,
+        local: ASGIApp,
+        models: ASGIApp,
         metrics: Metrics,
         logger: Any,
         request_log: RequestLog,
         max_headers: int,
+        keyring: KeyRing,
+        admission: Admission,
+        public_metrics: bool = False,
+        throttle: FailureThrottle | None = None,
         clients: ClientAddresses | None = None,
     ) -> None:
-        self.app = app
+        self.proxy = proxy
+        self.local = local
+        self.models = models
         self.metrics = metrics
         self.log = logger
         self.request_log = request_log
         self.max_headers = max_headers
+        self.keyring = keyring
+        self.admission = admission
+        self.public_metrics = public_metrics
+        self.throttle = throttle
         self.clients = clients or ClientAddresses()
         self.ids = RequestIds()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
         started = time.perf_counter()
         too_many = len(scope["headers"]) > self.max_headers
         given = None if too_many else _header(scope, b"x-request-id")
@@ -115,7 +139,39 @@ class RequestContext:
         try:
             if too_many:
                 raise TooManyHeaders()
-            await self.app(scope, receive, send_with_id)
+            app = self._route(scope, raw_path, ex)
+            route = ex.route
+            group = route.group
+            if group is None or (group is Group.metrics and self.public_metrics):
+                await app(scope, receive, send_with_id)
+                return
+            try:
+                key = self._authenticate(scope, ex)
+            except InvalidApiKey:
+                if self.throttle is not None and client is not None:
+                    refusal = await self.throttle.failed(client)
+                    if refusal is not None:
+                        raise refusal from None
+                raise
+            check_route(key, route)
+            if group is Group.metrics:
+                # The gateway's own metrics are not counted; /v1/models, answered by the
+                # gateway too, is an API call of the key's like any other.
+                await app(scope, receive, send_with_id)
+                return
+            admission = self.admission
+            if admission.shared is not None and admission.shares(key):
+                lease = await admission.enter_shared(key)
+                try:
+                    await app(scope, receive, send_with_id)
+                finally:
+                    admission.leave_shared(key, lease)
+                return
+            admission.enter_key(key)
+            try:
+                await app(scope, receive, send_with_id)
+            finally:
+                admission.leave_key(key)
         except GatewayError as exc:
             ex.code = exc.code
             if ex.status == 0:
@@ -130,6 +186,48 @@ class RequestContext:
                 await send_error(send_with_id, GatewayError())
         finally:
             self._finish(scope, ex)
+
+    def _route(self, scope: Scope, raw_path: bytes, ex: Exchange) -> ASGIApp:
+        """The handler of the request's route (step 2), or the refusal."""
+        found = match(raw_path)
+        route: Route = found.route
+        ex.route = route
+        action = route.action
+        if action is Action.forward or action is Action.local:
+            if scope["method"] not in route.methods:
+                raise MethodNotAllowed(f"{route.path} accepts {', '.join(sorted(route.methods))}.")
+            scope["gateway.path"] = found.path
+            if action is Action.forward:
+                return self.proxy
+            return self.models if route.path == MODELS_PATH else self.local
+        # Refused without being forwarded. The key's name, if it is a valid key, goes
+        # into the log line so an operator can see who probed a blocked route.
+        ex.key_name = self.keyring.identify(_header(scope, b"authorization"))
+        if action is Action.blocked:
+            raise EndpointBlocked(f"This endpoint is blocked by the gateway: {route.reason}.")
+        raise UnknownEndpoint("Unknown endpoint: this path is not served by the gateway.")
+
+    def _authenticate(self, scope: Scope, ex: Exchange) -> ApiKey:
+        """The request's key (step 3), on `ex` too; raises the throttle's refusal or
+        InvalidApiKey (the caller counts the failure)."""
+        authorization = _header(scope, b"authorization")
+        throttle = self.throttle
+        client = ex.client
+        if throttle is None or client is None:
+            key = self.keyring.authenticate(authorization)
+        else:
+            # A request without a key where none is needed tries no key.
+            if (
+                throttle.over(client)
+                and (authorization is not None or not self.keyring.allow_unauthenticated)
+                and not throttle.known(client, authorization)
+            ):
+                raise throttle.refuse(client)
+            key = self.keyring.authenticate(authorization)
+            throttle.succeeded(client, key.digest)
+        ex.key = key
+        ex.key_name = key.name
+        return key
 
     def _finish(self, scope: Scope, ex: Exchange) -> None:
         duration = time.perf_counter() - ex.started
@@ -167,117 +265,3 @@ class RequestContext:
                 "duration_ms": round(duration * 1000, 3),
             }
         )
-
-
-class EndpointGuard:
-    """The endpoint table: unknown paths 404, blocked ones 403, wrong methods 405."""
-
-    def __init__(self, app: ASGIApp, *, keyring: KeyRing) -> None:
-        self.app = app
-        self.keyring = keyring
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        ex = exchange_of(scope)
-        raw_path: bytes = scope.get("raw_path") or scope["path"].encode("utf-8", "replace")
-        found = match(raw_path)
-        route = found.route
-        ex.route = route
-        if route.action is Action.forward or route.action is Action.local:
-            if scope["method"] not in route.methods:
-                raise MethodNotAllowed(f"{route.path} accepts {', '.join(sorted(route.methods))}.")
-            scope["gateway.path"] = found.path
-            await self.app(scope, receive, send)
-            return
-        # Refused without being forwarded. The key's name, if it is a valid key, goes
-        # into the log line so an operator can see who probed a blocked route.
-        ex.key_name = self.keyring.identify(_header(scope, b"authorization"))
-        if route.action is Action.blocked:
-            raise EndpointBlocked(f"This endpoint is blocked by the gateway: {route.reason}.")
-        raise UnknownEndpoint("Unknown endpoint: this path is not served by the gateway.")
-
-
-class Authentication:
-    """Bearer key check and route-group scopes. /healthz and /readyz need no key.
-
-    With a `throttle`, failed authentications are counted per client address, and an
-    address past the limit is refused 429 `too_many_failures` before its key is checked,
-    unless that key has authenticated from that address before (access/throttle.py)."""
-
-    def __init__(
-        self,
-        app: ASGIApp,
-        *,
-        keyring: KeyRing,
-        public_metrics: bool,
-        throttle: FailureThrottle | None = None,
-    ) -> None:
-        self.app = app
-        self.keyring = keyring
-        self.public_metrics = public_metrics
-        self.throttle = throttle
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        ex = exchange_of(scope)
-        group = ex.route.group
-        if group is None or (group is Group.metrics and self.public_metrics):
-            await self.app(scope, receive, send)
-            return
-        authorization = _header(scope, b"authorization")
-        throttle = self.throttle
-        client = ex.client
-        if throttle is None or client is None:
-            key = self.keyring.authenticate(authorization)
-        else:
-            # A request without a key where none is needed tries no key.
-            if (
-                throttle.over(client)
-                and (authorization is not None or not self.keyring.allow_unauthenticated)
-                and not throttle.known(client, authorization)
-            ):
-                raise throttle.refuse(client)
-            try:
-                key = self.keyring.authenticate(authorization)
-            except InvalidApiKey:
-                refusal = await throttle.failed(client)
-                if refusal is not None:
-                    raise refusal from None
-                raise
-            throttle.succeeded(client, key.digest)
-        ex.key = key
-        ex.key_name = key.name
-        check_route(key, ex.route)
-        await self.app(scope, receive, send)
-
-
-class KeyLimits:
-    """The key's share, from authentication on: its cap on requests in flight and its
-    rate limit (access/admission.py); over either, 429 `rate_limited` with Retry-After. The
-    global `max_in_flight` slot is taken later, by the proxy, once the body is in. With a
-    store, a key that has limits of its own is admitted through it (one round trip);
-    the others are not delayed."""
-
-    def __init__(self, app: ASGIApp, *, admission: Admission) -> None:
-        self.app = app
-        self.admission = admission
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        ex = exchange_of(scope)
-        key = ex.key
-        if key is None or ex.route.group is Group.metrics:
-            # The gateway's own metrics are not counted; /v1/models, answered by the
-            # gateway too, is an API call of the key's like any other.
-            await self.app(scope, receive, send)
-            return
-        admission = self.admission
-        if admission.shared is not None and admission.shares(key):
-            lease = await admission.enter_shared(key)
-            try:
-                await self.app(scope, receive, send)
-            finally:
-                admission.leave_shared(key, lease)
-            return
-        admission.enter_key(key)
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            admission.leave_key(key)

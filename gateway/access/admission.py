@@ -1,6 +1,6 @@
 """Admission: whether a request may go on now, in two stages.
 
-    admission.enter_key(key)               # at authentication (middleware.KeyLimits)
+    admission.enter_key(key)               # at authentication (middleware.Front)
     try:
         incoming = await read_incoming(...)
         charge = await admission.charge(key, weight)   # the body's sequences (handler)

@@ -131,6 +131,8 @@ _WEIGHTS = "weight-transfer routes replace the model's weights"
 
 # Creates a stored response (with vLLM's response store on), which the routes
 # /v1/responses/{id} and /v1/responses/{id}/cancel name (see `stored_response_id`).
+# Answered by the gateway itself, from the pool's copy of the engines' lists (app.py).
+MODELS_PATH: Final = "/v1/models"
 RESPONSES_PATH: Final = "/v1/responses"
 
 _ROUTES: Final[tuple[Route, ...]] = (
@@ -326,8 +328,18 @@ def canonical_form(raw_path: bytes) -> str:
     return "/" + "/".join(parts)
 
 
+# The table's own paths, as a client sends them: each is canonical and in the table, so
+# `match` would find it there; looked up first, one dict access instead of the checks.
+_EXACT: Final[dict[bytes, Match]] = {
+    path.encode("ascii"): Match(route, path) for path, route in TABLE.items()
+}
+
+
 def match(raw_path: bytes) -> Match:
     """Classify a raw request path (without its query string)."""
+    exact = _EXACT.get(raw_path)
+    if exact is not None:
+        return exact
     if _CANONICAL.fullmatch(raw_path) and b"/./" not in raw_path + b"/":
         path = raw_path.decode("ascii")
         if "/../" not in path + "/":

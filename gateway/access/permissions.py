@@ -1,6 +1,6 @@
 """Authorisation in one place: whether a key may use a route, and a model.
 
-The route check runs in the `Authentication` middleware, as soon as the key is known;
+The route check runs in `middleware.Front`, as soon as the key is known;
 the request check in the proxy, once the body that names the model has been read. vLLM
 takes the model from the JSON `model`, from a multipart `model` field (resolved the
 same way: unknown names go on to the LoRA resolvers), and on `/invocations` from a

@@ -1,6 +1,6 @@
 """structlog setup: one line per event, JSON or console, with secrets scrubbed.
 
-The request line is built from fixed fields (middleware.RequestContext); nothing a
+The request line is built from fixed fields (middleware.Front); nothing a
 client sends is logged except its method, path and request id. As a second line of
 defence a processor masks values under secret-looking names and cuts `data:` URLs short,
 so a field added later cannot leak a key or a whole image into the logs.

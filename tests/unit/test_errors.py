@@ -12,9 +12,11 @@ import orjson
 import pytest
 import structlog
 
+from gateway.access.admission import Admission
+from gateway.access.api_keys import KeyRing
 from gateway.config.settings import LimitsSettings
 from gateway.errors import GatewayError, HeadersTooLarge
-from gateway.middleware import RequestContext
+from gateway.middleware import Front
 from gateway.observability.logging import RequestLog, configure_logging
 from gateway.observability.metrics import Metrics
 from gateway.responses import raw_response
@@ -30,12 +32,17 @@ def test_unhandled_error_logs_its_traceback_and_tells_the_client_nothing(
 
     async def call() -> httpx.Response:
         logger = structlog.get_logger("gateway")
-        app = RequestContext(
-            broken_handler,
-            metrics=Metrics(),
+        metrics = Metrics()
+        app = Front(
+            proxy=broken_handler,
+            local=broken_handler,
+            models=broken_handler,
+            metrics=metrics,
             logger=logger,
             request_log=RequestLog(logger, "json", "info"),
             max_headers=LimitsSettings().max_headers,
+            keyring=KeyRing((), allow_unauthenticated=True),
+            admission=Admission(LimitsSettings(), metrics),
         )
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:

@@ -22,7 +22,7 @@ from gateway.config.key_file import ApiKeyConfig, RateLimit, build_keys
 from gateway.config.settings import LimitsSettings
 from gateway.errors import InvalidJson
 from gateway.exchange import exchange_of
-from gateway.middleware import Authentication, EndpointGuard, KeyLimits, RequestContext
+from gateway.middleware import Front
 from gateway.observability.logging import RequestLog
 from gateway.observability.metrics import Metrics
 from gateway.proxy.body import ClientDisconnected
@@ -112,22 +112,24 @@ def stack(
     per_key: int = 8,
     rate: RateLimit | None = None,
 ) -> Stack:
-    """RequestContext, EndpointGuard, Authentication, KeyLimits, as app.py lists them;
-    the admission's clock is `Stack.clock[0]`, moved by hand."""
+    """The gateway's `Front` with `Inner` as every handler; the admission's clock is
+    `Stack.clock[0]`, moved by hand."""
     inner, logger, metrics = Inner(), Logger(), Metrics()
     keyring = KeyRing(KEYS, allow_unauthenticated=allow_unauthenticated)
     clock = [1000.0]
     limits = LimitsSettings(max_in_flight_per_key=per_key, rate_per_key=rate)
     admission = Admission(limits, metrics, clock=lambda: clock[0])
-    key_limits = KeyLimits(inner, admission=admission)
-    auth = Authentication(key_limits, keyring=keyring, public_metrics=public_metrics)
-    guard = EndpointGuard(auth, keyring=keyring)
-    context = RequestContext(
-        guard,
+    context = Front(
+        proxy=inner,
+        local=inner,
+        models=inner,
         metrics=metrics,
         logger=logger,
         request_log=RequestLog(logger, fmt="console", level="info"),
         max_headers=max_headers,
+        keyring=keyring,
+        admission=admission,
+        public_metrics=public_metrics,
     )
     return Stack(context, inner, logger, metrics, admission, clock)
 
@@ -179,7 +181,7 @@ def samples(metrics: Metrics, name: str) -> dict[tuple[tuple[str, str], ...], fl
     return out
 
 
-# --- EndpointGuard: the endpoint table -----------------------------------------------
+# --- The endpoint table -----------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -225,7 +227,7 @@ async def test_endpoint_guard_hands_the_matched_path_on() -> None:
     assert exchange_of(inner).route.path == "/v1/chat/completions"
 
 
-# --- Authentication: keys and scopes ---------------------------------------------------
+# --- Keys and scopes ---------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -313,7 +315,7 @@ async def test_authentication_without_keys_required(
     assert s.logger.lines[-1]["key_name"] == key_name
 
 
-# --- KeyLimits: the per-key cap and rate limit ------------------------------------------
+# --- The per-key cap and rate limit ------------------------------------------
 
 
 class Held:
@@ -418,7 +420,7 @@ async def test_unauthenticated_requests_share_one_bucket() -> None:
     assert statuses == [200, 200, 429]
 
 
-# --- RequestContext: ids, the error renderer, the log line -----------------------------
+# --- Context: ids, the error renderer, the log line -----------------------------
 
 
 def _raises(exc: BaseException, after_start: bool = False) -> Any:
@@ -501,33 +503,6 @@ async def test_request_context_caps_the_header_count_first(
     assert (answer.status, answer.code) == (status, code), answer.body
     assert (answer.headers[b"x-request-id"] == b"mine") == (status == 200)
     assert len(s.inner.scopes) == (1 if status == 200 else 0)
-
-
-async def test_request_context_passes_other_scopes_through() -> None:
-    s = stack()
-    seen: list[str] = []
-
-    async def lifespan(scope: Scope, receive: Receive, send: Send) -> None:
-        seen.append(scope["type"])
-
-    # The inner middleware see only http scopes in the gateway; RequestContext itself
-    # must hand a lifespan scope on untouched.
-    context = RequestContext(
-        lifespan,
-        metrics=s.metrics,
-        logger=s.logger,
-        request_log=RequestLog(s.logger, fmt="console", level="info"),
-        max_headers=LimitsSettings().max_headers,
-    )
-
-    async def receive() -> Message:
-        return {"type": "lifespan.startup"}
-
-    async def send(message: Message) -> None:
-        raise AssertionError(message)
-
-    await context({"type": "lifespan"}, receive, send)
-    assert seen == ["lifespan"] and s.logger.lines == []
 
 
 async def test_request_context_counts_requests_and_the_gateways_own_refusals() -> None:

@@ -74,7 +74,7 @@ def test_default_burst_is_one_seconds_worth(rps: float, burst: int | None, capac
 
 @contextmanager
 def key_slot(a: Admission, key: ApiKey) -> Iterator[None]:
-    """A request of `key` in flight, as middleware.KeyLimits holds one."""
+    """A request of `key` in flight, as middleware.Front holds one."""
     a.enter_key(key)
     try:
         yield
@@ -154,7 +154,7 @@ def test_a_changed_rate_starts_a_full_bucket() -> None:
 
 def enter(a: Admission, key: ApiKey, weight: int) -> object:
     """A request of `key` whose body asks for `weight` sequences, admitted as
-    middleware.KeyLimits and the proxy admit it; the caller ends it with `leave`."""
+    middleware.Front and the proxy admit it; the caller ends it with `leave`."""
     a.enter_key(key)
     try:
         return asyncio.run(a.charge(key, weight, "n"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.access import endpoints
 from gateway.access.endpoints import TABLE, Action, BodyKind, Group, canonical_form, match
 
 FORWARDED = [
@@ -234,3 +235,13 @@ def test_path_tricks(path: str, action: Action) -> None:
 def test_canonical_form() -> None:
     assert canonical_form(b"//V1/./x/../Chat/completions/;a=b") == "/v1/chat/completions"
     assert canonical_form(b"/a%252fb") == "/a/b"
+
+
+def test_every_table_path_is_canonical_so_its_exact_lookup_is_the_full_check() -> None:
+    # `match` answers a table path from `_EXACT` without the checks: that is only the
+    # same answer if the checks would pass it through to the table unchanged.
+    for path, route in endpoints.TABLE.items():
+        raw = path.encode("ascii")
+        assert endpoints._CANONICAL.fullmatch(raw), path
+        assert endpoints.canonical_form(raw) == path, path
+        assert endpoints.match(raw) == endpoints.Match(route, path)

@@ -11,13 +11,14 @@ from typing import Any
 import pytest
 
 from gateway.access import throttle as throttle_module
+from gateway.access.admission import Admission
 from gateway.access.api_keys import KeyRing
 from gateway.access.clients import ClientAddresses
 from gateway.access.throttle import FailureThrottle, counted_as
 from gateway.app import create_app
 from gateway.config.key_file import ApiKeyConfig, build_keys
 from gateway.config.settings import LimitsSettings, Settings
-from gateway.middleware import Authentication, EndpointGuard, RequestContext
+from gateway.middleware import Front
 from gateway.observability.logging import RequestLog
 from gateway.observability.metrics import Metrics
 from tests.unit.test_middleware import Answer, Inner, call, samples
@@ -83,13 +84,18 @@ def stack(
     throttle = FailureThrottle(
         LIMIT, WINDOW, metrics=metrics, logger=logger, shared=shared, clock=lambda: clock[0]
     )
-    auth = Authentication(inner, keyring=keyring, public_metrics=public, throttle=throttle)
-    context = RequestContext(
-        EndpointGuard(auth, keyring=keyring),
+    context = Front(
+        proxy=inner,
+        local=inner,
+        models=inner,
         metrics=metrics,
         logger=logger,
         request_log=RequestLog(logger, fmt="console", level="info"),
         max_headers=64,
+        keyring=keyring,
+        admission=Admission(LimitsSettings(), metrics),
+        public_metrics=public,
+        throttle=throttle,
         clients=ClientAddresses(),
     )
     return Stack(context, inner, logger, metrics, throttle, keyring, clock)
