@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from gateway.access.endpoints import UNKNOWN, Route
 from gateway.config.key_file import ApiKey
-from gateway.types import Scope
+from gateway.types import Scope, Send
 
 # Prompt tokens, completion tokens: what an answer reports it used (proxy/usage.py).
 Usage = tuple[int, int]
@@ -38,6 +38,7 @@ class Exchange:
         "policy",
         "request_id",
         "route",
+        "send",
         "spilled",
         "started",
         "status",
@@ -80,6 +81,9 @@ class Exchange:
         # Seconds of audio a transcription or translation is metered (proxy/metering.py:
         # `Metering.audio_seconds`); None: none.
         self.audio_seconds: float | None = None
+        # The server's own `send`, for a response's body once its start went through the
+        # gateway's (middleware.Front: the status, X-Request-Id); None: that one.
+        self.send: Send | None = None
 
 
 def exchange_of(scope: Scope) -> Exchange:

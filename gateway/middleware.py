@@ -128,6 +128,7 @@ class Front:
             # request. The engine's id still starts with the client's, for the logs.
             ex.engine_request_id = f"{request_id}-{self.ids.new()[:16]}"
         scope[SCOPE_KEY] = ex
+        ex.send = send
         id_header = (b"x-request-id", request_id.encode("ascii"))
 
         async def send_with_id(message: Message) -> None:

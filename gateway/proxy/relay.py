@@ -223,6 +223,8 @@ class Relay:
         # A client that left: a JSON answer is generated whole before it is sent, its
         # usage at its end; a stream's unsent chunks carry the engine's latest counts.
         left_for = self.grace if sse else idle
+        # The start went through the gateway's send; the chunks go straight to the server.
+        send = ex.send or send
         watch.release()
         try:
             if ex.disconnected:
@@ -308,6 +310,8 @@ class Relay:
             reader.feed(chunk)
 
         finished = False
+        # The start went through the gateway's send; the chunks go straight to the server.
+        send = ex.send or send
         watch.release()
         try:
             if ex.disconnected:
