@@ -497,6 +497,7 @@ def cache_aware_row(
         cfg.direct_target(urls[0], engines[0].pid),
         cfg.gateway_target(gw.url, gw.pid, cache_aware.GATEWAY),
     ]
+    servers = [*engines, gw]
     for name, start in zip(
         cache_aware.ROUTERS, (fleet.vllm_router, fleet.sglang_router), strict=True
     ):
@@ -504,6 +505,7 @@ def cache_aware_row(
         if router is None:
             report.note(f"{name}: not installed, the cache-aware row goes without it")
         else:
+            servers.append(router)
             targets.append(Target(name, router.url, {}, router.pid))
     samples, block, warmup = (120, 24, 24) if cfg.quick else (3000, 240, 240)
     duration, repeats = (0.5, 1) if cfg.quick else (4.0, 3)
@@ -524,6 +526,9 @@ def cache_aware_row(
                 t.name: tput[t.name]["cpu_us_per_request_median"] for t in targets[1:]
             },
         }
+    # Stopped now: their health checks would run beside the image cases.
+    for server in servers:
+        server.stop()
     report.raw["cache_aware_row"] = figures
     return figures
 
