@@ -92,6 +92,10 @@ class _Collect:
         self.complete = True
 
 
+class _Stale(ConnectionError):
+    """The server closed the connection before any byte of the answer."""
+
+
 class KeepAliveClient:
     """A blocking HTTP/1.1 client over one keep-alive socket (TCP_NODELAY). Close it."""
 
@@ -117,10 +121,24 @@ class KeepAliveClient:
         self.close()
 
     def send(self, raw: bytes) -> Response:
+        """One request and its answer. A kept connection the server closed while it sat
+        idle (its keep-alive timeout, uvicorn's 5 s, runs out while other targets take
+        their turn) is replaced and the request sent again, as HTTP clients do; the
+        time is the second attempt's."""
+        reused = self._sock is not None
+        try:
+            return self._send(raw)
+        except _Stale:
+            if not reused:
+                raise
+            return self._send(raw)
+
+    def _send(self, raw: bytes) -> Response:
         sock = self._sock or self._connect()
         collect = _Collect()
         parser = collect.parser = httptools.HttpResponseParser(collect)
         started = time.perf_counter_ns()
+        received = False
         try:
             sock.sendall(raw)
             while not collect.complete:
@@ -128,9 +146,12 @@ class KeepAliveClient:
                 collect.now = time.perf_counter_ns()
                 if not data:
                     raise ConnectionError("server closed the connection")
+                received = True
                 parser.feed_data(data)
-        except (OSError, httptools.HttpParserError):
+        except (OSError, httptools.HttpParserError) as exc:
             self.close()
+            if not received and isinstance(exc, (ConnectionError, BrokenPipeError)):
+                raise _Stale(str(exc)) from exc
             raise
         done = time.perf_counter_ns()
         if not collect.keep_alive:
