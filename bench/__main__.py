@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bench.harness.realvllm.models import EMBED, MULTIMODAL
-from bench.suites.fleet import CpuPlan, RunConfig
+from bench.suites.fleet import CpuPlan, RunConfig, litellm_binary
 from bench.suites.real_engines import RealEngines, RealRunConfig, real_engines
 from bench.suites.report import RESULTS, Report, progress
 
@@ -59,7 +59,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="tiny sizes, a smoke run rather than a measurement: about half a minute to "
         "two minutes a suite, routing several (times in bench/README.md)",
     )
-    p.add_argument("--no-peers", action="store_true", help="skip nginx and vllm-router")
+    p.add_argument(
+        "--no-peers",
+        action="store_true",
+        help="skip the peer proxies (nginx, vllm-router, sglang-router, LiteLLM)",
+    )
+    p.add_argument(
+        "--litellm",
+        type=Path,
+        help="overhead: the LiteLLM proxy's `litellm` command (default: $BENCH_LITELLM, else "
+        "~/.cache/vllm-gateway/litellm-venv/bin/litellm; skipped when absent)",
+    )
     p.add_argument(
         "--images-only",
         action="store_true",
@@ -163,6 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "duration": args.duration,
             "images_only": args.images_only,
             "baseline_tree": args.baseline_tree,
+            "litellm": litellm_binary(args.litellm),
         }
         cfg = RunConfig(**fields) if real is None else RealRunConfig(**fields, real=real)
         if real is not None:

@@ -188,8 +188,8 @@ class Fleet:
         timeout: float = 60.0,
     ) -> Server | None:
         """vllm-router (PyPI) in front of the engines, or None when it is not installed."""
-        binary = Path(sys.executable).parent / "vllm-router"
-        if not binary.exists():
+        binary = peer_binary("vllm-router")
+        if binary is None:
             return None
         port = free_port()
         args = [str(binary), "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
@@ -201,6 +201,114 @@ class Fleet:
         server = Server(name, [*wrap, *args], port, log, cpus=self.cpus.proxy)
         server.ready_path = "/health"
         return self._start(server, timeout=timeout)
+
+    def sglang_router(
+        self,
+        engines: Sequence[str],
+        policy: str = "round_robin",
+        name: str = "sglang-router",
+        wrap: Sequence[str] = (),
+        timeout: float = 60.0,
+    ) -> Server | None:
+        """sglang-router (PyPI) in front of the engines, or None when it is not installed."""
+        binary = peer_binary("sglang-router")
+        if binary is None:
+            return None
+        port = free_port()
+        args = sglang_router_args(binary, port, engines, policy, free_port())
+        log = self.workdir / f"{name}-{port}.log"
+        server = Server(name, [*wrap, *args], port, log, cpus=self.cpus.proxy)
+        # Ready once every worker passed its health check (its /health answers before).
+        server.ready_path = "/readiness"
+        return self._start(server, timeout=timeout)
+
+    def litellm(
+        self,
+        engine: str,
+        model: str,
+        binary: Path | None,
+        name: str = "litellm",
+        timeout: float = 180.0,
+    ) -> Server | None:
+        """The LiteLLM proxy (its `litellm` command from `binary`, see `litellm_binary`)
+        in front of `engine` as an OpenAI-compatible backend serving `model`, or None when
+        it is not installed. Clients send `Authorization: Bearer LITELLM_KEY`."""
+        if binary is None:
+            return None
+        port = free_port()
+        folder = self.workdir / f"{name}-{port}"
+        folder.mkdir(parents=True, exist_ok=True)
+        conf = folder / "config.yaml"
+        conf.write_text(litellm_config(engine, model, LITELLM_KEY))
+        args = [str(binary), "--config", str(conf), "--host", "127.0.0.1", "--port", str(port)]
+        args += ["--num_workers", "1"]
+        env = clean_env(
+            {
+                # No download of the model price list and no telemetry: loopback only.
+                "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+                "LITELLM_TELEMETRY": "False",
+                "LITELLM_LOG": "ERROR",
+            }
+        )
+        server = Server(name, args, port, folder / "stdout.log", env=env, cpus=self.cpus.proxy)
+        server.ready_path = "/health/liveliness"
+        return self._start(server, timeout=timeout)
+
+
+def peer_binary(name: str) -> Path | None:
+    """A peer's command installed beside this Python (`pip install vllm-router
+    sglang-router`), or None."""
+    binary = Path(sys.executable).parent / name
+    return binary if binary.exists() else None
+
+
+def sglang_router_args(
+    binary: Path, port: int, engines: Sequence[str], policy: str, metrics_port: int
+) -> list[str]:
+    """sglang-router's command line (`sglang-router launch`, 0.3): one router on loopback,
+    its metrics listener on `metrics_port` (the default, 29000 on every interface, makes
+    a second router on the machine exit at start)."""
+    args = [str(binary), "launch", "--host", "127.0.0.1", "--port", str(port)]
+    args += ["--policy", policy, "--worker-urls", *engines, "--log-level", "warn"]
+    args += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
+    return args
+
+
+# The LiteLLM proxy refuses to start without a master key (every client must send it).
+LITELLM_KEY = "sk-bench-local-key-not-secret-0123456789abcdef"
+# Where the bench looks for LiteLLM when neither --litellm nor $BENCH_LITELLM says: a
+# venv of its own, so its many dependencies never touch the project's.
+LITELLM_VENV = Path.home() / ".cache" / "vllm-gateway" / "litellm-venv"
+
+
+def litellm_binary(explicit: Path | None = None) -> Path | None:
+    """The `litellm` command: `explicit`, else $BENCH_LITELLM, else LITELLM_VENV's; None
+    when that file does not exist."""
+    env = os.environ.get("BENCH_LITELLM")
+    path = explicit or (Path(env) if env else LITELLM_VENV / "bin" / "litellm")
+    return path if path.exists() else None
+
+
+def litellm_config(engine: str, model: str, master_key: str) -> str:
+    """LiteLLM's proxy configuration: `model` served by `engine` as an OpenAI-compatible
+    backend, clients authenticated by `master_key`. JSON, which is YAML too."""
+    config = {
+        "model_list": [
+            {
+                "model_name": model,
+                "litellm_params": {
+                    # The `openai/` prefix: any OpenAI-compatible server at api_base.
+                    "model": f"openai/{model}",
+                    "api_base": engine.rstrip("/") + "/v1",
+                    # The simulated engine takes no key; LiteLLM needs one to send.
+                    "api_key": "bench-engine-takes-no-key",
+                },
+            }
+        ],
+        "litellm_settings": {"telemetry": False},
+        "general_settings": {"master_key": master_key},
+    }
+    return json.dumps(config, indent=1)
 
 
 # One worker on one core, upstream keep-alive (without it every request opens a new
@@ -262,6 +370,8 @@ class RunConfig:
     images_only: bool = False
     # overhead: another checkout whose gateway runs beside this one's.
     baseline_tree: Path | None = None
+    # overhead: the LiteLLM proxy's `litellm` command (None: not installed, skipped).
+    litellm: Path | None = None
 
     @property
     def external(self) -> bool:

@@ -92,6 +92,10 @@ class _Collect:
         self.complete = True
 
 
+class _Stale(ConnectionError):
+    """The server closed the connection before any byte of the answer."""
+
+
 class KeepAliveClient:
     """A blocking HTTP/1.1 client over one keep-alive socket (TCP_NODELAY). Close it."""
 
@@ -117,10 +121,24 @@ class KeepAliveClient:
         self.close()
 
     def send(self, raw: bytes) -> Response:
+        """One request and its answer. A kept connection the server closed while it sat
+        idle (its keep-alive timeout, uvicorn's 5 s, runs out while other targets take
+        their turn) is replaced and the request sent again, as HTTP clients do; the
+        time is the second attempt's."""
+        reused = self._sock is not None
+        try:
+            return self._send(raw)
+        except _Stale:
+            if not reused:
+                raise
+            return self._send(raw)
+
+    def _send(self, raw: bytes) -> Response:
         sock = self._sock or self._connect()
         collect = _Collect()
         parser = collect.parser = httptools.HttpResponseParser(collect)
         started = time.perf_counter_ns()
+        received = False
         try:
             sock.sendall(raw)
             while not collect.complete:
@@ -128,9 +146,12 @@ class KeepAliveClient:
                 collect.now = time.perf_counter_ns()
                 if not data:
                     raise ConnectionError("server closed the connection")
+                received = True
                 parser.feed_data(data)
-        except (OSError, httptools.HttpParserError):
+        except (OSError, httptools.HttpParserError) as exc:
             self.close()
+            if not received and isinstance(exc, (ConnectionError, BrokenPipeError)):
+                raise _Stale(str(exc)) from exc
             raise
         done = time.perf_counter_ns()
         if not collect.keep_alive:
@@ -141,7 +162,7 @@ class KeepAliveClient:
 
 
 def interleaved_latency(
-    runs: Mapping[str, tuple[Target, bytes]],
+    runs: Mapping[str, tuple[Target, bytes | Sequence[bytes]]],
     samples: int,
     block: int = 100,
     warmup: int = 200,
@@ -149,28 +170,29 @@ def interleaved_latency(
 ) -> dict[str, dict[str, Any]]:
     """Latency in microseconds per target, sampled in alternating blocks (A, B, A, B).
 
-    Every target keeps its own keep-alive connection. Returns per target the samples,
+    Every target keeps its own keep-alive connection. A target given several requests
+    sends them in turn (one conversation after another). Returns per target the samples,
     status counts and the median of each block (the spread across blocks).
     """
     clients = {name: KeepAliveClient(t.host, t.port) for name, (t, _) in runs.items()}
+    raws = {name: itertools.cycle(in_turn(raw)) for name, (_, raw) in runs.items()}
     out: dict[str, dict[str, Any]] = {
         name: {"samples": [], "statuses": {}, "block_medians": [], "errors": 0} for name in runs
     }
     try:
-        for name, (_, raw) in runs.items():
+        for name in runs:
             for _ in range(warmup):
-                _safe_send(clients[name], raw, out[name])
+                _safe_send(clients[name], next(raws[name]), out[name])
         # Warm-up samples are thrown away.
         for rec in out.values():
             rec["samples"], rec["statuses"], rec["errors"] = [], {}, 0
         rounds = max(1, samples // block)
         for i in range(rounds):
-            for name, (_, raw) in runs.items():
-                block_samples = [
-                    us
-                    for us in (_safe_send(clients[name], raw, out[name]) for _ in range(block))
-                    if us is not None
-                ]
+            for name in runs:
+                sent = (
+                    _safe_send(clients[name], next(raws[name]), out[name]) for _ in range(block)
+                )
+                block_samples = [us for us in sent if us is not None]
                 out[name]["samples"].extend(block_samples)
                 if block_samples:
                     out[name]["block_medians"].append(statistics.median(block_samples))
@@ -180,6 +202,14 @@ def interleaved_latency(
         for c in clients.values():
             c.close()
     return out
+
+
+def in_turn(raw: bytes | Sequence[bytes]) -> list[bytes]:
+    """One request, or several sent in turn, as a list."""
+    listed = [raw] if isinstance(raw, bytes) else list(raw)
+    if not listed:
+        raise ValueError("no request to send")
+    return listed
 
 
 def _safe_send(client: KeepAliveClient, raw: bytes, rec: dict[str, Any]) -> float | None:
@@ -273,11 +303,24 @@ def wrk_available() -> bool:
 
 
 WRK_SCRIPT = """\
-local f = assert(io.open("{body}", "rb"))
+local bodies = {{}}
+for i, path in ipairs({{{bodies}}}) do
+  local f = assert(io.open(path, "rb"))
+  bodies[i] = f:read("*all")
+  f:close()
+end
 wrk.method = "{method}"
-wrk.body = f:read("*all")
-f:close()
+wrk.body = bodies[1]
 {headers}
+-- One body: wrk's own request, built once (a request() function costs wrk a Lua call a
+-- request). Several: each thread sends them in turn.
+if #bodies > 1 then
+  local sent = 0
+  request = function()
+    sent = sent % #bodies + 1
+    return wrk.format(nil, nil, nil, bodies[sent])
+  end
+end
 done = function(summary, latency, requests)
   local e = summary.errors
   io.write(string.format(
@@ -292,13 +335,19 @@ end
 @dataclass(frozen=True)
 class Load:
     """A throughput run: `connections` keep-alive connections sending `body` to `path`
-    for `duration` seconds, driven by one thread or process per usable CPU."""
+    for `duration` seconds, driven by one thread or process per usable CPU. Several
+    bodies (a tuple) are shared out: connection i sends body i modulo their number (the
+    Python generator), or each wrk thread sends them in turn."""
 
     path: str
-    body: bytes
+    body: bytes | tuple[bytes, ...]
     connections: int
     duration: float
     method: str = "POST"
+
+    @property
+    def bodies(self) -> list[bytes]:
+        return in_turn(self.body)
 
     @property
     def workers(self) -> int:
@@ -307,15 +356,21 @@ class Load:
 
 def run_wrk(target: Target, load: Load) -> LoadResult:
     """Throughput with wrk. wrk counts non-2xx/3xx answers as `status` errors."""
-    path, body, connections, duration = load.path, load.body, load.connections, load.duration
+    path, connections, duration = load.path, load.connections, load.duration
     with tempfile.TemporaryDirectory(prefix="bench-wrk-") as tmp:
-        body_path = Path(tmp) / "body"
-        body_path.write_bytes(body)
+        paths = []
+        for i, body in enumerate(load.bodies):
+            paths.append(Path(tmp) / f"body-{i}")
+            paths[-1].write_bytes(body)
         headers = {"Content-Type": "application/json", **target.headers}
         header_lines = "\n".join(f'wrk.headers["{k}"] = "{v}"' for k, v in headers.items())
         script = Path(tmp) / "req.lua"
         script.write_text(
-            WRK_SCRIPT.format(body=body_path, method=load.method, headers=header_lines)
+            WRK_SCRIPT.format(
+                bodies=", ".join(f'"{p}"' for p in paths),
+                method=load.method,
+                headers=header_lines,
+            )
         )
         args = [
             "wrk", "-t", str(load.workers), "-c", str(connections),
@@ -415,8 +470,9 @@ def elapsed(spans: Sequence[tuple[float, float]]) -> float:
 
 
 def _load_worker(
-    conn: Connection, host: str, port: int, raw: bytes, connections: int, duration: float
+    conn: Connection, host: str, port: int, raws: list[bytes], duration: float
 ) -> None:
+    """One process of the Python generator: a connection per request in `raws`."""
     import asyncio
 
     import uvloop
@@ -425,7 +481,7 @@ def _load_worker(
         loop = asyncio.get_running_loop()
         stats = _WorkerStats()
         protos: list[_LoadConn] = []
-        for _ in range(connections):
+        for raw in raws:
             done = loop.create_future()
             proto = _LoadConn(raw, stats, float("inf"), done)
             await loop.create_connection(lambda p=proto: p, host, port)  # type: ignore[misc]
@@ -449,14 +505,16 @@ def _load_worker(
 def run_python(target: Target, load: Load) -> LoadResult:
     """Throughput with the multi-process uvloop generator (raw keep-alive connections)."""
     connections, duration, processes = load.connections, load.duration, load.workers
-    raw = raw_request(target, load.path, load.body, load.method)
+    bodies = [raw_request(target, load.path, body, load.method) for body in load.bodies]
+    raws = [bodies[i % len(bodies)] for i in range(connections)]
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
     share = [connections // processes + (i < connections % processes) for i in range(processes)]
-    for n in share:
+    for first, n in zip(itertools.accumulate([0, *share]), share, strict=False):
         parent, child = ctx.Pipe()
+        mine = raws[first : first + n]
         proc = ctx.Process(
-            target=_load_worker, args=(child, target.host, target.port, raw, n, duration)
+            target=_load_worker, args=(child, target.host, target.port, mine, duration)
         )
         proc.start()
         child.close()

@@ -1,9 +1,13 @@
 """Suite `overhead`: what the gateway adds over talking to the engine directly.
 
-Direct, the gateway and (when installed) nginx and vllm-router sit in front of the same
-zero-latency simulated engine and are measured in one run, interleaved. Cases: small
-chat, streaming chat (first chunk, gaps), 64-sentence embeddings, a 1 MB `data:` image at
-each validation depth, and inline fetching from a loopback origin.
+Direct, the gateway and (when installed) the peers, nginx, vllm-router and sglang-router
+each with its round_robin and cache_aware policy, sit in front of the same zero-latency
+simulated engine and are measured in one run, interleaved. Cases: small chat, streaming
+chat (first chunk, gaps), 64-sentence embeddings, a 1 MB `data:` image at each validation
+depth, and inline fetching from a loopback origin. The LiteLLM proxy, some hundred times
+dearer, gets a case of its own with fewer requests; the cache-aware row
+(`bench/suites/cache_aware.py`) puts the gateway's affinity policy against the routers'
+cache_aware in front of two engines.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ from bench.harness.origin import RecordingServer, Route
 from bench.harness.process_tree import cpu_seconds
 from bench.harness.realvllm.launcher import Engine
 from bench.harness.server import Server
-from bench.suites import loadgen
-from bench.suites.fleet import Fleet, RunConfig, Target, discover_model
-from bench.suites.loadgen import KeepAliveClient, Load, LoadResult, raw_request
+from bench.suites import cache_aware, loadgen
+from bench.suites.fleet import LITELLM_KEY, Fleet, RunConfig, Target, discover_model
+from bench.suites.loadgen import KeepAliveClient, Load, LoadResult, in_turn, raw_request
 from bench.suites.real_engines import RealRunConfig
 from bench.suites.report import Report, fmt, paired_ratios, progress, spread
 
@@ -106,14 +110,15 @@ def latency_case(
     title: str,
     targets: Sequence[Target],
     path: str,
-    body: bytes,
+    body: bytes | Sequence[bytes],
     samples: int,
     block: int,
     warmup: int,
 ) -> dict[str, Any]:
-    """Interleaved latency at one connection; added p50/p99 against the first target."""
+    """Interleaved latency at one connection; added p50/p99 against the first target.
+    Several bodies are sent in turn."""
     progress(f"{title}: {samples} samples per target, blocks of {block}")
-    runs = {t.name: (t, raw_request(t, path, body)) for t in targets}
+    runs = {t.name: (t, [raw_request(t, path, b) for b in in_turn(body)]) for t in targets}
     result = loadgen.interleaved_latency(runs, samples, block, warmup, progress)
     base_name = targets[0].name
     base = spread(result[base_name]["samples"])
@@ -230,14 +235,17 @@ def streaming_case(
 def throughput_case(
     report: Report,
     targets: Sequence[Target],
-    body: bytes,
+    body: bytes | tuple[bytes, ...],
     connections: int,
     duration: float,
     repeats: int,
     generator: loadgen.Generator,
+    title: str = "Small chat throughput",
+    key: str = "throughput",
 ) -> dict[str, Any]:
-    """Throughput and CPU per request, repeated A, B, C, A, B, C; ratios to direct."""
-    progress(f"throughput at {connections} connections: {repeats} x {duration}s per target")
+    """Throughput and CPU per request, repeated A, B, C, A, B, C; ratios to direct. The
+    table is `title` at N connections, the raw figures `key`_N."""
+    progress(f"{title} at {connections} connections: {repeats} x {duration}s per target")
     # Warm-up: a short run each, thrown away.
     for t in targets:
         generator(t, Load(CHAT, body, connections, min(1.0, duration)))
@@ -276,7 +284,7 @@ def throughput_case(
             ]
         )
     report.table(
-        f"Small chat throughput at {connections} connections",
+        f"{title} at {connections} connections",
         [
             "target",
             "req/s p50",
@@ -291,7 +299,7 @@ def throughput_case(
         "CPU per request: utime+stime of the target's process tree (/proc/<pid>/stat) over "
         "the run; for `direct` that is the engine's own cost.",
     )
-    report.raw[f"throughput_{connections}"] = raw
+    report.raw[f"{key}_{connections}"] = raw
     return raw
 
 
@@ -339,19 +347,9 @@ def run(cfg: RunConfig, report: Report) -> None:
         report.meta["model"] = model
 
         peers: list[Target] = []
-        if cfg.peers and not cfg.external and not isinstance(cfg, RealRunConfig):
-            nginx = fleet.nginx(direct.url)
-            if nginx is None:
-                report.note("nginx: not installed (apt-get install nginx-light), skipped")
-            else:
-                peers.append(Target("nginx", nginx.url, {}, nginx.pid))
-            router = fleet.vllm_router([direct.url])
-            if router is None:
-                report.note(
-                    "vllm-router: not installed (.venv/bin/pip install vllm-router), skipped"
-                )
-            else:
-                peers.append(Target("vllm-router", router.url, {}, router.pid))
+        with_peers = cfg.peers and not cfg.external and not isinstance(cfg, RealRunConfig)
+        if with_peers:
+            peers = start_peers(report, fleet, direct.url)
         elif not cfg.peers:
             report.note("peers: skipped (--no-peers)")
         if cfg.baseline_tree is not None and gen_gateway is not None:
@@ -392,12 +390,161 @@ def run(cfg: RunConfig, report: Report) -> None:
                 report, targets, chat, conns, duration, repeats, generator
             )
 
+        litellm: dict[str, Any] = {}
+        row: dict[str, dict[str, dict[str, float | None]]] = {}
+        if with_peers:
+            litellm = litellm_case(cfg, report, fleet, direct, gateway, model, generator)
+            row = cache_aware_row(cfg, report, fleet, model, generator)
+
         images = image_cases(cfg, report, fleet, direct, gateway, model)
 
     goals(report, small, stream, tput)
+    if with_peers:
+        cache_aware.goals(report, row)
+        peer_goal(report, small, litellm)
     against_baseline(report, small, stream, tput)
     image_goals(report, images)
     plots(report, small, stream, tput)
+
+
+# Each peer: its target name, how the fleet starts it in front of one engine, and how
+# to install it (a peer not installed is skipped with this note).
+PEERS: tuple[tuple[str, Callable[[Fleet, str], Server | None], str], ...] = (
+    ("nginx", lambda f, e: f.nginx(e), "apt-get install nginx-light"),
+    ("vllm-router", lambda f, e: f.vllm_router([e]), ".venv/bin/pip install vllm-router"),
+    (
+        "vllm-router cache_aware",
+        lambda f, e: f.vllm_router([e], "cache_aware", "vllm-router-cache-aware"),
+        ".venv/bin/pip install vllm-router",
+    ),
+    ("sglang-router", lambda f, e: f.sglang_router([e]), ".venv/bin/pip install sglang-router"),
+    (
+        "sglang-router cache_aware",
+        lambda f, e: f.sglang_router([e], "cache_aware", "sglang-router-cache-aware"),
+        ".venv/bin/pip install sglang-router",
+    ),
+)
+LITELLM = "litellm"
+LITELLM_INSTALL = (
+    "python3 -m venv ~/.cache/vllm-gateway/litellm-venv && "
+    "~/.cache/vllm-gateway/litellm-venv/bin/pip install 'litellm[proxy]', or --litellm PATH"
+)
+
+
+def start_peers(report: Report, fleet: Fleet, engine: str) -> list[Target]:
+    """The peers in front of `engine` (vllm-router and sglang-router with round_robin
+    under their own names), each pinned like the gateway; the ones not installed are
+    skipped with a note."""
+    peers = []
+    for name, start, install in PEERS:
+        server = start(fleet, engine)
+        if server is None:
+            report.note(f"{name}: not installed ({install}), skipped")
+        else:
+            peers.append(Target(name, server.url, {}, server.pid))
+    return peers
+
+
+def litellm_case(
+    cfg: RunConfig,
+    report: Report,
+    fleet: Fleet,
+    direct: Target,
+    gateway: Target,
+    model: str,
+    generator: loadgen.Generator,
+) -> dict[str, Any]:
+    """The LiteLLM proxy beside direct and the gateway, with its own small request count
+    (some hundred times dearer than the others: the main cases' counts would take most
+    of an hour): small chat at one connection, and throughput at 64 connections."""
+    server = fleet.litellm(direct.url, model, cfg.litellm)
+    if server is None:
+        report.note(f"{LITELLM}: not installed ({LITELLM_INSTALL}), skipped")
+        return {}
+    proxy = Target(LITELLM, server.url, {"Authorization": f"Bearer {LITELLM_KEY}"}, server.pid)
+    targets = [direct, gateway, proxy]
+    samples, block, warmup = (20, 10, 5) if cfg.quick else (400, 40, 40)
+    small = latency_case(
+        report, "LiteLLM: small chat at 1 connection", targets, CHAT, small_chat(model),
+        samples, block, warmup,
+    )  # fmt: skip
+    duration, repeats = (0.5, 1) if cfg.quick else (4.0, 2)
+    tput = throughput_case(
+        report, targets, small_chat(model), 64, duration, repeats, generator,
+        "LiteLLM: small chat throughput", "litellm_throughput",
+    )  # fmt: skip
+    server.stop()
+    return {"small": small, "throughput_64": tput}
+
+
+def cache_aware_row(
+    cfg: RunConfig, report: Report, fleet: Fleet, model: str, generator: loadgen.Generator
+) -> dict[str, dict[str, dict[str, float | None]]]:
+    """Issue 30's goal 1 (bench/suites/cache_aware.py): the gateway with affinity against
+    the cache_aware routers, all in front of the same two fresh engines, on 12
+    conversations under one system prompt; direct is the first engine. Returns
+    `figures[case][figure][target]` for `cache_aware.goals`."""
+    progress("cache-aware row: two more simulated engines, the gateway with affinity, routers")
+    engines = fleet.at_once(
+        *(
+            partial(fleet.sim, "--latency", "zero", "--runner", "generate", name=f"sim-{n}")
+            for n in ("a", "b")
+        )
+    )
+    urls = [e.url for e in engines]
+    gw = fleet.gateway(urls, cache_aware.GATEWAY_ENV, name="gateway-affinity")
+    targets = [
+        cfg.direct_target(urls[0], engines[0].pid),
+        cfg.gateway_target(gw.url, gw.pid, cache_aware.GATEWAY),
+    ]
+    servers = [*engines, gw]
+    for name, start in zip(
+        cache_aware.ROUTERS, (fleet.vllm_router, fleet.sglang_router), strict=True
+    ):
+        router = start(urls, "cache_aware", name.replace(" ", "-"))
+        if router is None:
+            report.note(f"{name}: not installed, the cache-aware row goes without it")
+        else:
+            servers.append(router)
+            targets.append(Target(name, router.url, {}, router.pid))
+    samples, block, warmup = (120, 24, 24) if cfg.quick else (3000, 240, 240)
+    duration, repeats = (0.5, 1) if cfg.quick else (4.0, 3)
+    figures: dict[str, dict[str, dict[str, float | None]]] = {}
+    for case, (stream, tokens) in cache_aware.CASES.items():
+        bodies = cache_aware.bodies(model, stream, tokens)
+        title = f"Cache-aware row, {case}: {cache_aware.CONVERSATIONS} conversations, 2 engines"
+        raw = latency_case(
+            report, f"{title}, at 1 connection", targets, CHAT, bodies, samples, block, warmup
+        )
+        tput = throughput_case(
+            report, targets, bodies, 64, duration, repeats, generator, title,
+            f"cache_aware_{case.replace(' ', '_')}",
+        )  # fmt: skip
+        figures[case] = {
+            "added p50": {t.name: raw[t.name]["added_us"]["p50"] for t in targets[1:]},
+            "CPU per request at 64 connections": {
+                t.name: tput[t.name]["cpu_us_per_request_median"] for t in targets[1:]
+            },
+        }
+    # Stopped now: their health checks would run beside the image cases.
+    for server in servers:
+        server.stop()
+    report.raw["cache_aware_row"] = figures
+    return figures
+
+
+def peer_goal(report: Report, small: dict[str, Any], litellm: dict[str, Any]) -> None:
+    """Issue 30, goal 4: every peer measured beside the gateway in this run."""
+    names = [name for name, _, _ in PEERS] + [LITELLM]
+    measured = [n for n in names if n in small or (n == LITELLM and litellm)]
+    missing = [n for n in names if n not in measured]
+    report.goal(
+        "issue 30 goal 4: every peer measured in the same run",
+        ", ".join(names),
+        ", ".join(measured) or "none",
+        not missing,
+        f"not installed: {', '.join(missing)}" if missing else "",
+    )
 
 
 def image_cases(
@@ -684,15 +831,7 @@ def against_router(
 ) -> None:
     """A goal that the gateway's `gateway` is no more than vllm-router's `router`,
     both measured in this run."""
-    report.goal(
-        name,
-        "<= vllm-router",
-        f"{fmt(gateway)} {unit} vs {fmt(router)} {unit}",
-        None if gateway is None or router is None else gateway <= router,
-        "vllm-router not measured"
-        if router is None
-        else ("" if gateway is None or gateway <= router else f"by {gateway - router:.0f} {unit}"),
-    )
+    cache_aware.against_peer(report, name, "vllm-router", gateway, router, unit)
 
 
 def image_against_baseline(report: Report, figures: dict[str, Any]) -> None:
@@ -806,12 +945,13 @@ def plots(
         ax.bar([x - 0.2 for x in xs], p50, 0.4, label="added p50")
         ax.bar([x + 0.2 for x in xs], p99, 0.4, label="added p99")
         ax.axhline(GOAL_ADDED_P50_US, color="red", linestyle="--", label="goal p50")
-        ax.set_xticks(list(xs), names)
+        # Seven targets with the peers: slanted names stay apart.
+        ax.set_xticks(list(xs), names, rotation=20, ha="right")
         ax.set_ylabel("microseconds over direct")
         ax.set_title("Small chat, 1 connection: latency added over direct")
         ax.legend()
 
-    report.plot("overhead_added_latency", added)
+    report.plot("overhead_added_latency", added, size=(9, 4.5))
 
     def throughput(ax: Any) -> None:
         conns = sorted(tput)
@@ -833,12 +973,13 @@ def plots(
         ax.legend()
 
     if tput:
-        report.plot("overhead_throughput", throughput)
+        report.plot("overhead_throughput", throughput, size=(9, 4.5))
 
     def first_chunk(ax: Any) -> None:
         ns = list(stream)
         ax.bar(ns, [stream[n]["first_chunk_us"].get("median", 0) for n in ns])
+        ax.set_xticks(range(len(ns)), ns, rotation=20, ha="right")
         ax.set_ylabel("time to first chunk p50, us")
         ax.set_title("Streaming chat, 1 connection")
 
-    report.plot("overhead_first_chunk", first_chunk)
+    report.plot("overhead_first_chunk", first_chunk, size=(9, 4.5))

@@ -17,8 +17,11 @@ REQUEST = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
 class Answering:
     """A loopback server answering every request with `answer`, counting connections."""
 
-    def __init__(self, answer: bytes) -> None:
+    def __init__(self, answer: bytes, close_idle: bool = False) -> None:
         self.answer = answer
+        # Close every connection after its answer without saying so, as a server whose
+        # keep-alive timeout ran out while the client sat idle.
+        self.close_idle = close_idle
         self.accepted = 0
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
@@ -44,7 +47,7 @@ class Answering:
                 while b"\r\n\r\n" in buffer:
                     _, buffer = buffer.split(b"\r\n\r\n", 1)
                     conn.sendall(self.answer)
-                    if b"connection: close" in self.answer.lower():
+                    if self.close_idle or b"connection: close" in self.answer.lower():
                         return
 
 
@@ -75,3 +78,29 @@ def test_one_connection_while_the_server_keeps_it(
             response = client.send(REQUEST)
             assert (response.status, response.body) == (200, b"ok")
     assert server.accepted == connections
+
+
+def test_a_connection_the_server_closed_while_idle_is_replaced(
+    servers: list[Answering],
+) -> None:
+    server = Answering(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", close_idle=True)
+    servers.append(server)
+    with KeepAliveClient("127.0.0.1", server.port, timeout=10) as client:
+        for _ in range(5):
+            response = client.send(REQUEST)
+            assert (response.status, response.body) == (200, b"ok")
+    assert server.accepted == 5
+
+
+def test_a_fresh_connection_closed_before_the_answer_is_an_error(
+    servers: list[Answering],
+) -> None:
+    server = Answering(b"", close_idle=True)
+    servers.append(server)
+    with (
+        KeepAliveClient("127.0.0.1", server.port, timeout=10) as client,
+        pytest.raises(ConnectionError),
+    ):
+        client.send(REQUEST)
+    # Sent once: a connection just opened is not retried.
+    assert server.accepted == 1
