@@ -35,6 +35,10 @@ PARSED_WIDE_HEADER = 32
 # then 2 for any other non-ASCII byte or `\u` escape (an upper bound). One emoji in
 # a 30 MiB ASCII string makes it 120 MiB.
 _FOUR_BYTE_CHARS = re.compile(rb"[\xf0-\xf4]|\\u[dD][89abAB]")
+# Every byte but the four that can make an object: deleting them leaves those four, which
+# are then counted in a fraction of the body (one pass instead of four; callgrind, a
+# 6.4 KB chat: 102K instructions instead of 171K).
+_NOT_OBJECT_BYTES = bytes(b for b in range(256) if b not in b"[{,:")
 
 
 def parsed_size(raw: bytes) -> int:
@@ -48,13 +52,13 @@ def parsed_size(raw: bytes) -> int:
     else:
         width = 4 if _FOUR_BYTE_CHARS.search(raw) is not None else 2
         header = PARSED_WIDE_HEADER
-    lists, dicts, items = raw.count(b"["), raw.count(b"{"), raw.count(b",")
+    marks = raw.translate(None, _NOT_OBJECT_BYTES)
     size = (
         width * len(raw)
-        + PARSED_PER_LIST * lists
-        + PARSED_PER_DICT * dicts
-        + (PARSED_PER_ITEM + header) * items
-        + (PARSED_PER_MEMBER + header) * raw.count(b":")
+        + PARSED_PER_LIST * marks.count(b"[")
+        + PARSED_PER_DICT * marks.count(b"{")
+        + (PARSED_PER_ITEM + header) * marks.count(b",")
+        + (PARSED_PER_MEMBER + header) * marks.count(b":")
     )
     return size
 

@@ -8,10 +8,13 @@ from typing import Any
 
 import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from bench.suites.parsed_memory import held, shapes
 from gateway.config.settings import LimitsSettings, TimeoutSettings
 from gateway.errors import RequestTimeout
+from gateway.proxy import footprint
 from gateway.proxy.body import read_body
 from gateway.proxy.footprint import held_by, parsed_size
 from gateway.server.limits import BodyPace, ConnectionGuard
@@ -127,3 +130,20 @@ def test_the_parsed_body_charged_covers_what_the_parse_holds(name: str) -> None:
     real = held(raw)
     assert parsed_size(raw) >= real
     assert held_by(orjson.loads(raw), raw) >= real
+
+
+@given(st.binary(max_size=512))
+def test_parsed_size_counts_each_object_byte_of_any_body(raw: bytes) -> None:
+    # The four bytes counted in one pass are each counted as a pass of its own would.
+    f = footprint
+    wide = not (raw.isascii() and raw.find(b"\\u") < 0)
+    width = 1 if not wide else 4 if f._FOUR_BYTE_CHARS.search(raw) else 2
+    header = f.PARSED_WIDE_HEADER if wide else 0
+    expected = (
+        width * len(raw)
+        + f.PARSED_PER_LIST * raw.count(b"[")
+        + f.PARSED_PER_DICT * raw.count(b"{")
+        + (f.PARSED_PER_ITEM + header) * raw.count(b",")
+        + (f.PARSED_PER_MEMBER + header) * raw.count(b":")
+    )
+    assert parsed_size(raw) == expected
