@@ -231,13 +231,14 @@ def test_reference_reproduces_the_seed_measurements(reference: dict[str, Any]) -
     assert len(steps) == 6
     for step in steps.values():
         assert step["direct_ms"]["median"] > 0 and step["gateway_ms"]["median"] > 0
-    # A calibrated engine answers a new 896 image much slower than a cached one.
-    assert (
-        steps["896 new image"]["direct_ms"]["median"]
-        > 3 * (steps["896 same image and question"]["direct_ms"]["median"])
-    )
+    # The engine saw each new image once and found it cached for the two steps after
+    # (its own counters, as the GPU reference's 20 of 30): a step's timing is the
+    # report's to show, not a test's to bound.
+    statuses = raw["image_ttft"]["statuses"]
+    answered = sum(statuses["direct"].values()) + sum(statuses["gateway"].values())
+    assert statuses["direct"] == statuses["gateway"] == {"200": answered // 2}
     hits, queries = raw["image_ttft"]["mm_cache"]
-    assert 0 < hits < queries
+    assert queries == answered and 3 * hits == 2 * queries
     rerank = raw["rerank: 1 query, 32 documents"]
     assert rerank["direct"]["check"].startswith("matching document first")
     ssrf = {(r["target"], r["probe"]): r for r in raw["ssrf"]}
