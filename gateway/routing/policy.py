@@ -221,13 +221,13 @@ class Affinity:
         raise AssertionError("the last candidate always decides")  # pragma: no cover
 
     def order(self, request: RoutingRequest, engines: Sequence[E]) -> list[E]:
-        anchor, ordered, _ = self._decide(request, engines, count=True)
+        anchor, ordered, _, _ = self._decide(request, engines, count=True)
         return self._bound(request, anchor, ordered)
 
     def peek(self, request: RoutingRequest, engines: Sequence[E]) -> list[E]:
         """The order `order` would return, counting nothing: what this process would
         decide, asked without changing what it has counted."""
-        anchor, ordered, _ = self._decide(request, engines, count=False)
+        anchor, ordered, _, _ = self._decide(request, engines, count=False)
         return self._bound(request, anchor, ordered)
 
     async def choose(self, request: RoutingRequest, engines: Sequence[E]) -> Decision[E]:
@@ -240,7 +240,7 @@ class Affinity:
         store = self.store
         if store is None or len(engines) < 2:
             return self.order(request, engines)
-        anchor, ordered, choices = self._decide(request, engines, count=True)
+        anchor, ordered, choices, candidates = self._decide(request, engines, count=True)
         if anchor is None:
             return ordered
         url = await store.place(
@@ -248,6 +248,7 @@ class Affinity:
             [e.url for e in engines],
             [e.url for e in choices],
             request.key_digest,
+            conversation_of(candidates, anchor),
         )
         if url is not None and url != ordered[0].url:
             for i, e in enumerate(ordered):
@@ -258,22 +259,22 @@ class Affinity:
 
     def _decide(
         self, request: RoutingRequest, engines: Sequence[E], count: bool
-    ) -> tuple[Anchor | None, list[E], list[E]]:
+    ) -> tuple[Anchor | None, list[E], list[E], list[Anchor]]:
         """`narrow` over the request's candidates, which it counts for the hot prefixes
         when `count` (a session's anchor is not counted): the decision `order`, `peek`
-        and `choose` share, before the store and the load bound. A request without
-        candidates (no prompt) gets no anchor and its final order: round robin when
-        counting, the engines as given when not."""
+        and `choose` share, before the store and the load bound; and the candidates. A
+        request without candidates (no prompt) gets no anchor and its final order: round
+        robin when counting, the engines as given when not."""
         if not engines:
-            return None, [], []
+            return None, [], [], []
         candidates = self._candidates(request)
         if not candidates:
             ordered = self._fallback.order(request, engines) if count else list(engines)
-            return None, ordered, ordered
-        decision = self.narrow(candidates, engines)
-        if count and decision[0].kind is not AnchorKind.session:
+            return None, ordered, ordered, candidates
+        anchor, ordered, choices = self.narrow(candidates, engines)
+        if count and anchor.kind is not AnchorKind.session:
             self._hot.observe(candidates)
-        return decision
+        return anchor, ordered, choices, candidates
 
     def _bound(self, request: RoutingRequest, anchor: Anchor | None, ordered: list[E]) -> list[E]:
         """Records the decision on the request, then applies the load bound; an order
@@ -288,6 +289,20 @@ class Affinity:
             ordered.insert(0, ordered.pop(index))
             request.spilled = True
         return ordered
+
+
+def conversation_of(candidates: Sequence[Anchor], anchor: Anchor) -> bytes | None:
+    """The digest of the request's first user message when a shorter candidate
+    (`anchor`: a system prompt or an image not spread here) decides, else None. Its
+    turns all carry it, whichever anchor decides in whichever replica: the shared store
+    keeps a conversation where its first turn went by it (store.py)."""
+    decided = False
+    for candidate in candidates:
+        if candidate is anchor:
+            decided = True
+        elif candidate.kind is AnchorKind.first_user:
+            return candidate.digest if decided else None
+    return None
 
 
 def make_policy(settings: RoutingSettings, store: StoreClient | None = None) -> Policy:

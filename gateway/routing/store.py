@@ -13,11 +13,21 @@ One round trip per request: a Lua script, atomic on the Redis server, so concurr
 replicas cannot record two placements for one anchor (the first script to run records
 it, the later ones read it). It reads the anchor's engine and, when that is still
 eligible (healthy, serving the model), refreshes its TTL; otherwise places it anew;
-then counts the request for the engine. Keys (`<prefix>` is `store_prefix`, so
-deployments can share a Redis):
+then counts the request for the engine.
+
+A conversation is kept where its first turn went, whichever anchor decided there: when
+the deciding anchor is shorter than the request's first user message (a system prompt
+that this process does not count as hot, or an image it does not), the first user
+message's record is read first and used when eligible, and a new one is recorded with
+the engine chosen. So a replica that has not yet seen a prompt shared (it started a
+moment ago) sends a conversation's turns where a replica that has seen it sent the
+first, and the other way round (docs/routing.md, "A new replica"). Keys (`<prefix>` is
+`store_prefix`, so deployments can share a Redis):
 
     <prefix>:a:<anchor digest, hex>   hash: the engine's URL, the anchor's remaining
-                                      credit and its time; TTL store_ttl, refreshed
+                                      credit, its time and the key that placed it;
+                                      TTL store_ttl, refreshed (a conversation's
+                                      record: the same, without credit)
     <prefix>:engines                  hash: per engine URL its decayed requests, credit
                                       and time; the mean requests per anchor
     <prefix>:k:<key digest's first 8 bytes, hex>:anchors
@@ -42,13 +52,14 @@ from collections.abc import Sequence
 from gateway.routing.settings import RoutingSettings
 from gateway.store.client import StoreClient
 
-# KEYS: the anchor's hash, the engines' hash, the request key's anchors (a sorted set).
-# ARGV: the anchor's TTL (ms), the decay time constant (s), the engines' hash TTL (ms),
-# the key's digest (hex), the anchors a key may hold, the anchor's digest (hex), the
-# store's prefix with its colon, the number of eligible engines E, the E eligible URLs,
-# then the URLs a new anchor may go to, best (rendezvous) first. Returns the engine's
-# URL, 1 if the placement was read (0 if made here), and the number of the key's
-# anchors deleted for the bound.
+# KEYS: the anchor's hash, the engines' hash, the request key's anchors (a sorted set),
+# and the conversation's hash (the first user message's; the anchor's own when that
+# decided). ARGV: the anchor's TTL (ms), the decay time constant (s), the engines'
+# hash TTL (ms), the key's digest (hex), the anchors a key may hold, the anchor's digest
+# (hex), the store's prefix with its colon, the conversation's digest (hex), the number
+# of eligible engines E, the E eligible URLs, then the URLs a new anchor may go to, best
+# (rendezvous) first. Returns the engine's URL, 1 if the placement was read (0 if made
+# here), and the number of the key's anchors deleted for the bound.
 #
 # An engine's expected load is its recent requests plus the credit of its anchors,
 # both decaying with the time constant: a new anchor brings a credit of the mean
@@ -76,24 +87,56 @@ local owner = ARGV[4]
 local bound = tonumber(ARGV[5])
 local anchor = ARGV[6]
 local prefix = ARGV[7]
-local home = redis.call('HMGET', KEYS[1], 'u', 'c', 't', 'k')
-local n = tonumber(ARGV[8])
-local first = 9
-local chosen = false
-local credit = 0
-if home[1] then
+local talk = ARGV[8]
+local n = tonumber(ARGV[9])
+local first = 10
+local function eligible(url)
+  if not url then return false end
   for i = first, first - 1 + n do
-    if ARGV[i] == home[1] then
-      chosen = home[1]
-      credit = decayed(tau, home[2], home[3])
-      break
-    end
+    if ARGV[i] == url then return true end
   end
+  return false
+end
+local function touch(name, placer)
+  if placer ~= owner then
+    local theirs = prefix .. 'k:' .. placer .. ':anchors'
+    redis.call('ZADD', theirs, 'XX', now, name)
+    redis.call('PEXPIRE', theirs, ARGV[1])
+  else
+    redis.call('ZADD', KEYS[3], now, name)
+  end
+end
+local function count(url, e, engine_credit, requests, anchors)
+  redis.call('HSET', KEYS[2],
+    'r' .. url, decayed(tau, e[1], e[3]) + 1, 'c' .. url, engine_credit, 't' .. url, now,
+    'R', requests + 1, 'A', anchors, 'T', now)
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
 end
 local g = redis.call('HMGET', KEYS[2], 'R', 'A', 'T')
 local long = 10 * tau
 local requests = decayed(long, g[1], g[3])
 local anchors = decayed(long, g[2], g[3])
+local held = false
+if talk ~= anchor then
+  held = redis.call('HMGET', KEYS[4], 'u', 'k')
+  if eligible(held[1]) then
+    local url = held[1]
+    local e = redis.call('HMGET', KEYS[2], 'r' .. url, 'c' .. url, 't' .. url)
+    count(url, e, decayed(tau, e[2], e[3]), requests, anchors)
+    redis.call('HSET', KEYS[4], 't', now)
+    redis.call('PEXPIRE', KEYS[4], ARGV[1])
+    touch(talk, held[2] or owner)
+    redis.call('PEXPIRE', KEYS[3], ARGV[1])
+    return {url, 1, 0}
+  end
+end
+local home = redis.call('HMGET', KEYS[1], 'u', 'c', 't', 'k')
+local chosen = false
+local credit = 0
+if eligible(home[1]) then
+  chosen = home[1]
+  credit = decayed(tau, home[2], home[3])
+end
 local found = 1
 local e = nil
 if not chosen then
@@ -120,20 +163,20 @@ if found == 0 then engine_credit = engine_credit + credit end
 local used = math.min(1, credit)
 credit = credit - used
 engine_credit = math.max(0, engine_credit - used)
-redis.call('HSET', KEYS[2],
-  'r' .. chosen, decayed(tau, e[1], e[3]) + 1, 'c' .. chosen, engine_credit, 't' .. chosen, now,
-  'R', requests + 1, 'A', anchors, 'T', now)
-redis.call('PEXPIRE', KEYS[2], ARGV[3])
+count(chosen, e, engine_credit, requests, anchors)
 local placer = home[4] or owner
 redis.call('HSET', KEYS[1], 'u', chosen, 'c', credit, 't', now, 'k', placer)
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
+touch(anchor, placer)
+if held then
+  -- The conversation's record: where its turns go from now on, in every replica.
+  local talker = held[2] or owner
+  redis.call('HSET', KEYS[4], 'u', chosen, 't', now, 'k', talker)
+  redis.call('PEXPIRE', KEYS[4], ARGV[1])
+  touch(talk, talker)
+end
 local dropped = 0
-if placer ~= owner then
-  local theirs = prefix .. 'k:' .. placer .. ':anchors'
-  redis.call('ZADD', theirs, 'XX', now, anchor)
-  redis.call('PEXPIRE', theirs, ARGV[1])
-else
-  redis.call('ZADD', KEYS[3], now, anchor)
+if placer == owner or (held and (held[2] or owner) == owner) then
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. (now - tonumber(ARGV[1]) / 1000))
   local over = redis.call('ZCARD', KEYS[3]) - bound
   if over > 0 then
@@ -188,25 +231,31 @@ class PlacementStore:
         eligible: Sequence[str],
         choices: Sequence[str],
         key_digest: bytes | None = None,
+        conversation: bytes | None = None,
     ) -> str | None:
-        """The engine URL for `anchor`: its recorded engine when that is in `eligible`,
-        else the least busy of `choices` (best first), recorded, and counted among the
-        anchors of the key of `key_digest` (requests without a key count as one key).
-        None: the store is unavailable, decide without it."""
+        """The engine URL for `anchor`: the recorded engine of `conversation` (the
+        request's first user message, when shorter anchors decided) when that is in
+        `eligible`; else the anchor's recorded engine when that is; else the least busy
+        of `choices` (best first), recorded. A new placement is recorded for the
+        conversation too, and counted among the anchors of the key of `key_digest`
+        (requests without a key count as one key). None: the store is unavailable,
+        decide without it."""
         if not self.client.usable():
             self.fallback += 1
             return None
         name = anchor.hex()
+        talk = name if conversation is None else conversation.hex()
         # A key is named by 64 bits of its digest (the limits' keys use all of it):
         # enough to tell the operator's keys apart, and 48 bytes less per anchor.
         owner = key_digest[:8].hex() if key_digest else "anonymous"
         args = [self._ttl_ms, self._decay, self._engines_ttl_ms]
-        args += [owner, self._bound, name, self._prefix, str(len(eligible))]
+        args += [owner, self._bound, name, self._prefix, talk, str(len(eligible))]
         args += [*eligible, *choices]
         keys = [
             self._anchor_prefix + name,
             self._engines_key,
             f"{self._prefix}k:{owner}:anchors",
+            self._anchor_prefix + talk,
         ]
 
         async def call() -> tuple[str, bool]:

@@ -93,11 +93,13 @@ def replicas(
     return [start_gateway(tmp, engines, keys=keys, **routing) for _ in range(count)]
 
 
-def chat(conversation: str, turns: int) -> dict[str, Any]:
-    """A conversation with its own system prompt, `turns` user turns long."""
-    messages: list[dict[str, Any]] = [
-        {"role": "system", "content": f"You are the assistant of conversation {conversation}."}
-    ]
+def chat(conversation: str, turns: int, system: str | None = "") -> dict[str, Any]:
+    """A conversation `turns` user turns long, under its own system prompt (`system`
+    empty), a shared one, or none (None)."""
+    messages: list[dict[str, Any]] = []
+    if system is not None:
+        prompt = system or f"You are the assistant of conversation {conversation}."
+        messages.append({"role": "system", "content": prompt})
     for i in range(turns):
         if i:
             messages.append({"role": "assistant", "content": f"Answer {i}."})
@@ -287,7 +289,8 @@ def test_one_keys_new_prefixes_displace_only_its_own_placements(
     tmp: Path, engines: list[Proc], redis: RedisServer
 ) -> None:
     """routing.store_anchors_per_key 4, two replicas: a victim key begins 3
-    conversations, then a flooding key begins 40 through both replicas. The store holds
+    conversations (without system prompts: one anchor each), then a flooding key begins
+    40 through both replicas. The store holds
     the victim's 3 and the flooder's last 4 anchors (36 of the flooder's dropped, counted
     in gateway_routing_store_anchors_dropped_total); the victim's second turns read their
     placements and stay on their engines; the flooder's first conversation is placed
@@ -321,37 +324,79 @@ def test_one_keys_new_prefixes_displace_only_its_own_placements(
     try:
         with httpx.Client(timeout=10) as client:
             for c in range(3):
-                send(client, gateways[c % 2], chat(f"{run}-v{c}", 1), f"{run}-v{c}-0")
+                send(client, gateways[c % 2], chat(f"{run}-v{c}", 1, None), f"{run}-v{c}-0")
             for c in range(40):
                 test_routing_e2e.send(
-                    client, gateways[c % 2], chat(f"{run}-f{c}", 1), f"{run}-f{c}-0", flooding
+                    client, gateways[c % 2], chat(f"{run}-f{c}", 1, None), f"{run}-f{c}-0", flooding
                 )
             assert anchors() == 3 + 4
             assert counted() == (43, 0, 36)
             for c in range(3):
-                send(client, gateways[(c + 1) % 2], chat(f"{run}-v{c}", 2), f"{run}-v{c}-1")
+                send(client, gateways[(c + 1) % 2], chat(f"{run}-v{c}", 2, None), f"{run}-v{c}-1")
             assert counted() == (43, 3, 36)
             where = served(engines)
             assert all(where[f"{run}-v{c}-0"] == where[f"{run}-v{c}-1"] for c in range(3))
             # The flooder's newest conversation is still placed; its oldest was dropped.
             for c in (39, 0):
                 test_routing_e2e.send(
-                    client, gateways[0], chat(f"{run}-f{c}", 2), f"{run}-f{c}-1", flooding
+                    client, gateways[0], chat(f"{run}-f{c}", 2, None), f"{run}-f{c}-1", flooding
                 )
             # f0 placed anew displaced the flooder's least recently used (f36).
             assert counted() == (44, 4, 37)
             # The flooder using the victim's conversation does not make it the
             # flooder's: its next four new ones drop four of its own, not the victim's.
             test_routing_e2e.send(
-                client, gateways[1], chat(f"{run}-v0", 2), f"{run}-v0-f", flooding
+                client, gateways[1], chat(f"{run}-v0", 2, None), f"{run}-v0-f", flooding
             )
             for c in range(40, 44):
                 test_routing_e2e.send(
-                    client, gateways[c % 2], chat(f"{run}-f{c}", 1), f"{run}-f{c}-0", flooding
+                    client, gateways[c % 2], chat(f"{run}-f{c}", 1, None), f"{run}-f{c}-0", flooding
                 )
-            send(client, gateways[0], chat(f"{run}-v0", 3), f"{run}-v0-2")
+            send(client, gateways[0], chat(f"{run}-v0", 3, None), f"{run}-v0-2")
             assert counted() == (48, 6, 41)
             assert anchors() == 3 + 4
     finally:
         for g in gateways:
             g.stop()
+
+
+def test_a_new_replica_keeps_conversations_where_a_warm_one_put_them(
+    tmp: Path, engines: list[Proc], redis: RedisServer
+) -> None:
+    """A replica that has sent 60 turns of 20 conversations under one system prompt
+    spreads that prompt (its conversations anchor on their first user message); a
+    replica started after them has not seen it shared, and anchors the first
+    conversations it meets on the prompt. 12 new four-turn conversations, their turns
+    taken by the two in turn (half begun by each): with the store every conversation
+    keeps all its turns on one engine, because the first turn records the conversation
+    (its first user message) with the engine chosen, whichever anchor decided. On the
+    code before, the new replica's first turns went to the prompt's engine and the warm
+    one's to the conversation's: the first conversation it met split (1 of 12) in the
+    run that checked it."""
+    prefix = f"test-{uuid.uuid4().hex[:8]}"
+    shared = "You are the support assistant of a shop. Answer briefly and politely. " * 4
+    warm = start_gateway(tmp, engines, store_url=store_url(redis), store_prefix=prefix)
+    run = uuid.uuid4().hex[:8]
+    cold: Proc | None = None
+    try:
+        with httpx.Client(timeout=10) as client:
+            for t in range(3):
+                for c in range(20):
+                    body = chat(f"{run}-warm-{c}", t + 1, shared)
+                    send(client, warm, body, f"{run}-warm-{c}-{t}")
+            cold = start_gateway(tmp, engines, store_url=store_url(redis), store_prefix=prefix)
+            pair = (cold, warm)
+            for c in range(12):
+                for t in range(4):
+                    body = chat(f"{run}-{c}", t + 1, shared)
+                    send(client, pair[(c + t) % 2], body, f"{run}-{c}-{t}")
+        per_engine, split = conversations_by_engine(engines, run, 12, 4)
+        assert split == 0, per_engine
+        # The warm replica spread its conversations: the rule did not just put every
+        # conversation on one engine.
+        where = served(engines)
+        assert len({where[f"{run}-warm-{c}-0"] for c in range(20)}) > 1
+    finally:
+        warm.stop()
+        if cold is not None:
+            cold.stop()

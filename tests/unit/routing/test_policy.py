@@ -16,12 +16,14 @@ from typing import Any
 import pytest
 
 from gateway.config.settings import Settings
+from gateway.routing.anchors import AnchorKind, candidate_anchors
 from gateway.routing.policy import (
     Affinity,
     Decision,
     LeastLoaded,
     RoundRobin,
     RoutingRequest,
+    conversation_of,
     make_policy,
 )
 from gateway.routing.rendezvous import load_bound, rendezvous_order
@@ -522,3 +524,47 @@ async def test_choose_returns_the_order_and_the_decision_order_records() -> None
             probe.first_choice,
         )
         assert decision.spilled == probe.spilled == req.spilled
+
+
+def _candidates(body: dict[str, Any], media: list[str] | None = None) -> list[Any]:
+    return candidate_anchors(body, placed(body, media or []), block_bytes=512, max_candidates=64)
+
+
+def test_the_conversation_is_named_only_when_a_shorter_anchor_decides() -> None:
+    """`conversation_of` (the store's record of where a conversation went): the first
+    user message's digest when the system prompt or the image decided; None when the
+    first user message or a later one decided, or there is none."""
+    chat = _candidates(conversation(1, 3))
+    system, first, *later = chat
+    assert (system.kind, first.kind) == (AnchorKind.system, AnchorKind.first_user)
+    assert conversation_of(chat, system) == first.digest
+    assert conversation_of(chat, first) is None
+    assert conversation_of(chat, later[-1]) is None
+    image = _candidates(image_question(3, 1).body or {}, [f"sha256:{3:064x}"])
+    kinds = [a.kind for a in image]
+    assert kinds[-2:] == [AnchorKind.media, AnchorKind.first_user]
+    assert conversation_of(image, image[-2]) == image[-1].digest
+    prompt = _candidates({"model": "m", "prompt": "word " * 300})
+    assert {a.kind for a in prompt} <= {AnchorKind.block, AnchorKind.end}
+    assert conversation_of(prompt, prompt[0]) is None
+
+
+def test_a_new_instance_anchors_the_first_conversation_on_a_shared_prompt() -> None:
+    """What the shared store's conversation record is for (store.py): an instance that
+    has seen a system prompt carried by many conversations decides a new conversation
+    by its first user message; a fresh one, by the prompt, until two conversations under
+    it reach it. Both name the conversation alike, so the store can keep its turns
+    together."""
+    warm, cold = affinity(), affinity()
+    pool = engines()
+    for i in range(40):
+        warm.order(chat_request(conversation(i, 1)), pool)
+    body = conversation(100, 2)
+    first_turn, second_turn = chat_request(conversation(100, 1)), chat_request(body)
+    warm.order(first_turn, pool)
+    cold.order(second_turn, pool)
+    assert first_turn.anchor_kind == "first_user"
+    assert second_turn.anchor_kind == "system"
+    candidates = _candidates(body)
+    deciding = next(a for a in candidates if a.digest.hex() == second_turn.anchor)
+    assert conversation_of(candidates, deciding) == bytes.fromhex(first_turn.anchor or "")
