@@ -274,6 +274,7 @@ class Proxy:
             key_name=ex.key_name,
             key_digest=None if ex.key is None else ex.key.digest,
             session=session,
+            line=None if ex.model is None else self.pool.index.line(ex.model),
         )
         decision = await self.policy.choose(request, engines)
         ex.policy = self.policy.name

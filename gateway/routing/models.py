@@ -24,10 +24,13 @@ class ModelIndex:
     - `known`: some engine's models were read at least once;
     - `default`: the model a request without `model` runs, when every engine whose
       models are known has the same default; None when they differ (or none is known);
-    - `engines(model)`: the healthy engines that serve `model`, in configuration order.
+    - `engines(model)`: the healthy engines that serve `model`, in configuration order;
+    - `line(model)`: every engine that serves `model`, healthy or not (by the models it
+      last listed): the engines affinity lays its hot prompts over (policy.py), so an
+      engine that fails its checks for a while moves only the requests it took.
     """
 
-    __slots__ = ("_by_model", "_cards", "_whole", "default", "known", "served")
+    __slots__ = ("_by_model", "_cards", "_lines", "_whole", "default", "known", "served")
 
     def __init__(self, engines: Sequence[Engine], extra: frozenset[str] = frozenset()) -> None:
         listed = [e for e in engines if e.models_at > 0]
@@ -48,12 +51,25 @@ class ModelIndex:
         self._by_model: dict[str, tuple[Engine, ...]] = {
             model: tuple(found) for model, found in by_model.items()
         }
+        lines: dict[str, list[Engine]] = {}
+        for engine in engines:
+            for card in engine.listing.cards:
+                lines.setdefault(card["id"], []).append(engine)
+        for model in extra:
+            lines[model] = list(engines)
+        self._lines: dict[str, tuple[Engine, ...]] = {
+            model: tuple(found) for model, found in lines.items()
+        }
         self._cards = list(cards.values())
         self._whole = _render(self._cards)
 
     def engines(self, model: str) -> tuple[Engine, ...]:
         """The healthy engines serving `model` (empty: none is)."""
         return self._by_model.get(model, ())
+
+    def line(self, model: str) -> tuple[Engine, ...]:
+        """Every engine serving `model`, healthy or not, in configuration order."""
+        return self._lines.get(model, ())
 
     def listing(self, allowed: frozenset[str] | None) -> bytes:
         """The `/v1/models` answer: the healthy engines' models, each once (the entry of

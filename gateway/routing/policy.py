@@ -11,16 +11,25 @@ A policy with a shared placement store (store.py; affinity only) consults it ins
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from gateway.routing.anchors import Anchor, AnchorKind, candidate_anchors, session_anchor
 from gateway.routing.hotspots import HotCandidates
-from gateway.routing.rendezvous import first_within_bound, fraction, load_of, rendezvous_order
+from gateway.routing.rendezvous import (
+    first_within_bound,
+    load_of,
+    rendezvous_order,
+    weighted_choice,
+)
 from gateway.routing.settings import RoutingPolicy, RoutingSettings
 from gateway.routing.store import PlacementStore
 from gateway.store.client import StoreClient
+
+# The anchor whose rendezvous order is the line of engines (`Affinity.narrow`).
+_LINE = b"hot candidates' line of engines"
 
 
 class EngineView(Protocol):
@@ -48,6 +57,10 @@ class RoutingRequest:
     key_digest: bytes | None = None
     # A client-named session (from the `session_header` setting); overrides the anchor.
     session: str | None = None
+    # Every engine serving the request's model, healthy or not: the line affinity lays
+    # its hot prompts over (None: the engines it is given). With the healthy ones
+    # alone, an engine failing its checks would shift every hot prompt's engines.
+    line: Sequence[EngineView] | None = None
     # Set by the policy. `anchor` is a hex digest (safe to log: it carries no prompt
     # text), `anchor_kind` the boundary it sits at, `first_choice` the URL of the
     # anchor's engine (where it hashes to), `spilled` whether the load bound moved the
@@ -172,24 +185,32 @@ class Affinity:
         )
 
     def narrow(
-        self, candidates: Sequence[Anchor], engines: Sequence[E]
+        self,
+        candidates: Sequence[Anchor],
+        engines: Sequence[E],
+        line: Sequence[EngineView] | None = None,
     ) -> tuple[Anchor, list[E], list[E]]:
         """The deciding anchor, the engines in order before the load bound, and the
-        engines the anchor chose among (those the hot prefixes before it kept), in its
-        order: where the shared store may place it. Counts nothing.
+        engines the anchor chose among (where the shared store may place it). Counts
+        nothing.
 
-        Walking the candidates shortest first, each keeps the top `spread` of the
-        engines still in the running by its own rendezvous order (a fractional spread
-        admits the next engine for that fraction of the requests, by the next
-        candidate's hash); the first candidate that leaves one engine decides.
+        Without a hot candidate, the first candidate decides by its rendezvous order
+        (a system prompt, a template, a conversation without one, an image). Else the
+        candidate after the deepest hot one decides, on the line of engines (`_line`:
+        N engines end to end, in an order every replica computes alike): the hot
+        candidate owns an interval of it in proportion to the traffic it leads
+        (hotspots.py), and the deciding candidate's hash picks the point in it. The
+        line is laid over `line` when given (every engine serving the model, healthy or
+        not): a point on an engine not among `engines` takes the deciding candidate's
+        rendezvous order, so only that engine's requests move while it is out.
 
-        A conversation under a shared system prompt: the prompt spreads over every
-        engine, the first user message (never hot: its turns are nested) keeps one.
-        A template carrying 10% of the traffic over 4 engines: spread 4 x 4 x 0.1 =
-        1.6, so its requests go to its first engine, and for 60% of them (by their next
-        candidate) to its second too. Two replicas whose spreads differ by a little split only
-        that little of the candidate's requests differently."""
-        running: Sequence[E] = engines
+        A conversation under a shared system prompt: the prompt is hot, the first user
+        message (never hot: its turns are nested) picks its point, the same for every
+        turn. Four shared prompts over three engines: each owns three quarters of an
+        engine's length, so each is on one engine or two, never all three, and the
+        engines share the conversations evenly whatever the prompts' hashes. Two
+        replicas whose counts differ by a little place only the requests whose points
+        fall near an engine's boundary differently."""
         n = len(engines)
         last = len(candidates) - 1
         # A request whose first user message carries media never anchors on its leading
@@ -198,27 +219,42 @@ class Affinity:
         # on, in every replica alike, whether or not this process has seen the prompt
         # fork yet (hotspots.py). A function of the request alone: replicas agree.
         media_first = any(a.kind is AnchorKind.media for a in candidates)
+        first = -1
+        hot = -1
         for i, anchor in enumerate(candidates):
             if media_first and anchor.kind is AnchorKind.system:
                 continue
-            spread = 1.0
-            if i < last:
-                spread = self._hot.spread(anchor, n)
-                if spread >= len(running):
-                    continue  # every engine still in the running stays: nothing to rank
-            ranked = rendezvous_order(anchor.digest, running)
-            keep = int(spread)
-            if keep < spread and fraction(candidates[i + 1].digest) < spread - keep:
-                keep += 1
-            if keep == 1:
-                if len(running) == n:
-                    return anchor, ranked, ranked
-                # Failover and the load bound walk this anchor's whole order after it.
-                chosen = ranked[0]
-                rest = [e for e in rendezvous_order(anchor.digest, engines) if e is not chosen]
-                return anchor, [chosen, *rest], ranked
-            running = ranked[:keep]
-        raise AssertionError("the last candidate always decides")  # pragma: no cover
+            if first < 0:
+                first = i
+            # Only a candidate that branches can be hot, and every prefix of one that
+            # branches does: the first that is not hot ends the walk.
+            if i == last or not self._hot.hot(anchor, n):
+                break
+            hot = i
+        if hot < 0:
+            anchor = candidates[first]
+            ranked = rendezvous_order(anchor.digest, engines)
+            return anchor, ranked, ranked
+        anchor = candidates[hot + 1]
+        start, length = self._hot.interval(candidates[hot], n)
+        # By a hash of each URL, so every replica and worker lays the line alike.
+        urls = [e.url for e in rendezvous_order(_LINE, line or engines)]
+        size = len(urls)
+        low = start * size
+        high = min(low + length * size, size)
+        healthy = {e.url: e for e in engines}
+        covered: list[tuple[float, E]] = []
+        for j in range(min(int(low), size - 1), max(math.ceil(high), int(low) + 1)):
+            engine = healthy.get(urls[j])
+            if engine is not None:
+                covered.append((min(high, j + 1.0) - max(low, float(j)), engine))
+        ranked = rendezvous_order(anchor.digest, engines)
+        if not covered:
+            return anchor, ranked, ranked  # every engine of its interval is out
+        chosen = weighted_choice(anchor.digest, covered)
+        rest = [e for e in ranked if e is not chosen]
+        choices = [chosen, *(e for _, e in covered if e is not chosen)]
+        return anchor, [chosen, *rest], choices
 
     def order(self, request: RoutingRequest, engines: Sequence[E]) -> list[E]:
         anchor, ordered, _, _ = self._decide(request, engines, count=True)
@@ -271,7 +307,7 @@ class Affinity:
         if not candidates:
             ordered = self._fallback.order(request, engines) if count else list(engines)
             return None, ordered, ordered, candidates
-        anchor, ordered, choices = self.narrow(candidates, engines)
+        anchor, ordered, choices = self.narrow(candidates, engines, request.line)
         if count and anchor.kind is not AnchorKind.session:
             self._hot.observe(candidates)
         return anchor, ordered, choices, candidates

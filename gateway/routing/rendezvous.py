@@ -15,6 +15,7 @@ warms up for it) instead of queueing on the first without bound.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
@@ -57,6 +58,22 @@ def rendezvous_order(anchor: bytes, engines: Sequence[U]) -> list[U]:
     """`engines`, highest score first; ties (64-bit collisions) broken by URL."""
     scored = sorted(((score(anchor, e.url), e.url, i) for i, e in enumerate(engines)), reverse=True)
     return [engines[i] for _, _, i in scored]
+
+
+def weighted_choice(anchor: bytes, weighted: Sequence[tuple[float, U]]) -> U:
+    """Weighted rendezvous (Schindelhauer and Schomaker, 2005): each engine's share of
+    the anchors is its weight's share of the total, and a small change of one weight
+    moves only a small part of the anchors. `weighted` holds (weight > 0, engine)."""
+    best: U | None = None
+    top = -1.0
+    for weight, engine in weighted:
+        # A uniform number in (0, 1) from the engine's score; its key, w / -ln(u).
+        u = (score(anchor, engine.url) + 0.5) / 2.0**64
+        key = weight / -math.log(u)
+        if key > top:
+            best, top = engine, key
+    assert best is not None, "weighted_choice needs an engine"
+    return best
 
 
 def load_bound(engines: Sequence[_HasLoad], epsilon: float) -> float:

@@ -67,8 +67,10 @@ class RoutingSettings(BaseModel):
     # routing bench, at 2 none (docs/routing.md, Measurements).
     load_epsilon: float = Field(default=2.0, ge=0.0)
     # Hot candidates (hotspots.py): a prefix carried by a share s of the last
-    # `hot_window` to 2 * `hot_window` requests, at least `hot_min_count` of them, and
-    # branching, spreads its requests over hot_divisor * N * s engines (at most N).
+    # `hot_window` to 2 * `hot_window` requests, above 1 / (hot_divisor * N), at least
+    # `hot_min_count` of them, and branching, spreads its requests over a stretch of
+    # the line of engines as long as its share of the hot traffic (policy.py); while
+    # the hot traffic is under 1 / hot_divisor of all, hot_divisor * N * s engines.
     hot_window: int = Field(default=1024, gt=0)
     hot_divisor: float = Field(default=4.0, gt=0.0)
     hot_min_count: int = Field(default=8, ge=1)

@@ -99,15 +99,18 @@ def test_two_workers_keep_every_new_conversation_on_one_engine(
         for t in range(1, 2 + c % 3):
             shares[send(gateway, body(c, t), f"warm-{c}-{t}")] += 1
     # 20 new six-turn conversations, taking turns as users do.
+    workers: dict[int, set[int]] = {}
     for t in range(1, 7):
         for c in range(100, 120):
-            shares[send(gateway, body(c, t), f"conv-{c}-{t}")] += 1
+            worker = send(gateway, body(c, t), f"conv-{c}-{t}")
+            shares[worker] += 1
+            workers.setdefault(c, set()).add(worker)
     where = served(engines)
     homes = {c: {where[f"conv-{c}-{t}"] for t in range(1, 7)} for c in range(100, 120)}
     split = {c: h for c, h in homes.items() if len(h) > 1}
     assert not split, f"{len(split)} of 20 conversations split across engines: {split}"
     # ... while the conversations spread over the engines.
     assert len({next(iter(h)) for h in homes.values()}) >= 3
-    # Both workers took a share of the requests (else the test would prove nothing).
-    sent = sum(shares.values())
-    assert len(shares) == 2 and min(shares.values()) >= 0.2 * sent, shares
+    # Conversations whose turns both workers took (else the test would prove nothing):
+    # which worker accepts a connection is the kernel's choice, even or not.
+    assert len(shares) == 2 and sum(len(w) == 2 for w in workers.values()) >= 5, shares

@@ -372,10 +372,16 @@ def moved_when_one_leaves(
 ) -> list[tuple[str, str]]:
     """Routes 100 one-turn conversations with `before` over `pool`, then the same
     conversations at `turns_after` turns with `after` over `pool` without its third
-    engine; returns the (before, after) engines of those that moved."""
+    engine (out of rotation, still serving the model: the request's line is the whole
+    pool, as the proxy gives it); returns the (before, after) engines of those that
+    moved."""
     first = [route(before, chat_request(conversation(i, 1)), pool) for i in range(100)]
     smaller = [e for e in pool if e.url != pool[2].url]
-    then = [route(after, chat_request(conversation(i, turns_after)), smaller) for i in range(100)]
+    then = []
+    for i in range(100):
+        request = chat_request(conversation(i, turns_after))
+        request.line = pool
+        then.append(route(after, request, smaller))
     return [(b, a) for b, a in zip(first, then, strict=True) if b != a]
 
 
@@ -568,3 +574,55 @@ def test_a_new_instance_anchors_the_first_conversation_on_a_shared_prompt() -> N
     candidates = _candidates(body)
     deciding = next(a for a in candidates if a.digest.hex() == second_turn.anchor)
     assert conversation_of(candidates, deciding) == bytes.fromhex(first_turn.anchor or "")
+
+
+def test_four_shared_prompts_over_three_engines_are_packed_not_copied_everywhere() -> None:
+    """Four system prompts, each under a quarter of the conversations, over three
+    engines: each prompt owns three quarters of an engine's length of the line, so it
+    is on one engine or two (6 copies at most, against 12 when each spread over all
+    three by rendezvous), and the engines take the conversations evenly whatever the
+    prompts hash to. Fails on the rendezvous spread: every prompt on all three."""
+    prompts = [{"role": "system", "content": f"Prompt {p}: be helpful. " * 60} for p in range(4)]
+
+    def turn(c: int, turns: int) -> RoutingRequest:
+        messages: list[dict[str, Any]] = [
+            prompts[c % 4],
+            {"role": "user", "content": f"User {c} asks."},
+        ]
+        for t in range(1, turns):
+            messages += [
+                {"role": "assistant", "content": f"Reply {t}."},
+                {"role": "user", "content": f"Question {t} of {c}."},
+            ]
+        return chat_request({"model": "m", "messages": messages})
+
+    pool = engines(3)
+    policy = affinity()
+    for c in range(400):  # warm-up: the prompts are hot
+        route(policy, turn(c, 1 + c % 3), pool)
+    placed: dict[int, set[str]] = {}
+    per_engine: Counter[str] = Counter()
+    for c in range(1000, 1600):
+        for t in (1, 2, 3):
+            url = route(policy, turn(c, t), pool)
+            placed.setdefault(c % 4, set()).add(url)
+            per_engine[url] += 1
+    copies = sum(len(urls) for urls in placed.values())
+    assert all(len(urls) <= 2 for urls in placed.values()) and copies <= 6, placed
+    assert max_over_mean(per_engine, 3) <= 1.1, per_engine
+
+
+def test_weighted_choice_follows_the_weights_and_moves_little_when_one_changes() -> None:
+    from gateway.routing.rendezvous import weighted_choice
+
+    pool = engines(3)
+    anchors = [f"anchor {i}".encode() for i in range(6000)]
+    before = [weighted_choice(a, [(1.0, pool[0]), (1.0, pool[1]), (0.5, pool[2])]) for a in anchors]
+    shares = Counter(e.url for e in before)
+    assert shares[pool[2].url] == pytest.approx(6000 * 0.2, rel=0.1)
+    assert shares[pool[0].url] == pytest.approx(6000 * 0.4, rel=0.1)
+    # The third engine's weight 0.5 -> 0.6: its share 20% -> 23%; about that many move.
+    after = [weighted_choice(a, [(1.0, pool[0]), (1.0, pool[1]), (0.6, pool[2])]) for a in anchors]
+    moved = sum(b is not a for b, a in zip(before, after, strict=True))
+    assert moved <= 0.05 * 6000
+    assert all(a is pool[2] for b, a in zip(before, after, strict=True) if b is not a)

@@ -5,11 +5,13 @@ robin, as behind a plain load balancer, or as uvicorn's worker processes take
 connections). Their engines are the pool's own `Engine` objects, one set per
 instance: each counts its own requests in flight, and all read the same scraped
 running and waiting counts, as replicas scraping the same engines do. After each
-instance has seen its share of a warm-up, every request of a conversation or about an
-image must be routed alike by every instance: the one that took it (`order`) and the
-others (`peek`, which counts nothing). Single requests under a hot template or
-few-shot prefix, spread by its share, may differ in the sliver where the shares the
-instances counted differ.
+instance has seen its share of a warm-up, every request about an image must be routed
+alike by every instance: the one that took it (`order`) and the others (`peek`, which
+counts nothing). Requests placed inside a hot prompt's stretch of the line of engines
+(conversations under a shared system prompt, requests under a hot template or
+few-shot prefix) may differ where the shares the instances counted put a boundary
+differently: a few percent of them (the shared store's records keep conversations
+whole, tests/store).
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ def test_replicas_taking_turns_route_every_request_alike(replicas: int) -> None:
     pools = [[Engine(url) for url in URLS] for _ in range(replicas)]
     rng = random.Random(7)
     warm_up = 200
-    same = spilled = keyed = keyed_same = 0
+    same = spilled = keyed = keyed_same = images = images_same = 0
     last: dict[str, str] = {}
     follow_ups = followed = 0
     for index, (key, request) in enumerate(stream()):
@@ -123,18 +125,28 @@ def test_replicas_taking_turns_route_every_request_alike(replicas: int) -> None:
         if key is not None:
             keyed += 1
             keyed_same += all(u == url for u in others)
+            if key.startswith("image"):
+                images += 1
+                images_same += all(u == url for u in others)
             if key in last:
                 follow_ups += 1
                 followed += last[key] == url or request.spilled
             if not request.spilled:
                 last[key] = url
     routed = 1200 - warm_up
-    assert keyed > 500 and keyed_same == keyed
-    assert same >= 0.95 * routed  # 98.8% with 2, 96.3% with 4 (each counts a smaller sample)
+    # Questions about an image never anchor on a counted prefix: exact everywhere.
+    assert images > 150 and images_same == images
+    # A conversation under the shared prompt is placed inside the prompt's stretch of
+    # the line, whose length is a share each replica counts from its own sample (600 or
+    # 300 requests here): those near a boundary may differ (97.3% alike with 2, 92.3%
+    # with 4); every single request 93.0% and 87.4%.
+    assert keyed > 500 and keyed_same >= (0.97 if replicas == 2 else 0.92) * keyed
+    assert same >= (0.93 if replicas == 2 else 0.87) * routed
     assert 0 < spilled < 0.2 * routed  # the bound acted, alike everywhere
     # A conversation's or image's requests stay on one engine; the bound moves single
-    # requests off it while that engine is far above the rest, not the anchor.
-    assert follow_ups > 300 and followed == follow_ups
+    # requests off it while that engine is far above the rest, not the anchor (98.4%
+    # and 96.6% of follow-ups: the rest are the conversations the replicas place apart).
+    assert follow_ups > 300 and followed >= (0.98 if replicas == 2 else 0.96) * follow_ups
 
 
 def test_a_small_difference_in_counted_share_moves_few_requests() -> None:
