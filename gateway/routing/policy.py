@@ -10,6 +10,7 @@ A policy with a shared placement store (store.py; affinity only) consults it ins
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -22,6 +23,8 @@ from gateway.routing.rendezvous import (
     first_within_bound,
     load_of,
     rendezvous_order,
+    score,
+    scored_order,
     weighted_choice,
 )
 from gateway.routing.settings import RoutingPolicy, RoutingSettings
@@ -30,6 +33,13 @@ from gateway.store.client import StoreClient
 
 # The anchor whose rendezvous order is the line of engines (`Affinity.narrow`).
 _LINE = b"hot candidates' line of engines"
+
+
+@functools.lru_cache(maxsize=64)
+def _line(urls: tuple[str, ...]) -> tuple[str, ...]:
+    """The line of engines: their URLs by a hash of each, so every replica and worker
+    lays it alike (and the same set of engines, asked again, is not sorted again)."""
+    return tuple(sorted(urls, key=lambda url: (score(_LINE, url), url), reverse=True))
 
 
 class EngineView(Protocol):
@@ -237,8 +247,7 @@ class Affinity:
             return anchor, ranked, ranked
         anchor = candidates[hot + 1]
         start, length = self._hot.interval(candidates[hot], n)
-        # By a hash of each URL, so every replica and worker lays the line alike.
-        urls = [e.url for e in rendezvous_order(_LINE, line or engines)]
+        urls = _line(tuple(e.url for e in (line or engines)))
         size = len(urls)
         low = start * size
         high = min(low + length * size, size)
@@ -248,10 +257,10 @@ class Affinity:
             engine = healthy.get(urls[j])
             if engine is not None:
                 covered.append((min(high, j + 1.0) - max(low, float(j)), engine))
-        ranked = rendezvous_order(anchor.digest, engines)
+        ranked, scores = scored_order(anchor.digest, engines)
         if not covered:
             return anchor, ranked, ranked  # every engine of its interval is out
-        chosen = weighted_choice(anchor.digest, covered)
+        chosen = weighted_choice(scores, covered)
         rest = [e for e in ranked if e is not chosen]
         choices = [chosen, *(e for _, e in covered if e is not chosen)]
         return anchor, [chosen, *rest], choices

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol, TypeVar
 
 
@@ -60,15 +60,23 @@ def rendezvous_order(anchor: bytes, engines: Sequence[U]) -> list[U]:
     return [engines[i] for _, _, i in scored]
 
 
-def weighted_choice(anchor: bytes, weighted: Sequence[tuple[float, U]]) -> U:
+def scored_order(anchor: bytes, engines: Sequence[U]) -> tuple[list[U], dict[str, int]]:
+    """`rendezvous_order`, and the score of each engine's URL."""
+    scores = {e.url: score(anchor, e.url) for e in engines}
+    order = sorted(engines, key=lambda e: (scores[e.url], e.url), reverse=True)
+    return order, scores
+
+
+def weighted_choice(scores: Mapping[str, int], weighted: Sequence[tuple[float, U]]) -> U:
     """Weighted rendezvous (Schindelhauer and Schomaker, 2005): each engine's share of
     the anchors is its weight's share of the total, and a small change of one weight
-    moves only a small part of the anchors. `weighted` holds (weight > 0, engine)."""
+    moves only a small part of the anchors. `weighted` holds (weight >= 0, engine),
+    `scores` the anchor's score of each engine's URL (`scores_of`)."""
     best: U | None = None
     top = -1.0
     for weight, engine in weighted:
         # A uniform number in (0, 1) from the engine's score; its key, w / -ln(u).
-        u = (score(anchor, engine.url) + 0.5) / 2.0**64
+        u = (scores[engine.url] + 0.5) / 2.0**64
         key = weight / -math.log(u)
         if key > top:
             best, top = engine, key

@@ -613,16 +613,16 @@ def test_four_shared_prompts_over_three_engines_are_packed_not_copied_everywhere
 
 
 def test_weighted_choice_follows_the_weights_and_moves_little_when_one_changes() -> None:
-    from gateway.routing.rendezvous import weighted_choice
+    from gateway.routing.rendezvous import scored_order, weighted_choice
 
     pool = engines(3)
-    anchors = [f"anchor {i}".encode() for i in range(6000)]
-    before = [weighted_choice(a, [(1.0, pool[0]), (1.0, pool[1]), (0.5, pool[2])]) for a in anchors]
+    scores = [scored_order(f"anchor {i}".encode(), pool)[1] for i in range(6000)]
+    before = [weighted_choice(s, [(1.0, pool[0]), (1.0, pool[1]), (0.5, pool[2])]) for s in scores]
     shares = Counter(e.url for e in before)
     assert shares[pool[2].url] == pytest.approx(6000 * 0.2, rel=0.1)
     assert shares[pool[0].url] == pytest.approx(6000 * 0.4, rel=0.1)
     # The third engine's weight 0.5 -> 0.6: its share 20% -> 23%; about that many move.
-    after = [weighted_choice(a, [(1.0, pool[0]), (1.0, pool[1]), (0.6, pool[2])]) for a in anchors]
+    after = [weighted_choice(s, [(1.0, pool[0]), (1.0, pool[1]), (0.6, pool[2])]) for s in scores]
     moved = sum(b is not a for b, a in zip(before, after, strict=True))
     assert moved <= 0.05 * 6000
     assert all(a is pool[2] for b, a in zip(before, after, strict=True) if b is not a)
