@@ -1,7 +1,8 @@
 """The real-engine routing suite (`bench routing --real-vllm`) in its smallest form: two
 tiny-llama engines, the chat workload's tiny sizes, affinity, round robin and the ideal
 engine. The figures come from the engines' own counters; the caches are reset between
-front ends, so each run's first call finds nothing cached."""
+front ends, so the calls that share nothing with an earlier call of the run find
+nothing cached."""
 
 from __future__ import annotations
 
@@ -40,9 +41,9 @@ def test_smallest_run(real_home: Home, tmp_path: Path) -> None:
         # vLLM's counters: every call queried the cache, and the shared system prompts hit.
         assert 0 < r.hit_rate < 1
         assert sum(r.requests_per_engine) == calls
-        # Reset before each front end: the first call of every run finds nothing cached
-        # (the same call was answered, and cached, by the front end before).
-        assert r.first_cached == 0
+        # Reset before each front end: the first call under each system prompt finds
+        # nothing cached (the front end before left every system prompt cached).
+        assert r.cold_cached == 0
     assert len(rows[AFFINITY].uncached_per_engine) == 2
     assert len(rows[IDEAL].uncached_per_engine) == 1
     # The request logs tell where each turn went; the gateway passes X-Request-Id on.

@@ -16,8 +16,8 @@ Figures: hit rate and uncached prompt tokens from vLLM's own counters
 (`vllm:prefix_cache_hits_total` / `vllm:prefix_cache_queries_total` deltas, summed over
 the engines), max / mean of each engine's uncached tokens and requests, TTFT p50 and p99
 at the client (first SSE chunk, so the front end included), follow-up agreement from the
-engines' request logs, and the cached tokens the first call of a run found (0: the
-reset emptied the caches).
+engines' request logs, and the cached tokens that the calls sharing no KV block with
+an earlier call of the run found (0: the reset emptied the caches).
 """
 
 from __future__ import annotations
@@ -96,8 +96,9 @@ class RealResult:
     calls: int
     errors: int
     first_error: str
-    # Prompt tokens the run's first call found cached: 0 after a reset.
-    first_cached: int | None
+    # Prompt tokens found cached by the calls that share no KV block with an earlier
+    # call of the run (`Workload.cold_keys`): 0 after a reset. None: no usage reported.
+    cold_cached: int | None
     seconds: float
     kv_tokens: list[int]
 
@@ -188,7 +189,7 @@ def run_front(
     hits = sum(d.hits for d in delta)
     uncached = [d.queries - d.hits for d in delta]
     requests = [d.requests for d in delta]
-    first = outcome.calls[0][0] if outcome.calls else None
+    cold = cold_cached(outcome.calls, outcome.cached, workload.cold_keys)
     result = RealResult(
         front=front,
         workload=workload.name,
@@ -206,7 +207,7 @@ def run_front(
         calls=len(outcome.calls),
         errors=outcome.errors,
         first_error=outcome.first_error,
-        first_cached=outcome.cached.get(first) if first is not None else None,
+        cold_cached=cold,
         seconds=seconds,
         kv_tokens=engines.kv_tokens(),
     )
@@ -219,6 +220,22 @@ def run_front(
     if outcome.first_error:
         progress(f"  first error: {outcome.first_error}")
     return result
+
+
+def cold_cached(
+    calls: Sequence[tuple[str, str | None]], cached: dict[str, int], cold_keys: frozenset[str]
+) -> int | None:
+    """Cached tokens summed over the first call of each cold key (None: a call without
+    usage)."""
+    seen: set[str] = set()
+    found = 0
+    for request_id, key in calls:
+        if key in cold_keys and key not in seen:
+            seen.add(key)
+            if request_id not in cached:
+                return None
+            found += cached[request_id]
+    return found if seen else None
 
 
 def _groups(opts: RealOptions) -> list[tuple[str, int | None, list[str]]]:

@@ -71,7 +71,7 @@ def write_real_report(report: Report, results: list[RealResult]) -> None:
                     _pct(r.agreement),
                     r.calls,
                     r.errors,
-                    "n/a" if r.first_cached is None else r.first_cached,
+                    "n/a" if r.cold_cached is None else r.cold_cached,
                     f"{r.seconds:.0f}",
                 ]
             )
@@ -88,7 +88,7 @@ def write_real_report(report: Report, results: list[RealResult]) -> None:
                 "follow-ups on their engine",
                 "requests",
                 "errors",
-                "first call cached",
+                "cold calls' cached tokens",
                 "seconds",
             ],
             rows,

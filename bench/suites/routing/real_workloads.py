@@ -88,12 +88,16 @@ def chat(model: str, sizes: Sizes, rng: random.Random, max_tokens: int) -> Workl
             reply = words(rng, rng.randint(*sizes.reply_words))
             messages = [*messages, {"role": "assistant", "content": reply}]
         sessions.append(calls)
+    # The first conversation under each system prompt ("System prompt <i>." sets them
+    # apart in the first block); the sessions open in order.
+    cold = frozenset(f"conversation {i}" for i in range(min(sizes.systems, sizes.conversations)))
     return Workload(
         "chat",
         f"{sizes.conversations} conversations of {sizes.turns[0]}-{sizes.turns[1]} turns"
         f" under {sizes.systems} shared system prompts of {sizes.system_words[0]:,}-"
         f"{sizes.system_words[1]:,} words",
         sessions,
+        cold_keys=cold,
     )
 
 
@@ -123,6 +127,8 @@ def few_shot(model: str, sizes: Sizes, rng: random.Random, max_tokens: int) -> W
         f"{sizes.requests} requests over {sizes.templates} few-shot templates of"
         f" {sizes.template_words[0]:,}-{sizes.template_words[1]:,} words, Zipf 1.1",
         sessions,
+        # Each template's first request ("Template <i>." in the first block).
+        cold_keys=frozenset(s[0].key for s in sessions if s[0].key is not None),
     )
 
 
@@ -163,6 +169,8 @@ def images(model: str, sizes: Sizes, rng: random.Random, max_tokens: int) -> Wor
         f"{sizes.images} images of {min(sizes.sides)}-{max(sizes.sides)} px a side, asked"
         f" {sizes.questions} questions each in random order",
         sessions,
+        # Only the first: every other call shares the system prompt's blocks.
+        cold_keys=frozenset(k for k in [sessions[0][0].key] if k is not None),
     )
 
 
@@ -180,4 +188,9 @@ def build(
     workload = GENERATORS[name](model, sizes, rng, max_tokens)
     if name != EVICTION:
         return workload
-    return Workload(EVICTION, workload.description + ", on engines that evict", workload.sessions)
+    return Workload(
+        EVICTION,
+        workload.description + ", on engines that evict",
+        workload.sessions,
+        cold_keys=workload.cold_keys,
+    )
