@@ -113,10 +113,8 @@ def test_cold_keys_are_the_calls_that_share_no_block_with_an_earlier_one() -> No
     firsts = [_messages(s[0].body)[0]["content"] for s in chat.sessions]
     # The cold ones open first, each under its own system prompt.
     assert len(set(firsts[:4])) == 4 and set(firsts[4:]) <= set(firsts[:4])
-    few = build("few_shot", "m", SMALL, seed=0)
-    assert few.cold_keys == {s[0].key for s in few.sessions}
-    images = build("images", "m", SMALL, seed=0)
-    assert images.cold_keys == {images.sessions[0][0].key}
+    # Their first calls may be in flight beside a call sharing their first blocks.
+    assert build("few_shot", "m", SMALL).cold_keys == build("images", "m", SMALL).cold_keys == set()
     assert build(EVICTION, "m", SMALL, seed=0).cold_keys == chat.cold_keys
 
 

@@ -89,7 +89,9 @@ def chat(model: str, sizes: Sizes, rng: random.Random, max_tokens: int) -> Workl
             messages = [*messages, {"role": "assistant", "content": reply}]
         sessions.append(calls)
     # The first conversation under each system prompt ("System prompt <i>." sets them
-    # apart in the first block); the sessions open in order.
+    # apart in the first block): the sessions open in order, and with fewer clients than
+    # half the prompts, the next conversation under a prompt starts after its first
+    # conversation's first turn was answered.
     cold = frozenset(f"conversation {i}" for i in range(min(sizes.systems, sizes.conversations)))
     return Workload(
         "chat",
@@ -126,9 +128,9 @@ def few_shot(model: str, sizes: Sizes, rng: random.Random, max_tokens: int) -> W
         "few_shot",
         f"{sizes.requests} requests over {sizes.templates} few-shot templates of"
         f" {sizes.template_words[0]:,}-{sizes.template_words[1]:,} words, Zipf 1.1",
+        # None cold: a template's first request and its second may be in flight at
+        # once, and the engine may schedule the second first.
         sessions,
-        # Each template's first request ("Template <i>." in the first block).
-        cold_keys=frozenset(s[0].key for s in sessions if s[0].key is not None),
     )
 
 
@@ -168,9 +170,9 @@ def images(model: str, sizes: Sizes, rng: random.Random, max_tokens: int) -> Wor
         "images",
         f"{sizes.images} images of {min(sizes.sides)}-{max(sizes.sides)} px a side, asked"
         f" {sizes.questions} questions each in random order",
+        # None cold: every call shares the system prompt's blocks, and the first two
+        # are in flight at once (measured: the second scheduled first, its image smaller).
         sessions,
-        # Only the first: every other call shares the system prompt's blocks.
-        cold_keys=frozenset(k for k in [sessions[0][0].key] if k is not None),
     )
 
 
