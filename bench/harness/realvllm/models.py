@@ -14,6 +14,11 @@ trainer's ids for equally frequent tokens change between runs).
 | tiny-bert-embed | BertModel + mean pooling (sentence-transformers layout) | embeddings, score |
 | tiny-bert-rerank | BertForSequenceClassification, one label | score, rerank, classify |
 | tiny-qwen3 | Qwen3ForCausalLM, 2 layers, hidden 256 (`yes`, `no` are tokens) | /v1/systemone |
+| llama-big | LlamaForCausalLM, 10 layers, hidden 640, context 16,384 | routing on real engines |
+| qwen2vl-big | Qwen2VL, llama-big's text stack, images up to 672 px (576 tokens) | same |
+
+The big ones (`--only llama-big,qwen2vl-big`, not built by default) share the tiny ones'
+tokenizer and templates; `bench routing --real-vllm` builds them when they are missing.
 
 Their output is gibberish: only HTTP behaviour, routes, metrics and media matter here.
 """
@@ -29,6 +34,7 @@ import sys
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +51,12 @@ EMBED = "tiny-bert-embed"
 RERANK = "tiny-bert-rerank"
 DECISIONS = "tiny-qwen3"
 ALL = (CHAT, MULTIMODAL, EMBED, RERANK, DECISIONS)
+# Big enough that a 2,048-token prefill costs hundreds of milliseconds on a CPU core, so
+# that routing shows in the time to first token; built on demand (bench routing --real-vllm).
+CHAT_BIG = "llama-big"
+MULTIMODAL_BIG = "qwen2vl-big"
+BIG = (CHAT_BIG, MULTIMODAL_BIG)
+BIG_MAX_LEN = 16384
 
 BPE_SPECIALS = (
     "<|endoftext|>",  # padding
@@ -259,21 +271,62 @@ def save_generation_config(out: Path, eos: list[int], pad: int, bos: int) -> Non
 # --- models ------------------------------------------------------------------------------
 
 
-def build_chat(out: Path, bpe: Any) -> None:
+@dataclass(frozen=True)
+class Size:
+    """The dimensions of a BPE model: its text stack (head size 64, 2 KV heads), its
+    context, and for Qwen2-VL its vision tower and the images' range of sides in pixels."""
+
+    hidden: int = 256
+    mlp: int = 512
+    layers: int = 2
+    context: int = MAX_LEN
+    multimodal_context: int = 4096
+    vision_depth: int = 2
+    vision_embed: int = 64
+    vision_heads: int = 2
+    min_side: int = 56
+    max_side: int = 224
+
+
+TINY = Size()
+# 47.7M parameters (llama-big), 51.8M (qwen2vl-big): images of 112 to 672 px a side,
+# 16 to 576 tokens, enough to span whole 128-token KV blocks on the CPU backend.
+BIG_SIZE = Size(
+    hidden=640,
+    mlp=1792,
+    layers=10,
+    context=BIG_MAX_LEN,
+    multimodal_context=BIG_MAX_LEN,
+    vision_depth=4,
+    vision_embed=256,
+    vision_heads=4,
+    min_side=112,
+    max_side=672,
+)
+
+
+def _sized_tokenizer(bpe: Any, template: str, size: Size, **extra: str) -> Any:
+    tok = bpe_tokenizer(bpe, template, **extra)
+    if size.context != MAX_LEN:
+        tok.model_max_length = size.context
+    return tok
+
+
+def build_chat(out: Path, bpe: Any, size: Size = TINY) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     seed_everything()
-    tok = bpe_tokenizer(bpe, CHAT_TEMPLATE, **LLAMA_ROLES)
+    tok = _sized_tokenizer(bpe, CHAT_TEMPLATE, size, **LLAMA_ROLES)
     ids = {t: tok.convert_tokens_to_ids(t) for t in BPE_SPECIALS}
     config = LlamaConfig(
         vocab_size=padded(len(tok)),
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+        hidden_size=size.hidden,
+        intermediate_size=size.mlp,
+        num_hidden_layers=size.layers,
+        num_attention_heads=size.hidden // 64,
         num_key_value_heads=2,
         head_dim=64,
-        max_position_embeddings=MAX_LEN,
+        max_position_embeddings=size.context,
         rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         bos_token_id=ids["<s>"],
@@ -289,7 +342,7 @@ def build_chat(out: Path, bpe: Any) -> None:
     save_generation_config(out, config.eos_token_id, config.pad_token_id, config.bos_token_id)
 
 
-def build_multimodal(out: Path, bpe: Any) -> None:
+def build_multimodal(out: Path, bpe: Any, size: Size = TINY) -> None:
     from transformers import (
         Qwen2VLConfig,
         Qwen2VLForConditionalGeneration,
@@ -299,16 +352,16 @@ def build_multimodal(out: Path, bpe: Any) -> None:
     )
 
     seed_everything()
-    tok = bpe_tokenizer(bpe, MULTIMODAL_TEMPLATE)
+    tok = _sized_tokenizer(bpe, MULTIMODAL_TEMPLATE, size)
     ids = {t: tok.convert_tokens_to_ids(t) for t in BPE_SPECIALS}
     text = {
         "vocab_size": padded(len(tok)),
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
+        "hidden_size": size.hidden,
+        "intermediate_size": size.mlp,
+        "num_hidden_layers": size.layers,
+        "num_attention_heads": size.hidden // 64,
         "num_key_value_heads": 2,
-        "max_position_embeddings": 4096,
+        "max_position_embeddings": size.multimodal_context,
         "rms_norm_eps": 1e-6,
         # Head size 64: the multimodal rope sections add up to half of it.
         "rope_parameters": {
@@ -322,12 +375,12 @@ def build_multimodal(out: Path, bpe: Any) -> None:
         "tie_word_embeddings": False,
     }
     vision = {
-        "depth": 2,
-        "embed_dim": 64,
-        "hidden_size": 256,  # the patch merger's output: the text model's hidden size
+        "depth": size.vision_depth,
+        "embed_dim": size.vision_embed,
+        "hidden_size": size.hidden,  # the patch merger's output: the text model's hidden size
         "hidden_act": "quick_gelu",
         "mlp_ratio": 2,
-        "num_heads": 2,
+        "num_heads": size.vision_heads,
         "in_channels": 3,
         "patch_size": 14,
         "spatial_merge_size": 2,
@@ -345,9 +398,12 @@ def build_multimodal(out: Path, bpe: Any) -> None:
     config.architectures = ["Qwen2VLForConditionalGeneration"]
     config.dtype = "float32"
     Qwen2VLForConditionalGeneration(config).save_pretrained(out, safe_serialization=True)
-    # Images between 56x56 and 224x224 pixels: at most 64 tokens each.
+    # Tiny: images between 56x56 and 224x224 pixels, at most 64 tokens each.
     sizes = {
-        "size": {"shortest_edge": 56 * 56, "longest_edge": 224 * 224},
+        "size": {
+            "shortest_edge": size.min_side * size.min_side,
+            "longest_edge": size.max_side * size.max_side,
+        },
         "patch_size": 14,
         "temporal_patch_size": 2,
         "merge_size": 2,
@@ -468,7 +524,7 @@ def build(out_dir: Path, names: Sequence[str] = ALL) -> list[Path]:
 
     torch.set_num_threads(1)
     out_dir.mkdir(parents=True, exist_ok=True)
-    bpe = train_bpe() if {CHAT, MULTIMODAL} & set(names) else None
+    bpe = train_bpe() if {CHAT, MULTIMODAL, *BIG} & set(names) else None
     decisions_bpe = train_bpe(DECISION_LINES) if DECISIONS in names else None
     wordpiece = train_wordpiece() if {EMBED, RERANK} & set(names) else None
     builders: dict[str, Callable[[Path], None]] = {
@@ -477,6 +533,8 @@ def build(out_dir: Path, names: Sequence[str] = ALL) -> list[Path]:
         EMBED: lambda out: build_embed(out, wordpiece),
         RERANK: lambda out: build_rerank(out, wordpiece),
         DECISIONS: lambda out: build_decisions(out, decisions_bpe),
+        CHAT_BIG: lambda out: build_chat(out, bpe, BIG_SIZE),
+        MULTIMODAL_BIG: lambda out: build_multimodal(out, bpe, BIG_SIZE),
     }
     built = []
     for name in names:
@@ -497,12 +555,16 @@ def files(model_dir: Path) -> Iterator[Path]:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.harness.realvllm.models", description=__doc__)
     p.add_argument("out_dir", nargs="?", type=Path, default=Home.default().models)
-    p.add_argument("--only", default=",".join(ALL), help="comma-separated model names")
+    p.add_argument(
+        "--only",
+        default=",".join(ALL),
+        help=f"comma-separated model names (default: the tiny ones; also {', '.join(BIG)})",
+    )
     a = p.parse_args(argv)
     names = [n for n in a.only.split(",") if n]
-    unknown = sorted(set(names) - set(ALL))
+    unknown = sorted(set(names) - {*ALL, *BIG})
     if unknown:
-        p.error(f"unknown model(s) {unknown}; choose from {list(ALL)}")
+        p.error(f"unknown model(s) {unknown}; choose from {[*ALL, *BIG]}")
     for path in build(a.out_dir, names):
         size = sum(f.stat().st_size for f in files(path))
         print(f"{path} ({size / 1e6:.1f} MB)")

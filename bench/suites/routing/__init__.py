@@ -27,11 +27,14 @@ X-Request-Id reached (bench/README.md defines it).
 The package, by concern: `options` (what a run measures), `client` (sessions replayed over
 HTTP), `fronts` (the front ends compared), `live` (one run on fresh engines), `inprocess`
 (the offline replay, `--offline`), `cost` (`--cost`), `report` (tables, goals, plots).
+`--real-vllm` runs the comparison on real vLLM engines instead: `real` (the run),
+`real_workloads`, `engine_set` (the engines, reset between front ends), `real_report`.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -122,6 +125,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespace]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if "--real-vllm" in (sys.argv[1:] if argv is None else argv):
+        # Real engines: its own options, engines and report (bench/suites/routing/real.py).
+        from bench.suites.routing.real import main as real_main
+
+        return real_main(argv)
     opts, args = parse_args(argv)
     if args.cost:
         policy_cost()

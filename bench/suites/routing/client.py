@@ -26,6 +26,9 @@ class Outcome:
     busy: list[float] = field(default_factory=list)
     # (X-Request-Id, call key) of every call, in the order sent (with a `tag`).
     calls: list[tuple[str, str | None]] = field(default_factory=list)
+    # X-Request-Id -> the prompt tokens the engine found cached, from the stream's usage
+    # (`stream_options.include_usage`, the engine's `--enable-prompt-tokens-details`).
+    cached: dict[str, int] = field(default_factory=dict)
 
 
 async def _send(
@@ -36,10 +39,12 @@ async def _send(
     out: Outcome,
     want_reply: bool = False,
 ) -> str:
-    """POST a streamed call; records its time to first chunk. Returns the reply's text
-    when `want_reply` (a chat client sends it back with the next turn), else ""."""
+    """POST a streamed call; records its time to first chunk, and the cached prompt
+    tokens its usage reports. Returns the reply's text when `want_reply` (a chat client
+    sends it back with the next turn), else ""."""
     start = time.perf_counter()
     chunks: list[bytes] = []
+    tail = b""
     try:
         async with http.post(url, data=body, headers=headers) as resp:
             first: float | None = None
@@ -48,17 +53,40 @@ async def _send(
                     first = time.perf_counter() - start
                 if want_reply:
                     chunks.append(chunk)
+                # The usage chunk comes last, before `data: [DONE]`.
+                tail = (tail + chunk)[-_USAGE_TAIL:]
             if resp.status != 200:
                 out.errors += 1
                 out.first_error = out.first_error or f"HTTP {resp.status} from {url}"
                 return ""
             if first is not None:
                 out.ttft.append(first)
+            cached = _cached_tokens(tail)
+            request_id = headers.get("X-Request-Id")
+            if request_id is not None and cached is not None:
+                out.cached[request_id] = cached
     except aiohttp.ClientError as exc:
         out.errors += 1
         out.first_error = out.first_error or f"{type(exc).__name__} from {url}"
         return ""
     return _reply_text(b"".join(chunks)) if want_reply else ""
+
+
+_USAGE_TAIL = 4096
+
+
+def _cached_tokens(tail: bytes) -> int | None:
+    """`usage.prompt_tokens_details.cached_tokens` of the last usage event in `tail`."""
+    for line in reversed(tail.split(b"\n")):
+        if line.startswith(b"data: {") and b'"usage"' in line:
+            try:
+                usage = orjson.loads(line[6:]).get("usage") or {}
+            except orjson.JSONDecodeError:
+                return None
+            details = usage.get("prompt_tokens_details") or {}
+            cached = details.get("cached_tokens")
+            return int(cached) if isinstance(cached, int) else None
+    return None
 
 
 def _reply_text(events: bytes) -> str:

@@ -223,7 +223,9 @@ def agreement(
     )
 
 
-def _wait_for_model(url: str, headers: dict[str, str], timeout: float = 30.0) -> None:
+def _wait_for_model(
+    url: str, headers: dict[str, str], timeout: float = 30.0, model: str = MODEL
+) -> None:
     """Wait until the front end lists the model: a gateway learns the engines' models
     from their /v1/models, and refuses the model (403) until it has."""
     req = urllib.request.Request(url + "/v1/models", headers=headers)  # noqa: S310 (loopback)
@@ -231,12 +233,12 @@ def _wait_for_model(url: str, headers: dict[str, str], timeout: float = 30.0) ->
     while time.monotonic() < deadline:
         try:
             with urllib.request.urlopen(req, timeout=5) as resp:  # noqa: S310 (loopback)
-                if MODEL in resp.read().decode():
+                if model in resp.read().decode():
                     return
         except OSError:
             pass
         time.sleep(0.1)
-    raise RuntimeError(f"{url} does not list {MODEL} after {timeout}s")
+    raise RuntimeError(f"{url} does not list {model} after {timeout}s")
 
 
 def _max_over_mean(values: Sequence[float]) -> float | None:

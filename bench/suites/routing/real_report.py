@@ -1,0 +1,190 @@
+"""The report of a routing run on real engines: the summary table, a table per workload,
+issue 31's goals graded, and the plots."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from bench.suites.report import Report, fmt
+from bench.suites.routing.real import (
+    AFFINITY,
+    CACHE_AWARE,
+    FRONTS,
+    HOT1,
+    IDEAL,
+    LEAST_LOADED,
+    ROUND_ROBIN,
+    ROUTER_RR,
+    RealResult,
+)
+from bench.suites.routing.real_workloads import EVICTION, NAMES
+
+# Issue 31's bounds: the tail against the best peer, the balance of uncached work, and
+# the hit rate against the ideal engine's when caches evict.
+TAIL_WORKLOADS = ("chat", "images")
+BALANCE = 1.25
+EVICTION_SHARE = 0.9
+PEERS = (ROUND_ROBIN, LEAST_LOADED, CACHE_AWARE, ROUTER_RR)
+
+
+def _by(results: list[RealResult], front: str, workload: str) -> RealResult | None:
+    return next((r for r in results if r.front == front and r.workload == workload), None)
+
+
+def _workloads(results: list[RealResult]) -> list[str]:
+    ran = {r.workload for r in results}
+    return [w for w in NAMES if w in ran]
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1%}"
+
+
+def write_real_report(report: Report, results: list[RealResult]) -> None:
+    workloads = _workloads(results)
+    summary_fronts = [IDEAL, AFFINITY, HOT1, CACHE_AWARE, ROUND_ROBIN, LEAST_LOADED, ROUTER_RR]
+    shown = [f for f in summary_fronts if any(r.front == f for r in results)]
+    rows = []
+    for w in workloads:
+        cells: list[Any] = [w]
+        for front in shown:
+            r = _by(results, front, w)
+            cells.append("" if r is None else f"{r.hit_rate:.3f}")
+        rows.append(cells)
+    report.table("Hit rate by workload and front end", ["workload", *shown], rows)
+    for w in workloads:
+        rows = []
+        for front in FRONTS:
+            r = _by(results, front, w)
+            if r is None:
+                continue
+            rows.append(
+                [
+                    r.front,
+                    f"{r.hit_rate:.3f}",
+                    f"{r.uncached:,.0f}",
+                    fmt(r.uncached_max_over_mean, 2),
+                    fmt(r.requests_max_over_mean, 2),
+                    fmt(r.ttft_p50_ms, 0),
+                    fmt(r.ttft_p99_ms, 0),
+                    _pct(r.agreement),
+                    r.calls,
+                    r.errors,
+                    "n/a" if r.cold_cached is None else r.cold_cached,
+                    f"{r.seconds:.0f}",
+                ]
+            )
+        report.table(
+            f"{w}",
+            [
+                "front end",
+                "hit rate",
+                "uncached tokens",
+                "max/mean uncached",
+                "max/mean requests",
+                "TTFT p50 ms",
+                "TTFT p99 ms",
+                "follow-ups on their engine",
+                "requests",
+                "errors",
+                "cold calls' cached tokens",
+                "seconds",
+            ],
+            rows,
+        )
+    grade(report, results)
+    report.raw["results"] = [r.__dict__ for r in results]
+    if results:
+        plot_real(report, results)
+
+
+def grade(report: Report, results: list[RealResult]) -> None:
+    """Issue 31's goals for plain `affinity`, on the workloads that ran."""
+    for w in TAIL_WORKLOADS:
+        aff = _by(results, AFFINITY, w)
+        peers = [
+            r for f in PEERS if (r := _by(results, f, w)) is not None and r.ttft_p99_ms is not None
+        ]
+        if aff is None or aff.ttft_p99_ms is None or not peers:
+            continue
+        best = min(peers, key=lambda r: r.ttft_p99_ms or 0.0)
+        assert best.ttft_p99_ms is not None
+        report.bound(
+            f"{w}: affinity TTFT p99 vs the best peer's",
+            f"<= {best.front}'s",
+            f"{aff.ttft_p99_ms:,.0f} vs {best.ttft_p99_ms:,.0f} ms",
+            aff.ttft_p99_ms,
+            best.ttft_p99_ms,
+            lambda gap: f"{gap:,.0f} ms",
+        )
+    for w in _workloads(results):
+        aff = _by(results, AFFINITY, w)
+        if aff is None:
+            continue
+        value = aff.uncached_max_over_mean
+        report.bound(
+            f"{w}: affinity max/mean uncached tokens per engine",
+            f"<= {BALANCE}",
+            fmt(value, 2),
+            value,
+            BALANCE,
+            lambda gap: f"{gap:.2f}",
+        )
+    aff = _by(results, AFFINITY, EVICTION)
+    ideal = _by(results, IDEAL, EVICTION)
+    if aff is not None and ideal is not None and ideal.hit_rate:
+        share = aff.hit_rate / ideal.hit_rate
+        balance = aff.uncached_max_over_mean
+        misses = []
+        if share < EVICTION_SHARE:
+            misses.append(f"hit rate short by {EVICTION_SHARE - share:.2f} of ideal's")
+        if balance is None or balance > BALANCE:
+            misses.append(f"max/mean over by {(balance or 0) - BALANCE:.2f}")
+        report.goal(
+            f"{EVICTION}: affinity without a knob",
+            f">= {EVICTION_SHARE} of ideal's hit rate and max/mean <= {BALANCE}",
+            f"{share:.2f} of ideal's ({aff.hit_rate:.3f} vs {ideal.hit_rate:.3f}),"
+            f" max/mean {fmt(balance, 2)}",
+            not misses,
+            "; ".join(misses),
+        )
+
+
+def plot_real(report: Report, results: list[RealResult]) -> None:
+    """Hit rate, and TTFT p50 and p99, per front end, grouped by workload."""
+    workloads = _workloads(results)
+    fronts = [f for f in FRONTS if any(r.front == f for r in results)]
+
+    def bars(ax: Any, value: Callable[[RealResult], float | None], label: str, title: str) -> None:
+        width = 0.8 / max(1, len(fronts))
+        for i, front in enumerate(fronts):
+            ys = [
+                v if (r := _by(results, front, w)) is not None and (v := value(r)) is not None
+                else 0.0
+                for w in workloads
+            ]  # fmt: skip
+            xs = [x + i * width for x in range(len(workloads))]
+            ax.bar(xs, ys, width, label=front, color=f"C{i}")
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(workloads))], workloads)
+        ax.set_ylabel(label)
+        ax.set_title(title)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+    def hit_rate(ax: Any) -> None:
+        bars(ax, lambda r: 100 * r.hit_rate, "prefix cache hit rate, %",
+             "Hit rate by front end (real engines)")  # fmt: skip
+
+    def ttft(axes: Any) -> None:
+        p50, p99 = axes
+        bars(p50, lambda r: r.ttft_p50_ms, "TTFT p50, ms", "Time to first token, median")
+        bars(p99, lambda r: r.ttft_p99_ms, "TTFT p99, ms", "Time to first token, p99")
+
+    def balance(ax: Any) -> None:
+        bars(ax, lambda r: r.uncached_max_over_mean, "max / mean uncached tokens per engine",
+             f"Balance of uncached work (goal: <= {BALANCE})")  # fmt: skip
+        ax.axhline(BALANCE, color="grey", linestyle="dotted")
+
+    report.plot("routing_real_hit_rate", hit_rate, (11, 4.5))
+    report.plot("routing_real_ttft", ttft, (11, 8), rows=2)
+    report.plot("routing_real_balance", balance, (11, 4.5))

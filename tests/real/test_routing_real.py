@@ -1,0 +1,57 @@
+"""The real-engine routing suite (`bench routing --real-vllm`) in its smallest form: two
+tiny-llama engines, the chat workload's tiny sizes, affinity, round robin and the ideal
+engine. The figures come from the engines' own counters; the caches are reset between
+front ends, so the calls that share nothing with an earlier call of the run find
+nothing cached."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.harness.realvllm.home import Home
+from bench.harness.realvllm.models import CHAT
+from bench.suites.routing.real import AFFINITY, IDEAL, ROUND_ROBIN, RealOptions, run
+from bench.suites.routing.real_workloads import TINY
+
+pytestmark = pytest.mark.real_vllm
+
+
+def test_smallest_run(real_home: Home, tmp_path: Path) -> None:
+    opts = RealOptions(
+        engines=2,
+        sizes=TINY,
+        workloads=["chat"],
+        fronts=[AFFINITY, ROUND_ROBIN, IDEAL],
+        live=4,
+        chat_model=CHAT,
+        # tiny-llama's own context (2,048 tokens).
+        max_model_len=None,
+    )
+    results = run(opts, tmp_path)
+    rows = {r.front: r for r in results}
+    # "affinity" also names the hot_divisor row, which runs on the eviction workload only.
+    assert sorted(rows) == sorted([AFFINITY, ROUND_ROBIN, IDEAL])
+    calls = sum(len(s) for s in _chat_sessions(opts))
+    for r in results:
+        assert r.workload == "chat"
+        assert r.errors == 0, r.first_error
+        assert r.calls == calls
+        # vLLM's counters: every call queried the cache, and the shared system prompts hit.
+        assert 0 < r.hit_rate < 1
+        assert sum(r.requests_per_engine) == calls
+        # Reset before each front end: the first call under each system prompt finds
+        # nothing cached (the front end before left every system prompt cached).
+        assert r.cold_cached == 0
+    assert len(rows[AFFINITY].uncached_per_engine) == 2
+    assert len(rows[IDEAL].uncached_per_engine) == 1
+    # The request logs tell where each turn went; the gateway passes X-Request-Id on.
+    assert rows[AFFINITY].agreement is not None and rows[AFFINITY].follow_ups > 0
+    assert rows[ROUND_ROBIN].agreement is not None
+
+
+def _chat_sessions(opts: RealOptions) -> list[list[object]]:
+    from bench.suites.routing.real_workloads import build
+
+    return list(build("chat", opts.chat_model, opts.sizes, opts.seed).sessions)
