@@ -48,30 +48,28 @@ def score(anchor: bytes, url: str) -> int:
     return int.from_bytes(digest.digest(), "big")
 
 
-def fraction(digest: bytes) -> float:
-    """A digest as a number in [0, 1): which requests a fractional spread admits to one
-    more engine (policy.py). The digest is already a hash: no need to hash it again."""
-    return int.from_bytes(digest[:8], "big") / 2.0**64
+def _scored(anchor: bytes, engines: Sequence[U]) -> list[tuple[int, str, int]]:
+    """(score, URL, index) of each engine, highest score first; ties (64-bit
+    collisions) broken by URL."""
+    return sorted(((score(anchor, e.url), e.url, i) for i, e in enumerate(engines)), reverse=True)
 
 
 def rendezvous_order(anchor: bytes, engines: Sequence[U]) -> list[U]:
     """`engines`, highest score first; ties (64-bit collisions) broken by URL."""
-    scored = sorted(((score(anchor, e.url), e.url, i) for i, e in enumerate(engines)), reverse=True)
-    return [engines[i] for _, _, i in scored]
+    return [engines[i] for _, _, i in _scored(anchor, engines)]
 
 
 def scored_order(anchor: bytes, engines: Sequence[U]) -> tuple[list[U], dict[str, int]]:
     """`rendezvous_order`, and the score of each engine's URL."""
-    scores = {e.url: score(anchor, e.url) for e in engines}
-    order = sorted(engines, key=lambda e: (scores[e.url], e.url), reverse=True)
-    return order, scores
+    scored = _scored(anchor, engines)
+    return [engines[i] for _, _, i in scored], {url: s for s, url, _ in scored}
 
 
 def weighted_choice(scores: Mapping[str, int], weighted: Sequence[tuple[float, U]]) -> U:
     """Weighted rendezvous (Schindelhauer and Schomaker, 2005): each engine's share of
     the anchors is its weight's share of the total, and a small change of one weight
     moves only a small part of the anchors. `weighted` holds (weight >= 0, engine),
-    `scores` the anchor's score of each engine's URL (`scores_of`)."""
+    `scores` the anchor's score of each engine's URL (`scored_order`)."""
     best: U | None = None
     top = -1.0
     for weight, engine in weighted:
