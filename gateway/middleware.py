@@ -44,6 +44,12 @@ _REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
 _MAX_LOGGED_PATH = 200
 
 
+def _ms(seconds: float) -> float:
+    """`seconds` in milliseconds to the microsecond, half up: `round(x, 3)`'s figure but
+    for a tie, at a third of its cost (round formats the float as a string)."""
+    return int(seconds * 1_000_000 + 0.5) / 1000
+
+
 class RequestIds:
     """Random 128-bit request ids. os.urandom is read 4 KiB at a time: one getrandom()
     system call per request is 2% of the gateway's CPU at 64 connections (py-spy). The
@@ -262,7 +268,7 @@ class Front:
                 "code": ex.code or None,
                 "bytes_in": ex.bytes_in,
                 "bytes_out": ex.bytes_out,
-                "ttfb_ms": None if ex.ttfb is None else round(ex.ttfb * 1000, 3),
-                "duration_ms": round(duration * 1000, 3),
+                "ttfb_ms": None if ex.ttfb is None else _ms(ex.ttfb),
+                "duration_ms": _ms(duration),
             }
         )

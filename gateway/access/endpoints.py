@@ -19,7 +19,7 @@ and written again by `forwarded_query`; anything else is refused, never passed o
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Final
 from urllib.parse import unquote_to_bytes
@@ -97,11 +97,13 @@ class Route:
     reason: str = ""
     # The query parameters the route forwards, by name; any other is refused.
     query: tuple[tuple[str, QueryValue], ...] = ()
+    # Low-cardinality name for logs and metrics: the group's, else the action's. Set
+    # once: an enum's `.value` is two Python calls, read twice per request.
+    label: str = field(init=False, repr=False, compare=False)
 
-    @property
-    def label(self) -> str:
-        """Low-cardinality name for logs and metrics."""
-        return self.group.value if self.group is not None else self.action.value
+    def __post_init__(self) -> None:
+        label = self.group.value if self.group is not None else self.action.value
+        object.__setattr__(self, "label", label)
 
 
 _POST = frozenset({"POST"})

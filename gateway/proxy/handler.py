@@ -14,7 +14,7 @@ give it a fake engine.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 
 import orjson
 
@@ -183,10 +183,10 @@ class Proxy:
         # engine, to be metered what the engine made (proxy/relay.py reads it unrelayed).
         watch = DisconnectWatch(loop, receive, ex, task, hold=meter.count)
 
-        async def relay(resp: Response) -> None:
+        def relay(resp: Response) -> Awaitable[None]:
             # The engine answers: it has the body, which the forwarder has dropped.
             incoming.drop()
-            await self.relay(resp, send, ex, watch, meter)
+            return self.relay(resp, send, ex, watch, meter)
 
         try:
             # The bytes handed over, not kept in a local: the forwarder drops them once
