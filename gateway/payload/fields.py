@@ -40,6 +40,23 @@ def opted_in(media: MediaSettings, payload: PayloadSettings) -> frozenset[OptIn]
     return frozenset(opt for opt, on in settings.items() if on)
 
 
+# The top-level fields `check_top_level` looks at besides `cache_salt`: a body holding none
+# of them (most do) skips those checks, each of which would find its field absent.
+_TOP_LEVEL_CHECKED: frozenset[str] = frozenset(
+    {
+        *FORBIDDEN_TOP_LEVEL,
+        *NAMESPACED_TOP_LEVEL,
+        "vllm_xargs",
+        "background",
+        "tools",
+        "request_id",
+        "previous_response_id",
+    }
+)
+# Namespaced cache salts kept (`FieldRules._salted`); past it the memo starts afresh.
+_SALTS_KEPT = 4096
+
+
 class FieldRules:
     """The field checks of one configuration, built once: `check_top_level` for a
     body's top level, `check_anywhere` and `check_part_type` for what the walk meets."""
@@ -49,6 +66,9 @@ class FieldRules:
         self.xargs_keys = frozenset(payload.vllm_xargs_keys)
         self.cache_isolation = payload.cache_isolation
         self.max_cache_salt_length = media.max_cache_salt_length
+        # (secret, owner or tenant, salt) -> the salt sent: an HMAC a request, the same
+        # for every request of a key that sends the same salt (most send none).
+        self._salted: dict[tuple[bytes, str, str], str] = {}
 
     def check_anywhere(self, key: str, value: object, path: str) -> None:
         """A field of `FORBIDDEN_ANYWHERE`, wherever it sits: refused unless opted in."""
@@ -68,6 +88,8 @@ class FieldRules:
         `creates_response`: the body asks for a stored response (`POST /v1/responses`),
         which gets a request id bound to the key even when it names none (vLLM's own,
         `resp_` + a random uuid, would be readable by any key)."""
+        if not creates_response and _TOP_LEVEL_CHECKED.isdisjoint(body):
+            return self._cache_salt(body, identity)
         for field, opt in FORBIDDEN_TOP_LEVEL.items():
             if body.get(field) is not None and opt not in self.allowed:
                 raise FieldNotAllowed(f"The field '{field}' is not allowed.", param=field)
@@ -152,7 +174,13 @@ class FieldRules:
         if mode is CacheIsolation.off:
             return False
         # The client's own salt still partitions the cache, but only within its tenant.
-        body["cache_salt"] = identity.namespaced(
-            "cache_salt", salt or "", tenant=mode is CacheIsolation.tenant
-        )
+        tenant = mode is CacheIsolation.tenant
+        memo = (identity.secret, identity.tenant if tenant else identity.owner, salt or "")
+        salted = self._salted.get(memo)
+        if salted is None:
+            salted = identity.namespaced("cache_salt", memo[2], tenant=tenant)
+            if len(self._salted) >= _SALTS_KEPT:
+                self._salted.clear()
+            self._salted[memo] = salted
+        body["cache_salt"] = salted
         return True
