@@ -210,6 +210,9 @@ def header(scope: Scope, name: bytes) -> bytes | None:
 def _is_json(content_type: bytes | None) -> bool:
     if content_type is None:
         return False
+    # The usual spelling first: no method calls (each ~0.5-1K instructions, callgrind).
+    if content_type == b"application/json":
+        return True
     return content_type.split(b";", 1)[0].strip().lower() == b"application/json"
 
 
