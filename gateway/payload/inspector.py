@@ -57,6 +57,10 @@ class Inspection:
 _NOTHING = Inspection((), False)
 
 
+# Identities kept (`PayloadInspector._identities`); past it the memo starts afresh.
+_IDENTITIES_KEPT = 4096
+
+
 def generate_secret() -> str:
     """A namespace secret for a gateway configured without one, and the warning that
     says what it breaks. Called once per process tree: by the inspector of a single
@@ -101,13 +105,26 @@ class PayloadInspector:
         self._inliner = MediaInliner(media, self._fetcher, self._decoder)
         self._isolation = self._payload.cache_isolation
         self._passthrough = media.mode is MediaMode.passthrough
+        # Each key's identity, made once: a frozen dataclass costs ~3K instructions to
+        # build (callgrind), per request otherwise. By (digest, tenant): a reloaded key
+        # may change tenant.
+        self._identities: dict[tuple[bytes, str | None], Identity] = {}
 
     def identity(self, key: ApiKey | None) -> Identity:
         """Identifiers are namespaced by the key itself (its digest), not by its name:
         names are labels an operator may reuse or renumber (`key-3`) in a later file."""
-        owner = key.digest.hex() if key is not None else ""
-        tenant = f"tenant:{key.tenant}" if key is not None and key.tenant is not None else owner
-        return Identity(owner, tenant, self._secret)
+        if key is None:
+            return Identity("", "", self._secret)
+        memo = (key.digest, key.tenant)
+        found = self._identities.get(memo)
+        if found is None:
+            owner = key.digest.hex()
+            tenant = f"tenant:{key.tenant}" if key.tenant is not None else owner
+            found = Identity(owner, tenant, self._secret)
+            if len(self._identities) >= _IDENTITIES_KEPT:
+                self._identities.clear()
+            self._identities[memo] = found
+        return found
 
     def owns_response(self, key: ApiKey | None, response_id: str) -> bool:
         """Whether the stored response `response_id` was created by `key` through a

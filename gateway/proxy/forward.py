@@ -1,5 +1,6 @@
-"""Sending a request to an engine: failover along the policy's order, each engine held
-by a `Lease`, and the one mapping from upstream failures to gateway errors.
+"""Sending a request to an engine: failover along the policy's order, each engine
+counted in its `in_flight` while it serves the request, and the one mapping from upstream
+failures to gateway errors.
 
 A request moves to the next engine only when the previous one provably received
 nothing (the connection was refused). Once a request was written it may have started,
@@ -19,7 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from gateway.errors import GatewayError, UpstreamBroken, UpstreamTimeout, UpstreamUnavailable
 from gateway.exchange import Exchange
 from gateway.observability.metrics import Metrics
-from gateway.routing.engine import Engine, Lease
+from gateway.routing.engine import Engine
 from gateway.routing.key_errors import KeyErrors
 from gateway.routing.pool import EnginePool
 from gateway.upstream.errors import (
@@ -86,7 +87,10 @@ class Forwarder:
                 # the request moves on (once per engine: `order` lists each once).
                 ex.failovers = attempt
                 self._counts.failovers += 1
-            with Lease(engine):
+            # Counted in the engine's `in_flight` while it serves the request, however
+            # the request ends (a `with` object cost three Python calls a request).
+            engine.in_flight += 1
+            try:
                 sent_at = time.perf_counter()
                 try:
                     resp = await self.upstream.request(engine.origin, method, target, headers, data)
@@ -132,4 +136,6 @@ class Forwarder:
                     # or a broken stream the connection is closed, never reused half read.
                     resp.close()
                 return
+            finally:
+                engine.in_flight -= 1
         raise UpstreamUnavailable("No engine accepted the connection.")

@@ -1,4 +1,4 @@
-"""One engine as the pool sees it (`Engine`), and the hold a request keeps on it (`Lease`)."""
+"""One engine as the pool sees it (`Engine`)."""
 
 from __future__ import annotations
 
@@ -109,20 +109,3 @@ def public_url(url: str) -> str:
     if "@" not in parts.netloc:
         return url
     return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
-
-
-class Lease:
-    """An engine held for one request: counted in its `in_flight` from entering the
-    `with` block to leaving it, however the request ends, so the count cannot drift."""
-
-    __slots__ = ("engine",)
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-
-    def __enter__(self) -> Engine:
-        self.engine.in_flight += 1
-        return self.engine
-
-    def __exit__(self, *exc: object) -> None:
-        self.engine.in_flight -= 1
