@@ -21,6 +21,7 @@ from bench.suites.routing.real import (
     IDEAL,
     LEAST_LOADED,
     ROUND_ROBIN,
+    STORE,
     RealOptions,
     RealResult,
     cold_cached,
@@ -28,6 +29,7 @@ from bench.suites.routing.real import (
     max_over_mean,
     parse_args,
     percentile,
+    slowest_calls,
 )
 from bench.suites.routing.real_report import write_real_report
 from bench.suites.routing.real_workloads import EVICTION, FULL, QUICK, TINY, Sizes, build
@@ -140,8 +142,9 @@ def test_hot_divisor_row_runs_on_the_eviction_workload_only() -> None:
     opts = RealOptions()
     assert HOT1 in fronts_for(EVICTION, opts) and HOT1 not in fronts_for("chat", opts)
     assert IDEAL not in fronts_for("chat", opts)
-    # A name prefix selects: "affinity" takes both affinity rows.
-    assert fronts_for(EVICTION, RealOptions(fronts=["affinity"])) == [AFFINITY, HOT1]
+    # A name prefix selects: "affinity" takes every affinity row.
+    assert fronts_for(EVICTION, RealOptions(fronts=["affinity"])) == [AFFINITY, STORE, HOT1]
+    assert STORE in fronts_for("few_shot", opts)
 
 
 def test_quick_option_takes_two_engines_and_the_quick_sizes() -> None:
@@ -194,6 +197,8 @@ def test_report_grades_issue_31s_goals(tmp_path: Path) -> None:
         _row(IDEAL, EVICTION, 0.89, None, 1.0),
         _row(AFFINITY, EVICTION, 0.70, 900.0, 1.30),
         _row(HOT1, EVICTION, 0.86, 500.0, 1.50),
+        _row(STORE, "chat", 0.88, 590.0, 1.12),
+        _row(STORE, EVICTION, 0.87, 550.0, 1.20),
     ]
     report = Report.create("routing --real-vllm", tmp_path)
     write_real_report(report, results)
@@ -208,11 +213,15 @@ def test_report_grades_issue_31s_goals(tmp_path: Path) -> None:
     # 0.70 / 0.89 = 0.79 of the ideal's: short by 0.11; max/mean over by 0.05.
     assert evict.met is False and evict.measured.startswith("0.79 of ideal's")
     assert evict.detail == "hit rate short by 0.11 of ideal's; max/mean over by 0.05"
+    # With the shared store, graded on its own rows: met where its figures are.
+    assert goals[f"chat: {STORE} TTFT p99 vs the best peer's"].met is True
+    assert goals[f"{EVICTION}: {STORE} without a knob"].met is True
+    assert f"images: {STORE} TTFT p99 vs the best peer's" not in goals
     # The hand-set knob is reported, never graded.
     assert not any(HOT1 in g.name for g in report.goals)
     summary = report.tables[0]
-    assert summary.columns[:4] == ["workload", IDEAL, AFFINITY, HOT1]
-    assert summary.rows[2][:4] == [EVICTION, "0.890", "0.700", "0.860"]
+    assert summary.columns[:5] == ["workload", IDEAL, AFFINITY, STORE, HOT1]
+    assert summary.rows[2][:5] == [EVICTION, "0.890", "0.700", "0.870", "0.860"]
     report.write()
     assert (tmp_path / "routing_real_ttft.png").is_file()
 
@@ -224,3 +233,21 @@ def test_eviction_goal_is_met_at_the_bounds(tmp_path: Path) -> None:
     )
     goal = next(g for g in report.goals if g.name.endswith("without a knob"))
     assert goal.met is True and goal.detail == ""
+
+
+def test_slowest_calls_name_the_call_its_turn_and_its_engine(tmp_path: Path) -> None:
+    calls = [("r1", "conversation 0"), ("r2", "conversation 1"), ("r3", "conversation 0"),
+             ("r4", None), ("r5", "conversation 0")]  # fmt: skip
+    ttft = {"r1": 0.9, "r2": 0.1, "r3": 0.5, "r5": 0.05}  # r4 failed: no first chunk
+    slow = slowest_calls(calls, ttft, {"r1": 0, "r3": 1024}, {"r1": 2, "r3": 0}, count=3)
+    assert [(c.ttft_ms, c.key, c.index, c.turn, c.cached, c.engine) for c in slow] == [
+        (900.0, "conversation 0", 0, 0, 0, 2),
+        (500.0, "conversation 0", 2, 1, 1024, 0),
+        (100.0, "conversation 1", 1, 0, None, None),
+    ]
+    result = _row(AFFINITY, "chat", 0.87, 900.0, 1.1)
+    result.slowest = slow
+    report = Report.create("routing --real-vllm", tmp_path)
+    write_real_report(report, [result])
+    table = next(t for t in report.tables if t.title == "chat: the slowest calls")
+    assert table.rows[0] == [AFFINITY, "900", "conversation 0", "0", "0", "0", "2"]
