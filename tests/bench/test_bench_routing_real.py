@@ -13,6 +13,7 @@ import pytest
 from PIL import Image
 
 from bench.harness.realvllm.models import WORDS
+from bench.harness.redis_server import redis_server_path
 from bench.suites.report import Report
 from bench.suites.routing.real import (
     AFFINITY,
@@ -31,6 +32,14 @@ from bench.suites.routing.real import (
     percentile,
     slowest_calls,
 )
+from bench.suites.routing.real_offline import (
+    BLOCK,
+    PrefixCache,
+    blocks,
+    run_offline,
+    write_offline_report,
+)
+from bench.suites.routing.real_offline import STORE as OFFLINE_STORE
 from bench.suites.routing.real_report import write_real_report
 from bench.suites.routing.real_workloads import EVICTION, FULL, QUICK, TINY, Sizes, build
 
@@ -251,3 +260,42 @@ def test_slowest_calls_name_the_call_its_turn_and_its_engine(tmp_path: Path) -> 
     write_real_report(report, [result])
     table = next(t for t in report.tables if t.title == "chat: the slowest calls")
     assert table.rows[0] == [AFFINITY, "900", "conversation 0", "0", "0", "0", "2"]
+
+
+def test_offline_prefix_cache_finds_leading_blocks_and_drops_the_least_recent() -> None:
+    first = [f"w{i}" for i in range(300)]  # two full blocks and a part
+    second = first[:128] + [f"x{i}" for i in range(200)]
+    cache = PrefixCache(2 * BLOCK)
+    assert cache.serve(first) == 0
+    assert cache.serve(first) == 256  # the full blocks; the part is computed again
+    assert cache.serve(second) == 128  # the first block is shared; its second is new
+    # Capacity two blocks: the second prompt's new block pushed out `first`'s second
+    # (the least recently used), not the shared first one.
+    assert cache.serve(first) == 128
+    assert PrefixCache(None).serve(first[:128]) == 0
+    assert blocks(first[:128]) == blocks(first)[:1] and blocks(first[:127]) == []
+    whole = PrefixCache(None)
+    whole.serve(first[:256])
+    assert whole.serve(first[:256]) == 255  # never the whole prompt
+
+
+def test_offline_replay_rows(tmp_path: Path) -> None:
+    rows = run_offline(QUICK, 0, 3, 6144, 2, tmp_path, ["few_shot", EVICTION])
+    by = {(r.workload, r.front, r.replicas): r for r in rows}
+    fronts = ["affinity"] + ([OFFLINE_STORE] if redis_server_path() else [])
+    for w in ("few_shot", EVICTION):
+        ideal = by[(w, "ideal", 1)]
+        assert len(ideal.draws) == 1 and ideal.mean("follow_ups") == 1.0
+        for front in fronts:
+            for replicas in (1, 2, 4):
+                row = by[(w, front, replicas)]
+                assert len(row.draws) == 2
+                for d in row.draws:
+                    assert 0.0 < d.hit_rate <= ideal.draws[0].hit_rate + 0.05
+                    assert d.uncached_max_over_mean >= 1.0
+    report = Report.create("routing --real-vllm --offline", tmp_path / "report")
+    write_offline_report(report, rows, 2)
+    assert [t.title for t in report.tables] == [
+        "few_shot (offline, 2 URL draws)",
+        f"{EVICTION} (offline, 2 URL draws)",
+    ]

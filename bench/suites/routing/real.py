@@ -364,6 +364,10 @@ def parse_args(argv: Sequence[str] | None) -> tuple[RealOptions, argparse.Namesp
     p.add_argument("--evict-tokens", type=int, default=6144, help="KV per engine, chat_evict")
     p.add_argument("--out", type=Path, help="results folder (default bench/results/<stamp>-...)")
     p.add_argument("--logs", type=Path, help="keep the front ends' logs here")
+    p.add_argument("--offline", action="store_true",
+                   help="no engines: the text workloads routed in-process over many URL draws"
+                   " (real_offline.py)")  # fmt: skip
+    p.add_argument("--draws", type=int, default=16, help="URL draws with --offline")
     args = p.parse_args(argv)
     opts = RealOptions(
         engines=args.engines or (2 if args.quick else 3),
@@ -381,6 +385,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from bench.suites.routing.real_report import write_real_report
 
     opts, args = parse_args(argv)
+    if args.offline:
+        return offline_main(opts, args)
     out = args.out or RESULTS / f"{time.strftime('%Y%m%d-%H%M%S')}-routing-real"
     report = Report.create("routing --real-vllm", out, smoke=args.quick)
     report.meta.update(
@@ -402,6 +408,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not any(r.front.startswith("vllm-router") for r in results):
         report.note("vllm-router is not installed: `.venv/bin/pip install vllm-router`")
     write_real_report(report, results)
+    report.write()
+    print(report.summary())
+    return 0
+
+
+def offline_main(opts: RealOptions, args: argparse.Namespace) -> int:
+    from bench.suites.routing.real_offline import WORKLOADS, run_offline, write_offline_report
+
+    out = args.out or RESULTS / f"{time.strftime('%Y%m%d-%H%M%S')}-routing-real-offline"
+    report = Report.create("routing --real-vllm --offline", out, smoke=args.quick)
+    report.meta.update(
+        engines=opts.engines,
+        evict_tokens_per_engine=opts.evict_tokens,
+        draws=args.draws,
+        seed=opts.seed,
+        commit=commit(),
+    )
+    workloads = [w for w in opts.workloads if w in WORKLOADS]
+    with tempfile.TemporaryDirectory(prefix="bench-routing-offline-") as tmp:
+        rows = run_offline(
+            opts.sizes, opts.seed, opts.engines, opts.evict_tokens, args.draws, Path(tmp),
+            workloads,
+        )  # fmt: skip
+    if not any(r.front != "ideal" and r.front != "affinity" for r in rows):
+        report.note("redis-server is not installed: no rows with the store")
+    write_offline_report(report, rows, args.draws)
     report.write()
     print(report.summary())
     return 0
