@@ -17,6 +17,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.harness.redis_server import RedisServer
 from bench.harness.server import Server, clean_env, free_port
 
 BENCH_KEY = "bench-local-key-not-secret"
@@ -147,6 +148,13 @@ class Fleet:
         # known (a request sent before that was refused, the model unknown, in a bench run).
         server.ready_path = "/readyz"
         return self._start(server, timeout=timeout)
+
+    def redis(self) -> RedisServer:
+        """A fresh, empty redis-server on a free loopback port, stopped with the fleet."""
+        port = free_port()
+        server = RedisServer(port, self.workdir / f"redis-{port}.log").start()
+        self._stack.callback(server.stop)
+        return server
 
     def floor(
         self, engine: str, allocator: str = "gateway", name: str = "floor", decode: bool = False

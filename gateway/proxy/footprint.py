@@ -3,7 +3,8 @@
     size = held_by(orjson.loads(raw), raw)
 
 Two measures, both at or above what `orjson.loads` holds (tests/unit/proxy/test_body.py
-checks each against tracemalloc over bench/suites/parsed_memory.py's shapes): a walk of
+checks each against tracemalloc over bench/suites/parsed_memory.py's shapes,
+tests/unit/proxy/test_footprint_rss.py the count against resident memory): a walk of
 the parsed objects, for a large body of few objects (an image, long text); an upper bound
 counted from the bytes, for small bodies and bodies of many objects, where it costs less.
 """
@@ -17,14 +18,14 @@ from typing import Any
 # What a parsed body holds at most beyond its characters, for each byte of the body that
 # can make an object: `[` a list, `{` a dict (with its first entries' table), `,` a value
 # in a list or a member (its pointer, and a number or a string's header), `:` a member
-# (its key, its slot). Counted inside strings too: an upper bound. Fitted with
-# tracemalloc over orjson.loads of 27 shapes of 200,000 values each as the least
-# overcharge that charges none of them short (docs/facts.md, "What a parsed body
-# holds"): a chat 1.4x its real size, token ids 1.7x, unique strings and members 1.0x,
-# `[],` 1.9x, `true,` 7.6x (the singletons cost only their pointer).
-PARSED_PER_LIST = 64
+# (its key, its slot). Counted inside strings too: an upper bound. At or above the
+# resident memory orjson.loads adds (pymalloc's blocks, in steps of 16 bytes, not the
+# sizes tracemalloc reports) over the shapes of docs/facts.md, "What a parsed body
+# holds": strings of 1 to 16 characters 1.02-1.04x, members 1.1x, ints 1.9x, `{},` 2.9x
+# (the singletons `true` and `null` cost only their pointer).
+PARSED_PER_LIST = 80
 PARSED_PER_DICT = 136
-PARSED_PER_ITEM = 56
+PARSED_PER_ITEM = 72
 PARSED_PER_MEMBER = 92
 # A str with a character past U+007F has a larger header (`PyCompactUnicodeObject`):
 # charged on each item and member of a body that may hold one (100,000 strings `"中1"`

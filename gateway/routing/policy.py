@@ -290,7 +290,6 @@ class Affinity:
             return ordered
         url = await store.place(
             anchor.digest,
-            [e.url for e in engines],
             [e.url for e in choices],
             request.key_digest,
             conversation_of(candidates, anchor),

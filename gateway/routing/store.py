@@ -7,18 +7,23 @@ new anchor goes to the engine with the lowest expected load recorded in the stor
 recent requests, plus the requests its anchors are still expected to bring, decaying
 with `store_decay` seconds), among the engines the stateless rule would choose from (the
 hot-prefix spread is kept), ties by rendezvous order; every replica and worker then
-reads that placement.
+reads that placement while its engine is still one of those. A placement never takes a
+request outside them: when a hot prompt's stretch of engines moves (policy.py), the
+conversations left outside it are placed anew inside it, as the stateless rule would
+move them, so no engine keeps a prompt's copy for a few stray conversations (under
+eviction those re-read the prompt on every turn; docs/routing.md, "The store keeps to the
+stretch").
 
 One round trip per request: a Lua script, atomic on the Redis server, so concurrent
 replicas cannot record two placements for one anchor (the first script to run records
 it, the later ones read it). It reads the anchor's engine and, when that is still
-eligible (healthy, serving the model), refreshes its TTL; otherwise places it anew;
-then counts the request for the engine.
+among the engines the request may go to (healthy, serving the model, in its stretch),
+refreshes its TTL; otherwise places it anew; then counts the request for the engine.
 
 A conversation is kept where its first turn went, whichever anchor decided there: when
 the deciding anchor is shorter than the request's first user message (a system prompt
 that this process does not count as hot, or an image it does not), the first user
-message's record is read first and used when eligible, and a new one is recorded with
+message's record is read first and used when it is among them, and a new one is recorded with
 the engine chosen. So a replica that has not yet seen a prompt shared (it started a
 moment ago) sends a conversation's turns where a replica that has seen it sent the
 first, and the other way round (docs/routing.md, "A new replica"). Keys (`<prefix>` is
@@ -56,10 +61,10 @@ from gateway.store.client import StoreClient
 # and the conversation's hash (the first user message's; the anchor's own when that
 # decided). ARGV: the anchor's TTL (ms), the decay time constant (s), the engines'
 # hash TTL (ms), the key's digest (hex), the anchors a key may hold, the anchor's digest
-# (hex), the store's prefix with its colon, the conversation's digest (hex), the number
-# of eligible engines E, the E eligible URLs, then the URLs a new anchor may go to, best
-# (rendezvous) first. Returns the engine's URL, 1 if the placement was read (0 if made
-# here), and the number of the key's anchors deleted for the bound.
+# (hex), the store's prefix with its colon, the conversation's digest (hex), then the
+# URLs the request may go to, best (rendezvous) first. Returns the engine's URL, 1 if
+# the placement was read (0 if made here), and the number of the key's anchors deleted
+# for the bound.
 #
 # An engine's expected load is its recent requests plus the credit of its anchors,
 # both decaying with the time constant: a new anchor brings a credit of the mean
@@ -88,11 +93,10 @@ local bound = tonumber(ARGV[5])
 local anchor = ARGV[6]
 local prefix = ARGV[7]
 local talk = ARGV[8]
-local n = tonumber(ARGV[9])
-local first = 10
-local function eligible(url)
+local first = 9
+local function choosable(url)
   if not url then return false end
-  for i = first, first - 1 + n do
+  for i = first, #ARGV do
     if ARGV[i] == url then return true end
   end
   return false
@@ -119,7 +123,7 @@ local anchors = decayed(long, g[2], g[3])
 local held = false
 if talk ~= anchor then
   held = redis.call('HMGET', KEYS[4], 'u', 'k')
-  if eligible(held[1]) then
+  if choosable(held[1]) then
     local url = held[1]
     local e = redis.call('HMGET', KEYS[2], 'r' .. url, 'c' .. url, 't' .. url)
     count(url, e, decayed(tau, e[2], e[3]), requests, anchors)
@@ -133,7 +137,7 @@ end
 local home = redis.call('HMGET', KEYS[1], 'u', 'c', 't', 'k')
 local chosen = false
 local credit = 0
-if eligible(home[1]) then
+if choosable(home[1]) then
   chosen = home[1]
   credit = decayed(tau, home[2], home[3])
 end
@@ -142,7 +146,7 @@ local e = nil
 if not chosen then
   found = 0
   local best = nil
-  for i = first + n, #ARGV do
+  for i = first, #ARGV do
     local url = ARGV[i]
     local f = redis.call('HMGET', KEYS[2], 'r' .. url, 'c' .. url, 't' .. url)
     local load = decayed(tau, f[1], f[3]) + decayed(tau, f[2], f[3])
@@ -213,8 +217,9 @@ class PlacementStore:
         self._bound = str(settings.store_anchors_per_key)
         self._script = client.script(PLACE)
         # Placements by outcome, plain integer adds read at scrape time (observability/metrics.py):
-        # the anchor's recorded engine was used, a new (or no longer eligible) anchor
-        # was placed, or the store failed, was slow or is being left alone: stateless.
+        # the anchor's recorded engine was used, a new anchor (or one whose engine the
+        # request may no longer go to) was placed, or the store failed, was slow or is
+        # being left alone: stateless.
         self.read = 0
         self.placed = 0
         self.fallback = 0
@@ -228,18 +233,17 @@ class PlacementStore:
     async def place(
         self,
         anchor: bytes,
-        eligible: Sequence[str],
         choices: Sequence[str],
         key_digest: bytes | None = None,
         conversation: bytes | None = None,
     ) -> str | None:
         """The engine URL for `anchor`: the recorded engine of `conversation` (the
         request's first user message, when shorter anchors decided) when that is in
-        `eligible`; else the anchor's recorded engine when that is; else the least busy
-        of `choices` (best first), recorded. A new placement is recorded for the
-        conversation too, and counted among the anchors of the key of `key_digest`
-        (requests without a key count as one key). None: the store is unavailable,
-        decide without it."""
+        `choices` (the engines the request may go to, best first); else the anchor's
+        recorded engine when that is; else the least busy of `choices`, recorded. A new
+        placement is recorded for the conversation too, and counted among the anchors of
+        the key of `key_digest` (requests without a key count as one key). None: the
+        store is unavailable, decide without it."""
         if not self.client.usable():
             self.fallback += 1
             return None
@@ -249,8 +253,7 @@ class PlacementStore:
         # enough to tell the operator's keys apart, and 48 bytes less per anchor.
         owner = key_digest[:8].hex() if key_digest else "anonymous"
         args = [self._ttl_ms, self._decay, self._engines_ttl_ms]
-        args += [owner, self._bound, name, self._prefix, talk, str(len(eligible))]
-        args += [*eligible, *choices]
+        args += [owner, self._bound, name, self._prefix, talk, *choices]
         keys = [
             self._anchor_prefix + name,
             self._engines_key,

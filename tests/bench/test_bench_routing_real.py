@@ -13,6 +13,7 @@ import pytest
 from PIL import Image
 
 from bench.harness.realvllm.models import WORDS
+from bench.harness.redis_server import redis_server_path
 from bench.suites.report import Report
 from bench.suites.routing.real import (
     AFFINITY,
@@ -21,6 +22,7 @@ from bench.suites.routing.real import (
     IDEAL,
     LEAST_LOADED,
     ROUND_ROBIN,
+    STORE,
     RealOptions,
     RealResult,
     cold_cached,
@@ -28,7 +30,16 @@ from bench.suites.routing.real import (
     max_over_mean,
     parse_args,
     percentile,
+    slowest_calls,
 )
+from bench.suites.routing.real_offline import (
+    BLOCK,
+    PrefixCache,
+    blocks,
+    run_offline,
+    write_offline_report,
+)
+from bench.suites.routing.real_offline import STORE as OFFLINE_STORE
 from bench.suites.routing.real_report import write_real_report
 from bench.suites.routing.real_workloads import EVICTION, FULL, QUICK, TINY, Sizes, build
 
@@ -140,8 +151,9 @@ def test_hot_divisor_row_runs_on_the_eviction_workload_only() -> None:
     opts = RealOptions()
     assert HOT1 in fronts_for(EVICTION, opts) and HOT1 not in fronts_for("chat", opts)
     assert IDEAL not in fronts_for("chat", opts)
-    # A name prefix selects: "affinity" takes both affinity rows.
-    assert fronts_for(EVICTION, RealOptions(fronts=["affinity"])) == [AFFINITY, HOT1]
+    # A name prefix selects: "affinity" takes every affinity row.
+    assert fronts_for(EVICTION, RealOptions(fronts=["affinity"])) == [AFFINITY, STORE, HOT1]
+    assert STORE in fronts_for("few_shot", opts)
 
 
 def test_quick_option_takes_two_engines_and_the_quick_sizes() -> None:
@@ -194,6 +206,8 @@ def test_report_grades_issue_31s_goals(tmp_path: Path) -> None:
         _row(IDEAL, EVICTION, 0.89, None, 1.0),
         _row(AFFINITY, EVICTION, 0.70, 900.0, 1.30),
         _row(HOT1, EVICTION, 0.86, 500.0, 1.50),
+        _row(STORE, "chat", 0.88, 590.0, 1.12),
+        _row(STORE, EVICTION, 0.87, 550.0, 1.20),
     ]
     report = Report.create("routing --real-vllm", tmp_path)
     write_real_report(report, results)
@@ -208,11 +222,15 @@ def test_report_grades_issue_31s_goals(tmp_path: Path) -> None:
     # 0.70 / 0.89 = 0.79 of the ideal's: short by 0.11; max/mean over by 0.05.
     assert evict.met is False and evict.measured.startswith("0.79 of ideal's")
     assert evict.detail == "hit rate short by 0.11 of ideal's; max/mean over by 0.05"
+    # With the shared store, graded on its own rows: met where its figures are.
+    assert goals[f"chat: {STORE} TTFT p99 vs the best peer's"].met is True
+    assert goals[f"{EVICTION}: {STORE} without a knob"].met is True
+    assert f"images: {STORE} TTFT p99 vs the best peer's" not in goals
     # The hand-set knob is reported, never graded.
     assert not any(HOT1 in g.name for g in report.goals)
     summary = report.tables[0]
-    assert summary.columns[:4] == ["workload", IDEAL, AFFINITY, HOT1]
-    assert summary.rows[2][:4] == [EVICTION, "0.890", "0.700", "0.860"]
+    assert summary.columns[:5] == ["workload", IDEAL, AFFINITY, STORE, HOT1]
+    assert summary.rows[2][:5] == [EVICTION, "0.890", "0.700", "0.870", "0.860"]
     report.write()
     assert (tmp_path / "routing_real_ttft.png").is_file()
 
@@ -224,3 +242,60 @@ def test_eviction_goal_is_met_at_the_bounds(tmp_path: Path) -> None:
     )
     goal = next(g for g in report.goals if g.name.endswith("without a knob"))
     assert goal.met is True and goal.detail == ""
+
+
+def test_slowest_calls_name_the_call_its_turn_and_its_engine(tmp_path: Path) -> None:
+    calls = [("r1", "conversation 0"), ("r2", "conversation 1"), ("r3", "conversation 0"),
+             ("r4", None), ("r5", "conversation 0")]  # fmt: skip
+    ttft = {"r1": 0.9, "r2": 0.1, "r3": 0.5, "r5": 0.05}  # r4 failed: no first chunk
+    slow = slowest_calls(calls, ttft, {"r1": 0, "r3": 1024}, {"r1": 2, "r3": 0}, count=3)
+    assert [(c.ttft_ms, c.key, c.index, c.turn, c.cached, c.engine) for c in slow] == [
+        (900.0, "conversation 0", 0, 0, 0, 2),
+        (500.0, "conversation 0", 2, 1, 1024, 0),
+        (100.0, "conversation 1", 1, 0, None, None),
+    ]
+    result = _row(AFFINITY, "chat", 0.87, 900.0, 1.1)
+    result.slowest = slow
+    report = Report.create("routing --real-vllm", tmp_path)
+    write_real_report(report, [result])
+    table = next(t for t in report.tables if t.title == "chat: the slowest calls")
+    assert table.rows[0] == [AFFINITY, "900", "conversation 0", "0", "0", "0", "2"]
+
+
+def test_offline_prefix_cache_finds_leading_blocks_and_drops_the_least_recent() -> None:
+    first = [f"w{i}" for i in range(300)]  # two full blocks and a part
+    second = first[:128] + [f"x{i}" for i in range(200)]
+    cache = PrefixCache(2 * BLOCK)
+    assert cache.serve(first) == 0
+    assert cache.serve(first) == 256  # the full blocks; the part is computed again
+    assert cache.serve(second) == 128  # the first block is shared; its second is new
+    # Capacity two blocks: the second prompt's new block pushed out `first`'s second
+    # (the least recently used), not the shared first one.
+    assert cache.serve(first) == 128
+    assert PrefixCache(None).serve(first[:128]) == 0
+    assert blocks(first[:128]) == blocks(first)[:1] and blocks(first[:127]) == []
+    whole = PrefixCache(None)
+    whole.serve(first[:256])
+    assert whole.serve(first[:256]) == 255  # never the whole prompt
+
+
+def test_offline_replay_rows(tmp_path: Path) -> None:
+    rows = run_offline(QUICK, 0, 3, 6144, 2, tmp_path, ["few_shot", EVICTION])
+    by = {(r.workload, r.front, r.replicas): r for r in rows}
+    fronts = ["affinity"] + ([OFFLINE_STORE] if redis_server_path() else [])
+    for w in ("few_shot", EVICTION):
+        ideal = by[(w, "ideal", 1)]
+        assert len(ideal.draws) == 1 and ideal.mean("follow_ups") == 1.0
+        for front in fronts:
+            for replicas in (1, 2, 4):
+                row = by[(w, front, replicas)]
+                assert len(row.draws) == 2
+                for d in row.draws:
+                    assert 0.0 < d.hit_rate <= ideal.draws[0].hit_rate + 0.05
+                    assert d.uncached_max_over_mean >= 1.0
+    report = Report.create("routing --real-vllm --offline", tmp_path / "report")
+    write_offline_report(report, rows, 2)
+    assert [t.title for t in report.tables] == [
+        "few_shot (offline, 2 URL draws)",
+        f"{EVICTION} (offline, 2 URL draws)",
+    ]

@@ -400,3 +400,59 @@ def test_a_new_replica_keeps_conversations_where_a_warm_one_put_them(
         warm.stop()
         if cold is not None:
             cold.stop()
+
+
+def test_a_placement_outside_its_prompts_stretch_moves_into_it(
+    tmp: Path, engines: list[Proc], redis: RedisServer
+) -> None:
+    """A shared system prompt carrying a ninth of the traffic is hot: its conversations
+    spread over its stretch of the line of engines, 16 x 1/9 = 1.8 engines long from the
+    line's start (the only hot prompt), so on the line's first two engines. A
+    conversation recorded on the line's last engine (placed there before the prompt was
+    hot, or before its stretch moved) is placed anew inside the stretch at its next turn:
+    no engine keeps a copy of the prompt for a stray conversation. On the code before,
+    the record held wherever it pointed while that engine was healthy."""
+    from gateway.routing.anchors import AnchorKind, candidate_anchors
+    from gateway.routing.policy import _line
+    from gateway.routing.settings import RoutingSettings
+
+    prefix = f"test-{uuid.uuid4().hex[:8]}"
+    gateway = start_gateway(tmp, engines, store_url=store_url(redis), store_prefix=prefix)
+    run = uuid.uuid4().hex[:8]
+    shared = "You answer questions about the weather in short sentences. " * 8
+    line = _line(tuple(e.url for e in engines))
+    urls = [e.url for e in engines]
+    stretch = {urls.index(line[0]), urls.index(line[1])}
+    try:
+        with httpx.Client(timeout=10) as client:
+            for c in range(5):
+                for t in range(2):
+                    send(client, gateway, chat(f"{run}-{c}", t + 1, shared), f"{run}-{c}-{t}")
+            for u in range(80):
+                send(client, gateway, chat(f"{run}-alone-{u}", 1, None), f"{run}-alone-{u}")
+            # The prompt's share is now 10 / 90: a new conversation under it goes to the
+            # stretch.
+            send(client, gateway, chat(f"{run}-new", 1, shared), f"{run}-new-0")
+            assert served(engines)[f"{run}-new-0"] in stretch
+
+            stray = chat(f"{run}-stray", 2, shared)
+            settings = RoutingSettings()
+            first_user = next(
+                a
+                for a in candidate_anchors(
+                    stray,
+                    block_bytes=settings.prompt_block_bytes,
+                    max_candidates=settings.max_candidates,
+                )
+                if a.kind is AnchorKind.first_user
+            )
+            with redis_client.Redis(port=redis.port) as r:
+                r.hset(
+                    f"{prefix}:a:{first_user.digest.hex()}",
+                    mapping={"u": line[3], "t": time.time(), "k": "anonymous"},
+                )
+            send(client, gateway, stray, f"{run}-stray-1")
+        where = served(engines)
+        assert where[f"{run}-stray-1"] in stretch, (where[f"{run}-stray-1"], stretch)
+    finally:
+        gateway.stop()

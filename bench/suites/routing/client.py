@@ -29,6 +29,8 @@ class Outcome:
     # X-Request-Id -> the prompt tokens the engine found cached, from the stream's usage
     # (`stream_options.include_usage`, the engine's `--enable-prompt-tokens-details`).
     cached: dict[str, int] = field(default_factory=dict)
+    # X-Request-Id -> its time to first chunk, seconds (calls sent with a `tag`).
+    ttft_by_id: dict[str, float] = field(default_factory=dict)
 
 
 async def _send(
@@ -59,10 +61,12 @@ async def _send(
                 out.errors += 1
                 out.first_error = out.first_error or f"HTTP {resp.status} from {url}"
                 return ""
+            request_id = headers.get("X-Request-Id")
             if first is not None:
                 out.ttft.append(first)
+                if request_id is not None:
+                    out.ttft_by_id[request_id] = first
             cached = _cached_tokens(tail)
-            request_id = headers.get("X-Request-Id")
             if request_id is not None and cached is not None:
                 out.cached[request_id] = cached
     except aiohttp.ClientError as exc:

@@ -8,7 +8,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.harness.redis_server import RedisServer, redis_server_path
+from bench.harness.redis_server import redis_server_path
 from bench.harness.server import Server, free_port
 from bench.suites.fleet import BENCH_KEY, Fleet
 from bench.suites.routing.options import Options
@@ -37,10 +37,7 @@ def _gateway(policy: str, replicas: int, opts: Options, store: bool = False) -> 
             env["GATEWAY_ROUTING__LOAD_EPSILON"] = str(opts.load_epsilon)
         if store:
             # A fresh, empty store for every row, like the fresh engines.
-            port = free_port()
-            redis = RedisServer(port, fleet.workdir / f"redis-{port}.log").start()
-            stack.callback(redis.stop)
-            env["GATEWAY_ROUTING__STORE_URL"] = redis.url
+            env["GATEWAY_ROUTING__STORE_URL"] = fleet.redis().url
         env.update(opts.gateway_env)
         name = f"gateway-{policy}{'-store' if store else ''}"
         urls = [fleet.gateway(engines, env, name=f"{name}-{i}").url for i in range(replicas)]

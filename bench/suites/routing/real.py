@@ -9,8 +9,9 @@ with `concurrency` streamed clients. Then the fleet stops and the ideal engine (
 engine with the fleet's KV blocks and every core) is sent the same workloads directly.
 
 Front ends: the gateway of this checkout with `affinity`, `round_robin` and
-`least_loaded`, `affinity` with GATEWAY_ROUTING__HOT_DIVISOR=1 on the eviction
-workload, and vllm-router's `cache_aware` and `round_robin` when installed.
+`least_loaded`, `affinity` with the shared placement store (a fresh redis-server of
+its own, when one is installed), `affinity` with GATEWAY_ROUTING__HOT_DIVISOR=1 on the
+eviction workload, and vllm-router's `cache_aware` and `round_robin` when installed.
 
 Figures: hit rate and uncached prompt tokens from vLLM's own counters
 (`vllm:prefix_cache_hits_total` / `vllm:prefix_cache_queries_total` deltas, summed over
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.harness.realvllm.models import CHAT_BIG, MULTIMODAL_BIG
+from bench.harness.redis_server import redis_server_path
 from bench.harness.server import ROOT, Server
 from bench.suites.fleet import BENCH_KEY, CpuPlan, Fleet
 from bench.suites.report import RESULTS, Report, fmt, progress
@@ -45,12 +47,13 @@ from bench.suites.routing.workloads import Workload
 
 AFFINITY = "affinity"
 HOT1 = "affinity, hot_divisor 1"
+STORE = "affinity + store"
 ROUND_ROBIN = "round_robin"
 LEAST_LOADED = "least_loaded"
 CACHE_AWARE = "vllm-router cache_aware"
 ROUTER_RR = "vllm-router round_robin"
 IDEAL = "ideal (1 engine, all the cache)"
-FRONTS = (AFFINITY, ROUND_ROBIN, LEAST_LOADED, HOT1, CACHE_AWARE, ROUTER_RR, IDEAL)
+FRONTS = (AFFINITY, STORE, ROUND_ROBIN, LEAST_LOADED, HOT1, CACHE_AWARE, ROUTER_RR, IDEAL)
 
 # Starts a front end before the engines; None when it is not installed.
 Starter = Callable[[Fleet, list[str]], tuple[list[str], dict[str, str]] | None]
@@ -101,12 +104,63 @@ class RealResult:
     cold_cached: int | None
     seconds: float
     kv_tokens: list[int]
+    # The slowest calls to a first chunk (`SLOWEST` of them, slowest first): what makes
+    # the tail.
+    slowest: list[SlowCall] = field(default_factory=list)
 
 
-def _gateway(policy: str, extra: dict[str, str] | None = None) -> Starter:
-    def start(fleet: Fleet, engines: list[str]) -> tuple[list[str], dict[str, str]]:
+# Calls listed per front end and workload in the report's tail tables.
+SLOWEST = 5
+
+
+@dataclass
+class SlowCall:
+    ttft_ms: float
+    # The call's key, its place in the run (0: the first call sent) and among its key's
+    # calls, the prompt tokens the engine found cached, the engine that served it.
+    key: str | None
+    index: int
+    turn: int
+    cached: int | None
+    engine: int | None
+
+
+def slowest_calls(
+    calls: Sequence[tuple[str, str | None]],
+    ttft: dict[str, float],
+    cached: dict[str, int],
+    where: dict[str, int],
+    count: int = SLOWEST,
+) -> list[SlowCall]:
+    """The `count` calls with the longest time to first chunk, slowest first."""
+    turns: dict[str | None, int] = {}
+    found = []
+    for index, (request_id, key) in enumerate(calls):
+        turn = turns[key] = turns.get(key, -1) + 1
+        if request_id in ttft:
+            found.append(
+                SlowCall(
+                    round(ttft[request_id] * 1000, 1),
+                    key,
+                    index,
+                    turn,
+                    cached.get(request_id),
+                    where.get(request_id),
+                )
+            )
+    return sorted(found, key=lambda c: -c.ttft_ms)[:count]
+
+
+def _gateway(policy: str, extra: dict[str, str] | None = None, store: bool = False) -> Starter:
+    def start(fleet: Fleet, engines: list[str]) -> tuple[list[str], dict[str, str]] | None:
         env = {"GATEWAY_ROUTING__POLICY": policy, "GATEWAY_LOG_LEVEL": "warning", **(extra or {})}
-        server = fleet.gateway(engines, env, name=f"gateway-{policy}", pin=False)
+        if store:
+            if redis_server_path() is None:
+                return None
+            # A fresh, empty store for every run, like the freshly reset engines.
+            env["GATEWAY_ROUTING__STORE_URL"] = fleet.redis().url
+        name = f"gateway-{policy}{'-store' if store else ''}"
+        server = fleet.gateway(engines, env, name=name, pin=False)
         return [server.url], {"Authorization": f"Bearer {BENCH_KEY}"}
 
     return start
@@ -122,6 +176,9 @@ def _router(policy: str) -> Starter:
 
 STARTERS: dict[str, Starter] = {
     AFFINITY: _gateway("affinity"),
+    # The shared placement store (a redis-server of its own): a new anchor goes to the
+    # least busy engine it may go to, and a conversation stays where its first turn went.
+    STORE: _gateway("affinity", store=True),
     ROUND_ROBIN: _gateway("round_robin"),
     LEAST_LOADED: _gateway("least_loaded"),
     # A prefix is hot above 1 / (divisor x engines) of the traffic: with 1, a shared
@@ -210,6 +267,7 @@ def run_front(
         cold_cached=cold,
         seconds=seconds,
         kv_tokens=engines.kv_tokens(),
+        slowest=slowest_calls(outcome.calls, outcome.ttft_by_id, outcome.cached, where),
     )
     agree_text = "" if agree is None else f", follow-ups {agree:.1%}"
     progress(
@@ -306,6 +364,10 @@ def parse_args(argv: Sequence[str] | None) -> tuple[RealOptions, argparse.Namesp
     p.add_argument("--evict-tokens", type=int, default=6144, help="KV per engine, chat_evict")
     p.add_argument("--out", type=Path, help="results folder (default bench/results/<stamp>-...)")
     p.add_argument("--logs", type=Path, help="keep the front ends' logs here")
+    p.add_argument("--offline", action="store_true",
+                   help="no engines: the text workloads routed in-process over many URL draws"
+                   " (real_offline.py)")  # fmt: skip
+    p.add_argument("--draws", type=int, default=16, help="URL draws with --offline")
     args = p.parse_args(argv)
     opts = RealOptions(
         engines=args.engines or (2 if args.quick else 3),
@@ -323,6 +385,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from bench.suites.routing.real_report import write_real_report
 
     opts, args = parse_args(argv)
+    if args.offline:
+        return offline_main(opts, args)
     out = args.out or RESULTS / f"{time.strftime('%Y%m%d-%H%M%S')}-routing-real"
     report = Report.create("routing --real-vllm", out, smoke=args.quick)
     report.meta.update(
@@ -344,6 +408,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not any(r.front.startswith("vllm-router") for r in results):
         report.note("vllm-router is not installed: `.venv/bin/pip install vllm-router`")
     write_real_report(report, results)
+    report.write()
+    print(report.summary())
+    return 0
+
+
+def offline_main(opts: RealOptions, args: argparse.Namespace) -> int:
+    from bench.suites.routing.real_offline import WORKLOADS, run_offline, write_offline_report
+
+    out = args.out or RESULTS / f"{time.strftime('%Y%m%d-%H%M%S')}-routing-real-offline"
+    report = Report.create("routing --real-vllm --offline", out, smoke=args.quick)
+    report.meta.update(
+        engines=opts.engines,
+        evict_tokens_per_engine=opts.evict_tokens,
+        draws=args.draws,
+        seed=opts.seed,
+        commit=commit(),
+    )
+    workloads = [w for w in opts.workloads if w in WORKLOADS]
+    with tempfile.TemporaryDirectory(prefix="bench-routing-offline-") as tmp:
+        rows = run_offline(
+            opts.sizes, opts.seed, opts.engines, opts.evict_tokens, args.draws, Path(tmp),
+            workloads,
+        )  # fmt: skip
+    if not any(r.front != "ideal" and r.front != "affinity" for r in rows):
+        report.note("redis-server is not installed: no rows with the store")
+    write_offline_report(report, rows, args.draws)
     report.write()
     print(report.summary())
     return 0

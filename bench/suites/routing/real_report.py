@@ -4,6 +4,7 @@ issue 31's goals graded, and the plots."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 from bench.suites.report import Report, fmt
@@ -16,6 +17,7 @@ from bench.suites.routing.real import (
     LEAST_LOADED,
     ROUND_ROBIN,
     ROUTER_RR,
+    STORE,
     RealResult,
 )
 from bench.suites.routing.real_workloads import EVICTION, NAMES
@@ -43,7 +45,8 @@ def _pct(value: float | None) -> str:
 
 def write_real_report(report: Report, results: list[RealResult]) -> None:
     workloads = _workloads(results)
-    summary_fronts = [IDEAL, AFFINITY, HOT1, CACHE_AWARE, ROUND_ROBIN, LEAST_LOADED, ROUTER_RR]
+    summary_fronts = [IDEAL, AFFINITY, STORE, HOT1, CACHE_AWARE]
+    summary_fronts += [ROUND_ROBIN, LEAST_LOADED, ROUTER_RR]
     shown = [f for f in summary_fronts if any(r.front == f for r in results)]
     rows = []
     for w in workloads:
@@ -93,16 +96,52 @@ def write_real_report(report: Report, results: list[RealResult]) -> None:
             ],
             rows,
         )
+    slowest(report, results)
     grade(report, results)
-    report.raw["results"] = [r.__dict__ for r in results]
+    report.raw["results"] = [asdict(r) for r in results]
     if results:
         plot_real(report, results)
 
 
+def slowest(report: Report, results: list[RealResult]) -> None:
+    """Per workload, each front end's slowest calls to a first chunk: which call (its key
+    and turn: turn 0 is the key's first call), how much of its prompt the engine had
+    cached, and which engine served it. What the TTFT p99 is made of."""
+    for w in _workloads(results):
+        rows = []
+        for front in FRONTS:
+            r = _by(results, front, w)
+            for c in [] if r is None else r.slowest:
+                rows.append(
+                    [
+                        front,
+                        f"{c.ttft_ms:,.0f}",
+                        c.key or "",
+                        c.turn,
+                        c.index,
+                        "n/a" if c.cached is None else f"{c.cached:,}",
+                        "n/a" if c.engine is None else c.engine,
+                    ]
+                )
+        if rows:
+            report.table(
+                f"{w}: the slowest calls",
+                ["front end", "TTFT ms", "key", "its call", "call of the run", "cached tokens",
+                 "engine"],
+                rows,
+            )  # fmt: skip
+
+
 def grade(report: Report, results: list[RealResult]) -> None:
-    """Issue 31's goals for plain `affinity`, on the workloads that ran."""
+    """Issue 31's goals for `affinity` as it runs without shared state, and with the
+    shared placement store, on the workloads that ran."""
+    for front in (AFFINITY, STORE):
+        _grade(report, results, front)
+
+
+def _grade(report: Report, results: list[RealResult], front: str) -> None:
     for w in TAIL_WORKLOADS:
-        aff = _by(results, AFFINITY, w)
+        aff = _by(results, front, w)
         peers = [
             r for f in PEERS if (r := _by(results, f, w)) is not None and r.ttft_p99_ms is not None
         ]
@@ -111,7 +150,7 @@ def grade(report: Report, results: list[RealResult]) -> None:
         best = min(peers, key=lambda r: r.ttft_p99_ms or 0.0)
         assert best.ttft_p99_ms is not None
         report.bound(
-            f"{w}: affinity TTFT p99 vs the best peer's",
+            f"{w}: {front} TTFT p99 vs the best peer's",
             f"<= {best.front}'s",
             f"{aff.ttft_p99_ms:,.0f} vs {best.ttft_p99_ms:,.0f} ms",
             aff.ttft_p99_ms,
@@ -119,19 +158,19 @@ def grade(report: Report, results: list[RealResult]) -> None:
             lambda gap: f"{gap:,.0f} ms",
         )
     for w in _workloads(results):
-        aff = _by(results, AFFINITY, w)
+        aff = _by(results, front, w)
         if aff is None:
             continue
         value = aff.uncached_max_over_mean
         report.bound(
-            f"{w}: affinity max/mean uncached tokens per engine",
+            f"{w}: {front} max/mean uncached tokens per engine",
             f"<= {BALANCE}",
             fmt(value, 2),
             value,
             BALANCE,
             lambda gap: f"{gap:.2f}",
         )
-    aff = _by(results, AFFINITY, EVICTION)
+    aff = _by(results, front, EVICTION)
     ideal = _by(results, IDEAL, EVICTION)
     if aff is not None and ideal is not None and ideal.hit_rate:
         share = aff.hit_rate / ideal.hit_rate
@@ -142,7 +181,7 @@ def grade(report: Report, results: list[RealResult]) -> None:
         if balance is None or balance > BALANCE:
             misses.append(f"max/mean over by {(balance or 0) - BALANCE:.2f}")
         report.goal(
-            f"{EVICTION}: affinity without a knob",
+            f"{EVICTION}: {front} without a knob",
             f">= {EVICTION_SHARE} of ideal's hit rate and max/mean <= {BALANCE}",
             f"{share:.2f} of ideal's ({aff.hit_rate:.3f} vs {ideal.hit_rate:.3f}),"
             f" max/mean {fmt(balance, 2)}",
