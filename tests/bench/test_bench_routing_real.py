@@ -14,6 +14,7 @@ from PIL import Image
 
 from bench.harness.realvllm.models import WORDS
 from bench.harness.redis_server import redis_server_path
+from bench.sim.cache import PrefixCache
 from bench.suites.report import Report
 from bench.suites.routing.real import (
     AFFINITY,
@@ -34,12 +35,10 @@ from bench.suites.routing.real import (
 )
 from bench.suites.routing.real_offline import (
     BLOCK,
-    PrefixCache,
-    blocks,
+    prompt_blocks,
     run_offline,
     write_offline_report,
 )
-from bench.suites.routing.real_offline import STORE as OFFLINE_STORE
 from bench.suites.routing.real_report import write_real_report
 from bench.suites.routing.real_workloads import EVICTION, FULL, QUICK, TINY, Sizes, build
 
@@ -262,27 +261,35 @@ def test_slowest_calls_name_the_call_its_turn_and_its_engine(tmp_path: Path) -> 
     assert table.rows[0] == [AFFINITY, "900", "conversation 0", "0", "0", "0", "2"]
 
 
-def test_offline_prefix_cache_finds_leading_blocks_and_drops_the_least_recent() -> None:
-    first = [f"w{i}" for i in range(300)]  # two full blocks and a part
-    second = first[:128] + [f"x{i}" for i in range(200)]
-    cache = PrefixCache(2 * BLOCK)
-    assert cache.serve(first) == 0
-    assert cache.serve(first) == 256  # the full blocks; the part is computed again
-    assert cache.serve(second) == 128  # the first block is shared; its second is new
+def test_offline_prompts_find_leading_blocks_and_drop_the_least_recent() -> None:
+    vocabulary: dict[str, int] = {}
+
+    def prompt(words: list[str]) -> tuple[list[bytes], int]:
+        # A role token, then the words: one token each.
+        return prompt_blocks([{"role": "user", "content": " ".join(words)}], vocabulary)
+
+    words = [f"w{i}" for i in range(299)]
+    first = prompt(words)  # 300 tokens: two full blocks and a part
+    second = prompt(words[:127] + [f"x{i}" for i in range(200)])
+    assert first[1] == 300 and len(first[0]) == 2
+    cache = PrefixCache(2 * BLOCK, BLOCK)
+    assert cache.lookup(*first) == 0
+    assert cache.lookup(*first) == 256  # the full blocks; the part is computed again
+    assert cache.lookup(*second) == 128  # the first block is shared; its second is new
     # Capacity two blocks: the second prompt's new block pushed out `first`'s second
     # (the least recently used), not the shared first one.
-    assert cache.serve(first) == 128
-    assert PrefixCache(None).serve(first[:128]) == 0
-    assert blocks(first[:128]) == blocks(first)[:1] and blocks(first[:127]) == []
-    whole = PrefixCache(None)
-    whole.serve(first[:256])
-    assert whole.serve(first[:256]) == 255  # never the whole prompt
+    assert cache.lookup(*first) == 128
+    assert prompt(words[:127])[0] == first[0][:1] and prompt(words[:126])[0] == []
+    whole = PrefixCache(10 * BLOCK, BLOCK)
+    whole.lookup(*prompt(words[:255]))
+    # Never the prompt's last token: of 256 tokens held, one block is found.
+    assert whole.lookup(*prompt(words[:255])) == 128
 
 
 def test_offline_replay_rows(tmp_path: Path) -> None:
     rows = run_offline(QUICK, 0, 3, 6144, 2, tmp_path, ["few_shot", EVICTION])
     by = {(r.workload, r.front, r.replicas): r for r in rows}
-    fronts = ["affinity"] + ([OFFLINE_STORE] if redis_server_path() else [])
+    fronts = ["affinity"] + ([STORE] if redis_server_path() else [])
     for w in ("few_shot", EVICTION):
         ideal = by[(w, "ideal", 1)]
         assert len(ideal.draws) == 1 and ideal.mean("follow_ups") == 1.0

@@ -431,7 +431,7 @@ def offline_main(opts: RealOptions, args: argparse.Namespace) -> int:
             opts.sizes, opts.seed, opts.engines, opts.evict_tokens, args.draws, Path(tmp),
             workloads,
         )  # fmt: skip
-    if not any(r.front != "ideal" and r.front != "affinity" for r in rows):
+    if not any(r.front == STORE for r in rows):
         report.note("redis-server is not installed: no rows with the store")
     write_offline_report(report, rows, args.draws)
     report.write()

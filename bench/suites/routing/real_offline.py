@@ -6,9 +6,10 @@ run's balance and hit rate is the luck of that run's URLs (one draw), in seconds
 The model of an engine (vLLM 0.32's prefix cache, as the real run configures it): a
 prompt is its words, one token each (the big models map every word of their word list
 to one token, bench/harness/realvllm/models.py), and one token per message for its role;
-KV blocks of 128 tokens, chained by content; a request finds cached its longest run of
-leading blocks held, then every full block of its prompt is held and the least recently
-used blocks beyond the engine's capacity are dropped (the default cache: none). Left out:
+KV blocks of 128 tokens in the simulated engine's cache (bench/sim/cache.py: blocks
+chained by content, the longest run of leading blocks held found cached but never the
+prompt's last token, least recently used blocks dropped beyond the engine's capacity;
+the default cache drops none). Left out:
 the chat template's other tokens, the requests in flight at once (a real engine pins the
 running requests' blocks), replies (the workloads write them from the seed). Images are
 left out: their token counts come from the model's processor.
@@ -16,7 +17,8 @@ left out: their token counts come from the model's processor.
 Front ends, over `draws` URL sets (the same sets for each): the ideal engine (one engine
 with the fleet's whole cache, one draw: it has no URLs to draw), `affinity` with 1, 2 and
 4 replicas, and `affinity + store` likewise when redis-server is installed (a fresh
-redis-server, a fresh prefix per draw). Replicas take each request by a seeded random
+redis-server, a fresh prefix per draw; its loads decay with the clock, so its rows
+move a little between runs). Replicas take each request by a seeded random
 draw, as behind a load balancer that spreads connections (a strict rotation would pair
 each conversation with one replica whenever the open conversations are a multiple of the
 replicas).
@@ -25,11 +27,11 @@ replicas).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import random
 import statistics
+import sys
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -38,59 +40,29 @@ from typing import Any
 
 from bench.harness.redis_server import RedisServer, redis_server_path
 from bench.harness.server import free_port
+from bench.sim.cache import PrefixCache, block_hashes
 from bench.suites.report import Report
+from bench.suites.routing.real import STORE, max_over_mean
+from bench.suites.routing.real_report import BALANCE
 from bench.suites.routing.real_workloads import EVICTION, Sizes, build
 from bench.suites.routing.workloads import interleave
 
 BLOCK = 128
 WORKLOADS = ("chat", "few_shot", EVICTION)
 REPLICAS = (1, 2, 4)
-BALANCE = 1.25
-STORE = "affinity + store"
 
 
-def tokens(messages: Sequence[dict[str, Any]]) -> list[str]:
-    """The prompt as the model sees it, roughly: a role token per message, then its words."""
-    out: list[str] = []
+def prompt_blocks(
+    messages: Sequence[dict[str, Any]], vocabulary: dict[str, int]
+) -> tuple[list[bytes], int]:
+    """A chat prompt's full KV blocks, as bench/sim/cache.py names them, and its length in
+    tokens: a role token per message, then its words, each a token id from `vocabulary`
+    (a new word takes the next id)."""
+    ids: list[int] = []
     for message in messages:
-        out.append(f"<|{message['role']}|>")
-        out.extend(str(message["content"]).split())
-    return out
-
-
-def blocks(prompt: Sequence[str]) -> list[bytes]:
-    """The prompt's full KV blocks, each named by its content and every block before it."""
-    digest = b""
-    out = []
-    for start in range(0, len(prompt) - len(prompt) % BLOCK, BLOCK):
-        text = "\x00".join(prompt[start : start + BLOCK]).encode()
-        digest = hashlib.blake2b(digest + text, digest_size=12).digest()
-        out.append(digest)
-    return out
-
-
-class PrefixCache:
-    """One engine's prefix cache: blocks by recency, at most `capacity` tokens of them."""
-
-    def __init__(self, capacity: int | None) -> None:
-        self._limit = None if capacity is None else capacity // BLOCK
-        self._blocks: OrderedDict[bytes, None] = OrderedDict()
-
-    def serve(self, prompt: Sequence[str]) -> int:
-        """Serve a prompt: the tokens found cached (never the whole prompt: the engine
-        computes its last token again), then hold its blocks."""
-        held = blocks(prompt)
-        hit = 0
-        for block in held:
-            if block not in self._blocks:
-                break
-            hit += 1
-        for block in held:
-            self._blocks[block] = None
-            self._blocks.move_to_end(block)
-        while self._limit is not None and len(self._blocks) > self._limit:
-            self._blocks.popitem(last=False)
-        return min(hit * BLOCK, len(prompt) - 1)
+        words = [f"<|{message['role']}|>", *str(message["content"]).split()]
+        ids.extend(vocabulary.setdefault(w, len(vocabulary)) for w in words)
+    return block_hashes(ids, [], BLOCK), len(ids)
 
 
 @dataclass
@@ -125,13 +97,8 @@ class OfflineRow:
         return sum(d.uncached_max_over_mean > BALANCE for d in self.draws)
 
 
-def _max_over_mean(values: Sequence[float]) -> float:
-    mean = statistics.mean(values)
-    return max(values) / mean if mean else 1.0
-
-
 async def _replay(
-    calls: Sequence[tuple[str | None, dict[str, Any], list[str]]],
+    calls: Sequence[tuple[str | None, dict[str, Any], list[bytes], int]],
     engines: int,
     capacity: int | None,
     draw: int,
@@ -146,7 +113,7 @@ async def _replay(
     rng = random.Random(f"urls:{draw}")
     ports = rng.sample(range(20000, 60000), engines)
     pool = [_Engine(f"http://127.0.0.1:{port}") for port in ports]
-    caches = {e.url: PrefixCache(capacity) for e in pool}
+    caches = {e.url: PrefixCache(capacity or sys.maxsize, BLOCK) for e in pool}
     settings = RoutingSettings()
     client = None
     if store_url is not None:
@@ -161,17 +128,17 @@ async def _replay(
     requests: Counter[str] = Counter()
     last: dict[str, str] = {}
     try:
-        for key, body, prompt in calls:
+        for key, body, held, length in calls:
             gateway = gateways[pick.randrange(replicas)]
             request = RoutingRequest("/v1/chat/completions", body=body)
             if engines == 1:
                 url = pool[0].url
             else:
                 url = (await gateway.choose(request, pool)).engines[0].url
-            hit = caches[url].serve(prompt)
-            queries += len(prompt)
+            hit = caches[url].lookup(held, length)
+            queries += length
             hits += hit
-            uncached[url] += len(prompt) - hit
+            uncached[url] += length - hit
             requests[url] += 1
             if key is not None:
                 if key in last:
@@ -183,8 +150,8 @@ async def _replay(
             await client.aclose()
     return Draw(
         hits / queries,
-        _max_over_mean([uncached[e.url] for e in pool]),
-        _max_over_mean([requests[e.url] for e in pool]),
+        max_over_mean([uncached[e.url] for e in pool]) or 1.0,
+        max_over_mean([requests[e.url] for e in pool]) or 1.0,
         same / follow_ups if follow_ups else 1.0,
     )
 
@@ -208,9 +175,11 @@ def run_offline(
             store_url = redis.url
         for name in workloads:
             workload = build(name, "m", sizes, seed)
+            vocabulary: dict[str, int] = {}
             calls = []
             for _, call in interleave(workload.sessions, 12):
-                calls.append((call.key, call.body, tokens(call.body["messages"])))
+                held, length = prompt_blocks(call.body["messages"], vocabulary)
+                calls.append((call.key, call.body, held, length))
             capacity = evict_tokens if name == EVICTION else None
             ideal = capacity * engines if capacity is not None else None
             one = asyncio.run(_replay(calls, 1, ideal, 0, 1, None))
