@@ -243,22 +243,30 @@ def test_eviction_goal_is_met_at_the_bounds(tmp_path: Path) -> None:
     assert goal.met is True and goal.detail == ""
 
 
-def test_slowest_calls_name_the_call_its_turn_and_its_engine(tmp_path: Path) -> None:
+def test_slowest_calls_name_the_call_its_turn_its_engine_and_who_shared_it(
+    tmp_path: Path,
+) -> None:
     calls = [("r1", "conversation 0"), ("r2", "conversation 1"), ("r3", "conversation 0"),
              ("r4", None), ("r5", "conversation 0")]  # fmt: skip
     ttft = {"r1": 0.9, "r2": 0.1, "r3": 0.5, "r5": 0.05}  # r4 failed: no first chunk
-    slow = slowest_calls(calls, ttft, {"r1": 0, "r3": 1024}, {"r1": 2, "r3": 0}, count=3)
-    assert [(c.ttft_ms, c.key, c.index, c.turn, c.cached, c.engine) for c in slow] == [
-        (900.0, "conversation 0", 0, 0, 0, 2),
-        (500.0, "conversation 0", 2, 1, 1024, 0),
-        (100.0, "conversation 1", 1, 0, None, None),
+    where = {"r1": 2, "r2": 2, "r3": 0, "r5": 2}
+    # r2 runs on r1's engine before r1's first chunk; r5 starts the moment r1 ends; r3
+    # has its engine to itself; r4 has no span (it failed) and is never counted.
+    spans = {"r1": (0.0, 1.0), "r2": (0.5, 0.7), "r3": (1.0, 1.6), "r5": (1.0, 1.1)}
+    slow = slowest_calls(calls, ttft, {"r1": 0, "r3": 1024}, where, spans, count=3)
+    assert [(c.ttft_ms, c.key, c.index, c.turn, c.cached, c.engine, c.alongside) for c in slow] == [
+        (900.0, "conversation 0", 0, 0, 0, 2, 1),
+        (500.0, "conversation 0", 2, 1, 1024, 0, 0),
+        (100.0, "conversation 1", 1, 0, None, 2, 1),
     ]
+    # Without spans (or the engine), who shared it is not known.
+    assert slowest_calls(calls, ttft, {}, {"r1": 2}, count=1)[0].alongside is None
     result = _row(AFFINITY, "chat", 0.87, 900.0, 1.1)
     result.slowest = slow
     report = Report.create("routing --real-vllm", tmp_path)
     write_real_report(report, [result])
     table = next(t for t in report.tables if t.title == "chat: the slowest calls")
-    assert table.rows[0] == [AFFINITY, "900", "conversation 0", "0", "0", "0", "2"]
+    assert table.rows[0] == [AFFINITY, "900", "conversation 0", "0", "0", "0", "2", "1"]
 
 
 def test_offline_prompts_find_leading_blocks_and_drop_the_least_recent() -> None:

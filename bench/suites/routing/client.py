@@ -31,6 +31,9 @@ class Outcome:
     cached: dict[str, int] = field(default_factory=dict)
     # X-Request-Id -> its time to first chunk, seconds (calls sent with a `tag`).
     ttft_by_id: dict[str, float] = field(default_factory=dict)
+    # X-Request-Id -> (sent, answered whole), seconds on the client's clock (calls sent
+    # with a `tag`): which calls shared an engine at a moment.
+    span_by_id: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 async def _send(
@@ -67,8 +70,10 @@ async def _send(
                 if request_id is not None:
                     out.ttft_by_id[request_id] = first
             cached = _cached_tokens(tail)
-            if request_id is not None and cached is not None:
-                out.cached[request_id] = cached
+            if request_id is not None:
+                out.span_by_id[request_id] = (start, time.perf_counter())
+                if cached is not None:
+                    out.cached[request_id] = cached
     except aiohttp.ClientError as exc:
         out.errors += 1
         out.first_error = out.first_error or f"{type(exc).__name__} from {url}"

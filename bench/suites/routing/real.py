@@ -123,6 +123,9 @@ class SlowCall:
     turn: int
     cached: int | None
     engine: int | None
+    # The run's other calls on its engine at some moment before its first chunk (None:
+    # its engine or its span is unknown).
+    alongside: int | None = None
 
 
 def slowest_calls(
@@ -130,6 +133,7 @@ def slowest_calls(
     ttft: dict[str, float],
     cached: dict[str, int],
     where: dict[str, int],
+    spans: dict[str, tuple[float, float]] | None = None,
     count: int = SLOWEST,
 ) -> list[SlowCall]:
     """The `count` calls with the longest time to first chunk, slowest first."""
@@ -146,9 +150,31 @@ def slowest_calls(
                     turn,
                     cached.get(request_id),
                     where.get(request_id),
+                    alongside(request_id, ttft, where, spans or {}),
                 )
             )
     return sorted(found, key=lambda c: -c.ttft_ms)[:count]
+
+
+def alongside(
+    request_id: str,
+    ttft: dict[str, float],
+    where: dict[str, int],
+    spans: dict[str, tuple[float, float]],
+) -> int | None:
+    """How many other calls were on `request_id`'s engine at some moment between its
+    sending and its first chunk (a call is on its engine from its sending to its last
+    chunk, as the client saw them)."""
+    engine = where.get(request_id)
+    span = spans.get(request_id)
+    if engine is None or span is None:
+        return None
+    start, first = span[0], span[0] + ttft[request_id]
+    return sum(
+        1
+        for other, (sent, done) in spans.items()
+        if other != request_id and where.get(other) == engine and sent < first and done > start
+    )
 
 
 def _gateway(policy: str, extra: dict[str, str] | None = None, store: bool = False) -> Starter:
@@ -267,7 +293,9 @@ def run_front(
         cold_cached=cold,
         seconds=seconds,
         kv_tokens=engines.kv_tokens(),
-        slowest=slowest_calls(outcome.calls, outcome.ttft_by_id, outcome.cached, where),
+        slowest=slowest_calls(
+            outcome.calls, outcome.ttft_by_id, outcome.cached, where, outcome.span_by_id
+        ),
     )
     agree_text = "" if agree is None else f", follow-ups {agree:.1%}"
     progress(

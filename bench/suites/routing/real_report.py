@@ -106,7 +106,8 @@ def write_real_report(report: Report, results: list[RealResult]) -> None:
 def slowest(report: Report, results: list[RealResult]) -> None:
     """Per workload, each front end's slowest calls to a first chunk: which call (its key
     and turn: turn 0 is the key's first call), how much of its prompt the engine had
-    cached, and which engine served it. What the TTFT p99 is made of."""
+    cached, which engine served it, and how many other calls that engine had at some
+    moment before the first chunk. What the TTFT p99 is made of."""
     for w in _workloads(results):
         rows = []
         for front in FRONTS:
@@ -121,13 +122,14 @@ def slowest(report: Report, results: list[RealResult]) -> None:
                         c.index,
                         "n/a" if c.cached is None else f"{c.cached:,}",
                         "n/a" if c.engine is None else c.engine,
+                        "n/a" if c.alongside is None else c.alongside,
                     ]
                 )
         if rows:
             report.table(
                 f"{w}: the slowest calls",
                 ["front end", "TTFT ms", "key", "its call", "call of the run", "cached tokens",
-                 "engine"],
+                 "engine", "other calls on its engine"],
                 rows,
             )  # fmt: skip
 
