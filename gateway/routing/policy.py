@@ -277,8 +277,9 @@ class Affinity:
 
     async def choose(self, request: RoutingRequest, engines: Sequence[E]) -> Decision[E]:
         """`order`; with a shared store, the deciding anchor's engine is read from it,
-        or placed there on the least busy of the engines the anchor chooses among
-        (store.py). Without an answer from the store, `order`'s stateless choice."""
+        or placed there on the least busy of the engines the anchor chooses among, by
+        what the store recorded and their load now (store.py). Without an answer from
+        the store, `order`'s stateless choice."""
         return Decision.of(request, await self._place(request, engines))
 
     async def _place(self, request: RoutingRequest, engines: Sequence[E]) -> list[E]:
@@ -293,6 +294,7 @@ class Affinity:
             [e.url for e in choices],
             request.key_digest,
             conversation_of(candidates, anchor),
+            [load_of(e) for e in choices],
         )
         if url is not None and url != ordered[0].url:
             for i, e in enumerate(ordered):

@@ -5,7 +5,8 @@ same engine, and the spread of a few dozen anchors over the engines is the luck 
 hash (docs/routing.md, "The offline replay", Balance). With `store_url` set, a
 new anchor goes to the engine with the lowest expected load recorded in the store (its
 recent requests, plus the requests its anchors are still expected to bring, decaying
-with `store_decay` seconds), among the engines the stateless rule would choose from (the
+with `store_decay` seconds) plus its requests now (so a new prompt's first prefill does
+not meet another request while an engine it may go to is idle), among the engines the stateless rule would choose from (the
 hot-prefix spread is kept), ties by rendezvous order; every replica and worker then
 reads that placement while its engine is still one of those. A placement never takes a
 request outside them: when a hot prompt's stretch of engines moves (policy.py), the
@@ -61,16 +62,20 @@ from gateway.store.client import StoreClient
 # and the conversation's hash (the first user message's; the anchor's own when that
 # decided). ARGV: the anchor's TTL (ms), the decay time constant (s), the engines'
 # hash TTL (ms), the key's digest (hex), the anchors a key may hold, the anchor's digest
-# (hex), the store's prefix with its colon, the conversation's digest (hex), then the
-# URLs the request may go to, best (rendezvous) first. Returns the engine's URL, 1 if
-# the placement was read (0 if made here), and the number of the key's anchors deleted
-# for the bound.
+# (hex), the store's prefix with its colon, the conversation's digest (hex), the number
+# n of engines the request may go to, their n URLs best (rendezvous) first, then their
+# n loads now. Returns the engine's URL, 1 if the placement was read (0 if made here),
+# and the number of the key's anchors deleted for the bound.
 #
 # An engine's expected load is its recent requests plus the credit of its anchors,
-# both decaying with the time constant: a new anchor brings a credit of the mean
-# requests per anchor (measured over ten time constants), which its requests use up.
-# Without the credit, a burst of new conversations would be placed by their first
-# turns alone, before the later turns that make most of their load.
+# both decaying with the time constant, plus its requests now (running and waiting as
+# the engine reports them, or in flight from the calling process when more): a new
+# anchor brings a credit of the mean requests per anchor (measured over ten time
+# constants), which its requests use up. Without the credit, a burst of new
+# conversations would be placed by their first turns alone, before the later turns that
+# make most of their load; without the load now, a new anchor's first prefill (the
+# whole prompt, uncached) could meet another request on one engine while another
+# engine it may go to is idle.
 #
 # Each anchor belongs to the key that placed it (its field `k`, kept while the anchor
 # lives): that key's set holds it, scored by its last use by any key, so another key's
@@ -93,10 +98,11 @@ local bound = tonumber(ARGV[5])
 local anchor = ARGV[6]
 local prefix = ARGV[7]
 local talk = ARGV[8]
-local first = 9
+local first = 10
+local last = 9 + tonumber(ARGV[9])
 local function choosable(url)
   if not url then return false end
-  for i = first, #ARGV do
+  for i = first, last do
     if ARGV[i] == url then return true end
   end
   return false
@@ -146,10 +152,10 @@ local e = nil
 if not chosen then
   found = 0
   local best = nil
-  for i = first, #ARGV do
+  for i = first, last do
     local url = ARGV[i]
     local f = redis.call('HMGET', KEYS[2], 'r' .. url, 'c' .. url, 't' .. url)
-    local load = decayed(tau, f[1], f[3]) + decayed(tau, f[2], f[3])
+    local load = decayed(tau, f[1], f[3]) + decayed(tau, f[2], f[3]) + tonumber(ARGV[i + last - 9])
     if best == nil or load < best then
       best = load
       chosen = url
@@ -236,11 +242,13 @@ class PlacementStore:
         choices: Sequence[str],
         key_digest: bytes | None = None,
         conversation: bytes | None = None,
+        loads: Sequence[int] | None = None,
     ) -> str | None:
         """The engine URL for `anchor`: the recorded engine of `conversation` (the
         request's first user message, when shorter anchors decided) when that is in
         `choices` (the engines the request may go to, best first); else the anchor's
-        recorded engine when that is; else the least busy of `choices`, recorded. A new
+        recorded engine when that is; else the least busy of `choices` (by what the store
+        recorded, plus `loads`: each choice's requests now, 0 when not given), recorded. A new
         placement is recorded for the conversation too, and counted among the anchors of
         the key of `key_digest` (requests without a key count as one key). None: the
         store is unavailable, decide without it."""
@@ -253,7 +261,8 @@ class PlacementStore:
         # enough to tell the operator's keys apart, and 48 bytes less per anchor.
         owner = key_digest[:8].hex() if key_digest else "anonymous"
         args = [self._ttl_ms, self._decay, self._engines_ttl_ms]
-        args += [owner, self._bound, name, self._prefix, talk, *choices]
+        now = [str(load) for load in loads] if loads is not None else ["0"] * len(choices)
+        args += [owner, self._bound, name, self._prefix, talk, str(len(choices)), *choices, *now]
         keys = [
             self._anchor_prefix + name,
             self._engines_key,

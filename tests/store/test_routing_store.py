@@ -28,6 +28,7 @@ from bench.sim.config import DEFAULT_MODEL as MODEL
 from tests.e2e import test_routing as test_routing_e2e
 from tests.e2e.test_routing import served
 from tests.procs import (
+    HTTP,
     Proc,
     by_worker,
     every_worker_lists,
@@ -35,7 +36,9 @@ from tests.procs import (
     gateway_proc,
     metric,
     recording_engines,
+    running,
     scrape,
+    sim_proc,
     total,
     wait_for,
 )
@@ -456,3 +459,63 @@ def test_a_placement_outside_its_prompts_stretch_moves_into_it(
         assert where[f"{run}-stray-1"] in stretch, (where[f"{run}-stray-1"], stretch)
     finally:
         gateway.stop()
+
+
+def test_a_new_anchor_goes_to_an_engine_idle_now(tmp: Path, redis: RedisServer) -> None:
+    """A new anchor is placed by what the store recorded plus each engine's requests now:
+    with nothing recorded (a fresh prefix), a new conversation whose first choice is
+    busy with a long answer (sent to the engine directly, so the store never counted it;
+    the gateway sees it in the engine's scraped `vllm:num_requests_running`) goes to the
+    idle engine, where its first prefill does not meet it. On the code before, the tie
+    went to the first choice. Its next turn follows the placement."""
+    from gateway.routing.anchors import candidate_anchors
+    from gateway.routing.rendezvous import rendezvous_order
+    from gateway.routing.settings import RoutingSettings
+
+    settings = RoutingSettings()
+    run = uuid.uuid4().hex[:8]
+    body = chat(f"{run}-new", 1)
+    # Nothing is hot: the conversation's own system prompt decides.
+    anchor = candidate_anchors(
+        body, block_bytes=settings.prompt_block_bytes, max_candidates=settings.max_candidates
+    )[0]
+    # Engines that take their time: a 600-token answer streams for ~5 s.
+    sims = [sim_proc(tmp, "--record-requests", "100") for _ in range(2)]
+    with running(*sims):
+        top = rendezvous_order(anchor.digest, sims)[0]
+        busy_index = sims.index(top)
+        gateway = start_gateway(
+            tmp,
+            sims,
+            store_url=store_url(redis),
+            store_prefix=f"test-{run}",
+            load_interval="0.2",
+        )
+        long = {**chat(f"{run}-long", 1), "max_tokens": 600, "stream": True}
+
+        def answer_long() -> int:
+            url = top.url + "/v1/chat/completions"
+            with httpx.Client(timeout=60) as c, c.stream("POST", url, json=long) as r:
+                r.read()
+                return r.status_code
+
+        def busy() -> bool:
+            status = HTTP.get(
+                gateway.url + "/gateway/status",
+                headers={"Authorization": f"Bearer {ADMIN}"},
+                timeout=5,
+            ).json()
+            return any(e["url"] == top.url and e["running"] for e in status["engines"])
+
+        try:
+            with ThreadPoolExecutor(1) as pool, httpx.Client(timeout=10) as client:
+                done = pool.submit(answer_long)
+                assert wait_for(busy, 10), gateway.log()
+                send(client, gateway, body, f"{run}-new-0")
+                send(client, gateway, chat(f"{run}-new", 2), f"{run}-new-1")
+                assert done.result() == 200
+            where = served(sims)
+            assert where[f"{run}-new-0"] == 1 - busy_index, (where, busy_index)
+            assert where[f"{run}-new-1"] == where[f"{run}-new-0"]
+        finally:
+            gateway.stop()
