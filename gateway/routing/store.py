@@ -3,17 +3,17 @@
 Without it, affinity is stateless (policy.py): every replica hashes an anchor to the
 same engine, and the spread of a few dozen anchors over the engines is the luck of the
 hash (docs/routing.md, "The offline replay", Balance). With `store_url` set, a
-new anchor goes to the engine with the lowest expected load recorded in the store (its
-recent requests, plus the requests its anchors are still expected to bring, decaying
-with `store_decay` seconds) plus its requests now (so a new prompt's first prefill does
-not meet another request while an engine it may go to is idle), among the engines the stateless rule would choose from (the
-hot-prefix spread is kept), ties by rendezvous order; every replica and worker then
-reads that placement while its engine is still one of those. A placement never takes a
-request outside them: when a hot prompt's stretch of engines moves (policy.py), the
-conversations left outside it are placed anew inside it, as the stateless rule would
-move them, so no engine keeps a prompt's copy for a few stray conversations (under
-eviction those re-read the prompt on every turn; docs/routing.md, "The store keeps to the
-stretch").
+new anchor goes to the engine with the lowest expected load among the engines the
+stateless rule would choose from (the hot-prefix spread is kept), ties by rendezvous
+order: its recent requests, plus the requests its anchors are still expected to bring,
+decaying with `store_decay` seconds (both recorded in the store), plus its requests now
+(so a new prompt's first prefill does not meet another request while an engine it may
+go to is idle). Every replica and worker then reads that placement while its engine is
+still one of those. A placement never takes a request outside them: when a hot prompt's
+stretch of engines moves (policy.py), the conversations left outside it are placed anew
+inside it, as the stateless rule would move them, so no engine keeps a prompt's copy for
+a few stray conversations (under eviction those re-read the prompt on every turn;
+docs/routing.md, "The store keeps to the stretch").
 
 One round trip per request: a Lua script, atomic on the Redis server, so concurrent
 replicas cannot record two placements for one anchor (the first script to run records

@@ -308,9 +308,13 @@ def test_offline_replay_rows(tmp_path: Path) -> None:
                 for d in row.draws:
                     assert 0.0 < d.hit_rate <= ideal.draws[0].hit_rate + 0.05
                     assert d.uncached_max_over_mean >= 1.0
+                    # Every prompt's first call finds nothing cached, on any engine.
+                    assert d.cold >= ideal.draws[0].cold >= 1
     report = Report.create("routing --real-vllm --offline", tmp_path / "report")
     write_offline_report(report, rows, 2)
     assert [t.title for t in report.tables] == [
         "few_shot (offline, 2 URL draws)",
         f"{EVICTION} (offline, 2 URL draws)",
     ]
+    assert report.tables[0].columns[-1] == "calls with nothing cached"
+    assert report.tables[0].rows[0][-1] == f"{by[('few_shot', 'ideal', 1)].draws[0].cold:.1f}"

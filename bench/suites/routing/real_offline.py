@@ -78,6 +78,9 @@ class Draw:
     requests_max_over_mean: float
     # Calls whose key was sent before that reached the engine its previous call reached.
     follow_ups: float
+    # Calls that found nothing cached: each prefills its whole prompt (a shared prompt
+    # copied to one more engine, or sent for the first time), the slowest first chunks.
+    cold: int = 0
 
 
 @dataclass
@@ -123,7 +126,7 @@ async def _replay(
         for _ in range(replicas)
     ]
     pick = random.Random(f"replicas:{draw}")
-    queries = hits = follow_ups = same = 0
+    queries = hits = follow_ups = same = cold = 0
     uncached: Counter[str] = Counter()
     requests: Counter[str] = Counter()
     last: dict[str, str] = {}
@@ -138,6 +141,7 @@ async def _replay(
             hit = caches[url].lookup(held, length)
             queries += length
             hits += hit
+            cold += hit == 0
             uncached[url] += length - hit
             requests[url] += 1
             if key is not None:
@@ -153,6 +157,7 @@ async def _replay(
         max_over_mean([uncached[e.url] for e in pool]) or 1.0,
         max_over_mean([requests[e.url] for e in pool]) or 1.0,
         same / follow_ups if follow_ups else 1.0,
+        cold,
     )
 
 
@@ -213,12 +218,14 @@ def write_offline_report(report: Report, rows: list[OfflineRow], draws: int) -> 
                     "n/a" if r.front == "ideal" else f"{r.over()} of {len(r.draws)}",
                     "n/a" if r.front == "ideal" else f"{r.mean('requests_max_over_mean'):.2f}",
                     f"{r.mean('follow_ups'):.1%}",
+                    f"{r.mean('cold'):.1f}",
                 ]
             )
         report.table(
             f"{name} (offline, {draws} URL draws)",
             ["front end", "hit rate", "of ideal's", "max/mean uncached (mean)", "worst",
-             f"draws over {BALANCE}", "max/mean requests", "follow-ups on their engine"],
+             f"draws over {BALANCE}", "max/mean requests", "follow-ups on their engine",
+             "calls with nothing cached"],
             table,
         )  # fmt: skip
     report.raw["offline"] = [
