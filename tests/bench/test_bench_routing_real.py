@@ -29,6 +29,7 @@ from bench.suites.routing.real import (
     cold_cached,
     fronts_for,
     max_over_mean,
+    nothing_cached,
     parse_args,
     percentile,
     slowest_calls,
@@ -263,10 +264,14 @@ def test_slowest_calls_name_the_call_its_turn_its_engine_and_who_shared_it(
     assert slowest_calls(calls, ttft, {}, {"r1": 2}, count=1)[0].alongside is None
     result = _row(AFFINITY, "chat", 0.87, 900.0, 1.1)
     result.slowest = slow
+    result.nothing_cached = nothing_cached({"r1": 0, "r3": 1024, "r5": 0})
+    assert nothing_cached({}) is None
     report = Report.create("routing --real-vllm", tmp_path)
     write_real_report(report, [result])
     table = next(t for t in report.tables if t.title == "chat: the slowest calls")
     assert table.rows[0] == [AFFINITY, "900", "conversation 0", "0", "0", "0", "2", "1"]
+    chat = next(t for t in report.tables if t.title == "chat")
+    assert chat.rows[0][chat.columns.index("calls with nothing cached")] == "2"
 
 
 def test_offline_prompts_find_leading_blocks_and_drop_the_least_recent() -> None:

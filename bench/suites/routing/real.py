@@ -107,6 +107,9 @@ class RealResult:
     # The slowest calls to a first chunk (`SLOWEST` of them, slowest first): what makes
     # the tail.
     slowest: list[SlowCall] = field(default_factory=list)
+    # Calls whose usage reports nothing cached: each prefilled its whole prompt (None:
+    # no usage reported).
+    nothing_cached: int | None = None
 
 
 # Calls listed per front end and workload in the report's tail tables.
@@ -154,6 +157,11 @@ def slowest_calls(
                 )
             )
     return sorted(found, key=lambda c: -c.ttft_ms)[:count]
+
+
+def nothing_cached(cached: dict[str, int]) -> int | None:
+    """How many calls found nothing cached (None: no call reported its usage)."""
+    return sum(tokens == 0 for tokens in cached.values()) if cached else None
 
 
 def alongside(
@@ -296,6 +304,7 @@ def run_front(
         slowest=slowest_calls(
             outcome.calls, outcome.ttft_by_id, outcome.cached, where, outcome.span_by_id
         ),
+        nothing_cached=nothing_cached(outcome.cached),
     )
     agree_text = "" if agree is None else f", follow-ups {agree:.1%}"
     progress(

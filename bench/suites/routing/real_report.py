@@ -75,6 +75,7 @@ def write_real_report(report: Report, results: list[RealResult]) -> None:
                     r.calls,
                     r.errors,
                     "n/a" if r.cold_cached is None else r.cold_cached,
+                    "n/a" if r.nothing_cached is None else r.nothing_cached,
                     f"{r.seconds:.0f}",
                 ]
             )
@@ -92,6 +93,7 @@ def write_real_report(report: Report, results: list[RealResult]) -> None:
                 "requests",
                 "errors",
                 "cold calls' cached tokens",
+                "calls with nothing cached",
                 "seconds",
             ],
             rows,
