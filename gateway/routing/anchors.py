@@ -75,22 +75,72 @@ class Anchor:
     kind: AnchorKind
 
 
+# Segments of at least MEMO_MIN_BYTES and at most MEMO_MAX_BYTES have their digest
+# remembered by (previous digest, segment), MEMO_BYTES of segments at most, least
+# recently used out first: a shared system prompt or a conversation's earlier turns come
+# back with every request, and finding them (Python's hash of the bytes, then one
+# comparison) costs a fifth of hashing them again (blake2b: 7.8 us for 6.5 KB; callgrind,
+# the cache-aware row's bodies: ~90K instructions a request). Shorter segments cost
+# little to hash; longer ones would crowd the others out.
+MEMO_MIN_BYTES = 512
+MEMO_MAX_BYTES = 128 * 1024
+MEMO_BYTES = 4 * 1024 * 1024
+
+
+class _Memo:
+    """Digests of long segments by (previous digest, segment), bounded by bytes held."""
+
+    __slots__ = ("_digests", "_held")
+
+    def __init__(self) -> None:
+        self._digests: dict[tuple[bytes, bytes], bytes] = {}
+        self._held = 0
+
+    def digest(self, previous: bytes, segment: bytes) -> bytes:
+        """H(previous, segment): blake2b of the two, 16 bytes."""
+        if not MEMO_MIN_BYTES <= len(segment) <= MEMO_MAX_BYTES:
+            return _hash(previous, segment)
+        digests = self._digests
+        key = (previous, segment)
+        digest = digests.pop(key, None)
+        if digest is None:
+            digest = _hash(previous, segment)
+            self._held += len(segment)
+            while self._held > MEMO_BYTES and digests:
+                oldest = next(iter(digests))
+                del digests[oldest]
+                self._held -= len(oldest[1])
+        # Last in the dict's order: the most recently used.
+        digests[key] = digest
+        return digest
+
+
+def _hash(previous: bytes, segment: bytes) -> bytes:
+    hasher = hashlib.blake2b(previous, digest_size=DIGEST_SIZE)
+    hasher.update(segment)
+    return hasher.digest()
+
+
+# One for the process, like the type caches: it only ever answers what hashing would.
+_MEMO = _Memo()
+
+
 class _Chain:
     """Chained hashing of the stream: each cut yields H(previous digest, segment)."""
 
-    __slots__ = ("_digest", "_hasher", "anchors")
+    __slots__ = ("_digest", "_parts", "anchors")
 
     def __init__(self, header: bytes) -> None:
         self._digest = hashlib.blake2b(header, digest_size=DIGEST_SIZE).digest()
-        self._hasher = hashlib.blake2b(self._digest, digest_size=DIGEST_SIZE)
+        self._parts: list[bytes | memoryview] = []
         self.anchors: list[Anchor] = []
 
     def feed(self, data: bytes | memoryview) -> None:
-        self._hasher.update(data)
+        self._parts.append(data)
 
     def cut(self, kind: AnchorKind) -> None:
-        self._digest = self._hasher.digest()
-        self._hasher = hashlib.blake2b(self._digest, digest_size=DIGEST_SIZE)
+        self._digest = _MEMO.digest(self._digest, b"".join(self._parts))
+        self._parts.clear()
         self.anchors.append(Anchor(self._digest, kind))
 
 
