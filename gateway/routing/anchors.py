@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -128,15 +128,14 @@ _MEMO = _Memo()
 class _Chain:
     """Chained hashing of the stream: each cut yields H(previous digest, segment)."""
 
-    __slots__ = ("_digest", "_parts", "anchors")
+    __slots__ = ("_digest", "_parts", "anchors", "feed")
 
     def __init__(self, header: bytes) -> None:
         self._digest = hashlib.blake2b(header, digest_size=DIGEST_SIZE).digest()
         self._parts: list[bytes | memoryview] = []
         self.anchors: list[Anchor] = []
-
-    def feed(self, data: bytes | memoryview) -> None:
-        self._parts.append(data)
+        # Adds to the segment: the list's own append, no Python call a piece.
+        self.feed: Callable[[bytes | memoryview], None] = self._parts.append
 
     def cut(self, kind: AnchorKind) -> None:
         self._digest = _MEMO.digest(self._digest, b"".join(self._parts))
@@ -144,9 +143,14 @@ class _Chain:
         self.anchors.append(Anchor(self._digest, kind))
 
 
+# Lone surrogates survive some JSON parsers; never fail on them. Called inline where a
+# chat's texts are encoded (a Python call each costs more than the encoding of most).
+_UTF8 = "utf-8"
+_LONE = "surrogatepass"
+
+
 def _encode(text: str) -> bytes:
-    # Lone surrogates survive some JSON parsers; never fail on them.
-    return text.encode("utf-8", "surrogatepass")
+    return text.encode(_UTF8, _LONE)
 
 
 def _header(body: Mapping[str, Any]) -> bytes:
@@ -212,7 +216,9 @@ def _chat_anchors(
     seen_user = False
     if preamble is not None:
         # /v1/responses `instructions`: rendered as a leading system message.
-        chain.feed(_MESSAGE + b"system" + _TEXT + _encode(preamble))
+        chain.feed(_MESSAGE + b"system" + _TEXT)
+        chain.feed(preamble.encode(_UTF8, _LONE))
+    feed = chain.feed
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
             continue
@@ -225,8 +231,9 @@ def _chat_anchors(
                 leading_system = False
                 if had_system:
                     chain.cut(AnchorKind.system)
-        chain.feed(_MESSAGE + _encode(role_s))
-        parts = _parts(message.get("content"))
+        feed(_MESSAGE + role_s.encode(_UTF8, _LONE))
+        content = message.get("content")
+        parts = (content,) if isinstance(content, str) else _parts(content)
         first_user = role_s == "user" and not seen_user
         last_media = -1
         if first_user:
@@ -236,20 +243,23 @@ def _chat_anchors(
                     last_media = i
         for i, part in enumerate(parts):
             if isinstance(part, str):
-                chain.feed(_TEXT + _encode(part))
+                # Apart: the text is copied once, into the segment.
+                feed(_TEXT)
+                feed(part.encode(_UTF8, _LONE))
             elif isinstance(part, dict):
                 if _is_media(part):
                     digest = by_part.get(f"{field}[{index}].content[{i}]")
                     if digest is not None:
-                        chain.feed(_MEDIA + _encode(digest))
+                        feed(_MEDIA + _encode(digest))
                     else:
-                        chain.feed(_MEDIA + _fallback_media_id(part))
+                        feed(_MEDIA + _fallback_media_id(part))
                     if i == last_media:
                         chain.cut(AnchorKind.media)
                 else:
                     text = part.get("text")
                     if isinstance(text, str):
-                        chain.feed(_TEXT + _encode(text))
+                        feed(_TEXT)
+                        feed(text.encode(_UTF8, _LONE))
         if not leading_system:
             chain.cut(AnchorKind.first_user if first_user else AnchorKind.message)
     if leading_system and had_system:
