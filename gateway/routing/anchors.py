@@ -76,42 +76,54 @@ class Anchor:
 
 
 # Segments of at least MEMO_MIN_BYTES and at most MEMO_MAX_BYTES have their digest
-# remembered by (previous digest, segment), MEMO_BYTES of segments at most, least
-# recently used out first: a shared system prompt or a conversation's earlier turns come
-# back with every request, and finding them (Python's hash of the bytes, then one
-# comparison) costs a fifth of hashing them again (blake2b: 7.8 us for 6.5 KB; callgrind,
-# the cache-aware row's bodies: ~90K instructions a request). Shorter segments cost
-# little to hash; longer ones would crowd the others out.
+# remembered, MEMO_BYTES of segments at most, least recently used out first: a shared
+# system prompt or a conversation's earlier turns come back with every request, and
+# finding them costs a fraction of hashing them again (blake2b: 7.8 us for 6.5 KB;
+# callgrind, the cache-aware row's bodies: ~90K instructions a request). They are found
+# by the previous digest, their length and their first and last MEMO_EDGE bytes (Python's
+# hash of the whole segment cost another ~20K instructions), then compared whole: two
+# segments alike there share an entry and take turns in it, each hashed when it is not
+# the one held. Shorter segments cost little to hash; longer ones would crowd the others
+# out.
 MEMO_MIN_BYTES = 512
 MEMO_MAX_BYTES = 128 * 1024
 MEMO_BYTES = 4 * 1024 * 1024
+MEMO_EDGE = 128
+
+_MemoKey = tuple[bytes, int, bytes, bytes]
 
 
 class _Memo:
-    """Digests of long segments by (previous digest, segment), bounded by bytes held."""
+    """Digests of long segments, by the previous digest and the segment (module
+    comment), bounded by the bytes of the segments held."""
 
-    __slots__ = ("_digests", "_held")
+    __slots__ = ("_entries", "_held")
 
     def __init__(self) -> None:
-        self._digests: dict[tuple[bytes, bytes], bytes] = {}
+        # Each entry: the segment and its digest.
+        self._entries: dict[_MemoKey, tuple[bytes, bytes]] = {}
         self._held = 0
 
     def digest(self, previous: bytes, segment: bytes) -> bytes:
         """H(previous, segment): blake2b of the two, 16 bytes."""
-        if not MEMO_MIN_BYTES <= len(segment) <= MEMO_MAX_BYTES:
+        size = len(segment)
+        if not MEMO_MIN_BYTES <= size <= MEMO_MAX_BYTES:
             return _hash(previous, segment)
-        digests = self._digests
-        key = (previous, segment)
-        digest = digests.pop(key, None)
-        if digest is None:
+        entries = self._entries
+        key = (previous, size, segment[:MEMO_EDGE], segment[-MEMO_EDGE:])
+        entry = entries.pop(key, None)
+        if entry is not None and entry[0] == segment:
+            digest = entry[1]
+        else:
             digest = _hash(previous, segment)
-            self._held += len(segment)
-            while self._held > MEMO_BYTES and digests:
-                oldest = next(iter(digests))
-                del digests[oldest]
-                self._held -= len(oldest[1])
+            if entry is None:
+                # Else this segment takes the entry of one of its length.
+                self._held += size
+            while self._held > MEMO_BYTES and entries:
+                oldest = next(iter(entries))
+                self._held -= len(entries.pop(oldest)[0])
         # Last in the dict's order: the most recently used.
-        digests[key] = digest
+        entries[key] = (segment, digest)
         return digest
 
 

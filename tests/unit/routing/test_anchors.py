@@ -413,3 +413,26 @@ def test_digests_are_the_same_hashed_remembered_or_evicted(
     assert digests() == first
     assert digests() == first
     assert anchors._MEMO._held <= 4000
+
+
+def test_segments_alike_at_their_edges_each_get_their_own_digest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two system prompts of one length with the same first and last MEMO_EDGE bytes
+    share a memo entry: each still gets the digest of its own bytes, in turn and again."""
+    edge = "e" * anchors.MEMO_EDGE
+    one = chat({"role": "system", "content": edge + "a" * 600 + edge}, user("q"))
+    two = chat({"role": "system", "content": edge + "b" * 600 + edge}, user("q"))
+
+    def system_digest(body: dict[str, Any]) -> bytes:
+        return candidate_anchors(body)[0].digest
+
+    expected: dict[int, bytes] = {}
+    for body in (one, two):
+        monkeypatch.setattr(anchors, "_MEMO", anchors._Memo())
+        expected[id(body)] = system_digest(body)
+    assert expected[id(one)] != expected[id(two)]
+    monkeypatch.setattr(anchors, "_MEMO", anchors._Memo())
+    for body in (one, two, one, one, two):
+        assert system_digest(body) == expected[id(body)]
+    assert len(anchors._MEMO._entries) == 1
