@@ -132,6 +132,33 @@ def test_the_parsed_body_charged_covers_what_the_parse_holds(name: str) -> None:
     assert held_by(orjson.loads(raw), raw) >= real
 
 
+def _chat(system: str, question: str, reply: str = "") -> bytes:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    if reply:
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "ok"}]
+    return orjson.dumps({"model": "m", "messages": messages, "max_tokens": 8})
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        _chat("You answer briefly. " * 300, "What is a prefix cache? " * 4),  # 6.3 KB
+        _chat("s" * 2000, "q" * 100),  # just over WALK_OVER
+        _chat("Be terse. " * 3000, "Why? " * 40, "Because. " * 500),  # 35 KB
+        _chat("系统" * 1500, "问题" * 50),  # wide characters
+        _chat("😀" * 800, "?"),  # characters past U+FFFF
+    ],
+)
+def test_a_chat_of_few_long_messages_is_charged_by_its_walk(raw: bytes) -> None:
+    """A body over WALK_OVER of few objects for its size (a chat's long system prompt)
+    is walked, not counted from its bytes: charged at least what the parse holds
+    (tracemalloc), and no more than the count's bound. On the code before (walked only
+    over 64 KiB), the 6.3 KB chat was charged the count (8,056 bytes for 6,735 held)."""
+    assert len(raw) > footprint.WALK_OVER
+    charged = held_by(orjson.loads(raw), raw)
+    assert held(raw) <= charged < parsed_size(raw)
+
+
 @given(st.binary(max_size=512))
 def test_parsed_size_counts_each_object_byte_of_any_body(raw: bytes) -> None:
     # The four bytes counted in one pass are each counted as a pass of its own would.
