@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -75,94 +75,28 @@ class Anchor:
     kind: AnchorKind
 
 
-# Segments of at least MEMO_MIN_BYTES and at most MEMO_MAX_BYTES have their digest
-# remembered, MEMO_BYTES of segments at most, least recently used out first: a shared
-# system prompt or a conversation's earlier turns come back with every request, and
-# finding them costs a fraction of hashing them again (blake2b: 7.8 us for 6.5 KB;
-# callgrind, the cache-aware row's bodies: ~90K instructions a request). They are found
-# by the previous digest, their length and their first and last MEMO_EDGE bytes (Python's
-# hash of the whole segment cost another ~20K instructions), then compared whole: two
-# segments alike there share an entry and take turns in it, each hashed when it is not
-# the one held. Shorter segments cost little to hash; longer ones would crowd the others
-# out.
-MEMO_MIN_BYTES = 512
-MEMO_MAX_BYTES = 128 * 1024
-MEMO_BYTES = 4 * 1024 * 1024
-MEMO_EDGE = 128
-
-_MemoKey = tuple[bytes, int, bytes, bytes]
-
-
-class _Memo:
-    """Digests of long segments, by the previous digest and the segment (module
-    comment), bounded by the bytes of the segments held."""
-
-    __slots__ = ("_entries", "_held")
-
-    def __init__(self) -> None:
-        # Each entry: the segment and its digest.
-        self._entries: dict[_MemoKey, tuple[bytes, bytes]] = {}
-        self._held = 0
-
-    def digest(self, previous: bytes, segment: bytes) -> bytes:
-        """H(previous, segment): blake2b of the two, 16 bytes."""
-        size = len(segment)
-        if not MEMO_MIN_BYTES <= size <= MEMO_MAX_BYTES:
-            return _hash(previous, segment)
-        entries = self._entries
-        key = (previous, size, segment[:MEMO_EDGE], segment[-MEMO_EDGE:])
-        entry = entries.pop(key, None)
-        if entry is not None and entry[0] == segment:
-            digest = entry[1]
-        else:
-            digest = _hash(previous, segment)
-            if entry is None:
-                # Else this segment takes the entry of one of its length.
-                self._held += size
-            while self._held > MEMO_BYTES and entries:
-                oldest = next(iter(entries))
-                self._held -= len(entries.pop(oldest)[0])
-        # Last in the dict's order: the most recently used.
-        entries[key] = (segment, digest)
-        return digest
-
-
-def _hash(previous: bytes, segment: bytes) -> bytes:
-    hasher = hashlib.blake2b(previous, digest_size=DIGEST_SIZE)
-    hasher.update(segment)
-    return hasher.digest()
-
-
-# One for the process, like the type caches: it only ever answers what hashing would.
-_MEMO = _Memo()
-
-
 class _Chain:
     """Chained hashing of the stream: each cut yields H(previous digest, segment)."""
 
-    __slots__ = ("_digest", "_parts", "anchors", "feed")
+    __slots__ = ("_digest", "_hasher", "anchors")
 
     def __init__(self, header: bytes) -> None:
         self._digest = hashlib.blake2b(header, digest_size=DIGEST_SIZE).digest()
-        self._parts: list[bytes | memoryview] = []
+        self._hasher = hashlib.blake2b(self._digest, digest_size=DIGEST_SIZE)
         self.anchors: list[Anchor] = []
-        # Adds to the segment: the list's own append, no Python call a piece.
-        self.feed: Callable[[bytes | memoryview], None] = self._parts.append
+
+    def feed(self, data: bytes | memoryview) -> None:
+        self._hasher.update(data)
 
     def cut(self, kind: AnchorKind) -> None:
-        self._digest = _MEMO.digest(self._digest, b"".join(self._parts))
-        self._parts.clear()
+        self._digest = self._hasher.digest()
+        self._hasher = hashlib.blake2b(self._digest, digest_size=DIGEST_SIZE)
         self.anchors.append(Anchor(self._digest, kind))
 
 
-# Lone surrogates survive some JSON parsers; never fail on them. Called inline where a
-# chat's texts are encoded (a Python call each costs more than the encoding of most).
-_UTF8 = "utf-8"
-_LONE = "surrogatepass"
-
-
 def _encode(text: str) -> bytes:
-    return text.encode(_UTF8, _LONE)
+    # Lone surrogates survive some JSON parsers; never fail on them.
+    return text.encode("utf-8", "surrogatepass")
 
 
 def _header(body: Mapping[str, Any]) -> bytes:
@@ -228,9 +162,7 @@ def _chat_anchors(
     seen_user = False
     if preamble is not None:
         # /v1/responses `instructions`: rendered as a leading system message.
-        chain.feed(_MESSAGE + b"system" + _TEXT)
-        chain.feed(preamble.encode(_UTF8, _LONE))
-    feed = chain.feed
+        chain.feed(_MESSAGE + b"system" + _TEXT + _encode(preamble))
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
             continue
@@ -243,9 +175,8 @@ def _chat_anchors(
                 leading_system = False
                 if had_system:
                     chain.cut(AnchorKind.system)
-        feed(_MESSAGE + role_s.encode(_UTF8, _LONE))
-        content = message.get("content")
-        parts = (content,) if isinstance(content, str) else _parts(content)
+        chain.feed(_MESSAGE + _encode(role_s))
+        parts = _parts(message.get("content"))
         first_user = role_s == "user" and not seen_user
         last_media = -1
         if first_user:
@@ -255,23 +186,20 @@ def _chat_anchors(
                     last_media = i
         for i, part in enumerate(parts):
             if isinstance(part, str):
-                # Apart: the text is copied once, into the segment.
-                feed(_TEXT)
-                feed(part.encode(_UTF8, _LONE))
+                chain.feed(_TEXT + _encode(part))
             elif isinstance(part, dict):
                 if _is_media(part):
                     digest = by_part.get(f"{field}[{index}].content[{i}]")
                     if digest is not None:
-                        feed(_MEDIA + _encode(digest))
+                        chain.feed(_MEDIA + _encode(digest))
                     else:
-                        feed(_MEDIA + _fallback_media_id(part))
+                        chain.feed(_MEDIA + _fallback_media_id(part))
                     if i == last_media:
                         chain.cut(AnchorKind.media)
                 else:
                     text = part.get("text")
                     if isinstance(text, str):
-                        feed(_TEXT)
-                        feed(text.encode(_UTF8, _LONE))
+                        chain.feed(_TEXT + _encode(text))
         if not leading_system:
             chain.cut(AnchorKind.first_user if first_user else AnchorKind.message)
     if leading_system and had_system:

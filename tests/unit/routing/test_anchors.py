@@ -6,7 +6,6 @@ from typing import Any
 
 import pytest
 
-from gateway.routing import anchors
 from gateway.routing.anchors import Anchor, AnchorKind, session_anchor
 from tests.unit.routing.tunables import HotCandidates, candidate_anchors
 
@@ -359,80 +358,3 @@ def test_media_is_placed_by_path_not_by_count() -> None:
     assert by_path[1].digest == candidate_anchors(body, at)[1].digest
     # Without the digest the part is keyed by its URL: a different anchor.
     assert candidate_anchors(body)[1].digest != by_path[1].digest
-
-
-LONG = "You are a careful assistant. " * 100  # 2,900 bytes
-DIGEST_BODIES: dict[str, dict[str, Any]] = {
-    "system and question": chat(
-        {"role": "system", "content": LONG}, user("What is a prefix cache?")
-    ),
-    "turns": chat(
-        {"role": "system", "content": LONG},
-        user("hi " * 300),
-        {"role": "assistant", "content": "ok " * 200},
-        user("and?"),
-        cache_salt="s1",
-    ),
-    "image": chat(user([image(), text(LONG)])),
-    "prompt": {"model": "m", "prompt": LONG * 3},
-    "tokens": {"model": "m", "prompt": list(range(2000))},
-    "responses": {"model": "m", "instructions": LONG, "input": [user("q " * 400)]},
-}
-
-
-@pytest.mark.parametrize(
-    ("name", "count", "last"),
-    [
-        # Computed by the chain before digests were remembered (one blake2b per segment).
-        ("system and question", 2, "431278c3ea65a1a14c0c0ca903a7b6cc"),
-        ("turns", 4, "7bcf25cebbb069c1f80675c5924e60df"),
-        ("image", 2, "9deb4f1ce2fb1ff81d59160ae76c23be"),
-        ("prompt", 9, "fdef6f51cc75e4e991ca0f779b32c72a"),
-        ("tokens", 8, "726e2969054c7251b5a3fca7250566f3"),
-        ("responses", 2, "2bcce02f48e841bbcb0e5e79880f85ad"),
-    ],
-)
-def test_digests_are_the_same_hashed_remembered_or_evicted(
-    name: str, count: int, last: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A remembered segment's digest is the one hashing gives: the same on a first
-    request, a repeat (remembered) and after the memo evicted it. The last anchor chains
-    every segment before it."""
-    body = DIGEST_BODIES[name]
-    media = {"messages[0].content[0].image_url.url": "sha256:aa"} if name == "image" else {}
-
-    def digests() -> list[str]:
-        return [a.digest.hex() for a in candidate_anchors(body, media, block_bytes=1024)]
-
-    first = digests()
-    assert (len(first), first[-1]) == (count, last)
-    assert digests() == first
-    # Room for one of these segments at a time: each new one evicts the one before.
-    monkeypatch.setattr(anchors, "MEMO_BYTES", 4000)
-    monkeypatch.setattr(anchors, "_MEMO", anchors._Memo())
-    assert digests() == first
-    assert digests() == first
-    assert anchors._MEMO._held <= 4000
-
-
-def test_segments_alike_at_their_edges_each_get_their_own_digest(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Two system prompts of one length with the same first and last MEMO_EDGE bytes
-    share a memo entry: each still gets the digest of its own bytes, in turn and again."""
-    edge = "e" * anchors.MEMO_EDGE
-    one = chat({"role": "system", "content": edge + "a" * 600 + edge}, user("q"))
-    two = chat({"role": "system", "content": edge + "b" * 600 + edge}, user("q"))
-
-    def system_digest(body: dict[str, Any]) -> bytes:
-        return candidate_anchors(body)[0].digest
-
-    expected: dict[int, bytes] = {}
-    for body in (one, two):
-        monkeypatch.setattr(anchors, "_MEMO", anchors._Memo())
-        expected[id(body)] = system_digest(body)
-    assert expected[id(one)] != expected[id(two)]
-    monkeypatch.setattr(anchors, "_MEMO", anchors._Memo())
-    for body in (one, two, one, one, two):
-        assert system_digest(body) == expected[id(body)]
-    assert len(anchors._MEMO._entries) == 1
