@@ -75,12 +75,17 @@ WALK_OVER = 2 * 1024
 WALK_BYTES_PER_OBJECT = 128
 # pymalloc hands out blocks in steps of 16 bytes (tests/unit/proxy/test_footprint_rss.py).
 BLOCK_STEP = 16
+# A str that is not ASCII comes to hold its UTF-8 as well (at most 4 bytes a character)
+# when the gateway writes the body back (orjson caches it inside the str; a stream asked
+# for its usage, proxy/metering.py), held while the parsed body is.
+UTF8_PER_CHAR = 4
 
 
 def held_by(parsed: Any, raw: bytes) -> int:
     """What the parsed body `raw` holds, in bytes: over `WALK_OVER`, each object's
     `sys.getsizeof` rounded up to `BLOCK_STEP` (shared and interned ones counted each
-    time: an upper bound) while there are few objects for its size; else
+    time: an upper bound), and a str that is not ASCII its UTF-8 too (`UTF8_PER_CHAR`),
+    while there are few objects for its size; else
     `parsed_size(raw)`. A large body is mostly a few long strings (an image is one): its
     walk takes microseconds, where counting 1.3 MB of base64 took ~3 ms."""
     if len(raw) <= WALK_OVER:
@@ -101,7 +106,11 @@ def held_by(parsed: Any, raw: bytes) -> int:
             left -= len(obj)
             for key in obj:
                 size += (getsizeof(key) + BLOCK_STEP - 1) & -BLOCK_STEP
+                if not key.isascii():
+                    size += UTF8_PER_CHAR * len(key)
             stack.extend(obj.values())
         elif kind is list:
             stack.extend(obj)
+        elif kind is str and not obj.isascii():
+            size += UTF8_PER_CHAR * len(obj)
     return size

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import tracemalloc
 from typing import Any
 
+import orjson
 import pytest
 
 from gateway.routing.anchors import Anchor, AnchorKind, session_anchor
@@ -358,3 +360,25 @@ def test_media_is_placed_by_path_not_by_count() -> None:
     assert by_path[1].digest == candidate_anchors(body, at)[1].digest
     # Without the digest the part is keyed by its URL: a different anchor.
     assert candidate_anchors(body)[1].digest != by_path[1].digest
+
+
+def test_a_segment_of_many_parts_is_hashed_without_holding_them_all() -> None:
+    """A system message of 100,000 text parts of two characters (a 2.8 MB body; 650,000
+    of them, 18.2 MB, are within the default `max_body_bytes` and `max_json_values`) is
+    one segment: the leading system messages end at the first user message. Working
+    out its anchors must not hold a copy of the segment, which the body budget does not
+    charge: each part is fed to the hash and dropped. A memo of segments that kept every
+    part until the cut held 4.6x the body at peak."""
+    body = chat(
+        {"role": "system", "content": [{"type": "text", "text": "ab"}] * 100_000},
+        user("hi"),
+    )
+    raw = orjson.dumps(body)
+    parsed = orjson.loads(raw)
+    tracemalloc.start()
+    try:
+        candidate_anchors(parsed)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak <= len(raw) // 16, (peak, len(raw))
