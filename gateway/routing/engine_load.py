@@ -13,6 +13,9 @@ from typing import NamedTuple
 RUNNING = b"vllm:num_requests_running"
 WAITING = b"vllm:num_requests_waiting"
 KV_USAGE = b"vllm:kv_cache_usage_perc"
+# The most requests a count is read as: finite samples can add up past a float's range
+# (two of 1e308), and no engine holds more.
+MAX_REQUESTS = 1_000_000
 
 
 class EngineLoad(NamedTuple):
@@ -56,4 +59,8 @@ def parse_load(text: bytes) -> EngineLoad | None:
     running = _samples(text, RUNNING)
     if not waiting and not usage and not running:
         return None
-    return EngineLoad(int(sum(waiting)), min(max(usage, default=0.0), 1.0), int(sum(running)))
+    return EngineLoad(
+        int(min(sum(waiting), MAX_REQUESTS)),
+        min(max(usage, default=0.0), 1.0),
+        int(min(sum(running), MAX_REQUESTS)),
+    )

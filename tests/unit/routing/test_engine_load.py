@@ -39,6 +39,12 @@ from gateway.routing.engine_load import EngineLoad, parse_load
         (b"vllm:num_requests_waiting NaN\nvllm:kv_cache_usage_perc 7", EngineLoad(0, 1.0)),
         (b"vllm:num_requests_waiting -3\nvllm:num_requests_waiting abc", None),
         (b"not metrics at all", None),
+        # Finite samples whose sum is past a float's range: read as the most there is.
+        (
+            b"vllm:num_requests_waiting 1e308\nvllm:num_requests_waiting 1e308\n"
+            b"vllm:num_requests_running 1e308\nvllm:num_requests_running 1e308",
+            EngineLoad(1_000_000, 0.0, 1_000_000),
+        ),
         (b"", None),
     ],
 )
