@@ -17,12 +17,11 @@ import pytest
 
 from tests.procs import ROOT
 
-# Prints what `held_by` charges for the body and the resident bytes its parse added,
-# with the collector off (nothing freed between the two reads).
-_MEASURE = """
+# Resident memory counted in 4 KiB pages, whatever the machine's transparent huge pages
+# setting (PR_SET_THP_DISABLE for the measuring process), with the collector off
+# (nothing freed between the two reads).
+_PRELUDE = """
 import ctypes, gc, json, sys
-# Transparent huge pages off for this process (PR_SET_THP_DISABLE): resident memory is
-# then counted in 4 KiB pages, whatever the machine's THP setting.
 ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)
 import orjson
 from gateway.proxy.footprint import held_by
@@ -31,13 +30,34 @@ def resident():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
 
-raw = sys.stdin.buffer.read()
 gc.disable()
+"""
+
+# Prints what `held_by` charges for the body and the resident bytes its parse added.
+_MEASURE = (
+    _PRELUDE
+    + """
+raw = sys.stdin.buffer.read()
 before = resident()
 parsed = orjson.loads(raw)
 after = resident()
 print(json.dumps({"charged": held_by(parsed, raw), "resident": after - before}))
 """
+)
+
+
+def _charged_and_resident(script: str, bodies: bytes) -> dict[str, int]:
+    """Runs `script` in a fresh interpreter on `bodies` (its stdin): what it printed."""
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        input=bodies,
+        capture_output=True,
+        check=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    figures: dict[str, int] = json.loads(out.stdout)
+    return figures
 
 
 def _short_strings(n: int, width: int) -> bytes:
@@ -53,16 +73,7 @@ def test_the_charge_covers_the_resident_memory_of_many_short_strings(width: int)
     The charge must be at least the resident memory the parse added. On the code before:
     30.0 MB charged for 36.4 MB resident at 1 character, 30.5 for 36.4 at 2, 37.5 for
     44.4 at 16: each str asks 50, 51 or 65 bytes and holds 64, 64 or 80."""
-    raw = _short_strings(500_000, width)
-    out = subprocess.run(
-        [sys.executable, "-c", _MEASURE],
-        input=raw,
-        capture_output=True,
-        check=True,
-        cwd=ROOT,
-        timeout=120,
-    )
-    figures = json.loads(out.stdout)
+    figures = _charged_and_resident(_MEASURE, _short_strings(500_000, width))
     assert figures["charged"] >= figures["resident"], figures
 
 
@@ -70,18 +81,10 @@ def test_the_charge_covers_the_resident_memory_of_many_short_strings(width: int)
 # object back with orjson.dumps, as the handler does for a body it rewrote (a stream
 # asked for its usage, proxy/metering.py; `Handler._inspect`), the written bytes
 # discarded: prints the charge and the resident bytes the parsed objects then hold.
-_MEASURE_REWRITTEN = """
-import ctypes, gc, json, sys
-ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)
-import orjson
-from gateway.proxy.footprint import held_by
-
-def resident():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
-
+_MEASURE_REWRITTEN = (
+    _PRELUDE
+    + """
 raws = [line for line in sys.stdin.buffer.read().split(b"\\n") if line]
-gc.disable()
 before = resident()
 parsed = [orjson.loads(raw) for raw in raws]
 charged = sum(held_by(body, raw) for body, raw in zip(parsed, raws))
@@ -91,6 +94,7 @@ for body in parsed:
 after = resident()
 print(json.dumps({"charged": charged, "resident": after - before}))
 """
+)
 
 
 def _streamed_chats(text: str, count: int) -> bytes:
@@ -117,18 +121,11 @@ def test_the_charge_covers_a_walked_body_once_the_gateway_has_rewritten_it(
     the gateway (orjson.dumps, to ask for the stream's usage): orjson caches each
     non-ASCII str's UTF-8 inside it (two or three bytes more a character), held until the
     parsed object is dropped, after the engines are ordered (the shared store's round
-    trip included). Found on wt-attack2: 3,000 bodies of 2,000 'é' charged 9.0 MB for
-    20.1 MB resident (2.2x under), '中' 12.0 MB for 24.7 MB, 60 bodies of 100,000 'é'
-    6.1 MB for 18.2 MB (3.0x). The count the walk replaced for 2-64 KiB bodies (two bytes
-    per body byte for non-ASCII) charged 28.3 and 31.3 MB: the first two cases pass on
-    the code before 2e4ac91; the third fails there too (walked over 64 KiB)."""
-    out = subprocess.run(
-        [sys.executable, "-c", _MEASURE_REWRITTEN],
-        input=_streamed_chats(text, count),
-        capture_output=True,
-        check=True,
-        cwd=ROOT,
-        timeout=120,
-    )
-    figures = json.loads(out.stdout)
+    trip included). Found by an attacker's review (2026-12-06): 3,000 bodies of 2,000
+    'é' charged 9.0 MB for 20.1 MB resident (2.2x under), '中' 12.0 MB for 24.7 MB, 60
+    bodies of 100,000 'é' 6.1 MB for 18.2 MB (3.0x). The count the walk replaced for
+    2-64 KiB bodies (two bytes per body byte for non-ASCII) charged 28.3 and 31.3 MB:
+    the first two cases pass on the code before 2e4ac91; the third fails there too
+    (walked over 64 KiB)."""
+    figures = _charged_and_resident(_MEASURE_REWRITTEN, _streamed_chats(text, count))
     assert figures["charged"] >= figures["resident"], figures
