@@ -85,9 +85,9 @@ def held_by(parsed: Any, raw: bytes) -> int:
     """What the parsed body `raw` holds, in bytes: over `WALK_OVER`, each object's
     `sys.getsizeof` rounded up to `BLOCK_STEP` (shared and interned ones counted each
     time: an upper bound), and a str that is not ASCII its UTF-8 too (`UTF8_PER_CHAR`),
-    while there are few objects for its size; else
-    `parsed_size(raw)`. A large body is mostly a few long strings (an image is one): its
-    walk takes microseconds, where counting 1.3 MB of base64 took ~3 ms."""
+    while there are few objects for its size; else `parsed_size(raw)`. A large body is
+    mostly a few long strings (an image is one): its walk takes microseconds, where
+    counting 1.3 MB of base64 took ~3 ms."""
     if len(raw) <= WALK_OVER:
         return parsed_size(raw)
     size = 0

@@ -98,8 +98,9 @@ local bound = tonumber(ARGV[5])
 local anchor = ARGV[6]
 local prefix = ARGV[7]
 local talk = ARGV[8]
+local n = tonumber(ARGV[9])
 local first = 10
-local last = 9 + tonumber(ARGV[9])
+local last = first - 1 + n
 local function choosable(url)
   if not url then return false end
   for i = first, last do
@@ -155,7 +156,7 @@ if not chosen then
   for i = first, last do
     local url = ARGV[i]
     local f = redis.call('HMGET', KEYS[2], 'r' .. url, 'c' .. url, 't' .. url)
-    local load = decayed(tau, f[1], f[3]) + decayed(tau, f[2], f[3]) + tonumber(ARGV[i + last - 9])
+    local load = decayed(tau, f[1], f[3]) + decayed(tau, f[2], f[3]) + tonumber(ARGV[i + n])
     if best == nil or load < best then
       best = load
       chosen = url
@@ -240,18 +241,18 @@ class PlacementStore:
         self,
         anchor: bytes,
         choices: Sequence[str],
-        key_digest: bytes | None = None,
-        conversation: bytes | None = None,
-        loads: Sequence[int] | None = None,
+        key_digest: bytes | None,
+        conversation: bytes | None,
+        loads: Sequence[int],
     ) -> str | None:
         """The engine URL for `anchor`: the recorded engine of `conversation` (the
         request's first user message, when shorter anchors decided) when that is in
         `choices` (the engines the request may go to, best first); else the anchor's
         recorded engine when that is; else the least busy of `choices` (by what the store
-        recorded, plus `loads`: each choice's requests now, 0 when not given), recorded. A new
-        placement is recorded for the conversation too, and counted among the anchors of
-        the key of `key_digest` (requests without a key count as one key). None: the
-        store is unavailable, decide without it."""
+        recorded plus `loads`, each choice's requests now), recorded. A new placement is
+        recorded for the conversation too, and counted among the anchors of the key of
+        `key_digest` (requests without a key count as one key). None: the store is
+        unavailable, decide without it."""
         if not self.client.usable():
             self.fallback += 1
             return None
@@ -261,8 +262,8 @@ class PlacementStore:
         # enough to tell the operator's keys apart, and 48 bytes less per anchor.
         owner = key_digest[:8].hex() if key_digest else "anonymous"
         args = [self._ttl_ms, self._decay, self._engines_ttl_ms]
-        now = [str(load) for load in loads] if loads is not None else ["0"] * len(choices)
-        args += [owner, self._bound, name, self._prefix, talk, str(len(choices)), *choices, *now]
+        args += [owner, self._bound, name, self._prefix, talk, str(len(choices)), *choices]
+        args += [str(load) for load in loads]
         keys = [
             self._anchor_prefix + name,
             self._engines_key,
