@@ -19,6 +19,13 @@ the engines), max / mean of each engine's uncached tokens and requests, TTFT p50
 at the client (first SSE chunk, so the front end included), follow-up agreement from the
 engines' request logs, and the cached tokens that the calls sharing no KV block with
 an earlier call of the run found (0: the reset emptied the caches).
+
+`--repeats N` runs every front end N times on each workload, the fronts' order rotated
+from one repeat to the next (so a slow stretch of the machine falls on a different front
+end each time), caches reset before each run. The report pools the runs: TTFT p50 and
+p99 over every call of every run (276 chat calls a run make p99 the third slowest, three
+runs the ninth), hit rate and uncached tokens over the runs, and the worst run's max /
+mean; each run's own p99 is listed beside.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench.harness.realvllm.models import CHAT_BIG, MULTIMODAL_BIG
@@ -76,6 +83,8 @@ class RealOptions:
     evict_tokens: int = 6144
     max_model_len: int | None = 4096
     max_tokens: int = 8
+    # Runs of each front end on each workload (the ideal engine runs once).
+    repeats: int = 1
 
 
 @dataclass
@@ -110,6 +119,11 @@ class RealResult:
     # Calls whose usage reports nothing cached: each prefilled its whole prompt (None:
     # no usage reported).
     nothing_cached: int | None = None
+    # Every call's time to first chunk, ms, in the order sent (what pooling reads).
+    ttfts_ms: list[float] = field(default_factory=list)
+    # The runs this row pools (`pool`), and each one's TTFT p99 in ms.
+    runs: int = 1
+    run_p99_ms: list[float] = field(default_factory=list)
 
 
 # Calls listed per front end and workload in the report's tail tables.
@@ -129,6 +143,8 @@ class SlowCall:
     # The run's other calls on its engine at some moment before its first chunk (None:
     # its engine or its span is unknown).
     alongside: int | None = None
+    # Which run of its front end it was in (0: the first; `--repeats`).
+    run: int = 0
 
 
 def slowest_calls(
@@ -247,10 +263,96 @@ def max_over_mean(values: Sequence[float]) -> float | None:
     return max(values) / mean if mean and len(values) > 1 else None
 
 
+def front_order(fronts: Sequence[str], repeat: int) -> list[str]:
+    """The fronts in the order of run `repeat`: rotated by one each run, so each front
+    end runs at every place of the sequence in turn."""
+    shift = repeat % len(fronts) if fronts else 0
+    return [*fronts[shift:], *fronts[:shift]]
+
+
+def pool(results: Sequence[RealResult]) -> list[RealResult]:
+    """One row per front end and workload, pooling its runs (in the order each pair
+    first appears): the TTFT percentiles over every call of every run, hit rate, queries,
+    uncached tokens, requests and calls summed, the balance of the worst run (a run is
+    what an engine lives through), follow-ups weighted by their count, the slowest calls
+    over all runs."""
+    groups: dict[tuple[str, str], list[RealResult]] = {}
+    for r in results:
+        groups.setdefault((r.front, r.workload), []).append(r)
+    pooled = []
+    for runs in groups.values():
+        if len(runs) == 1:
+            one = runs[0]
+            one.run_p99_ms = [] if one.ttft_p99_ms is None else [one.ttft_p99_ms]
+            pooled.append(one)
+            continue
+        first = runs[0]
+        queries = sum(r.queries for r in runs)
+        hits = sum(r.hit_rate * r.queries for r in runs)
+        ttfts = [t for r in runs for t in r.ttfts_ms]
+        seconds = [t / 1000 for t in ttfts]
+        followed = sum(r.follow_ups for r in runs)
+        agreed = [r for r in runs if r.agreement is not None]
+        colds = [r.cold_cached for r in runs]
+        wholes = [r.nothing_cached for r in runs]
+        pooled.append(
+            RealResult(
+                front=first.front,
+                workload=first.workload,
+                hit_rate=hits / queries if queries else 0.0,
+                queries=queries,
+                uncached=sum(r.uncached for r in runs),
+                uncached_per_engine=_summed([r.uncached_per_engine for r in runs]),
+                requests_per_engine=_summed([r.requests_per_engine for r in runs]),
+                uncached_max_over_mean=_worst([r.uncached_max_over_mean for r in runs]),
+                requests_max_over_mean=_worst([r.requests_max_over_mean for r in runs]),
+                ttft_p50_ms=percentile(seconds, 50),
+                ttft_p99_ms=percentile(seconds, 99),
+                agreement=(
+                    sum((r.agreement or 0.0) * r.follow_ups for r in agreed) / followed
+                    if agreed and followed
+                    else None
+                ),
+                follow_ups=followed,
+                calls=sum(r.calls for r in runs),
+                errors=sum(r.errors for r in runs),
+                first_error=next((r.first_error for r in runs if r.first_error), ""),
+                cold_cached=None if None in colds else max(c or 0 for c in colds),
+                seconds=sum(r.seconds for r in runs),
+                kv_tokens=first.kv_tokens,
+                slowest=sorted((c for r in runs for c in r.slowest), key=lambda c: -c.ttft_ms)[
+                    :SLOWEST
+                ],
+                nothing_cached=None if None in wholes else sum(w or 0 for w in wholes),
+                ttfts_ms=ttfts,
+                runs=len(runs),
+                run_p99_ms=[r.ttft_p99_ms for r in runs if r.ttft_p99_ms is not None],
+            )
+        )
+    return pooled
+
+
+def _summed(per_run: Sequence[list[float]]) -> list[float]:
+    """Each engine's figure summed over the runs (the same engines in every run)."""
+    return [sum(column) for column in zip(*per_run, strict=True)]
+
+
+def _worst(values: Sequence[float | None]) -> float | None:
+    """The largest of the runs' figures; None when a run has none."""
+    known = [v for v in values if v is not None]
+    return max(known) if known and len(known) == len(values) else None
+
+
 def run_front(
-    front: str, workload: Workload, engines: EngineSet, opts: RealOptions, workdir: Path
+    front: str,
+    workload: Workload,
+    engines: EngineSet,
+    opts: RealOptions,
+    workdir: Path,
+    repeat: int = 0,
 ) -> RealResult | None:
-    """One front end on freshly reset engines; None when the front end is not installed."""
+    """One front end on freshly reset engines (its run `repeat`); None when the front end
+    is not installed."""
     engines.reset()
     with Fleet(workdir, CpuPlan(None, None)) as fleet:
         headers: dict[str, str] = {}
@@ -305,10 +407,14 @@ def run_front(
             outcome.calls, outcome.ttft_by_id, outcome.cached, where, outcome.span_by_id
         ),
         nothing_cached=nothing_cached(outcome.cached),
+        ttfts_ms=[t * 1000 for t in outcome.ttft],
     )
+    for call in result.slowest:
+        call.run = repeat
     agree_text = "" if agree is None else f", follow-ups {agree:.1%}"
+    run_text = f" (run {repeat + 1})" if opts.repeats > 1 else ""
     progress(
-        f"  {front} / {workload.name}: hit {result.hit_rate:.1%}{agree_text}, TTFT p50 "
+        f"  {front}{run_text} / {workload.name}: hit {result.hit_rate:.1%}{agree_text}, TTFT p50 "
         f"{fmt(result.ttft_p50_ms)} p99 {fmt(result.ttft_p99_ms)} ms, uncached per engine "
         f"{[round(u) for u in uncached]}, errors {result.errors}, {seconds:.0f} s"
     )
@@ -357,10 +463,11 @@ def run(opts: RealOptions, workdir: Path) -> list[RealResult]:
             try:
                 progress(f"  KV tokens per engine: {fleet.kv_tokens()}")
                 for w in workloads:
-                    for front in fronts_for(w.name, opts):
-                        result = run_front(front, w, fleet, opts, workdir)
-                        if result is not None:
-                            results.append(result)
+                    for repeat in range(opts.repeats):
+                        for front in front_order(fronts_for(w.name, opts), repeat):
+                            result = run_front(front, w, fleet, opts, workdir, repeat)
+                            if result is not None:
+                                results.append(result)
             finally:
                 fleet.stop()
         if _wanted(IDEAL, opts):
@@ -405,13 +512,18 @@ def parse_args(argv: Sequence[str] | None) -> tuple[RealOptions, argparse.Namesp
                    help="no engines: the text workloads routed in-process over many URL draws"
                    " (real_offline.py)")  # fmt: skip
     p.add_argument("--draws", type=int, default=16, help="URL draws with --offline")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of each front end on each workload, pooled")  # fmt: skip
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
     opts = RealOptions(
         engines=args.engines or (2 if args.quick else 3),
         sizes=QUICK if args.quick else FULL,
         seed=args.seed,
         fronts=args.front,
         evict_tokens=args.evict_tokens,
+        repeats=args.repeats,
     )
     if args.workload:
         opts.workloads = args.workload
@@ -434,6 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         concurrency=opts.concurrency,
         open_conversations=opts.live,
         seed=opts.seed,
+        repeats=opts.repeats,
         commit=commit(),
     )
     with tempfile.TemporaryDirectory(prefix="bench-routing-real-") as tmp:
@@ -441,7 +554,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.logs is not None:
             workdir = args.logs
             workdir.mkdir(parents=True, exist_ok=True)
-        results = run(opts, workdir)
+        runs = run(opts, workdir)
+    if opts.repeats > 1:
+        report.raw["runs"] = [asdict(r) for r in runs]
+    results = pool(runs)
     if not any(r.front.startswith("vllm-router") for r in results):
         report.note("vllm-router is not installed: `.venv/bin/pip install vllm-router`")
     write_real_report(report, results)
