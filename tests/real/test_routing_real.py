@@ -1,8 +1,8 @@
 """The real-engine routing suite (`bench routing --real-vllm`) in its smallest form: two
 tiny-llama engines, the chat workload's tiny sizes, affinity, round robin and the ideal
-engine. The figures come from the engines' own counters; the caches are reset between
-front ends, so the calls that share nothing with an earlier call of the run find
-nothing cached."""
+engine, the fleet's front ends run twice and pooled. The figures come from the engines'
+own counters; the caches are reset between front ends, so the calls that share nothing
+with an earlier call of the run find nothing cached."""
 
 from __future__ import annotations
 
@@ -13,7 +13,15 @@ import pytest
 from bench.harness.realvllm.home import Home
 from bench.harness.realvllm.models import CHAT
 from bench.harness.redis_server import redis_server_path
-from bench.suites.routing.real import AFFINITY, IDEAL, ROUND_ROBIN, STORE, RealOptions, run
+from bench.suites.routing.real import (
+    AFFINITY,
+    IDEAL,
+    ROUND_ROBIN,
+    STORE,
+    RealOptions,
+    pool,
+    run,
+)
 from bench.suites.routing.real_workloads import TINY
 
 pytestmark = pytest.mark.real_vllm
@@ -29,8 +37,14 @@ def test_smallest_run(real_home: Home, tmp_path: Path) -> None:
         chat_model=CHAT,
         # tiny-llama's own context (2,048 tokens).
         max_model_len=None,
+        # Each front end twice, the order rotated; the ideal engine once.
+        repeats=2,
     )
-    results = run(opts, tmp_path)
+    runs = run(opts, tmp_path)
+    fleet = [r.front for r in runs if r.front != IDEAL]
+    half = len(fleet) // 2
+    assert fleet[half:] == [*fleet[1:half], fleet[0]] and [r.front for r in runs].count(IDEAL) == 1
+    results = pool(runs)
     rows = {r.front: r for r in results}
     # "affinity" also names the hot_divisor row, which runs on the eviction workload only,
     # and the store's row, which runs where redis-server is installed (checked below
@@ -41,10 +55,11 @@ def test_smallest_run(real_home: Home, tmp_path: Path) -> None:
     for r in results:
         assert r.workload == "chat"
         assert r.errors == 0, r.first_error
-        assert r.calls == calls
+        assert r.calls == calls * r.runs and r.runs == (1 if r.front == IDEAL else 2)
+        assert len(r.ttfts_ms) == r.calls and len(r.run_p99_ms) == r.runs
         # vLLM's counters: every call queried the cache, and the shared system prompts hit.
         assert 0 < r.hit_rate < 1
-        assert sum(r.requests_per_engine) == calls
+        assert sum(r.requests_per_engine) == r.calls
         # Reset before each front end: the first call under each system prompt finds
         # nothing cached (the front end before left every system prompt cached).
         assert r.cold_cached == 0
