@@ -267,6 +267,11 @@ def test_repeated_runs_rotate_the_fronts_and_pool_into_one_row_each(tmp_path: Pa
     assert both.uncached_max_over_mean == 1.30 and both.uncached_per_engine == [40.0, 60.0]
     assert both.requests_per_engine == [12.0, 14.0] and both.nothing_cached == 7
     assert both.agreement == pytest.approx((10 * 1.0 + 30 * 0.5) / 40)
+    # A run whose engines' logs could not tell where its calls went counts for nothing.
+    blind = _row(AFFINITY, "chat", 0.9, 900.0, 1.10)
+    blind.follow_ups, blind.agreement = 50, None
+    blind.uncached_per_engine, blind.requests_per_engine = [1.0, 1.0], [1.0, 1.0]
+    assert pool([first, blind])[0].agreement == 1.0
     assert [(c.ttft_ms, c.run) for c in both.slowest] == [(1200.0, 1), (900.0, 0)]
     # Graded on the pooled p99 (900 ms), not on the runs' p99s (the second run's 300 ms
     # alone, or their mean of 600, would pass against cache_aware's 850).

@@ -274,8 +274,9 @@ def pool(results: Sequence[RealResult]) -> list[RealResult]:
     """One row per front end and workload, pooling its runs (in the order each pair
     first appears): the TTFT percentiles over every call of every run, hit rate, queries,
     uncached tokens, requests and calls summed, the balance of the worst run (a run is
-    what an engine lives through), follow-ups weighted by their count, the slowest calls
-    over all runs."""
+    what an engine lives through) and its cold calls' cached tokens, follow-ups on their
+    engine weighted by the runs' follow-ups (of the runs that could tell), the slowest
+    calls over all runs."""
     groups: dict[tuple[str, str], list[RealResult]] = {}
     for r in results:
         groups.setdefault((r.front, r.workload), []).append(r)
@@ -293,6 +294,7 @@ def pool(results: Sequence[RealResult]) -> list[RealResult]:
         seconds = [t / 1000 for t in ttfts]
         followed = sum(r.follow_ups for r in runs)
         agreed = [r for r in runs if r.agreement is not None]
+        judged = sum(r.follow_ups for r in agreed)
         colds = [r.cold_cached for r in runs]
         wholes = [r.nothing_cached for r in runs]
         pooled.append(
@@ -309,8 +311,8 @@ def pool(results: Sequence[RealResult]) -> list[RealResult]:
                 ttft_p50_ms=percentile(seconds, 50),
                 ttft_p99_ms=percentile(seconds, 99),
                 agreement=(
-                    sum((r.agreement or 0.0) * r.follow_ups for r in agreed) / followed
-                    if agreed and followed
+                    sum((r.agreement or 0.0) * r.follow_ups for r in agreed) / judged
+                    if judged
                     else None
                 ),
                 follow_ups=followed,
