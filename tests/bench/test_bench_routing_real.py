@@ -246,12 +246,12 @@ def test_repeated_runs_rotate_the_fronts_and_pool_into_one_row_each(tmp_path: Pa
     # Two runs of affinity, 100 calls each: a run's p99 is its second slowest call, the
     # pool's (200 calls) its third slowest.
     first = _row(AFFINITY, "chat", 0.9, 900.0, 1.10)
-    first.ttfts_ms = [100.0] * 98 + [900.0, 1000.0]
+    first.ttfts = [0.1] * 98 + [0.9, 1.0]
     first.uncached_per_engine, first.requests_per_engine = [10.0, 20.0], [5.0, 6.0]
     first.follow_ups, first.agreement, first.nothing_cached = 10, 1.0, 3
     first.slowest = [SlowCall(900.0, "conversation 0", 0, 0, 0, 1)]
     second = _row(AFFINITY, "chat", 0.7, 300.0, 1.30)
-    second.ttfts_ms = [200.0] * 98 + [300.0, 1200.0]
+    second.ttfts = [0.2] * 98 + [0.3, 1.2]
     second.uncached_per_engine, second.requests_per_engine = [30.0, 40.0], [7.0, 8.0]
     second.follow_ups, second.agreement, second.nothing_cached = 30, 0.5, 4
     second.slowest = [SlowCall(1200.0, "conversation 3", 5, 0, 0, 0, run=1)]

@@ -56,7 +56,7 @@ def test_smallest_run(real_home: Home, tmp_path: Path) -> None:
         assert r.workload == "chat"
         assert r.errors == 0, r.first_error
         assert r.calls == calls * r.runs and r.runs == (1 if r.front == IDEAL else 2)
-        assert len(r.ttfts_ms) == r.calls and len(r.run_p99_ms) == r.runs
+        assert len(r.ttfts) == r.calls and len(r.run_p99_ms) == r.runs
         # vLLM's counters: every call queried the cache, and the shared system prompts hit.
         assert 0 < r.hit_rate < 1
         assert sum(r.requests_per_engine) == r.calls

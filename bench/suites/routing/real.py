@@ -119,8 +119,8 @@ class RealResult:
     # Calls whose usage reports nothing cached: each prefilled its whole prompt (None:
     # no usage reported).
     nothing_cached: int | None = None
-    # Every call's time to first chunk, ms, in the order sent (what pooling reads).
-    ttfts_ms: list[float] = field(default_factory=list)
+    # Every call's time to first chunk, seconds, in the order sent (what pooling reads).
+    ttfts: list[float] = field(default_factory=list)
     # The runs this row pools (`pool`), and each one's TTFT p99 in ms.
     runs: int = 1
     run_p99_ms: list[float] = field(default_factory=list)
@@ -290,8 +290,7 @@ def pool(results: Sequence[RealResult]) -> list[RealResult]:
         first = runs[0]
         queries = sum(r.queries for r in runs)
         hits = sum(r.hit_rate * r.queries for r in runs)
-        ttfts = [t for r in runs for t in r.ttfts_ms]
-        seconds = [t / 1000 for t in ttfts]
+        ttfts = [t for r in runs for t in r.ttfts]
         followed = sum(r.follow_ups for r in runs)
         agreed = [r for r in runs if r.agreement is not None]
         judged = sum(r.follow_ups for r in agreed)
@@ -308,8 +307,8 @@ def pool(results: Sequence[RealResult]) -> list[RealResult]:
                 requests_per_engine=_summed([r.requests_per_engine for r in runs]),
                 uncached_max_over_mean=_worst([r.uncached_max_over_mean for r in runs]),
                 requests_max_over_mean=_worst([r.requests_max_over_mean for r in runs]),
-                ttft_p50_ms=percentile(seconds, 50),
-                ttft_p99_ms=percentile(seconds, 99),
+                ttft_p50_ms=percentile(ttfts, 50),
+                ttft_p99_ms=percentile(ttfts, 99),
                 agreement=(
                     sum((r.agreement or 0.0) * r.follow_ups for r in agreed) / judged
                     if judged
@@ -326,7 +325,7 @@ def pool(results: Sequence[RealResult]) -> list[RealResult]:
                     :SLOWEST
                 ],
                 nothing_cached=None if None in wholes else sum(w or 0 for w in wholes),
-                ttfts_ms=ttfts,
+                ttfts=ttfts,
                 runs=len(runs),
                 run_p99_ms=[r.ttft_p99_ms for r in runs if r.ttft_p99_ms is not None],
             )
@@ -409,7 +408,7 @@ def run_front(
             outcome.calls, outcome.ttft_by_id, outcome.cached, where, outcome.span_by_id
         ),
         nothing_cached=nothing_cached(outcome.cached),
-        ttfts_ms=[t * 1000 for t in outcome.ttft],
+        ttfts=list(outcome.ttft),
     )
     for call in result.slowest:
         call.run = repeat
