@@ -16,6 +16,7 @@ from bench.harness.realvllm.models import WORDS
 from bench.harness.redis_server import redis_server_path
 from bench.sim.cache import PrefixCache
 from bench.suites.report import Report
+from bench.suites.routing.engine_set import EngineSet, engine_dtype
 from bench.suites.routing.real import (
     AFFINITY,
     CACHE_AWARE,
@@ -164,6 +165,37 @@ def test_quick_option_takes_two_engines_and_the_quick_sizes() -> None:
     assert (opts.engines, opts.sizes, opts.seed, opts.workloads) == (2, QUICK, 7, ["chat"])
     opts, _ = parse_args(["--real-vllm"])
     assert (opts.engines, opts.sizes) == (3, FULL)
+
+
+_AVX2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n\nprocessor\t: 1\n"
+_AMX = "flags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+
+
+@pytest.mark.parametrize(
+    ("requested", "cpuinfo", "expected"),
+    [
+        ("auto", _AVX2, "float32"),
+        ("auto", _AMX, "bfloat16"),
+        ("auto", "flags\t\t: avx512f avx512_bf16\n", "bfloat16"),
+        # AVX-512 alone has no bfloat16 arithmetic.
+        ("auto", "flags\t\t: avx2 avx512f avx512bw\n", "float32"),
+        ("auto", "", "float32"),
+        ("bfloat16", _AVX2, "bfloat16"),
+        ("float32", _AMX, "float32"),
+    ],
+)
+def test_engines_compute_in_bfloat16_only_where_the_cpu_does_it_natively(
+    requested: str, cpuinfo: str, expected: str
+) -> None:
+    assert engine_dtype(requested, cpuinfo) == expected
+
+
+def test_dtype_option_reaches_the_engines_command_line() -> None:
+    opts, _ = parse_args(["--real-vllm", "--dtype", "bfloat16"])
+    assert opts.dtype == "bfloat16"
+    assert parse_args(["--real-vllm"])[0].dtype == "auto"
+    args = EngineSet("llama-big", 3, dtype=opts.dtype)._engine(0).args
+    assert args[args.index("--dtype") + 1] == "bfloat16"
 
 
 def test_percentile_and_balance() -> None:

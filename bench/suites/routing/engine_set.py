@@ -29,6 +29,34 @@ from bench.harness.server import ROOT
 
 # The CPU backend caches in blocks of 128 tokens.
 BLOCK_TOKENS = 128
+# CPU flags of native bfloat16 arithmetic. Without one, PyTorch computes bfloat16 on the
+# CPU about 30 times slower than float32 (docs/facts.md).
+BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def cpu_flags(cpuinfo: str) -> set[str]:
+    """The flags of /proc/cpuinfo's first processor (empty when it names none)."""
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features"):
+            return set(value.split())
+    return set()
+
+
+def engine_dtype(requested: str, cpuinfo: str | None = None) -> str:
+    """`requested`, or for "auto" bfloat16 where the CPU computes it natively and
+    float32 elsewhere."""
+    if requested != "auto":
+        return requested
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8") as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = ""
+    return "bfloat16" if cpu_flags(cpuinfo) & BF16_FLAGS else "float32"
+
+
 # vLLM's line per request with --enable-log-requests (vllm/v1/engine/async_llm.py):
 # "Added request chatcmpl-<X-Request-Id>-<8 hex>." (vllm/v1/engine/input_processor.py
 # appends the 8 hex digits).
@@ -68,6 +96,8 @@ class EngineSet:
     blocks: int | None = None
     ideal: bool = False
     max_model_len: int | None = 4096
+    # "auto": engine_dtype().
+    dtype: str = "auto"
     home: Home = field(default_factory=Home.default)
     engines: list[Engine] = field(default_factory=list)
 
@@ -82,7 +112,12 @@ class EngineSet:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.count)
         else:
             env.update({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"})
-        args = ["--dtype", "bfloat16", "--enable-log-requests", "--enable-prompt-tokens-details"]
+        args = [
+            "--dtype",
+            engine_dtype(self.dtype),
+            "--enable-log-requests",
+            "--enable-prompt-tokens-details",
+        ]
         if self.max_model_len is not None:
             args += ["--max-model-len", str(self.max_model_len)]
         if self.blocks is not None:

