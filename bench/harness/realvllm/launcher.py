@@ -300,15 +300,24 @@ def _kill(pids: Iterable[int]) -> None:
 
 def start_all(engines: Sequence[Engine], timeout: float = STARTUP_TIMEOUT) -> list[Engine]:
     """Start engines side by side (most of a start is imports, on any free core). If any
-    fails, the others are stopped too."""
-    with ThreadPoolExecutor(len(engines) or 1) as pool:
+    fails, or the caller is interrupted while they start (Ctrl-C, a test's time-out), every
+    one is stopped."""
+    pool = ThreadPoolExecutor(len(engines) or 1)
+    try:
         futures = [pool.submit(e.start, timeout) for e in engines]
-        errors = [f.exception() for f in futures]
-    failed = [e for e in errors if e is not None]
-    if failed:
+        failed = [error for error in (f.exception() for f in futures) if error is not None]
+        if failed:
+            raise failed[0]
+    except BaseException:
+        # Stopping a starting engine ends its wait at once; an engine whose process began
+        # after that stop is stopped once its start returns.
         for engine in engines:
             engine.stop()
-        raise failed[0]
+        pool.shutdown(wait=True)
+        for engine in engines:
+            engine.stop()
+        raise
+    pool.shutdown(wait=True)
     return list(engines)
 
 
