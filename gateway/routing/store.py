@@ -153,10 +153,30 @@ local e = nil
 if not chosen then
   found = 0
   local best = nil
+  local figures = {}
+  local done = 0
+  local measured = 0
   for i = first, last do
     local url = ARGV[i]
     local f = redis.call('HMGET', KEYS[2], 'r' .. url, 'c' .. url, 't' .. url)
-    local load = decayed(tau, f[1], f[3]) + decayed(tau, f[2], f[3]) + tonumber(ARGV[i + n])
+    figures[i] = f
+    done = done + decayed(tau, f[1], f[3])
+    measured = measured + tonumber(ARGV[i + 2 * n] or '0')
+  end
+  -- With the engines' recomputed tokens measured (and requests recorded to weigh them
+  -- by), the load is in tokens: each engine's own, plus its expected and current
+  -- requests at the choices' mean tokens per request.
+  local per = 0
+  if measured > 0 and done > 0 then per = measured / done end
+  for i = first, last do
+    local url = ARGV[i]
+    local f = figures[i]
+    local load
+    if per > 0 then
+      load = tonumber(ARGV[i + 2 * n]) + per * (decayed(tau, f[2], f[3]) + tonumber(ARGV[i + n]))
+    else
+      load = decayed(tau, f[1], f[3]) + decayed(tau, f[2], f[3]) + tonumber(ARGV[i + n])
+    end
     if best == nil or load < best then
       best = load
       chosen = url
@@ -244,6 +264,7 @@ class PlacementStore:
         key_digest: bytes | None,
         conversation: bytes | None,
         loads: Sequence[int],
+        recomputed: Sequence[float] | None = None,
     ) -> str | None:
         """The engine URL for `anchor`: the recorded engine of `conversation` (the
         request's first user message, when shorter anchors decided) when that is in
@@ -264,6 +285,7 @@ class PlacementStore:
         args = [self._ttl_ms, self._decay, self._engines_ttl_ms]
         args += [owner, self._bound, name, self._prefix, talk, str(len(choices)), *choices]
         args += [str(load) for load in loads]
+        args += [repr(float(t)) for t in recomputed or [0.0] * len(choices)]
         keys = [
             self._anchor_prefix + name,
             self._engines_key,
