@@ -104,6 +104,11 @@ class RecentTokens:
         self._value = self.value(now, tau) + grown
         self._counter, self._at = counter, now
 
+    @property
+    def known(self) -> bool:
+        """Whether a counter was read (an engine without one has no figure)."""
+        return self._counter is not None
+
     def value(self, now: float, tau: float) -> float:
         if self._value == 0.0:
             return 0.0

@@ -340,14 +340,14 @@ class Affinity:
         return ordered
 
 
-def recomputed_of(engines: Sequence[EngineView], tau: float) -> list[float]:
+def recomputed_of(engines: Sequence[EngineView], tau: float) -> list[float | None]:
     """Each engine's recently recomputed prompt tokens as its scrapes measured them
-    (engine_load.py, `RecentTokens`; 0 for an engine without the figure)."""
+    (engine_load.py, `RecentTokens`); None for an engine whose counters were never read."""
     now = time.monotonic()
-    found: list[float] = []
+    found: list[float | None] = []
     for e in engines:
         recent: RecentTokens | None = getattr(e, "recomputed", None)
-        found.append(0.0 if recent is None else recent.value(now, tau))
+        found.append(recent.value(now, tau) if recent is not None and recent.known else None)
     return found
 
 

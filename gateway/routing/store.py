@@ -156,18 +156,21 @@ if not chosen then
   local figures = {}
   local done = 0
   local measured = 0
+  local known = true
   for i = first, last do
     local url = ARGV[i]
     local f = redis.call('HMGET', KEYS[2], 'r' .. url, 'c' .. url, 't' .. url)
     figures[i] = f
     done = done + decayed(tau, f[1], f[3])
-    measured = measured + tonumber(ARGV[i + 2 * n] or '0')
+    local tokens = tonumber(ARGV[i + 2 * n] or '-1')
+    if tokens < 0 then known = false end
+    measured = measured + tokens
   end
-  -- With the engines' recomputed tokens measured (and requests recorded to weigh them
+  -- With every choice's recomputed tokens measured (and requests recorded to weigh them
   -- by), the load is in tokens: each engine's own, plus its expected and current
   -- requests at the choices' mean tokens per request.
   local per = 0
-  if measured > 0 and done > 0 then per = measured / done end
+  if known and measured > 0 and done > 0 then per = measured / done end
   for i = first, last do
     local url = ARGV[i]
     local f = figures[i]
@@ -264,7 +267,7 @@ class PlacementStore:
         key_digest: bytes | None,
         conversation: bytes | None,
         loads: Sequence[int],
-        recomputed: Sequence[float] | None = None,
+        recomputed: Sequence[float | None] | None = None,
     ) -> str | None:
         """The engine URL for `anchor`: the recorded engine of `conversation` (the
         request's first user message, when shorter anchors decided) when that is in
@@ -285,7 +288,9 @@ class PlacementStore:
         args = [self._ttl_ms, self._decay, self._engines_ttl_ms]
         args += [owner, self._bound, name, self._prefix, talk, str(len(choices)), *choices]
         args += [str(load) for load in loads]
-        args += [repr(float(t)) for t in recomputed or [0.0] * len(choices)]
+        # Unknown (never scraped, or not a vLLM): -1, and the load is in requests.
+        tokens = recomputed or [None] * len(choices)
+        args += ["-1" if t is None else f"{t:.17g}" for t in tokens]
         keys = [
             self._anchor_prefix + name,
             self._engines_key,
