@@ -297,7 +297,8 @@ class Affinity:
             request.key_digest,
             conversation_of(candidates, anchor),
             [load_of(e) for e in choices],
-            recomputed_of(choices, self._settings.store_decay),
+            # Under a hot prefix (its stretch), by requests: TRY8-G
+            recomputed_of(choices, self._settings.store_decay) if choices is ordered else None,
         )
         if url is not None and url != ordered[0].url:
             for i, e in enumerate(ordered):

@@ -152,6 +152,7 @@ local found = 1
 local e = nil
 if not chosen then
   found = 0
+  local best = nil
   local figures = {}
   local done = 0
   local measured = 0
@@ -165,35 +166,23 @@ if not chosen then
     if tokens < 0 then known = false end
     measured = measured + tokens
   end
-  local margin = 1
-  if anchors >= 1 then margin = math.max(1, requests / anchors) end
-  -- Each engine's expected load in requests; the least of it takes the anchor, ties by
-  -- order. With every choice's recomputed tokens measured (and requests recorded to
-  -- weigh them by), the engines within one new anchor's expected requests of the least
-  -- are compared by tokens instead: each one's own, plus its expected and current
+  -- With every choice's recomputed tokens measured (and requests recorded to weigh them
+  -- by), the load is in tokens: each engine's own, plus its expected and current
   -- requests at the choices' mean tokens per request.
   local per = 0
   if known and measured > 0 and done > 0 then per = measured / done end
-  local loads = {}
-  local least = nil
   for i = first, last do
+    local url = ARGV[i]
     local f = figures[i]
-    loads[i] = decayed(tau, f[1], f[3]) + decayed(tau, f[2], f[3]) + tonumber(ARGV[i + n])
-    if least == nil or loads[i] < least then least = loads[i] end
-  end
-  local best = nil
-  for i = first, last do
-    local f = figures[i]
-    local load = loads[i]
+    local load
     if per > 0 then
-      load = nil
-      if loads[i] <= least + margin then
-        load = tonumber(ARGV[i + 2 * n]) + per * (decayed(tau, f[2], f[3]) + tonumber(ARGV[i + n]))
-      end
+      load = tonumber(ARGV[i + 2 * n]) + per * (decayed(tau, f[2], f[3]) + tonumber(ARGV[i + n]))
+    else
+      load = decayed(tau, f[1], f[3]) + decayed(tau, f[2], f[3]) + tonumber(ARGV[i + n])
     end
-    if load ~= nil and (best == nil or load < best) then
+    if best == nil or load < best then
       best = load
-      chosen = ARGV[i]
+      chosen = url
       e = f
     end
   end
