@@ -297,8 +297,7 @@ class Affinity:
             request.key_digest,
             conversation_of(candidates, anchor),
             [load_of(e) for e in choices],
-            # Under a hot prefix (its stretch), by requests: TRY8-G
-            recomputed_of(choices, self._settings.store_decay) if choices is ordered else None,
+            recomputed_of(choices, self._settings.store_decay),
         )
         if url is not None and url != ordered[0].url:
             for i, e in enumerate(ordered):

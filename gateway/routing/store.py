@@ -176,7 +176,8 @@ if not chosen then
     local f = figures[i]
     local load
     if per > 0 then
-      load = tonumber(ARGV[i + 2 * n]) + per * (decayed(tau, f[2], f[3]) + tonumber(ARGV[i + n]))
+      load = (tonumber(ARGV[i + 2 * n]) + per * decayed(tau, f[1], f[3])) / 2
+        + per * (decayed(tau, f[2], f[3]) + tonumber(ARGV[i + n]))
     else
       load = decayed(tau, f[1], f[3]) + decayed(tau, f[2], f[3]) + tonumber(ARGV[i + n])
     end
