@@ -298,7 +298,6 @@ class Affinity:
             conversation_of(candidates, anchor),
             [load_of(e) for e in choices],
             recomputed_of(choices, self._settings.store_decay),
-            hot_prefix(candidates, anchor) if choices is not ordered else None,  # TRY8-H
         )
         if url is not None and url != ordered[0].url:
             for i, e in enumerate(ordered):
@@ -350,14 +349,6 @@ def recomputed_of(engines: Sequence[EngineView], tau: float) -> list[float | Non
         recent: RecentTokens | None = getattr(e, "recomputed", None)
         found.append(recent.value(now, tau) if recent is not None and recent.known else None)
     return found
-
-
-def hot_prefix(candidates: Sequence[Anchor], anchor: Anchor) -> bytes | None:
-    """The digest of the hot candidate `anchor` follows (its stretch decided)."""
-    for i, candidate in enumerate(candidates):
-        if candidate is anchor:
-            return candidates[i - 1].digest if i else None
-    return None
 
 
 def conversation_of(candidates: Sequence[Anchor], anchor: Anchor) -> bytes | None:

@@ -117,13 +117,7 @@ local function touch(name, placer)
     redis.call('ZADD', KEYS[3], now, name)
   end
 end
-local spread = #KEYS >= 5
 local function count(url, e, engine_credit, requests, anchors)
-  if spread then
-    -- The engines that took a request under the request's hot prefix (hold a copy).
-    redis.call('HSET', KEYS[5], url, now)
-    redis.call('PEXPIRE', KEYS[5], ARGV[1])
-  end
   redis.call('HSET', KEYS[2],
     'r' .. url, decayed(tau, e[1], e[3]) + 1, 'c' .. url, engine_credit, 't' .. url, now,
     'R', requests + 1, 'A', anchors, 'T', now)
@@ -177,22 +171,27 @@ if not chosen then
   -- requests at the choices' mean tokens per request.
   local per = 0
   if known and measured > 0 and done > 0 then per = measured / done end
-  -- Under a hot prefix, an engine without a copy of it is charged one new anchor's
-  -- expected tokens: the engine holding it counts its cold prefill, which a new anchor
-  -- there does not repeat.
-  local copy = 1
-  if anchors >= 1 then copy = math.max(1, requests / anchors) end
+  local requested = {}
+  local cap = 0
+  for i = first, last do
+    local f = figures[i]
+    requested[i] = decayed(tau, f[1], f[3]) + decayed(tau, f[2], f[3]) + tonumber(ARGV[i + n])
+    cap = cap + requested[i]
+  end
+  -- By tokens, but never on an engine expecting more than 1.1 times the choices' mean
+  -- requests (plus one).
+  cap = 1.1 * cap / n + 1
   for i = first, last do
     local url = ARGV[i]
     local f = figures[i]
-    local load
+    local load = requested[i]
     if per > 0 then
-      load = tonumber(ARGV[i + 2 * n]) + per * (decayed(tau, f[2], f[3]) + tonumber(ARGV[i + n]))
-      if spread and redis.call('HEXISTS', KEYS[5], url) == 0 then load = load + per * copy end
-    else
-      load = decayed(tau, f[1], f[3]) + decayed(tau, f[2], f[3]) + tonumber(ARGV[i + n])
+      load = nil
+      if requested[i] <= cap then
+        load = tonumber(ARGV[i + 2 * n]) + per * (decayed(tau, f[2], f[3]) + tonumber(ARGV[i + n]))
+      end
     end
-    if best == nil or load < best then
+    if load ~= nil and (best == nil or load < best) then
       best = load
       chosen = url
       e = f
@@ -280,7 +279,6 @@ class PlacementStore:
         conversation: bytes | None,
         loads: Sequence[int],
         recomputed: Sequence[float | None] | None = None,
-        prefix: bytes | None = None,
     ) -> str | None:
         """The engine URL for `anchor`: the recorded engine of `conversation` (the
         request's first user message, when shorter anchors decided) when that is in
@@ -310,8 +308,6 @@ class PlacementStore:
             f"{self._prefix}k:{owner}:anchors",
             self._anchor_prefix + talk,
         ]
-        if prefix is not None:
-            keys.append(f"{self._prefix}h:{prefix.hex()}")
 
         async def call() -> tuple[str, bool]:
             url, found, dropped = await self._script(keys=keys, args=args)
