@@ -171,27 +171,20 @@ if not chosen then
   -- requests at the choices' mean tokens per request.
   local per = 0
   if known and measured > 0 and done > 0 then per = measured / done end
-  local requested = {}
-  local cap = 0
-  for i = first, last do
-    local f = figures[i]
-    requested[i] = decayed(tau, f[1], f[3]) + decayed(tau, f[2], f[3]) + tonumber(ARGV[i + n])
-    cap = cap + requested[i]
-  end
-  -- By tokens, but never on an engine expecting more than 1.1 times the choices' mean
-  -- requests (plus one).
-  cap = 1.1 * cap / n + 1
   for i = first, last do
     local url = ARGV[i]
     local f = figures[i]
-    local load = requested[i]
+    local load
     if per > 0 then
-      load = nil
-      if requested[i] <= cap then
-        load = tonumber(ARGV[i + 2 * n]) + per * (decayed(tau, f[2], f[3]) + tonumber(ARGV[i + n]))
-      end
+      local own = tonumber(ARGV[i + 2 * n])
+      local asked = decayed(tau, f[1], f[3])
+      local cost = per
+      if asked >= 1 then cost = own / asked end
+      load = own + cost * (decayed(tau, f[2], f[3]) + tonumber(ARGV[i + n]))
+    else
+      load = decayed(tau, f[1], f[3]) + decayed(tau, f[2], f[3]) + tonumber(ARGV[i + n])
     end
-    if load ~= nil and (best == nil or load < best) then
+    if best == nil or load < best then
       best = load
       chosen = url
       e = f
