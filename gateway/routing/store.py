@@ -2,18 +2,22 @@
 
 Without it, affinity is stateless (policy.py): every replica hashes an anchor to the
 same engine, and the spread of a few dozen anchors over the engines is the luck of the
-hash (docs/routing.md, "The offline replay", Balance). With `store_url` set, a
-new anchor goes to the engine with the lowest expected load among the engines the
-stateless rule would choose from (the hot-prefix spread is kept), ties by rendezvous
-order: its recent requests, plus the requests its anchors are still expected to bring,
-decaying with `store_decay` seconds (both recorded in the store), plus its requests now
-(so a new prompt's first prefill does not meet another request while an engine it may
-go to is idle). Every replica and worker then reads that placement while its engine is
-still one of those. A placement never takes a request outside them: when a hot prompt's
-stretch of engines moves (policy.py), the conversations left outside it are placed anew
-inside it, as the stateless rule would move them, so no engine keeps a prompt's copy for
-a few stray conversations (under eviction those re-read the prompt on every turn;
-docs/routing.md, "The store keeps to the stretch").
+hash (docs/routing.md, "The offline replay", Balance). With `store_url` set, a new
+anchor goes to the engine with the lowest expected load among the engines the stateless
+rule would choose from (the hot-prefix spread is kept), ties by rendezvous order: its
+recent requests, plus the requests its anchors are still expected to bring, decaying
+with `store_decay` seconds (both recorded in the store), plus its requests now (so a new
+prompt's first prefill does not meet another request while an engine it may go to is
+idle). When every engine it may go to reports its prefix cache's counters
+(engine_load.py), that load is in tokens instead: the tokens each engine recomputed
+lately, as measured (a template's cold prefill, partial blocks and evictions included),
+plus its expected and current requests at the mean tokens per request. Every replica and
+worker then reads that placement while its engine is still one of those. A placement
+never takes a request outside them: when a hot prompt's stretch of engines moves
+(policy.py), the conversations left outside it are placed anew inside it, as the
+stateless rule would move them, so no engine keeps a prompt's copy for a few stray
+conversations (under eviction those re-read the prompt on every turn; docs/routing.md,
+"The store keeps to the stretch").
 
 One round trip per request: a Lua script, atomic on the Redis server, so concurrent
 replicas cannot record two placements for one anchor (the first script to run records
@@ -64,8 +68,9 @@ from gateway.store.client import StoreClient
 # hash TTL (ms), the key's digest (hex), the anchors a key may hold, the anchor's digest
 # (hex), the store's prefix with its colon, the conversation's digest (hex), the number
 # n of engines the request may go to, their n URLs best (rendezvous) first, then their
-# n loads now. Returns the engine's URL, 1 if the placement was read (0 if made here),
-# and the number of the key's anchors deleted for the bound.
+# n loads now, then their n recently recomputed tokens (-1: not measured). Returns the
+# engine's URL, 1 if the placement was read (0 if made here), and the number of the
+# key's anchors deleted for the bound.
 #
 # An engine's expected load is its recent requests plus the credit of its anchors,
 # both decaying with the time constant, plus its requests now (running and waiting as
@@ -75,7 +80,12 @@ from gateway.store.client import StoreClient
 # conversations would be placed by their first turns alone, before the later turns that
 # make most of their load; without the load now, a new anchor's first prefill (the
 # whole prompt, uncached) could meet another request on one engine while another
-# engine it may go to is idle.
+# engine it may go to is idle. Requests are not the work, though: a new template's
+# first request prefills all of it, a question under it only its own part. So when
+# every engine the request may go to has measured its recomputed tokens (each replica
+# reads the same engine counters, decayed with the same constant), the load is in
+# tokens: the engine's measured tokens, plus its credit and requests now at the
+# choices' measured tokens per recorded request.
 #
 # Each anchor belongs to the key that placed it (its field `k`, kept while the anchor
 # lives): that key's set holds it, scored by its last use by any key, so another key's
@@ -176,11 +186,7 @@ if not chosen then
     local f = figures[i]
     local load
     if per > 0 then
-      local own = tonumber(ARGV[i + 2 * n])
-      local asked = decayed(tau, f[1], f[3])
-      local cost = per
-      if asked >= 1 then cost = own / asked end
-      load = own + cost * (decayed(tau, f[2], f[3]) + tonumber(ARGV[i + n]))
+      load = tonumber(ARGV[i + 2 * n]) + per * (decayed(tau, f[2], f[3]) + tonumber(ARGV[i + n]))
     else
       load = decayed(tau, f[1], f[3]) + decayed(tau, f[2], f[3]) + tonumber(ARGV[i + n])
     end
@@ -277,10 +283,11 @@ class PlacementStore:
         request's first user message, when shorter anchors decided) when that is in
         `choices` (the engines the request may go to, best first); else the anchor's
         recorded engine when that is; else the least busy of `choices` (by what the store
-        recorded plus `loads`, each choice's requests now), recorded. A new placement is
-        recorded for the conversation too, and counted among the anchors of the key of
-        `key_digest` (requests without a key count as one key). None: the store is
-        unavailable, decide without it."""
+        recorded plus `loads`, each choice's requests now; in tokens when `recomputed` gives
+        every choice's recently recomputed tokens, None where not measured), recorded. A
+        new placement is recorded for the conversation too, and counted among the anchors
+        of the key of `key_digest` (requests without a key count as one key). None: the
+        store is unavailable, decide without it."""
         if not self.client.usable():
             self.fallback += 1
             return None
