@@ -193,6 +193,8 @@ class EngineChecks:
             load.kv_cache_usage,
         )
         engine.scraped = True
+        if load.recomputed is not None:
+            engine.recomputed.observe(load.recomputed, time.monotonic(), self._settings.store_decay)
 
 
 def judge(engine: Engine, verdict: Verdict | None) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from urllib.parse import urlsplit, urlunsplit
 
+from gateway.routing.engine_load import RecentTokens
 from gateway.routing.health import NOT_CHECKED, Verdict
 from gateway.routing.model_list import ModelList
 from gateway.upstream.origin import Origin
@@ -36,6 +37,7 @@ class Engine:
         "origin",
         "public_url",
         "reason",
+        "recomputed",
         "running",
         "scraped",
         "since",
@@ -63,6 +65,9 @@ class Engine:
         self.kv_cache_usage = 0.0
         # True once `running`, `waiting` and `kv_cache_usage` come from a scrape.
         self.scraped = False
+        # The prompt tokens it recomputed lately, from its scraped prefix-cache counters
+        # (the shared store places new anchors by them).
+        self.recomputed = RecentTokens()
         self.listing = ModelList()
         # When the models were last read; 0: never (the engine cannot be healthy yet).
         self.models_at = 0.0

@@ -1,7 +1,7 @@
 """Reading an engine's own load from its Prometheus text (`GET /metrics`).
 
-Only three gauges are read, by a byte scan instead of a full exposition parser: vLLM's
-/metrics carries every histogram bucket of every model (tens of kilobytes), and this
+Only three gauges and two counters are read, by a byte scan instead of a full exposition
+parser: vLLM's /metrics carries every histogram bucket of every model (tens of kilobytes), and this
 runs on the event loop that forwards requests.
 """
 
@@ -13,9 +13,16 @@ from typing import NamedTuple
 RUNNING = b"vllm:num_requests_running"
 WAITING = b"vllm:num_requests_waiting"
 KV_USAGE = b"vllm:kv_cache_usage_perc"
+# Prompt tokens looked up in the prefix cache, and those found: cumulative counters,
+# their difference the tokens the engine prefilled (recomputed), partial blocks and
+# evicted ones included.
+QUERIES = b"vllm:prefix_cache_queries_total"
+HITS = b"vllm:prefix_cache_hits_total"
 # The most requests a count is read as: finite samples can add up past a float's range
 # (two of 1e308), and no engine holds more.
 MAX_REQUESTS = 1_000_000
+# Likewise the most tokens a counter is read as.
+MAX_TOKENS = 1e15
 
 
 class EngineLoad(NamedTuple):
@@ -26,6 +33,9 @@ class EngineLoad(NamedTuple):
     kv_cache_usage: float
     # Requests in the engine's running batch, from every replica (summed likewise).
     running: int = 0
+    # Prompt tokens the engine has recomputed since it started (its prefix cache's
+    # queries less its hits, summed over label sets); None when it does not say.
+    recomputed: float | None = None
 
 
 def _samples(text: bytes, name: bytes) -> list[float]:
@@ -59,8 +69,47 @@ def parse_load(text: bytes) -> EngineLoad | None:
     running = _samples(text, RUNNING)
     if not waiting and not usage and not running:
         return None
+    queries = _samples(text, QUERIES)
+    hits = _samples(text, HITS)
+    recomputed = None
+    if queries:
+        recomputed = min(max(0.0, sum(queries) - sum(hits)), MAX_TOKENS)
     return EngineLoad(
         int(min(sum(waiting), MAX_REQUESTS)),
         min(max(usage, default=0.0), 1.0),
         int(min(sum(running), MAX_REQUESTS)),
+        recomputed,
     )
+
+
+class RecentTokens:
+    """An engine's recently recomputed prompt tokens: the increments of its cumulative
+    counter (`EngineLoad.recomputed`), each decaying with time constant `tau` seconds
+    from when it was read (the shared store's `store_decay`). The first reading is the
+    baseline: an engine's history before this process saw it counts nothing. A counter
+    that goes back (the engine restarted) counts from zero."""
+
+    __slots__ = ("_at", "_counter", "_value")
+
+    def __init__(self) -> None:
+        self._counter: float | None = None
+        self._value = 0.0
+        self._at = 0.0
+
+    def observe(self, counter: float, now: float, tau: float) -> None:
+        if self._counter is None:
+            self._counter, self._at = counter, now
+            return
+        grown = counter - self._counter if counter >= self._counter else counter
+        self._value = self.value(now, tau) + grown
+        self._counter, self._at = counter, now
+
+    @property
+    def known(self) -> bool:
+        """Whether a counter was read (an engine without one has no figure)."""
+        return self._counter is not None
+
+    def value(self, now: float, tau: float) -> float:
+        if self._value == 0.0:
+            return 0.0
+        return self._value * math.exp(-max(0.0, now - self._at) / tau)

@@ -13,11 +13,13 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from gateway.routing.anchors import Anchor, AnchorKind, candidate_anchors, session_anchor
+from gateway.routing.engine_load import RecentTokens
 from gateway.routing.hotspots import HotCandidates
 from gateway.routing.rendezvous import (
     first_within_bound,
@@ -295,6 +297,7 @@ class Affinity:
             request.key_digest,
             conversation_of(candidates, anchor),
             [load_of(e) for e in choices],
+            recomputed_of(choices, self._settings.store_decay),
         )
         if url is not None and url != ordered[0].url:
             for i, e in enumerate(ordered):
@@ -335,6 +338,17 @@ class Affinity:
             ordered.insert(0, ordered.pop(index))
             request.spilled = True
         return ordered
+
+
+def recomputed_of(engines: Sequence[EngineView], tau: float) -> list[float | None]:
+    """Each engine's recently recomputed prompt tokens as its scrapes measured them
+    (engine_load.py, `RecentTokens`); None for an engine whose counters were never read."""
+    now = time.monotonic()
+    found: list[float | None] = []
+    for e in engines:
+        recent: RecentTokens | None = getattr(e, "recomputed", None)
+        found.append(recent.value(now, tau) if recent is not None and recent.known else None)
+    return found
 
 
 def conversation_of(candidates: Sequence[Anchor], anchor: Anchor) -> bytes | None:

@@ -2,18 +2,22 @@
 
 Without it, affinity is stateless (policy.py): every replica hashes an anchor to the
 same engine, and the spread of a few dozen anchors over the engines is the luck of the
-hash (docs/routing.md, "The offline replay", Balance). With `store_url` set, a
-new anchor goes to the engine with the lowest expected load among the engines the
-stateless rule would choose from (the hot-prefix spread is kept), ties by rendezvous
-order: its recent requests, plus the requests its anchors are still expected to bring,
-decaying with `store_decay` seconds (both recorded in the store), plus its requests now
-(so a new prompt's first prefill does not meet another request while an engine it may
-go to is idle). Every replica and worker then reads that placement while its engine is
-still one of those. A placement never takes a request outside them: when a hot prompt's
-stretch of engines moves (policy.py), the conversations left outside it are placed anew
-inside it, as the stateless rule would move them, so no engine keeps a prompt's copy for
-a few stray conversations (under eviction those re-read the prompt on every turn;
-docs/routing.md, "The store keeps to the stretch").
+hash (docs/routing.md, "The offline replay", Balance). With `store_url` set, a new
+anchor goes to the engine with the lowest expected load among the engines the stateless
+rule would choose from (the hot-prefix spread is kept), ties by rendezvous order: its
+recent requests, plus the requests its anchors are still expected to bring, decaying
+with `store_decay` seconds (both recorded in the store), plus its requests now (so a new
+prompt's first prefill does not meet another request while an engine it may go to is
+idle). When every engine it may go to reports its prefix cache's counters
+(engine_load.py), that load is in tokens instead: the tokens each engine recomputed
+lately, as measured (a template's cold prefill, partial blocks and evictions included),
+plus its expected and current requests at the mean tokens per request. Every replica and
+worker then reads that placement while its engine is still one of those. A placement
+never takes a request outside them: when a hot prompt's stretch of engines moves
+(policy.py), the conversations left outside it are placed anew inside it, as the
+stateless rule would move them, so no engine keeps a prompt's copy for a few stray
+conversations (under eviction those re-read the prompt on every turn; docs/routing.md,
+"The store keeps to the stretch").
 
 One round trip per request: a Lua script, atomic on the Redis server, so concurrent
 replicas cannot record two placements for one anchor (the first script to run records
@@ -64,8 +68,9 @@ from gateway.store.client import StoreClient
 # hash TTL (ms), the key's digest (hex), the anchors a key may hold, the anchor's digest
 # (hex), the store's prefix with its colon, the conversation's digest (hex), the number
 # n of engines the request may go to, their n URLs best (rendezvous) first, then their
-# n loads now. Returns the engine's URL, 1 if the placement was read (0 if made here),
-# and the number of the key's anchors deleted for the bound.
+# n loads now, then their n recently recomputed tokens (-1: not measured). Returns the
+# engine's URL, 1 if the placement was read (0 if made here), and the number of the
+# key's anchors deleted for the bound.
 #
 # An engine's expected load is its recent requests plus the credit of its anchors,
 # both decaying with the time constant, plus its requests now (running and waiting as
@@ -75,7 +80,12 @@ from gateway.store.client import StoreClient
 # conversations would be placed by their first turns alone, before the later turns that
 # make most of their load; without the load now, a new anchor's first prefill (the
 # whole prompt, uncached) could meet another request on one engine while another
-# engine it may go to is idle.
+# engine it may go to is idle. Requests are not the work, though: a new template's
+# first request prefills all of it, a question under it only its own part. So when
+# every engine the request may go to has measured its recomputed tokens (each replica
+# reads the same engine counters, decayed with the same constant), the load is in
+# tokens: the engine's measured tokens, plus its credit and requests now at the
+# choices' measured tokens per recorded request.
 #
 # Each anchor belongs to the key that placed it (its field `k`, kept while the anchor
 # lives): that key's set holds it, scored by its last use by any key, so another key's
@@ -153,10 +163,33 @@ local e = nil
 if not chosen then
   found = 0
   local best = nil
+  local figures = {}
+  local done = 0
+  local measured = 0
+  local known = true
   for i = first, last do
     local url = ARGV[i]
     local f = redis.call('HMGET', KEYS[2], 'r' .. url, 'c' .. url, 't' .. url)
-    local load = decayed(tau, f[1], f[3]) + decayed(tau, f[2], f[3]) + tonumber(ARGV[i + n])
+    figures[i] = f
+    done = done + decayed(tau, f[1], f[3])
+    local tokens = tonumber(ARGV[i + 2 * n] or '-1')
+    if tokens < 0 then known = false end
+    measured = measured + tokens
+  end
+  -- With every choice's recomputed tokens measured (and requests recorded to weigh them
+  -- by), the load is in tokens: each engine's own, plus its expected and current
+  -- requests at the choices' mean tokens per request.
+  local per = 0
+  if known and measured > 0 and done > 0 then per = measured / done end
+  for i = first, last do
+    local url = ARGV[i]
+    local f = figures[i]
+    local load
+    if per > 0 then
+      load = tonumber(ARGV[i + 2 * n]) + per * (decayed(tau, f[2], f[3]) + tonumber(ARGV[i + n]))
+    else
+      load = decayed(tau, f[1], f[3]) + decayed(tau, f[2], f[3]) + tonumber(ARGV[i + n])
+    end
     if best == nil or load < best then
       best = load
       chosen = url
@@ -244,15 +277,17 @@ class PlacementStore:
         key_digest: bytes | None,
         conversation: bytes | None,
         loads: Sequence[int],
+        recomputed: Sequence[float | None] | None = None,
     ) -> str | None:
         """The engine URL for `anchor`: the recorded engine of `conversation` (the
         request's first user message, when shorter anchors decided) when that is in
         `choices` (the engines the request may go to, best first); else the anchor's
         recorded engine when that is; else the least busy of `choices` (by what the store
-        recorded plus `loads`, each choice's requests now), recorded. A new placement is
-        recorded for the conversation too, and counted among the anchors of the key of
-        `key_digest` (requests without a key count as one key). None: the store is
-        unavailable, decide without it."""
+        recorded plus `loads`, each choice's requests now; in tokens when `recomputed` gives
+        every choice's recently recomputed tokens, None where not measured), recorded. A
+        new placement is recorded for the conversation too, and counted among the anchors
+        of the key of `key_digest` (requests without a key count as one key). None: the
+        store is unavailable, decide without it."""
         if not self.client.usable():
             self.fallback += 1
             return None
@@ -264,6 +299,9 @@ class PlacementStore:
         args = [self._ttl_ms, self._decay, self._engines_ttl_ms]
         args += [owner, self._bound, name, self._prefix, talk, str(len(choices)), *choices]
         args += [str(load) for load in loads]
+        # Unknown (never scraped, or not a vLLM): -1, and the load is in requests.
+        tokens = recomputed or [None] * len(choices)
+        args += ["-1" if t is None else f"{t:.17g}" for t in tokens]
         keys = [
             self._anchor_prefix + name,
             self._engines_key,

@@ -8,6 +8,7 @@ left out of the fast suite like the real-engine tier, never skipped silently.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -519,3 +520,34 @@ def test_a_new_anchor_goes_to_an_engine_idle_now(tmp: Path, redis: RedisServer) 
             assert where[f"{run}-new-1"] == where[f"{run}-new-0"]
         finally:
             gateway.stop()
+
+
+def test_a_new_anchor_goes_where_the_engines_recomputed_least(redis: RedisServer) -> None:
+    """With every choice's recomputed tokens measured (its scraped prefix-cache counters),
+    a new anchor's engine is chosen by tokens: each engine's own, plus its expected
+    requests at the choices' mean tokens per request. Engine `b` took three requests and
+    `a` one, but `a`'s was a long cold prefill: a new anchor goes to `b`. By requests
+    alone (the code before, or any choice unmeasured) it goes to `a`."""
+    from gateway.routing.settings import RoutingSettings
+    from gateway.routing.store import PlacementStore
+    from gateway.store.client import StoreClient
+
+    a, b = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
+
+    async def scenario(tokens: list[float | None] | None) -> str | None:
+        client = StoreClient(
+            store_url(redis), prefix=f"test-{uuid.uuid4().hex[:8]}", timeout=5.0, retry=1.0
+        )
+        store = PlacementStore(client, RoutingSettings())
+        try:
+            # Each anchor's only choice: one request on `a`, three on `b`.
+            for i, url in enumerate([a, b, b, b]):
+                assert await store.place(bytes([i]) * 16, [url], None, None, [0]) == url
+            return await store.place(b"n" * 16, [a, b], None, None, [0, 0], tokens)
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(scenario([9000.0, 1200.0])) == b
+    assert asyncio.run(scenario([9000.0, None])) == a
+    assert asyncio.run(scenario([0.0, 0.0])) == a
+    assert asyncio.run(scenario(None)) == a

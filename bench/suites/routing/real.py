@@ -522,6 +522,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[RealOptions, argparse.Namesp
                    help="no engines: the text workloads routed in-process over many URL draws"
                    " (real_offline.py)")  # fmt: skip
     p.add_argument("--draws", type=int, default=16, help="URL draws with --offline")
+    p.add_argument("--scrape-every", type=int, default=1,
+                   help="with --offline, the engines' prefix-cache counters reach the policy"
+                   " after every N requests")  # fmt: skip
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of each front end on each workload, pooled")  # fmt: skip
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
@@ -530,6 +533,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[RealOptions, argparse.Namesp
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
+    if args.scrape_every < 1:
+        p.error("--scrape-every must be at least 1")
     opts = RealOptions(
         engines=args.engines or (2 if args.quick else 3),
         sizes=QUICK if args.quick else FULL,
@@ -589,6 +594,7 @@ def offline_main(opts: RealOptions, args: argparse.Namespace) -> int:
         engines=opts.engines,
         evict_tokens_per_engine=opts.evict_tokens,
         draws=args.draws,
+        scrape_every=args.scrape_every,
         seed=opts.seed,
         commit=commit(),
     )
@@ -596,7 +602,7 @@ def offline_main(opts: RealOptions, args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-routing-offline-") as tmp:
         rows = run_offline(
             opts.sizes, opts.seed, opts.engines, opts.evict_tokens, args.draws, Path(tmp),
-            workloads,
+            workloads, opts.fronts, args.scrape_every,
         )  # fmt: skip
     if not any(r.front == STORE for r in rows):
         report.note("redis-server is not installed: no rows with the store")

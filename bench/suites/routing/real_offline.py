@@ -30,11 +30,12 @@ import asyncio
 import random
 import statistics
 import sys
+import time
 import uuid
 from collections import Counter
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ from bench.suites.routing.real import STORE, max_over_mean
 from bench.suites.routing.real_report import BALANCE
 from bench.suites.routing.real_workloads import EVICTION, Sizes, build
 from bench.suites.routing.workloads import interleave
+from gateway.routing.engine_load import RecentTokens
 
 BLOCK = 128
 WORKLOADS = ("chat", "few_shot", EVICTION)
@@ -69,6 +71,9 @@ def prompt_blocks(
 class _Engine:
     url: str
     in_flight: int = 0
+    # Its recently recomputed tokens, fed from the modelled prefix-cache counters as a
+    # scrape of its /metrics would (gateway/routing/engine_load.py).
+    recomputed: RecentTokens = field(default_factory=RecentTokens)
 
 
 @dataclass
@@ -107,6 +112,7 @@ async def _replay(
     draw: int,
     replicas: int,
     store_url: str | None,
+    scrape_every: int = 1,
 ) -> Draw:
     from gateway.routing.policy import Affinity, RoutingRequest
     from gateway.routing.settings import RoutingSettings
@@ -130,8 +136,18 @@ async def _replay(
     uncached: Counter[str] = Counter()
     requests: Counter[str] = Counter()
     last: dict[str, str] = {}
+    tau = settings.store_decay
+
+    def scrape() -> None:
+        # Each engine's counters as its /metrics would show them: queries less hits is
+        # its uncached tokens so far.
+        now = time.monotonic()
+        for e in pool:
+            e.recomputed.observe(float(uncached[e.url]), now, tau)
+
+    scrape()
     try:
-        for key, body, held, length in calls:
+        for n, (key, body, held, length) in enumerate(calls, 1):
             gateway = gateways[pick.randrange(replicas)]
             request = RoutingRequest("/v1/chat/completions", body=body)
             if engines == 1:
@@ -144,6 +160,8 @@ async def _replay(
             cold += hit == 0
             uncached[url] += length - hit
             requests[url] += 1
+            if n % scrape_every == 0:
+                scrape()
             if key is not None:
                 if key in last:
                     follow_ups += 1
@@ -169,9 +187,14 @@ def run_offline(
     draws: int,
     workdir: Path,
     workloads: Sequence[str] = WORKLOADS,
+    fronts: Sequence[str] = (),
+    scrape_every: int = 1,
 ) -> list[OfflineRow]:
-    """Every workload through the ideal engine and each affinity front end, `draws` times
-    (the store's rows when redis-server is installed)."""
+    """Every workload through the ideal engine and each affinity front end (those whose
+    name starts with one of `fronts`, when given), `draws` times (the store's rows when
+    redis-server is installed). The engines' prefix-cache counters reach the policy
+    after every `scrape_every` requests (a live gateway scrapes them every
+    `load_interval` seconds)."""
     rows = []
     with ExitStack() as stack:
         store_url = None
@@ -189,11 +212,15 @@ def run_offline(
             ideal = capacity * engines if capacity is not None else None
             one = asyncio.run(_replay(calls, 1, ideal, 0, 1, None))
             rows.append(OfflineRow(name, "ideal", 1, [one]))
-            fronts = [("affinity", None)] + ([(STORE, store_url)] if store_url else [])
-            for front, url in fronts:
+            chosen = [("affinity", None)] + ([(STORE, store_url)] if store_url else [])
+            for front, url in chosen:
+                if fronts and not any(front.startswith(f) for f in fronts):
+                    continue
                 for replicas in REPLICAS:
                     found = [
-                        asyncio.run(_replay(calls, engines, capacity, d, replicas, url))
+                        asyncio.run(
+                            _replay(calls, engines, capacity, d, replicas, url, scrape_every)
+                        )
                         for d in range(draws)
                     ]
                     rows.append(OfflineRow(name, front, replicas, found))

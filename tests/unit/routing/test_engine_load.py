@@ -3,10 +3,12 @@ load the pool reads from it."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from gateway.routing.engine import Engine
-from gateway.routing.engine_load import EngineLoad, parse_load
+from gateway.routing.engine_load import EngineLoad, RecentTokens, parse_load
 
 
 @pytest.mark.parametrize(
@@ -69,3 +71,56 @@ def test_engine_load_is_what_the_engine_reports(
         in_flight, running, waiting, scraped
     )  # fmt: skip
     assert engine.load == load
+
+
+@pytest.mark.parametrize(
+    ("text", "recomputed"),
+    [
+        # vLLM's prefix-cache counters: queries less hits, summed over label sets.
+        (
+            b'vllm:num_requests_running 0\nvllm:prefix_cache_queries_total{engine="0"} 900\n'
+            b'vllm:prefix_cache_hits_total{engine="0"} 600\n'
+            b'vllm:prefix_cache_queries_total{engine="1"} 100\n',
+            400.0,
+        ),
+        # The counters' `_created` companions and HELP lines are not samples.
+        (
+            b"# HELP vllm:prefix_cache_queries_total 9\nvllm:num_requests_waiting 0\n"
+            b"vllm:prefix_cache_queries_created 1700000000\nvllm:prefix_cache_queries_total 50\n"
+            b"vllm:prefix_cache_hits_total 20",
+            30.0,
+        ),
+        (b"vllm:num_requests_waiting 1", None),  # no counters: not measured
+        # Hits past queries (a torn read across label sets) is nothing recomputed.
+        (
+            b"vllm:num_requests_waiting 0\nvllm:prefix_cache_queries_total 5\n"
+            b"vllm:prefix_cache_hits_total 9",
+            0.0,
+        ),
+    ],
+)
+def test_recomputed_tokens_are_the_prefix_caches_queries_less_hits(
+    text: bytes, recomputed: float | None
+) -> None:
+    load = parse_load(text)
+    assert load is not None
+    assert load.recomputed == recomputed
+
+
+def test_recent_tokens_count_the_counters_growth_decaying() -> None:
+    """The first reading is a baseline (an engine's history before this process saw it
+    counts nothing); later growth adds, decaying with the time constant; a counter that
+    goes back (the engine restarted) counts from zero."""
+    recent = RecentTokens()
+    assert not recent.known
+    assert recent.value(0.0, 10.0) == 0.0
+    recent.observe(5000.0, 0.0, 10.0)
+    assert recent.known
+    assert recent.value(0.0, 10.0) == 0.0
+    recent.observe(5300.0, 1.0, 10.0)
+    assert recent.value(1.0, 10.0) == pytest.approx(300.0)
+    assert recent.value(11.0, 10.0) == pytest.approx(300.0 * math.exp(-1))
+    recent.observe(5300.0, 11.0, 10.0)  # nothing new: decayed only
+    assert recent.value(11.0, 10.0) == pytest.approx(300.0 * math.exp(-1))
+    recent.observe(40.0, 11.0, 10.0)  # restarted: 40 since
+    assert recent.value(11.0, 10.0) == pytest.approx(300.0 * math.exp(-1) + 40.0)
