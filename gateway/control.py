@@ -19,6 +19,7 @@ read it act for an operator, who holds that key.
 from __future__ import annotations
 
 import os
+import time
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -85,6 +86,12 @@ class EngineStatus(BaseModel):
     )
     kv_cache_usage: float | None = Field(
         description="The engine's KV cache usage (0-1), scraped like `waiting`."
+    )
+    recomputed_tokens: float | None = Field(
+        description="Prompt tokens the engine recomputed lately: its prefix cache's "
+        "queries less its hits, their growth since this process first scraped them, "
+        "decaying with routing.store_decay (the shared store places new anchors by it); "
+        "null when not scraped or when the engine has no such counters."
     )
     ejections: int = Field(
         description="Times it was taken out of rotation by a refused connection or 5xx run."
@@ -181,6 +188,9 @@ def engine_status(engine: Engine) -> EngineStatus:
         running=engine.running if engine.scraped else None,
         waiting=engine.waiting if engine.scraped else None,
         kv_cache_usage=engine.kv_cache_usage if engine.scraped else None,
+        recomputed_tokens=(
+            round(engine.recomputed.value(time.monotonic()), 1) if engine.recomputed.known else None
+        ),
         ejections=engine.ejections,
         reason=engine.reason,
         detail=engine.detail,

@@ -89,27 +89,28 @@ class RecentTokens:
     baseline: an engine's history before this process saw it counts nothing. A counter
     that goes back (the engine restarted) counts from zero."""
 
-    __slots__ = ("_at", "_counter", "_value")
+    __slots__ = ("_at", "_counter", "_tau", "_value")
 
     def __init__(self) -> None:
         self._counter: float | None = None
         self._value = 0.0
         self._at = 0.0
+        self._tau = 1.0
 
     def observe(self, counter: float, now: float, tau: float) -> None:
         if self._counter is None:
-            self._counter, self._at = counter, now
+            self._counter, self._at, self._tau = counter, now, tau
             return
         grown = counter - self._counter if counter >= self._counter else counter
-        self._value = self.value(now, tau) + grown
-        self._counter, self._at = counter, now
+        self._value = self.value(now) + grown
+        self._counter, self._at, self._tau = counter, now, tau
 
     @property
     def known(self) -> bool:
         """Whether a counter was read (an engine without one has no figure)."""
         return self._counter is not None
 
-    def value(self, now: float, tau: float) -> float:
+    def value(self, now: float) -> float:
         if self._value == 0.0:
             return 0.0
-        return self._value * math.exp(-max(0.0, now - self._at) / tau)
+        return self._value * math.exp(-max(0.0, now - self._at) / self._tau)

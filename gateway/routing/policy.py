@@ -297,7 +297,7 @@ class Affinity:
             request.key_digest,
             conversation_of(candidates, anchor),
             [load_of(e) for e in choices],
-            recomputed_of(choices, self._settings.store_decay),
+            recomputed_of(choices),
         )
         if url is not None and url != ordered[0].url:
             for i, e in enumerate(ordered):
@@ -340,14 +340,14 @@ class Affinity:
         return ordered
 
 
-def recomputed_of(engines: Sequence[EngineView], tau: float) -> list[float | None]:
+def recomputed_of(engines: Sequence[EngineView]) -> list[float | None]:
     """Each engine's recently recomputed prompt tokens as its scrapes measured them
     (engine_load.py, `RecentTokens`); None for an engine whose counters were never read."""
     now = time.monotonic()
     found: list[float | None] = []
     for e in engines:
         recent: RecentTokens | None = getattr(e, "recomputed", None)
-        found.append(recent.value(now, tau) if recent is not None and recent.known else None)
+        found.append(recent.value(now) if recent is not None and recent.known else None)
     return found
 
 

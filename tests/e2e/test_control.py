@@ -140,6 +140,8 @@ def test_status_describes_engines_policy_keys_and_version(stack: Stack) -> None:
     # The engine's own figures, scraped every routing.load_interval (1 s by default).
     assert engine["running"] == 0 and engine["waiting"] == 0
     assert engine["kv_cache_usage"] == 0.0
+    # Its prefix cache's counters are read too (the tokens it recomputed lately).
+    assert isinstance(engine["recomputed_tokens"], float) and engine["recomputed_tokens"] >= 0
     assert engine["ejections"] == 0
     assert engine["reason"] is None and engine["detail"] is None
     assert abs(time.time() - _epoch(engine["since"])) < 600

@@ -551,3 +551,80 @@ def test_a_new_anchor_goes_where_the_engines_recomputed_least(redis: RedisServer
     assert asyncio.run(scenario([9000.0, None])) == a
     assert asyncio.run(scenario([0.0, 0.0])) == a
     assert asyncio.run(scenario(None)) == a
+
+
+def test_a_new_anchor_goes_to_the_engine_that_recomputed_less(
+    tmp: Path, redis: RedisServer
+) -> None:
+    """Live: the gateway scrapes each engine's prefix-cache counters, and the store places
+    a new anchor by the prompt tokens each engine recomputed lately. A conversation placed
+    through the gateway leaves one request recorded on one engine; then a long prompt
+    sent to the other engine directly (never counted by the store) makes that one
+    recompute thousands of tokens. A new conversation whose first choice is that engine
+    goes to the first one; by requests alone (the code before) it went to its first
+    choice, which had none recorded."""
+    from gateway.routing.anchors import candidate_anchors
+    from gateway.routing.rendezvous import rendezvous_order
+    from gateway.routing.settings import RoutingSettings
+
+    settings = RoutingSettings()
+    run = uuid.uuid4().hex[:8]
+
+    def first_choice(body: dict[str, Any], sims: Sequence[Proc]) -> Proc:
+        anchor = candidate_anchors(
+            body, block_bytes=settings.prompt_block_bytes, max_candidates=settings.max_candidates
+        )[0]
+        return rendezvous_order(anchor.digest, sims)[0]
+
+    sims = [sim_proc(tmp, "--record-requests", "100") for _ in range(2)]
+    with running(*sims):
+        # A new conversation's first choice (busy), and an earlier one's on the other engine.
+        new = chat(f"{run}-new", 1)
+        busy = first_choice(new, sims)
+        other = sims[1 - sims.index(busy)]
+        early = next(
+            name
+            for name in (f"{run}-early-{i}" for i in range(64))
+            if first_choice(chat(name, 1), sims) is other
+        )
+        gateway = start_gateway(
+            tmp, sims, store_url=store_url(redis), store_prefix=f"test-{run}", load_interval="0.2"
+        )
+
+        def scraped(url: str) -> dict[str, Any]:
+            status = HTTP.get(
+                gateway.url + "/gateway/status",
+                headers={"Authorization": f"Bearer {ADMIN}"},
+                timeout=5,
+            ).json()
+            found: dict[str, Any] = next(e for e in status["engines"] if e["url"] == url)
+            return found
+
+        def recomputed(url: str) -> float | None:
+            tokens: float | None = scraped(url)["recomputed_tokens"]
+            return tokens
+
+        try:
+            # Both engines' counters read once (the baseline) before anything is sent.
+            assert wait_for(lambda: recomputed(busy.url) is not None, 10), gateway.log()
+            assert wait_for(lambda: recomputed(other.url) is not None, 10), gateway.log()
+            with httpx.Client(timeout=10) as client:
+                send(client, gateway, chat(early, 1), f"{run}-early")
+                long = {**chat(f"{run}-long", 1, system="word " * 4000), "max_tokens": 1}
+                resp = HTTP.post(busy.url + "/v1/chat/completions", json=long, timeout=30)
+                assert resp.status_code == 200, resp.text
+                # Read after the long prompt ended: the engine is idle again.
+                assert wait_for(
+                    lambda: (
+                        (recomputed(busy.url) or 0) > 3000 and scraped(busy.url)["running"] == 0
+                    ),
+                    10,
+                ), gateway.log()
+                send(client, gateway, new, f"{run}-new-0")
+                send(client, gateway, chat(f"{run}-new", 2), f"{run}-new-1")
+            where = served(sims)
+            assert where[f"{run}-early"] == sims.index(other)
+            assert where[f"{run}-new-0"] == sims.index(other), (where, sims.index(busy))
+            assert where[f"{run}-new-1"] == where[f"{run}-new-0"]
+        finally:
+            gateway.stop()

@@ -113,14 +113,14 @@ def test_recent_tokens_count_the_counters_growth_decaying() -> None:
     goes back (the engine restarted) counts from zero."""
     recent = RecentTokens()
     assert not recent.known
-    assert recent.value(0.0, 10.0) == 0.0
+    assert recent.value(0.0) == 0.0
     recent.observe(5000.0, 0.0, 10.0)
     assert recent.known
-    assert recent.value(0.0, 10.0) == 0.0
+    assert recent.value(0.0) == 0.0
     recent.observe(5300.0, 1.0, 10.0)
-    assert recent.value(1.0, 10.0) == pytest.approx(300.0)
-    assert recent.value(11.0, 10.0) == pytest.approx(300.0 * math.exp(-1))
+    assert recent.value(1.0) == pytest.approx(300.0)
+    assert recent.value(11.0) == pytest.approx(300.0 * math.exp(-1))
     recent.observe(5300.0, 11.0, 10.0)  # nothing new: decayed only
-    assert recent.value(11.0, 10.0) == pytest.approx(300.0 * math.exp(-1))
+    assert recent.value(11.0) == pytest.approx(300.0 * math.exp(-1))
     recent.observe(40.0, 11.0, 10.0)  # restarted: 40 since
-    assert recent.value(11.0, 10.0) == pytest.approx(300.0 * math.exp(-1) + 40.0)
+    assert recent.value(11.0) == pytest.approx(300.0 * math.exp(-1) + 40.0)
