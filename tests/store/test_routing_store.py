@@ -150,9 +150,14 @@ def test_replicas_with_the_store_agree_and_spread_new_conversations_evenly(
     """24 new three-turn conversations, their turns taken by two replicas in turn: each
     stays on one engine, and each engine gets exactly 6 (the least busy takes the next
     new one). Rendezvous alone puts 24 conversations on 4 engines 6/6/6/6 in 0.3% of
-    engine-URL draws (multinomial); with the store disabled this test fails."""
+    engine-URL draws (multinomial); with the store disabled this test fails. The engines
+    are not scraped (`load_interval` 0), so the store counts requests, which it records
+    as they are placed: the recomputed tokens each engine reports arrive a scrape later
+    (test_a_new_anchor_goes_to_the_engine_that_recomputed_less)."""
     prefix = f"test-{uuid.uuid4().hex[:8]}"
-    gateways = replicas(tmp, engines, store_url=store_url(redis), store_prefix=prefix)
+    gateways = replicas(
+        tmp, engines, store_url=store_url(redis), store_prefix=prefix, load_interval="0"
+    )
     run = uuid.uuid4().hex[:8]
     try:
         with httpx.Client(timeout=10) as client:
@@ -250,13 +255,14 @@ def test_two_workers_share_the_store(tmp: Path, engines: list[Proc], redis: Redi
     replicas do. 20 new three-turn conversations, every request on a new connection
     (either worker may take it): none split, 5 on each engine, both workers placed some
     of them (/gateway/status on the same connection names the worker), and a scrape
-    counts every placement of both."""
+    counts every placement of both. Placed by requests, as above (`load_interval` 0)."""
     gateway = start_gateway(
         tmp,
         engines,
         workers=2,
         store_url=store_url(redis),
         store_prefix=f"test-{uuid.uuid4().hex[:8]}",
+        load_interval="0",
     )
     run = uuid.uuid4().hex[:8]
     workers: Counter[int] = Counter()
