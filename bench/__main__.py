@@ -86,7 +86,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--duration",
         type=float,
-        help="soak: seconds of traffic (default 600; 30 with --quick)",
+        help="soak: seconds of traffic (default 600; 20 with --quick)",
     )
     p.add_argument(
         "--out",

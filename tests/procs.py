@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack, ExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,12 +100,21 @@ def run_cli(
 
 @contextmanager
 def running(*procs: Proc, ready_path: str = "/health") -> Iterator[Sequence[Proc]]:
-    """`procs` started in order; on leaving, every one is stopped, even when stopping
-    another raised."""
+    """`procs` started side by side, each waited for until `ready_path` answers: up in
+    the time of the slowest, not the sum. They must not need each other to start (a
+    gateway that should find its engines up is started in a `running` block of its own,
+    nested in theirs). On leaving, every one is stopped, even when stopping another
+    raised; when one fails to start, the others are stopped and its error raised."""
     with ExitStack() as stack:
         for p in procs:
             stack.callback(p.stop)
-            p.start(ready_path)
+        if len(procs) == 1:
+            procs[0].start(ready_path)
+        else:
+            with ThreadPoolExecutor(len(procs)) as pool:
+                futures = [pool.submit(p.start, ready_path) for p in procs]
+            for future in futures:
+                future.result()
         yield procs
 
 

@@ -173,12 +173,20 @@ def clean_environ() -> dict[str, str]:
     }
 
 
-def key_file(tmp: Path) -> Path:
-    """A keys file as the operator makes it: digests from `vllm-gateway hash-key`."""
+@cache
+def client_key_digest() -> str:
+    """`vllm-gateway hash-key`'s digest of the client key, run once per session (a
+    process that imports the gateway: a second apiece, ten times in this module)."""
     result = run_cli("hash-key", stdin=CLIENT_KEY + "\n")
     assert result.returncode == 0, result.stderr
     digest = result.stdout.strip()
     assert digest.startswith("sha256:") and CLIENT_KEY not in digest
+    return digest
+
+
+def key_file(tmp: Path) -> Path:
+    """A keys file as the operator makes it: digests from `vllm-gateway hash-key`."""
+    digest = client_key_digest()
     path = tmp / "keys.yaml"
     path.write_text(f"api_keys:\n  - key: {digest}\n    name: deploy-test\n")
     return path
