@@ -5,4 +5,6 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check gateway bench tests
 .venv/bin/mypy gateway bench
-.venv/bin/pytest "$@"
+# Two processes, each taking whole test files (their module fixtures stay in one process):
+# the suite mostly waits on the servers it starts. TEST_WORKERS=0 runs it in this process.
+.venv/bin/pytest -n "${TEST_WORKERS:-2}" --dist loadfile "$@"
