@@ -1,9 +1,11 @@
-"""A process and its descendants, read from /proc: who they are, their CPU time and
-their resident memory."""
+"""A process and its descendants, read from /proc: who they are, their CPU time, their
+resident memory, and the sockets they hold."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -88,3 +90,30 @@ def rss_bytes(pid: int) -> int:
         except OSError:
             continue
     return total
+
+
+def listening_inodes(port: int) -> set[str]:
+    """Socket inodes listening on `port` (any address), from /proc/net/tcp{,6}."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                    inodes.add(inode)
+    return inodes
+
+
+def socket_inodes(pids: Iterable[int]) -> set[str]:
+    """Inodes of the sockets `pids` hold open."""
+    inodes = set()
+    for pid in pids:
+        fd_dir = Path(f"/proc/{pid}/fd")
+        with contextlib.suppress(OSError):
+            for fd in fd_dir.iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("socket:["):
+                        inodes.add(target[8:-1])
+    return inodes

@@ -22,18 +22,40 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
-from bench.harness.process_tree import process_tree
+from bench.harness.process_tree import listening_inodes, process_tree, socket_inodes
 
 # The repository: the servers' working directory, so `python -m bench.sim` and
 # `python -m gateway.cli` import this checkout.
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _port_share() -> tuple[int, int]:
+    """(index, count) of this pytest-xdist worker, read from the variables xdist sets in
+    each worker (and its children inherit); (0, 1) outside xdist."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    try:
+        count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    except ValueError:
+        count = 1
+    if count > 1 and worker.startswith("gw") and worker[2:].isdigit():
+        return int(worker[2:]) % count, count
+    return 0, 1
+
+
 def free_port() -> int:
-    """A TCP port free on loopback now (the kernel's pick; another process may take it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on loopback now (another process may take it): the kernel's pick
+    among the ports of this test worker's share, half the port over the workers' count
+    leaving its index (Linux gives bind() odd ports only), so that two workers never
+    pick one port before either binds it (a server that cannot bind would find the
+    other worker's server answering on its port)."""
+    index, count = _port_share()
+    for _ in range(1000):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port // 2 % count == index:
+            return port
+    raise RuntimeError("no free port on 127.0.0.1")
 
 
 def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -134,11 +156,19 @@ class Server(LoopbackChild):
             if self.popen.poll() is not None:
                 raise RuntimeError(f"{self.name} exited early:\n{self.log_tail()}")
             status = http_status(url, context=self.tls)
-            if status is not None and status < 500:
+            # Ready once it answers on a socket of its own: a port another process took
+            # first answers too, until this one fails to bind and exits.
+            if status is not None and status < 500 and self._listens():
                 return self
             time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"{self.name} did not become ready in {timeout}s:\n{self.log_tail()}")
+
+    def _listens(self) -> bool:
+        """Whether the process or one of its descendants listens on `port`."""
+        assert self.popen is not None
+        mine = socket_inodes(process_tree(self.popen.pid))
+        return bool(listening_inodes(self.port) & mine)
 
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None

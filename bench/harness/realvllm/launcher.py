@@ -29,9 +29,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.harness.process_tree import process_tree, rss_bytes
+from bench.harness.process_tree import listening_inodes, process_tree, rss_bytes, socket_inodes
 from bench.harness.realvllm.home import Home
 from bench.harness.server import ROOT, LoopbackChild
+from bench.harness.server import free_port as loopback_port
 
 # Set for every engine: nothing leaves this machine, and the engine stays small.
 ENGINE_ENV = {
@@ -80,38 +81,10 @@ def port_is_free(port: int) -> bool:
 
 def free_port() -> int:
     for _ in range(20):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
+        port = loopback_port()
         if port_is_free(port):
             return port
     raise EngineError("no free port on 127.0.0.1")
-
-
-def _listening_inodes(port: int) -> set[str]:
-    """Socket inodes listening on `port` (any address), from /proc/net/tcp{,6}."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError):
-            for line in Path(table).read_text().splitlines()[1:]:
-                fields = line.split()
-                local, state, inode = fields[1], fields[3], fields[9]
-                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
-                    inodes.add(inode)
-    return inodes
-
-
-def _socket_inodes(pids: Iterable[int]) -> set[str]:
-    inodes = set()
-    for pid in pids:
-        fd_dir = Path(f"/proc/{pid}/fd")
-        with contextlib.suppress(OSError):
-            for fd in fd_dir.iterdir():
-                with contextlib.suppress(OSError):
-                    target = os.readlink(fd)
-                    if target.startswith("socket:["):
-                        inodes.add(target[8:-1])
-    return inodes
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
@@ -233,8 +206,8 @@ class Engine(LoopbackChild):
     def _check_port_owner(self) -> None:
         """Refuse an engine that shares its port with a listener started after the check."""
         assert self.pid is not None
-        listening = _listening_inodes(self.port)
-        foreign = listening - _socket_inodes(process_tree(self.pid))
+        listening = listening_inodes(self.port)
+        foreign = listening - socket_inodes(process_tree(self.pid))
         if not listening or foreign:
             raise EngineError(f"port {self.port} is also held by another process")
 
