@@ -1,8 +1,8 @@
 """Reading an engine's own load from its Prometheus text (`GET /metrics`).
 
-Only three gauges and two counters are read, by a byte scan instead of a full exposition
-parser: vLLM's /metrics carries every histogram bucket of every model (tens of kilobytes), and this
-runs on the event loop that forwards requests.
+Only three gauges and two counters are read, by a byte scan instead of a full
+exposition parser: vLLM's /metrics carries every histogram bucket of every model (tens
+of kilobytes), and this runs on the event loop that forwards requests.
 """
 
 from __future__ import annotations

@@ -170,9 +170,11 @@ if not chosen then
   for i = first, last do
     local url = ARGV[i]
     local f = redis.call('HMGET', KEYS[2], 'r' .. url, 'c' .. url, 't' .. url)
-    figures[i] = f
-    done = done + decayed(tau, f[1], f[3])
-    local tokens = tonumber(ARGV[i + 2 * n] or '-1')
+    local recent = decayed(tau, f[1], f[3])
+    local tokens = tonumber(ARGV[i + 2 * n])
+    -- Its recent requests and recomputed tokens; what it is still expected to take.
+    figures[i] = {f, recent, tokens, decayed(tau, f[2], f[3]) + tonumber(ARGV[i + n])}
+    done = done + recent
     if tokens < 0 then known = false end
     measured = measured + tokens
   end
@@ -182,18 +184,17 @@ if not chosen then
   local per = 0
   if known and measured > 0 and done > 0 then per = measured / done end
   for i = first, last do
-    local url = ARGV[i]
-    local f = figures[i]
+    local c = figures[i]
     local load
     if per > 0 then
-      load = tonumber(ARGV[i + 2 * n]) + per * (decayed(tau, f[2], f[3]) + tonumber(ARGV[i + n]))
+      load = c[3] + per * c[4]
     else
-      load = decayed(tau, f[1], f[3]) + decayed(tau, f[2], f[3]) + tonumber(ARGV[i + n])
+      load = c[2] + c[4]
     end
     if best == nil or load < best then
       best = load
-      chosen = url
-      e = f
+      chosen = ARGV[i]
+      e = c[1]
     end
   end
   credit = 1

@@ -244,11 +244,12 @@ STARTERS: dict[str, Starter] = {
 def fronts_for(workload: str, opts: RealOptions) -> list[str]:
     """The fleet's front ends for `workload` (the ideal engine apart)."""
     names = [f for f in FRONTS if f != IDEAL and (f != HOT1 or workload == EVICTION)]
-    return [f for f in names if _wanted(f, opts)]
+    return [f for f in names if wanted(f, opts.fronts)]
 
 
-def _wanted(front: str, opts: RealOptions) -> bool:
-    return not opts.fronts or any(front.startswith(n) for n in opts.fronts)
+def wanted(front: str, fronts: Sequence[str]) -> bool:
+    """Whether `front` is asked for: its name starts with one of `fronts` (none: all)."""
+    return not fronts or any(front.startswith(n) for n in fronts)
 
 
 def percentile(values: Sequence[float], p: float) -> float | None:
@@ -475,7 +476,7 @@ def run(opts: RealOptions, workdir: Path) -> list[RealResult]:
                                 results.append(result)
             finally:
                 fleet.stop()
-        if _wanted(IDEAL, opts):
+        if wanted(IDEAL, opts.fronts):
             progress(f"starting the ideal engine of {model}")
             ideal = EngineSet(
                 model,

@@ -43,7 +43,7 @@ from bench.harness.redis_server import RedisServer, redis_server_path
 from bench.harness.server import free_port
 from bench.sim.cache import PrefixCache, block_hashes
 from bench.suites.report import Report
-from bench.suites.routing.real import STORE, max_over_mean
+from bench.suites.routing.real import STORE, max_over_mean, wanted
 from bench.suites.routing.real_report import BALANCE
 from bench.suites.routing.real_workloads import EVICTION, Sizes, build
 from bench.suites.routing.workloads import interleave
@@ -214,7 +214,7 @@ def run_offline(
             rows.append(OfflineRow(name, "ideal", 1, [one]))
             chosen = [("affinity", None)] + ([(STORE, store_url)] if store_url else [])
             for front, url in chosen:
-                if fronts and not any(front.startswith(f) for f in fronts):
+                if not wanted(front, fronts):
                     continue
                 for replicas in REPLICAS:
                     found = [
