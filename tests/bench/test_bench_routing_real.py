@@ -32,6 +32,7 @@ from bench.suites.routing.real import (
     front_order,
     fronts_for,
     max_over_mean,
+    model_pair,
     nothing_cached,
     parse_args,
     percentile,
@@ -196,6 +197,33 @@ def test_dtype_option_reaches_the_engines_command_line() -> None:
     assert parse_args(["--real-vllm"])[0].dtype == "auto"
     args = EngineSet("llama-big", 3, dtype=opts.dtype)._engine(0).args
     assert args[args.index("--dtype") + 1] == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    ("size", "dtype", "expected"),
+    [
+        ("auto", "bfloat16", ("llama-big", "qwen2vl-big")),
+        ("auto", "float32", ("llama-small", "qwen2vl-small")),
+        ("big", "float32", ("llama-big", "qwen2vl-big")),
+        ("small", "bfloat16", ("llama-small", "qwen2vl-small")),
+    ],
+)
+def test_the_models_are_big_where_the_engines_compute_bfloat16(
+    size: str, dtype: str, expected: tuple[str, str]
+) -> None:
+    assert model_pair(size, dtype) == expected
+
+
+def test_size_option_picks_the_fleets_models() -> None:
+    opts, _ = parse_args(["--real-vllm", "--size", "small", "--dtype", "bfloat16"])
+    assert opts.models == ("llama-small", "qwen2vl-small")
+    opts, _ = parse_args(["--real-vllm", "--dtype", "float32"])
+    assert opts.size == "auto" and opts.models == ("llama-small", "qwen2vl-small")
+    opts, _ = parse_args(["--real-vllm", "--dtype", "bfloat16"])
+    assert opts.models == ("llama-big", "qwen2vl-big")
+    # The real tier's tiny models override the size's.
+    opts = RealOptions(chat_model="tiny-llama", dtype="float32")
+    assert opts.models == ("tiny-llama", "qwen2vl-small")
 
 
 def test_percentile_and_balance() -> None:

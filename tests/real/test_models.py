@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.harness.realvllm.home import Home
-from bench.harness.realvllm.models import ALL, BIG, files
+from bench.harness.realvllm.models import ALL, ROUTING, files
 from bench.harness.server import ROOT
 
 pytestmark = pytest.mark.real_vllm
@@ -48,18 +48,19 @@ def test_two_builds_are_byte_identical(real_home: Home, tmp_path: Path) -> None:
     assert {path: digest for path, digest in served.items() if path.split("/")[0] in ALL} == first
 
 
-def test_big_models_build_deterministically(real_home: Home, tmp_path: Path) -> None:
-    """llama-big and qwen2vl-big (the real-engine routing suite's): two builds are
-    byte-identical, and of the sizes documented (47.7M and 51.8M float32 parameters)."""
+def test_routing_models_build_deterministically(real_home: Home, tmp_path: Path) -> None:
+    """llama-big, qwen2vl-big, llama-small and qwen2vl-small (the real-engine routing
+    suite's): two builds are byte-identical, and of the sizes documented (47.7M, 51.8M,
+    2.6M and 2.8M float32 parameters)."""
     outs = [tmp_path / "first", tmp_path / "second"]
     for out in outs:
         command = [str(real_home.python), "-m", "bench.harness.realvllm.models", str(out)]
         done = subprocess.run(
-            [*command, "--only", ",".join(BIG)], cwd=ROOT, capture_output=True, timeout=300
+            [*command, "--only", ",".join(ROUTING)], cwd=ROOT, capture_output=True, timeout=300
         )
         assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
     first = digests(outs[0])
     assert first == digests(outs[1])
-    assert {path.split("/")[0] for path in first} == set(BIG)
-    weights = [(outs[0] / name / "model.safetensors").stat().st_size / 4e6 for name in BIG]
-    assert [round(w, 1) for w in weights] == [47.7, 51.8]
+    assert {path.split("/")[0] for path in first} == set(ROUTING)
+    weights = [(outs[0] / name / "model.safetensors").stat().st_size / 4e6 for name in ROUTING]
+    assert [round(w, 1) for w in weights] == [47.7, 51.8, 2.6, 2.8]

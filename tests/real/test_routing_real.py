@@ -73,4 +73,4 @@ def test_smallest_run(real_home: Home, tmp_path: Path) -> None:
 def _chat_sessions(opts: RealOptions) -> list[list[object]]:
     from bench.suites.routing.real_workloads import build
 
-    return list(build("chat", opts.chat_model, opts.sizes, opts.seed).sessions)
+    return list(build("chat", opts.models[0], opts.sizes, opts.seed).sessions)

@@ -16,9 +16,12 @@ trainer's ids for equally frequent tokens change between runs).
 | tiny-qwen3 | Qwen3ForCausalLM, 2 layers, hidden 256 (`yes`, `no` are tokens) | /v1/systemone |
 | llama-big | LlamaForCausalLM, 10 layers, hidden 640, context 16,384 | routing on real engines |
 | qwen2vl-big | Qwen2VL, llama-big's text stack, images up to 672 px (576 tokens) | same |
+| llama-small | tiny-llama's stack, context 16,384 | the same, on a CPU without bfloat16 |
+| qwen2vl-small | tiny-llama's stack, a one-layer vision tower, images up to 672 px | same |
 
-The big ones (`--only llama-big,qwen2vl-big`, not built by default) share the tiny ones'
-tokenizer and templates; `bench routing --real-vllm` builds them when they are missing.
+The routing ones (`--only llama-big,qwen2vl-big,llama-small,qwen2vl-small`, not built by
+default) share the tiny ones' tokenizer and templates; `bench routing --real-vllm` builds
+the pair it runs when they are missing.
 
 Their output is gibberish: only HTTP behaviour, routes, metrics and media matter here.
 """
@@ -56,6 +59,13 @@ ALL = (CHAT, MULTIMODAL, EMBED, RERANK, DECISIONS)
 CHAT_BIG = "llama-big"
 MULTIMODAL_BIG = "qwen2vl-big"
 BIG = (CHAT_BIG, MULTIMODAL_BIG)
+# The same prompts and images at about a twentieth of the compute: in float32 on a CPU
+# without bfloat16 instructions they prefill about as fast as the big ones in bfloat16 on
+# one with them (docs/facts.md).
+CHAT_SMALL = "llama-small"
+MULTIMODAL_SMALL = "qwen2vl-small"
+SMALL = (CHAT_SMALL, MULTIMODAL_SMALL)
+ROUTING = (*BIG, *SMALL)
 BIG_MAX_LEN = 16384
 
 BPE_SPECIALS = (
@@ -303,6 +313,14 @@ BIG_SIZE = Size(
     min_side=112,
     max_side=672,
 )
+# 2.6M parameters (llama-small), 2.8M (qwen2vl-small); the images and context of BIG_SIZE.
+SMALL_SIZE = Size(
+    context=BIG_MAX_LEN,
+    multimodal_context=BIG_MAX_LEN,
+    vision_depth=1,
+    min_side=112,
+    max_side=672,
+)
 
 
 def _sized_tokenizer(bpe: Any, template: str, size: Size, **extra: str) -> Any:
@@ -398,7 +416,7 @@ def build_multimodal(out: Path, bpe: Any, size: Size = TINY) -> None:
     config.architectures = ["Qwen2VLForConditionalGeneration"]
     config.dtype = "float32"
     Qwen2VLForConditionalGeneration(config).save_pretrained(out, safe_serialization=True)
-    # Tiny: images between 56x56 and 224x224 pixels, at most 64 tokens each.
+    # Images of min_side^2 to max_side^2 pixels (tiny: 56 to 224 px a side, 64 tokens at most).
     sizes = {
         "size": {
             "shortest_edge": size.min_side * size.min_side,
@@ -524,7 +542,7 @@ def build(out_dir: Path, names: Sequence[str] = ALL) -> list[Path]:
 
     torch.set_num_threads(1)
     out_dir.mkdir(parents=True, exist_ok=True)
-    bpe = train_bpe() if {CHAT, MULTIMODAL, *BIG} & set(names) else None
+    bpe = train_bpe() if {CHAT, MULTIMODAL, *ROUTING} & set(names) else None
     decisions_bpe = train_bpe(DECISION_LINES) if DECISIONS in names else None
     wordpiece = train_wordpiece() if {EMBED, RERANK} & set(names) else None
     builders: dict[str, Callable[[Path], None]] = {
@@ -535,6 +553,8 @@ def build(out_dir: Path, names: Sequence[str] = ALL) -> list[Path]:
         DECISIONS: lambda out: build_decisions(out, decisions_bpe),
         CHAT_BIG: lambda out: build_chat(out, bpe, BIG_SIZE),
         MULTIMODAL_BIG: lambda out: build_multimodal(out, bpe, BIG_SIZE),
+        CHAT_SMALL: lambda out: build_chat(out, bpe, SMALL_SIZE),
+        MULTIMODAL_SMALL: lambda out: build_multimodal(out, bpe, SMALL_SIZE),
     }
     built = []
     for name in names:
@@ -558,13 +578,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--only",
         default=",".join(ALL),
-        help=f"comma-separated model names (default: the tiny ones; also {', '.join(BIG)})",
+        help=f"comma-separated model names (default: the tiny ones; also {', '.join(ROUTING)})",
     )
     a = p.parse_args(argv)
     names = [n for n in a.only.split(",") if n]
-    unknown = sorted(set(names) - {*ALL, *BIG})
+    unknown = sorted(set(names) - {*ALL, *ROUTING})
     if unknown:
-        p.error(f"unknown model(s) {unknown}; choose from {[*ALL, *BIG]}")
+        p.error(f"unknown model(s) {unknown}; choose from {[*ALL, *ROUTING]}")
     for path in build(a.out_dir, names):
         size = sum(f.stat().st_size for f in files(path))
         print(f"{path} ({size / 1e6:.1f} MB)")

@@ -24,7 +24,7 @@ import httpx
 from bench.harness.metrics import scrape, total
 from bench.harness.realvllm.home import Home
 from bench.harness.realvllm.launcher import Engine, free_port, start_all
-from bench.harness.realvllm.models import BIG, WORDS
+from bench.harness.realvllm.models import ROUTING, WORDS
 from bench.harness.server import ROOT
 
 # The CPU backend caches in blocks of 128 tokens.
@@ -205,8 +205,9 @@ def _cpu_list(cpus: Sequence[int]) -> str:
 
 
 def ensure_models(home: Home, names: Sequence[str]) -> None:
-    """Build the big models named that are missing (about 10 s each, nothing downloaded)."""
-    missing = [n for n in names if n in BIG and not home.model(n).is_dir()]
+    """Build the routing models named that are missing (about 10 s each, nothing
+    downloaded)."""
+    missing = [n for n in names if n in ROUTING and not home.model(n).is_dir()]
     if not missing:
         return
     command = [str(home.python), "-m", "bench.harness.realvllm.models", str(home.models)]

