@@ -37,6 +37,7 @@ from bench.suites.routing.real import (
     parse_args,
     percentile,
     pool,
+    sent_calls,
     slowest_calls,
 )
 from bench.suites.routing.real_offline import (

@@ -146,6 +146,12 @@ class RealResult:
     # The runs this row pools (`pool`), and each one's TTFT p99 in ms.
     runs: int = 1
     run_p99_ms: list[float] = field(default_factory=list)
+    # Every call in the order sent: its key, engine, prompt tokens found cached and ms to
+    # its first chunk (None: unknown). A row pooling several runs has none: each run's
+    # row (the report's raw `runs`) has its own.
+    sent: list[tuple[str | None, int | None, int | None, float | None]] = field(
+        default_factory=list
+    )
 
 
 # Calls listed per front end and workload in the report's tail tables.
@@ -195,6 +201,27 @@ def slowest_calls(
                 )
             )
     return sorted(found, key=lambda c: -c.ttft_ms)[:count]
+
+
+def sent_calls(
+    calls: Sequence[tuple[str, str | None]],
+    ttft: dict[str, float],
+    cached: dict[str, int],
+    where: dict[str, int],
+) -> list[tuple[str | None, int | None, int | None, float | None]]:
+    """Every call in the order sent: (key, engine, cached tokens, ms to first chunk)."""
+    out: list[tuple[str | None, int | None, int | None, float | None]] = []
+    for request_id, key in calls:
+        ms = ttft.get(request_id)
+        out.append(
+            (
+                key,
+                where.get(request_id),
+                cached.get(request_id),
+                None if ms is None else round(ms * 1000, 1),
+            )
+        )
+    return out
 
 
 def nothing_cached(cached: dict[str, int]) -> int | None:
@@ -432,6 +459,7 @@ def run_front(
         ),
         nothing_cached=nothing_cached(outcome.cached),
         ttfts=list(outcome.ttft),
+        sent=sent_calls(outcome.calls, outcome.ttft_by_id, outcome.cached, where),
     )
     for call in result.slowest:
         call.run = repeat
