@@ -159,6 +159,10 @@ def test_hot_divisor_row_runs_on_the_eviction_workload_only() -> None:
     assert IDEAL not in fronts_for("chat", opts)
     # A name prefix selects: "affinity" takes every affinity row.
     assert fronts_for(EVICTION, RealOptions(fronts=["affinity"])) == [AFFINITY, STORE, HOT1]
+    # `=NAME`: that front end alone.
+    only = RealOptions(fronts=["=affinity", "=affinity + store", "ideal"])
+    assert fronts_for(EVICTION, only) == [AFFINITY, STORE]
+    assert fronts_for(EVICTION, RealOptions(fronts=["=affin"])) == []
     assert STORE in fronts_for("few_shot", opts)
 
 
@@ -381,6 +385,14 @@ def test_slowest_calls_name_the_call_its_turn_its_engine_and_who_shared_it(
     result.slowest = slow
     result.nothing_cached = nothing_cached({"r1": 0, "r3": 1024, "r5": 0})
     assert nothing_cached({}) is None
+    # Every call, in the order sent, is kept for the raw results.
+    assert sent_calls(calls, ttft, {"r1": 0, "r3": 1024}, where) == [
+        ("conversation 0", 2, 0, 900.0),
+        ("conversation 1", 2, None, 100.0),
+        ("conversation 0", 0, 1024, 500.0),
+        (None, None, None, None),
+        ("conversation 0", 2, None, 50.0),
+    ]
     report = Report.create("routing --real-vllm", tmp_path)
     write_real_report(report, [result])
     table = next(t for t in report.tables if t.title == "chat: the slowest calls")

@@ -295,8 +295,11 @@ def fronts_for(workload: str, opts: RealOptions) -> list[str]:
 
 
 def wanted(front: str, fronts: Sequence[str]) -> bool:
-    """Whether `front` is asked for: its name starts with one of `fronts` (none: all)."""
-    return not fronts or any(front.startswith(n) for n in fronts)
+    """Whether `front` is asked for: its name starts with one of `fronts`, or is one
+    written `=NAME` (none: all)."""
+    return not fronts or any(
+        front == n[1:] if n.startswith("=") else front.startswith(n) for n in fronts
+    )
 
 
 def percentile(values: Sequence[float], p: float) -> float | None:
@@ -564,7 +567,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[RealOptions, argparse.Namesp
     p.add_argument("--engines", type=int, help="fleet engines (default 3; 2 with --quick)")
     p.add_argument("--workload", action="append", default=[], choices=NAMES, help="repeatable")
     p.add_argument("--front", action="append", default=[],
-                   help="only front ends whose name starts with this (repeatable)")  # fmt: skip
+                   help="only front ends whose name starts with this, or is it with a"
+                   " leading = (repeatable)")  # fmt: skip
     p.add_argument("--evict-tokens", type=int, default=6144, help="KV per engine, chat_evict")
     p.add_argument("--out", type=Path, help="results folder (default bench/results/<stamp>-...)")
     p.add_argument("--logs", type=Path, help="keep the front ends' logs here")
