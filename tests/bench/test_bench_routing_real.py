@@ -386,12 +386,12 @@ def test_slowest_calls_name_the_call_its_turn_its_engine_and_who_shared_it(
     result.nothing_cached = nothing_cached({"r1": 0, "r3": 1024, "r5": 0})
     assert nothing_cached({}) is None
     # Every call, in the order sent, is kept for the raw results.
-    assert sent_calls(calls, ttft, {"r1": 0, "r3": 1024}, where) == [
-        ("conversation 0", 2, 0, 900.0),
-        ("conversation 1", 2, None, 100.0),
-        ("conversation 0", 0, 1024, 500.0),
-        (None, None, None, None),
-        ("conversation 0", 2, None, 50.0),
+    assert sent_calls(calls, ttft, {"r1": 0, "r3": 1024}, where, spans) == [
+        ("conversation 0", 2, 0, 900.0, 1),
+        ("conversation 1", 2, None, 100.0, 1),
+        ("conversation 0", 0, 1024, 500.0, 0),
+        (None, None, None, None, None),
+        ("conversation 0", 2, None, 50.0, 0),
     ]
     report = Report.create("routing --real-vllm", tmp_path)
     write_real_report(report, [result])

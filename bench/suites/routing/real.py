@@ -109,6 +109,10 @@ def model_pair(size: str, dtype: str) -> tuple[str, str]:
     return chat, multimodal
 
 
+# A call as sent: key, engine, cached tokens, ms to first chunk, calls alongside.
+Sent = tuple[str | None, int | None, int | None, float | None, int | None]
+
+
 @dataclass
 class RealResult:
     front: str
@@ -146,12 +150,11 @@ class RealResult:
     # The runs this row pools (`pool`), and each one's TTFT p99 in ms.
     runs: int = 1
     run_p99_ms: list[float] = field(default_factory=list)
-    # Every call in the order sent: its key, engine, prompt tokens found cached and ms to
-    # its first chunk (None: unknown). A row pooling several runs has none: each run's
-    # row (the report's raw `runs`) has its own.
-    sent: list[tuple[str | None, int | None, int | None, float | None]] = field(
-        default_factory=list
-    )
+    # Every call in the order sent: its key, engine, prompt tokens found cached, ms to
+    # its first chunk and the other calls on its engine before then (None: unknown). A
+    # row pooling several runs has none: each run's row (the report's raw `runs`) has
+    # its own.
+    sent: list[Sent] = field(default_factory=list)
 
 
 # Calls listed per front end and workload in the report's tail tables.
@@ -208,19 +211,16 @@ def sent_calls(
     ttft: dict[str, float],
     cached: dict[str, int],
     where: dict[str, int],
-) -> list[tuple[str | None, int | None, int | None, float | None]]:
-    """Every call in the order sent: (key, engine, cached tokens, ms to first chunk)."""
-    out: list[tuple[str | None, int | None, int | None, float | None]] = []
+    spans: dict[str, tuple[float, float]] | None = None,
+) -> list[Sent]:
+    """Every call in the order sent: (key, engine, cached tokens, ms to first chunk,
+    other calls on its engine before its first chunk)."""
+    out: list[Sent] = []
     for request_id, key in calls:
         ms = ttft.get(request_id)
-        out.append(
-            (
-                key,
-                where.get(request_id),
-                cached.get(request_id),
-                None if ms is None else round(ms * 1000, 1),
-            )
-        )
+        shared = None if ms is None else alongside(request_id, ttft, where, spans or {})
+        first = None if ms is None else round(ms * 1000, 1)
+        out.append((key, where.get(request_id), cached.get(request_id), first, shared))
     return out
 
 
@@ -462,7 +462,9 @@ def run_front(
         ),
         nothing_cached=nothing_cached(outcome.cached),
         ttfts=list(outcome.ttft),
-        sent=sent_calls(outcome.calls, outcome.ttft_by_id, outcome.cached, where),
+        sent=sent_calls(
+            outcome.calls, outcome.ttft_by_id, outcome.cached, where, outcome.span_by_id
+        ),
     )
     for call in result.slowest:
         call.run = repeat
