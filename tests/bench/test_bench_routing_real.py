@@ -231,6 +231,22 @@ def test_size_option_picks_the_fleets_models() -> None:
     assert opts.models == ("tiny-llama", "qwen2vl-small")
 
 
+def test_gateway_env_option_takes_gateway_settings_only(capsys: pytest.CaptureFixture[str]) -> None:
+    opts, _ = parse_args(
+        ["--real-vllm", "--gateway-env", "GATEWAY_ROUTING__LOAD_INTERVAL=0",
+         "--gateway-env", "GATEWAY_ROUTING__HOT_DIVISOR=2"]
+    )  # fmt: skip
+    assert opts.gateway_env == {
+        "GATEWAY_ROUTING__LOAD_INTERVAL": "0",
+        "GATEWAY_ROUTING__HOT_DIVISOR": "2",
+    }
+    assert parse_args(["--real-vllm"])[0].gateway_env == {}
+    for bad in ("PATH=/tmp", "GATEWAY_ROUTING__POLICY"):
+        with pytest.raises(SystemExit):
+            parse_args(["--real-vllm", "--gateway-env", bad])
+        assert "GATEWAY_NAME=value" in capsys.readouterr().err
+
+
 def test_percentile_and_balance() -> None:
     values = [i / 1000 for i in range(1, 101)]
     assert percentile(values, 50) == pytest.approx(50) and percentile(values, 99) == 99

@@ -63,8 +63,9 @@ ROUTER_RR = "vllm-router round_robin"
 IDEAL = "ideal (1 engine, all the cache)"
 FRONTS = (AFFINITY, STORE, ROUND_ROBIN, LEAST_LOADED, HOT1, CACHE_AWARE, ROUTER_RR, IDEAL)
 
-# Starts a front end before the engines; None when it is not installed.
-Starter = Callable[[Fleet, list[str]], tuple[list[str], dict[str, str]] | None]
+# Starts a front end before the engines, with the gateway settings given (`--gateway-env`);
+# None when it is not installed.
+Starter = Callable[[Fleet, list[str], dict[str, str]], tuple[list[str], dict[str, str]] | None]
 
 
 @dataclass
@@ -80,6 +81,8 @@ class RealOptions:
     live: int = 12
     # The models' size; "auto": big where the engines run bfloat16, small in float32.
     size: str = "auto"
+    # Settings for every gateway front end (GATEWAY_...=value), before a row's own.
+    gateway_env: dict[str, str] = field(default_factory=dict)
     # Other models than the size's (the real tier's tiny ones).
     chat_model: str | None = None
     multimodal_model: str | None = None
@@ -251,8 +254,11 @@ def alongside(
 
 
 def _gateway(policy: str, extra: dict[str, str] | None = None, store: bool = False) -> Starter:
-    def start(fleet: Fleet, engines: list[str]) -> tuple[list[str], dict[str, str]] | None:
-        env = {"GATEWAY_ROUTING__POLICY": policy, "GATEWAY_LOG_LEVEL": "warning", **(extra or {})}
+    def start(
+        fleet: Fleet, engines: list[str], settings: dict[str, str]
+    ) -> tuple[list[str], dict[str, str]] | None:
+        env = {"GATEWAY_ROUTING__POLICY": policy, "GATEWAY_LOG_LEVEL": "warning"}
+        env.update({**settings, **(extra or {})})
         if store:
             if redis_server_path() is None:
                 return None
@@ -266,7 +272,9 @@ def _gateway(policy: str, extra: dict[str, str] | None = None, store: bool = Fal
 
 
 def _router(policy: str) -> Starter:
-    def start(fleet: Fleet, engines: list[str]) -> tuple[list[str], dict[str, str]] | None:
+    def start(
+        fleet: Fleet, engines: list[str], settings: dict[str, str]
+    ) -> tuple[list[str], dict[str, str]] | None:
         server: Server | None = fleet.vllm_router(engines, policy, name=f"vllm-router-{policy}")
         return None if server is None else ([server.url], {})
 
@@ -413,7 +421,7 @@ def run_front(
         if front == IDEAL:
             urls = engines.urls
         else:
-            started = STARTERS[front](fleet, engines.urls)
+            started = STARTERS[front](fleet, engines.urls, opts.gateway_env)
             if started is None:
                 return None
             urls, headers = started
@@ -586,6 +594,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[RealOptions, argparse.Namesp
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                    help="the engines' (auto: bfloat16 where the CPU has native bfloat16"
                    " arithmetic, else float32)")  # fmt: skip
+    p.add_argument("--gateway-env", action="append", default=[], metavar="GATEWAY_X=V",
+                   help="a setting for every gateway front end (repeatable)")  # fmt: skip
     p.add_argument("--size", choices=("auto", "big", "small"), default="auto",
                    help="the models' (auto: big in bfloat16, small in float32)")  # fmt: skip
     args = p.parse_args(argv)
@@ -602,10 +612,18 @@ def parse_args(argv: Sequence[str] | None) -> tuple[RealOptions, argparse.Namesp
         repeats=args.repeats,
         dtype=args.dtype,
         size=args.size,
+        gateway_env=dict(gateway_setting(p, item) for item in args.gateway_env),
     )
     if args.workload:
         opts.workloads = args.workload
     return opts, args
+
+
+def gateway_setting(p: argparse.ArgumentParser, item: str) -> tuple[str, str]:
+    name, sep, value = item.partition("=")
+    if not sep or not name.startswith("GATEWAY_"):
+        p.error(f"--gateway-env takes GATEWAY_NAME=value, not {item!r}")
+    return name, value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -627,6 +645,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         repeats=opts.repeats,
         commit=commit(),
     )
+    if opts.gateway_env:
+        report.meta["gateway_env"] = " ".join(f"{k}={v}" for k, v in opts.gateway_env.items())
     with tempfile.TemporaryDirectory(prefix="bench-routing-real-") as tmp:
         workdir = Path(tmp)
         if args.logs is not None:
