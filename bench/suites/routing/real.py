@@ -49,6 +49,7 @@ from bench.suites.fleet import BENCH_KEY, CpuPlan, Fleet
 from bench.suites.report import RESULTS, Report, fmt, progress
 from bench.suites.routing.client import replay
 from bench.suites.routing.engine_set import BLOCK_TOKENS, EngineSet, engine_dtype
+from bench.suites.routing.fronts import router_installed
 from bench.suites.routing.live import _wait_for_model, agreement
 from bench.suites.routing.real_workloads import EVICTION, FULL, NAMES, QUICK, Sizes, build
 from bench.suites.routing.workloads import Workload
@@ -656,7 +657,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if opts.repeats > 1:
         report.raw["runs"] = [asdict(r) for r in runs]
     results = pool(runs)
-    if not any(r.front.startswith("vllm-router") for r in results):
+    if not router_installed() and any(wanted(f, opts.fronts) for f in (CACHE_AWARE, ROUTER_RR)):
         report.note("vllm-router is not installed: `.venv/bin/pip install vllm-router`")
     write_real_report(report, results)
     report.write()
