@@ -389,20 +389,21 @@ def test_slowest_calls_name_the_call_its_turn_its_engine_and_who_shared_it(
     # r2 runs on r1's engine before r1's first chunk; r5 starts the moment r1 ends; r3
     # has its engine to itself; r4 has no span (it failed) and is never counted.
     spans = {"r1": (0.0, 1.0), "r2": (0.5, 0.7), "r3": (1.0, 1.6), "r5": (1.0, 1.1)}
-    slow = slowest_calls(calls, ttft, {"r1": 0, "r3": 1024}, where, spans, count=3)
+    sent = sent_calls(calls, ttft, {"r1": 0, "r3": 1024}, where, spans)
+    slow = slowest_calls(sent, count=3)
     assert [(c.ttft_ms, c.key, c.index, c.turn, c.cached, c.engine, c.alongside) for c in slow] == [
         (900.0, "conversation 0", 0, 0, 0, 2, 1),
         (500.0, "conversation 0", 2, 1, 1024, 0, 0),
         (100.0, "conversation 1", 1, 0, None, 2, 1),
     ]
     # Without spans (or the engine), who shared it is not known.
-    assert slowest_calls(calls, ttft, {}, {"r1": 2}, count=1)[0].alongside is None
+    assert slowest_calls(sent_calls(calls, ttft, {}, {"r1": 2}), count=1)[0].alongside is None
     result = _row(AFFINITY, "chat", 0.87, 900.0, 1.1)
     result.slowest = slow
     result.nothing_cached = nothing_cached({"r1": 0, "r3": 1024, "r5": 0})
     assert nothing_cached({}) is None
     # Every call, in the order sent, is kept for the raw results.
-    assert sent_calls(calls, ttft, {"r1": 0, "r3": 1024}, where, spans) == [
+    assert sent == [
         ("conversation 0", 2, 0, 900.0, 1),
         ("conversation 1", 2, None, 100.0, 1),
         ("conversation 0", 0, 1024, 500.0, 0),

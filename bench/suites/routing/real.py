@@ -182,31 +182,15 @@ class SlowCall:
     run: int = 0
 
 
-def slowest_calls(
-    calls: Sequence[tuple[str, str | None]],
-    ttft: dict[str, float],
-    cached: dict[str, int],
-    where: dict[str, int],
-    spans: dict[str, tuple[float, float]] | None = None,
-    count: int = SLOWEST,
-) -> list[SlowCall]:
-    """The `count` calls with the longest time to first chunk, slowest first."""
+def slowest_calls(sent: Sequence[Sent], count: int = SLOWEST) -> list[SlowCall]:
+    """The `count` calls of `sent` (`sent_calls`) with the longest time to first chunk,
+    slowest first."""
     turns: dict[str | None, int] = {}
     found = []
-    for index, (request_id, key) in enumerate(calls):
+    for index, (key, engine, cached, ms, shared) in enumerate(sent):
         turn = turns[key] = turns.get(key, -1) + 1
-        if request_id in ttft:
-            found.append(
-                SlowCall(
-                    round(ttft[request_id] * 1000, 1),
-                    key,
-                    index,
-                    turn,
-                    cached.get(request_id),
-                    where.get(request_id),
-                    alongside(request_id, ttft, where, spans or {}),
-                )
-            )
+        if ms is not None:
+            found.append(SlowCall(ms, key, index, turn, cached, engine, shared))
     return sorted(found, key=lambda c: -c.ttft_ms)[:count]
 
 
@@ -446,6 +430,7 @@ def run_front(
     uncached = [d.queries - d.hits for d in delta]
     requests = [d.requests for d in delta]
     cold = cold_cached(outcome.calls, outcome.cached, workload.cold_keys)
+    sent = sent_calls(outcome.calls, outcome.ttft_by_id, outcome.cached, where, outcome.span_by_id)
     result = RealResult(
         front=front,
         workload=workload.name,
@@ -466,14 +451,10 @@ def run_front(
         cold_cached=cold,
         seconds=seconds,
         kv_tokens=engines.kv_tokens(),
-        slowest=slowest_calls(
-            outcome.calls, outcome.ttft_by_id, outcome.cached, where, outcome.span_by_id
-        ),
+        slowest=slowest_calls(sent),
         nothing_cached=nothing_cached(outcome.cached),
         ttfts=list(outcome.ttft),
-        sent=sent_calls(
-            outcome.calls, outcome.ttft_by_id, outcome.cached, where, outcome.span_by_id
-        ),
+        sent=sent,
     )
     for call in result.slowest:
         call.run = repeat
