@@ -85,7 +85,9 @@ from gateway.store.client import StoreClient
 # every engine the request may go to has measured its recomputed tokens (each replica
 # reads the same engine counters, decayed with the same constant), the load is in
 # tokens: the engine's measured tokens, plus its credit and requests now at the
-# choices' measured tokens per recorded request.
+# choices' measured tokens per recorded request. An engine with nothing running comes
+# first, though, whenever the anchor may go to one: a busy engine that recomputed less
+# would otherwise take the new anchor's whole first prefill beside its running request.
 #
 # Each anchor belongs to the key that placed it (its field `k`, kept while the anchor
 # lives): that key's set holds it, scored by its last use by any key, so another key's
@@ -167,15 +169,19 @@ if not chosen then
   local done = 0
   local measured = 0
   local known = true
+  local idle = false
   for i = first, last do
     local url = ARGV[i]
     local f = redis.call('HMGET', KEYS[2], 'r' .. url, 'c' .. url, 't' .. url)
     local recent = decayed(tau, f[1], f[3])
     local tokens = tonumber(ARGV[i + 2 * n])
-    -- Its recent requests and recomputed tokens; what it is still expected to take.
-    figures[i] = {f, recent, tokens, decayed(tau, f[2], f[3]) + tonumber(ARGV[i + n])}
+    local busy = tonumber(ARGV[i + n])
+    -- Its recent requests and recomputed tokens; what it is still expected to take; its
+    -- requests now.
+    figures[i] = {f, recent, tokens, decayed(tau, f[2], f[3]) + busy, busy}
     done = done + recent
     if tokens < 0 then known = false end
+    if busy <= 0 then idle = true end
     measured = measured + tokens
   end
   -- With every choice's recomputed tokens measured (and requests recorded to weigh them
@@ -183,18 +189,22 @@ if not chosen then
   -- requests at the choices' mean tokens per request.
   local per = 0
   if known and measured > 0 and done > 0 then per = measured / done end
+  -- While a choice has nothing running, only the idle ones are weighed: the new anchor's
+  -- first prefill, its whole prompt, then meets no other request.
   for i = first, last do
     local c = figures[i]
-    local load
-    if per > 0 then
-      load = c[3] + per * c[4]
-    else
-      load = c[2] + c[4]
-    end
-    if best == nil or load < best then
-      best = load
-      chosen = ARGV[i]
-      e = c[1]
+    if not idle or c[5] <= 0 then
+      local load
+      if per > 0 then
+        load = c[3] + per * c[4]
+      else
+        load = c[2] + c[4]
+      end
+      if best == nil or load < best then
+        best = load
+        chosen = ARGV[i]
+        e = c[1]
+      end
     end
   end
   credit = 1

@@ -528,6 +528,38 @@ def test_a_new_anchor_goes_to_an_engine_idle_now(tmp: Path, redis: RedisServer) 
             gateway.stop()
 
 
+def test_a_new_anchor_goes_to_an_idle_engine_before_one_that_recomputed_less(
+    redis: RedisServer,
+) -> None:
+    """While one engine a new anchor may go to has nothing running, a busy one is not
+    chosen, whatever the tokens: `a` recomputed far less than `b`, but it is prefilling
+    a request now and `b` is idle, so the new anchor's first prefill goes to `b` instead
+    of meeting that request. With both busy, or both idle, the tokens decide (`a`). On
+    the code before, `a` in all three."""
+    from gateway.routing.settings import RoutingSettings
+    from gateway.routing.store import PlacementStore
+    from gateway.store.client import StoreClient
+
+    a, b = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
+
+    async def scenario(loads: list[int]) -> str | None:
+        client = StoreClient(
+            store_url(redis), prefix=f"test-{uuid.uuid4().hex[:8]}", timeout=5.0, retry=1.0
+        )
+        store = PlacementStore(client, RoutingSettings())
+        try:
+            # Requests recorded on both, so that the tokens weigh in.
+            for i, url in enumerate([a, b, a, b]):
+                assert await store.place(bytes([i]) * 16, [url], None, None, [0]) == url
+            return await store.place(b"n" * 16, [a, b], None, None, loads, [100.0, 9000.0])
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(scenario([1, 0])) == b
+    assert asyncio.run(scenario([0, 0])) == a
+    assert asyncio.run(scenario([2, 1])) == a
+
+
 def test_a_new_anchor_goes_where_the_engines_recomputed_least(redis: RedisServer) -> None:
     """With every choice's recomputed tokens measured (its scraped prefix-cache counters),
     a new anchor's engine is chosen by tokens: each engine's own, plus its expected
