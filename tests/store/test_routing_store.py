@@ -528,67 +528,63 @@ def test_a_new_anchor_goes_to_an_engine_idle_now(tmp: Path, redis: RedisServer) 
             gateway.stop()
 
 
-def test_a_new_anchor_goes_to_an_idle_engine_before_one_that_recomputed_less(
+A, B = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
+
+
+def place_after(
     redis: RedisServer,
-) -> None:
-    """While one engine a new anchor may go to has nothing running, a busy one is not
-    chosen, whatever the tokens: `a` recomputed far less than `b`, but it is prefilling
-    a request now and `b` is idle, so the new anchor's first prefill goes to `b` instead
-    of meeting that request. With both busy, or both idle, the tokens decide (`a`). On
-    the code before, `a` in all three."""
+    recorded: Sequence[str],
+    loads: list[int],
+    tokens: Sequence[float | None] | None,
+) -> str | None:
+    """Where a fresh store places a new anchor that may go to `A` or `B`, after one
+    request to each of `recorded` (each anchor's only choice), with those loads now and
+    recomputed tokens."""
     from gateway.routing.settings import RoutingSettings
     from gateway.routing.store import PlacementStore
     from gateway.store.client import StoreClient
 
-    a, b = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
-
-    async def scenario(loads: list[int]) -> str | None:
+    async def scenario() -> str | None:
         client = StoreClient(
             store_url(redis), prefix=f"test-{uuid.uuid4().hex[:8]}", timeout=5.0, retry=1.0
         )
         store = PlacementStore(client, RoutingSettings())
         try:
-            # Requests recorded on both, so that the tokens weigh in.
-            for i, url in enumerate([a, b, a, b]):
+            for i, url in enumerate(recorded):
                 assert await store.place(bytes([i]) * 16, [url], None, None, [0]) == url
-            return await store.place(b"n" * 16, [a, b], None, None, loads, [100.0, 9000.0])
+            return await store.place(b"n" * 16, [A, B], None, None, loads, tokens)
         finally:
             await client.aclose()
 
-    assert asyncio.run(scenario([1, 0])) == b
-    assert asyncio.run(scenario([0, 0])) == a
-    assert asyncio.run(scenario([2, 1])) == a
+    return asyncio.run(scenario())
+
+
+def test_a_new_anchor_goes_to_an_idle_engine_before_one_that_recomputed_less(
+    redis: RedisServer,
+) -> None:
+    """While one engine a new anchor may go to has nothing running, a busy one is not
+    chosen, whatever the tokens: `A` recomputed far less than `B`, but it is prefilling
+    a request now and `B` is idle, so the new anchor's first prefill goes to `B` instead
+    of meeting that request. With both busy, or both idle, the tokens decide (`A`). On
+    the code before, `A` in all three."""
+    # Requests recorded on both, so that the tokens weigh in.
+    both = [A, B, A, B]
+    assert place_after(redis, both, [1, 0], [100.0, 9000.0]) == B
+    assert place_after(redis, both, [0, 0], [100.0, 9000.0]) == A
+    assert place_after(redis, both, [2, 1], [100.0, 9000.0]) == A
 
 
 def test_a_new_anchor_goes_where_the_engines_recomputed_least(redis: RedisServer) -> None:
     """With every choice's recomputed tokens measured (its scraped prefix-cache counters),
     a new anchor's engine is chosen by tokens: each engine's own, plus its expected
-    requests at the choices' mean tokens per request. Engine `b` took three requests and
-    `a` one, but `a`'s was a long cold prefill: a new anchor goes to `b`. By requests
-    alone (the code before, or any choice unmeasured) it goes to `a`."""
-    from gateway.routing.settings import RoutingSettings
-    from gateway.routing.store import PlacementStore
-    from gateway.store.client import StoreClient
-
-    a, b = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
-
-    async def scenario(tokens: list[float | None] | None) -> str | None:
-        client = StoreClient(
-            store_url(redis), prefix=f"test-{uuid.uuid4().hex[:8]}", timeout=5.0, retry=1.0
-        )
-        store = PlacementStore(client, RoutingSettings())
-        try:
-            # Each anchor's only choice: one request on `a`, three on `b`.
-            for i, url in enumerate([a, b, b, b]):
-                assert await store.place(bytes([i]) * 16, [url], None, None, [0]) == url
-            return await store.place(b"n" * 16, [a, b], None, None, [0, 0], tokens)
-        finally:
-            await client.aclose()
-
-    assert asyncio.run(scenario([9000.0, 1200.0])) == b
-    assert asyncio.run(scenario([9000.0, None])) == a
-    assert asyncio.run(scenario([0.0, 0.0])) == a
-    assert asyncio.run(scenario(None)) == a
+    requests at the choices' mean tokens per request. Engine `B` took three requests and
+    `A` one, but `A`'s was a long cold prefill: a new anchor goes to `B`. By requests
+    alone (the code before, or any choice unmeasured) it goes to `A`."""
+    recorded = [A, B, B, B]
+    assert place_after(redis, recorded, [0, 0], [9000.0, 1200.0]) == B
+    assert place_after(redis, recorded, [0, 0], [9000.0, None]) == A
+    assert place_after(redis, recorded, [0, 0], [0.0, 0.0]) == A
+    assert place_after(redis, recorded, [0, 0], None) == A
 
 
 def test_a_new_anchor_goes_to_the_engine_that_recomputed_less(
