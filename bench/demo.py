@@ -14,7 +14,6 @@ import io
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,15 +25,9 @@ from pathlib import Path
 import httpx
 from PIL import Image
 
-from bench.harness.server import terminate
+from bench.harness.server import free_port, terminate
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 30.0) -> None:
@@ -121,7 +114,7 @@ def main() -> int:
 
 
 def _run(key: str, env: dict[str, str], tmp: Path) -> int:
-    ports = [_free_port() for _ in range(3)]
+    ports = [free_port() for _ in range(3)]
     engines = [f"http://127.0.0.1:{p}" for p in ports[:2]]
     gateway = f"http://127.0.0.1:{ports[2]}"
     print(f"Starting 2 simulated engines ({', '.join(engines)}) and the gateway ({gateway}).")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from bench.harness.background import InThread
+from bench.harness.server import free_port
 
 
 @dataclass
@@ -50,7 +51,7 @@ class ThreadedServer(InThread):
         host: str = "127.0.0.1",
         tls: ssl.SSLContext | None = None,
     ) -> None:
-        self._server = ThreadingHTTPServer((host, 0), handler)
+        self._server = ThreadingHTTPServer((host, free_port()), handler)
         self._server.daemon_threads = True
         self.tls = tls
         if tls is not None:

@@ -9,6 +9,7 @@ Each server writes its output to a log file, is optionally pinned to a set of CP
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
 import socket
@@ -29,33 +30,53 @@ from bench.harness.process_tree import listening_inodes, process_tree, socket_in
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _port_share() -> tuple[int, int]:
-    """(index, count) of this pytest-xdist worker, read from the variables xdist sets in
-    each worker (and its children inherit); (0, 1) outside xdist."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    try:
-        count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    except ValueError:
-        count = 1
-    if count > 1 and worker.startswith("gw") and worker[2:].isdigit():
-        return int(worker[2:]) % count, count
-    return 0, 1
+# Ports handed out in the last HOLD_SECONDS, kept in one file that every process of this
+# user reads and writes under an exclusive lock. It covers the time between a pick and the
+# child's bind (the longest start the suites allow is 300 s, a real engine's).
+HOLD_SECONDS = 300.0
+LEDGER_ENV = "VLLM_GATEWAY_PORT_LEDGER"
+
+
+def _ledger() -> Path:
+    """The ledger file: $VLLM_GATEWAY_PORT_LEDGER, or the user's cache folder (not the temp
+    folder: tests give their children a TMPDIR of their own)."""
+    named = os.environ.get(LEDGER_ENV)
+    if named:
+        return Path(named)
+    folder = Path.home() / ".cache" / "vllm-gateway"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / "ports"
 
 
 def free_port() -> int:
-    """A TCP port free on loopback now (another process may take it): the kernel's pick
-    among the ports of this test worker's share, half the port over the workers' count
-    leaving its index (Linux gives bind() odd ports only), so that two workers never
-    pick one port before either binds it (a server that cannot bind would find the
-    other worker's server answering on its port)."""
-    index, count = _port_share()
-    for _ in range(1000):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port // 2 % count == index:
-            return port
-    raise RuntimeError("no free port on 127.0.0.1")
+    """A TCP port free on loopback now that no caller of this function, in any process of
+    this user, was given in the last HOLD_SECONDS. The kernel's pick alone repeats (it
+    starts at a random offset on each bind), and two servers given one port before either
+    binds it leave one of them unable to start, or answering for the other."""
+    path = _ledger()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "r+") as ledger:
+        fcntl.flock(ledger, fcntl.LOCK_EX)  # released when the file is closed
+        now = time.time()
+        held: dict[int, float] = {}
+        for line in ledger.read().splitlines():
+            given, _, at = line.partition(" ")
+            with contextlib.suppress(ValueError):
+                if now - float(at) < HOLD_SECONDS:
+                    held[int(given)] = float(at)
+        for _ in range(1000):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", 0))
+                port = int(s.getsockname()[1])
+            if port not in held:
+                break
+        else:
+            raise RuntimeError("no free port on 127.0.0.1")
+        held[port] = now
+        ledger.seek(0)
+        ledger.truncate()
+        ledger.write("".join(f"{p} {at}\n" for p, at in held.items()))
+    return port
 
 
 def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -23,7 +23,7 @@ from bench.suites.routing import MODEL, Result
 from bench.suites.routing.live import merged_rows
 from bench.suites.routing.report import write_report
 from bench.suites.routing.workloads import build
-from tests.procs import ROOT, gateway_proc, running, sim_proc
+from tests.procs import ROOT, free_port, gateway_proc, running, sim_proc
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # The four quick suites run at once, and the first test to read a result waits for its
@@ -420,7 +420,7 @@ def test_the_decoding_floor_decodes_before_it_forwards() -> None:
     body = json.dumps({"u": "data:image/png;base64," + base64.b64encode(cut).decode()})
     messages = [{"type": "http.request", "body": body.encode(), "more_body": False}]
     with socket.socket() as engine:
-        engine.bind(("127.0.0.1", 0))
+        engine.bind(("127.0.0.1", free_port()))
         engine.listen()
         engine.setblocking(False)
         floor = Floor(f"http://127.0.0.1:{engine.getsockname()[1]}", decode=True)

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from bench.harness.server import free_port
 from bench.suites.loadgen import KeepAliveClient
 
 REQUEST = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
@@ -23,7 +24,7 @@ class Answering:
         # keep-alive timeout ran out while the client sat idle.
         self.close_idle = close_idle
         self.accepted = 0
-        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock = socket.create_server(("127.0.0.1", free_port()))
         self.port = self.sock.getsockname()[1]
         threading.Thread(target=self._serve, daemon=True).start()
 

@@ -23,6 +23,7 @@ from tests.procs import (
     Proc,
     clean_env,
     every_worker_lists,
+    free_port,
     gateway_proc,
     run_cli,
     running,
@@ -298,7 +299,7 @@ def test_serve_logs_where_it_listens(tmp_path: Path) -> None:
 def socket_bound() -> Iterator[int]:
     """A loopback port held by a listening socket."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind(("127.0.0.1", free_port()))
         sock.listen()
         yield sock.getsockname()[1]
 

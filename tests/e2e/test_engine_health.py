@@ -54,7 +54,7 @@ class Silent:
 
     def __init__(self) -> None:
         self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock.bind(("127.0.0.1", free_port()))
         self.sock.listen(1024)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
 

@@ -21,6 +21,7 @@ from tests.procs import (
     RecordingServer,
     Route,
     ask_about_image,
+    free_port,
     gateway_proc,
     media_gateway_env,
     running,
@@ -87,7 +88,7 @@ class CountingOrigin:
             def log_message(self, format: str, *args: object) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
         self.server.daemon_threads = True
         self.port = int(self.server.server_address[1])
         threading.Thread(target=self.server.serve_forever, daemon=True).start()

@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from bench.harness.metrics import HTTP
-from tests.procs import Proc, gateway_proc, owned_response_id, wait_for
+from tests.procs import Proc, free_port, gateway_proc, owned_response_id, wait_for
 
 KEY = "sk-upstream-0123456789abcdef"
 MODEL = "scripted/model"
@@ -292,7 +292,7 @@ def scripted_engine() -> Iterator[Engine]:
         def handle(self) -> None:
             _serve(holder[0], next(counter), self.request)
 
-    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", free_port()), Handler)
     server.daemon_threads = True
     holder.append(Engine(server.server_address[1]))
     thread = threading.Thread(target=server.serve_forever, daemon=True)

@@ -17,7 +17,7 @@ from gateway.media.addresses import Address
 from gateway.media.fetch import FetchAllowance, MediaFetcher
 from gateway.media.settings import MediaSettings
 from gateway.media.urls import RemoteUrl, UrlPolicy
-from tests.procs import RecordingServer, Route, SocketCanary
+from tests.procs import RecordingServer, Route, SocketCanary, free_port
 
 PNG = png()
 
@@ -45,7 +45,7 @@ class ChunkedForever:
 
     def __init__(self) -> None:
         self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock.bind(("127.0.0.1", free_port()))
         self.sock.listen(8)
         self.port = int(self.sock.getsockname()[1])
         self._thread = threading.Thread(target=self._run, daemon=True)
