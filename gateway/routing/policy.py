@@ -255,7 +255,10 @@ class Affinity:
         high = min(low + length * size, size)
         healthy = {e.url: e for e in engines}
         covered: list[tuple[float, E]] = []
-        for j in range(min(int(low), size - 1), max(math.ceil(high), int(low) + 1)):
+        # A point (a hot candidate that leads nothing) covers the engine it lies on,
+        # the last one when it lies at the line's end.
+        first_engine = min(int(low), size - 1)
+        for j in range(first_engine, min(max(math.ceil(high), first_engine + 1), size)):
             engine = healthy.get(urls[j])
             if engine is not None:
                 covered.append((min(high, j + 1.0) - max(low, float(j)), engine))
@@ -313,16 +316,21 @@ class Affinity:
         when `count` (a session's anchor is not counted): the decision `order`, `peek`
         and `choose` share, before the store and the load bound; and the candidates. A
         request without candidates (no prompt) gets no anchor and its final order: round
-        robin when counting, the engines as given when not."""
+        robin when counting, the engines as given when not.
+
+        A request is counted before it is decided, so it decides on what it shows: the
+        second conversation under a system prompt is the one that forks it, and it is
+        placed in the prompt's stretch of the line like every later one, not pinned to
+        the engine of the first (hotspots.py, `spread`)."""
         if not engines:
             return None, [], [], []
         candidates = self._candidates(request)
         if not candidates:
             ordered = self._fallback.order(request, engines) if count else list(engines)
             return None, ordered, ordered, candidates
-        anchor, ordered, choices = self.narrow(candidates, engines, request.line)
-        if count and anchor.kind is not AnchorKind.session:
+        if count and candidates[0].kind is not AnchorKind.session:
             self._hot.observe(candidates)
+        anchor, ordered, choices = self.narrow(candidates, engines, request.line)
         return anchor, ordered, choices, candidates
 
     def _bound(self, request: RoutingRequest, anchor: Anchor | None, ordered: list[E]) -> list[E]:
