@@ -19,6 +19,8 @@ from bench.suites.report import Report
 from bench.suites.routing.engine_set import EngineSet, engine_dtype
 from bench.suites.routing.real import (
     AFFINITY,
+    BASELINE,
+    BASELINE_STORE,
     CACHE_AWARE,
     HOT1,
     IDEAL,
@@ -166,6 +168,16 @@ def test_hot_divisor_row_runs_on_the_eviction_workload_only() -> None:
     assert fronts_for(EVICTION, only) == [AFFINITY, STORE]
     assert fronts_for(EVICTION, RealOptions(fronts=["=affin"])) == []
     assert STORE in fronts_for("few_shot", opts)
+
+
+def test_baseline_rows_run_only_with_a_baseline_tree(tmp_path: Path) -> None:
+    """`--baseline-tree DIR` adds the affinity rows from that checkout, next to this
+    one's; without it they are not run, whatever `--front` asks for."""
+    assert BASELINE not in fronts_for("chat", RealOptions(fronts=["affinity"]))
+    opts, _ = parse_args(["--real-vllm", "--baseline-tree", str(tmp_path), "--front", "affinity"])
+    assert opts.baseline_tree == tmp_path
+    assert fronts_for("chat", opts) == [AFFINITY, STORE, BASELINE, BASELINE_STORE]
+    assert fronts_for(EVICTION, opts) == [AFFINITY, STORE, BASELINE, BASELINE_STORE, HOT1]
 
 
 def test_quick_option_takes_two_engines_and_the_quick_sizes() -> None:

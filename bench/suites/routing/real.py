@@ -63,11 +63,22 @@ LEAST_LOADED = "least_loaded"
 CACHE_AWARE = "vllm-router cache_aware"
 ROUTER_RR = "vllm-router round_robin"
 IDEAL = "ideal (1 engine, all the cache)"
-FRONTS = (AFFINITY, STORE, ROUND_ROBIN, LEAST_LOADED, HOT1, CACHE_AWARE, ROUTER_RR, IDEAL)
-
-# Starts a front end before the engines, with the gateway settings given (`--gateway-env`);
-# None when it is not installed.
-Starter = Callable[[Fleet, list[str], dict[str, str]], tuple[list[str], dict[str, str]] | None]
+# The gateway's two affinity rows again, from another checkout (`--baseline-tree`): a
+# change to the routing rules against the code before it, on the same engines.
+BASELINE = "affinity (baseline tree)"
+BASELINE_STORE = "affinity + store (baseline tree)"
+FRONTS = (
+    AFFINITY,
+    STORE,
+    BASELINE,
+    BASELINE_STORE,
+    ROUND_ROBIN,
+    LEAST_LOADED,
+    HOT1,
+    CACHE_AWARE,
+    ROUTER_RR,
+    IDEAL,
+)
 
 
 @dataclass
@@ -98,6 +109,8 @@ class RealOptions:
     dtype: str = "auto"
     # The engines' executor (engine_set.EXECUTORS).
     executor: str = "uni"
+    # Another checkout whose gateway runs the BASELINE rows (None: no such rows).
+    baseline_tree: Path | None = None
 
     @property
     def models(self) -> tuple[str, str]:
@@ -243,19 +256,29 @@ def alongside(
     )
 
 
-def _gateway(policy: str, extra: dict[str, str] | None = None, store: bool = False) -> Starter:
+# Starts a front end before the engines, with the options' gateway settings
+# (`--gateway-env`); None when it is not installed.
+Starter = Callable[[Fleet, list[str], RealOptions], tuple[list[str], dict[str, str]] | None]
+
+
+def _gateway(
+    policy: str, extra: dict[str, str] | None = None, store: bool = False, baseline: bool = False
+) -> Starter:
     def start(
-        fleet: Fleet, engines: list[str], settings: dict[str, str]
+        fleet: Fleet, engines: list[str], opts: RealOptions
     ) -> tuple[list[str], dict[str, str]] | None:
         env = {"GATEWAY_ROUTING__POLICY": policy, "GATEWAY_LOG_LEVEL": "warning"}
-        env.update({**settings, **(extra or {})})
+        env.update({**opts.gateway_env, **(extra or {})})
+        if baseline and opts.baseline_tree is None:
+            return None
         if store:
             if redis_server_path() is None:
                 return None
             # A fresh, empty store for every run, like the freshly reset engines.
             env["GATEWAY_ROUTING__STORE_URL"] = fleet.redis().url
-        name = f"gateway-{policy}{'-store' if store else ''}"
-        server = fleet.gateway(engines, env, name=name, pin=False)
+        name = f"gateway-{policy}{'-store' if store else ''}{'-baseline' if baseline else ''}"
+        tree = opts.baseline_tree if baseline else None
+        server = fleet.gateway(engines, env, name=name, pin=False, tree=tree)
         return [server.url], {"Authorization": f"Bearer {BENCH_KEY}"}
 
     return start
@@ -263,7 +286,7 @@ def _gateway(policy: str, extra: dict[str, str] | None = None, store: bool = Fal
 
 def _router(policy: str) -> Starter:
     def start(
-        fleet: Fleet, engines: list[str], settings: dict[str, str]
+        fleet: Fleet, engines: list[str], opts: RealOptions
     ) -> tuple[list[str], dict[str, str]] | None:
         server: Server | None = fleet.vllm_router(engines, policy, name=f"vllm-router-{policy}")
         return None if server is None else ([server.url], {})
@@ -276,6 +299,8 @@ STARTERS: dict[str, Starter] = {
     # The shared placement store (a redis-server of its own): a new anchor goes to the
     # least busy engine it may go to, and a conversation stays where its first turn went.
     STORE: _gateway("affinity", store=True),
+    BASELINE: _gateway("affinity", baseline=True),
+    BASELINE_STORE: _gateway("affinity", store=True, baseline=True),
     ROUND_ROBIN: _gateway("round_robin"),
     LEAST_LOADED: _gateway("least_loaded"),
     # A prefix is hot above 1 / (divisor x engines) of the traffic: with 1, a shared
@@ -289,6 +314,8 @@ STARTERS: dict[str, Starter] = {
 def fronts_for(workload: str, opts: RealOptions) -> list[str]:
     """The fleet's front ends for `workload` (the ideal engine apart)."""
     names = [f for f in FRONTS if f != IDEAL and (f != HOT1 or workload == EVICTION)]
+    if opts.baseline_tree is None:
+        names = [f for f in names if f not in (BASELINE, BASELINE_STORE)]
     return [f for f in names if wanted(f, opts.fronts)]
 
 
@@ -443,7 +470,7 @@ def run_front(
         if front == IDEAL:
             urls = engines.urls
         else:
-            started = STARTERS[front](fleet, engines.urls, opts.gateway_env)
+            started = STARTERS[front](fleet, engines.urls, opts)
             if started is None:
                 return None
             urls, headers = started
@@ -583,12 +610,13 @@ def run(opts: RealOptions, workdir: Path) -> list[RealResult]:
     return results
 
 
-def commit() -> str:
+def commit(tree: Path = ROOT) -> str:
+    """The checkout's commit, and whether its gateway/ differs from it."""
     done = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True
     )
     dirty = subprocess.run(
-        ["git", "status", "--porcelain", "gateway"], cwd=ROOT, capture_output=True, text=True
+        ["git", "status", "--porcelain", "gateway"], cwd=tree, capture_output=True, text=True
     )
     return done.stdout.strip() + (" (gateway/ modified)" if dirty.stdout.strip() else "")
 
@@ -622,6 +650,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[RealOptions, argparse.Namesp
                    help="a setting for every gateway front end (repeatable)")  # fmt: skip
     p.add_argument("--size", choices=("auto", "big", "small"), default="auto",
                    help="the models' (auto: big in bfloat16, small in float32)")  # fmt: skip
+    p.add_argument("--baseline-tree", type=Path, metavar="DIR",
+                   help="also run the gateway's affinity rows from this checkout (e.g. a"
+                   " worktree of the commit before a change), on the same engines")  # fmt: skip
     p.add_argument("--executor", choices=tuple(EXECUTORS), default="uni",
                    help="the engines' (uni: the model in the engine core's process; mp: in a"
                    " worker that busy-polls for a second after each step, vLLM's CPU"
@@ -641,6 +672,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[RealOptions, argparse.Namesp
         dtype=args.dtype,
         size=args.size,
         executor=args.executor,
+        baseline_tree=args.baseline_tree,
         gateway_env=dict(gateway_setting(p, item) for item in args.gateway_env),
     )
     if args.workload:
@@ -675,6 +707,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         repeats=opts.repeats,
         commit=commit(),
     )
+    if opts.baseline_tree is not None:
+        report.meta["baseline_tree"] = commit(opts.baseline_tree)
     if opts.gateway_env:
         report.meta["gateway_env"] = " ".join(f"{k}={v}" for k, v in opts.gateway_env.items())
     with tempfile.TemporaryDirectory(prefix="bench-routing-real-") as tmp:

@@ -10,6 +10,8 @@ from typing import Any
 from bench.suites.report import Report, fmt
 from bench.suites.routing.real import (
     AFFINITY,
+    BASELINE,
+    BASELINE_STORE,
     CACHE_AWARE,
     FRONTS,
     HOT1,
@@ -46,7 +48,7 @@ def _pct(value: float | None) -> str:
 
 def write_real_report(report: Report, results: list[RealResult]) -> None:
     workloads = _workloads(results)
-    summary_fronts = [IDEAL, AFFINITY, STORE, HOT1, CACHE_AWARE]
+    summary_fronts = [IDEAL, AFFINITY, STORE, BASELINE, BASELINE_STORE, HOT1, CACHE_AWARE]
     summary_fronts += [ROUND_ROBIN, LEAST_LOADED, ROUTER_RR]
     shown = [f for f in summary_fronts if any(r.front == f for r in results)]
     rows = []
