@@ -19,6 +19,8 @@ import pytest
 from bench.harness.metrics import HTTP
 from bench.sim.config import DEFAULT_MODEL as MODEL
 from bench.suites.routing.workloads import png_data_url
+from gateway.routing.policy import Affinity, RoutingRequest
+from gateway.routing.settings import RoutingSettings
 from tests.procs import (
     Proc,
     client_request_id,
@@ -27,6 +29,7 @@ from tests.procs import (
     sim_received,
     wait_for,
 )
+from tests.unit.routing.test_policy import FakeEngine
 
 KEY = "sk-routing-e2e-0123456789abcdef"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
@@ -237,3 +240,49 @@ def test_a_session_header_keeps_different_prompts_on_one_engine(
     assert by_id["session-0-0"]["policy"] == "affinity"
     assert by_id["nosession-0"]["anchor_kind"] != "session"
     assert "s-0" not in json.dumps(by_id["session-0-0"])  # the session key is not logged
+
+
+def _point_at_the_end_of_the_line(engines: int) -> tuple[str, str]:
+    """A common prefix of two blocks and a new continuation of its first block, for
+    which a fresh gateway's affinity lays the first block's anchor (hot, but leading
+    nothing of its own: every request carrying it carries the second) as a point at the
+    end of the line. Found by the policy in-process, so the case is the one the
+    gateway meets whatever the anchors hash to."""
+    pool = [FakeEngine(f"http://10.0.0.{i + 1}:8000") for i in range(engines)]
+    for i in range(100):
+        policy = Affinity(RoutingSettings())
+        first = f"Shared examples {i}. ".ljust(600, "a")
+        shared = first + f"Second part {i}. ".ljust(600, "b")
+        for j in range(12):
+            policy.order(RoutingRequest("/v1/completions", body=completion(shared, j)), pool)
+        if (1.0, 0.0) in policy._hot._layout.values():
+            return shared, first + f"another continuation {i}".ljust(600, "c")
+    raise AssertionError("no prefix laid at the end of the line")
+
+
+def completion(shared: str, j: int) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": shared + f" question {j}", "max_tokens": 2}
+
+
+@pytest.mark.slow
+def test_a_new_continuation_of_a_hot_prefix_is_served(engines: list[Proc], tmp_path: Path) -> None:
+    """A hot prefix whose traffic a longer hot prefix leads entirely, laid at the end of
+    the line of engines, then a request that carries it and continues otherwise: the
+    gateway serves it from the line's last engine. It answered 500 while the end of the
+    line was read as an engine past the last."""
+    shared, other = _point_at_the_end_of_the_line(len(engines))
+    proc = _gateway(tmp_path, [e.url for e in engines])
+    before = sum(counts(engines))
+    try:
+        with httpx.Client(timeout=10) as client:
+            for j in range(12):
+                r = client.post(
+                    proc.url + "/v1/completions", json=completion(shared, j), headers=HEADERS
+                )
+                assert r.status_code == 200, r.text
+            body = {"model": MODEL, "prompt": other, "max_tokens": 2}
+            r = client.post(proc.url + "/v1/completions", json=body, headers=HEADERS)
+    finally:
+        proc.stop()
+    assert r.status_code == 200, r.text
+    assert sum(counts(engines)) == before + 13
