@@ -29,7 +29,7 @@ from tests.procs import (
     sim_received,
     wait_for,
 )
-from tests.unit.routing.test_policy import FakeEngine
+from tests.unit.routing.test_policy import FakeEngine, leading_nothing
 
 KEY = "sk-routing-e2e-0123456789abcdef"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
@@ -251,12 +251,11 @@ def _point_at_the_end_of_the_line(engines: int) -> tuple[str, str]:
     pool = [FakeEngine(f"http://10.0.0.{i + 1}:8000") for i in range(engines)]
     for i in range(100):
         policy = Affinity(RoutingSettings())
-        first = f"Shared examples {i}. ".ljust(600, "a")
-        shared = first + f"Second part {i}. ".ljust(600, "b")
+        shared, other = leading_nothing(i)
         for j in range(12):
             policy.order(RoutingRequest("/v1/completions", body=completion(shared, j)), pool)
         if (1.0, 0.0) in policy._hot._layout.values():
-            return shared, first + f"another continuation {i}".ljust(600, "c")
+            return shared, other
     raise AssertionError("no prefix laid at the end of the line")
 
 

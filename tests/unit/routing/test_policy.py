@@ -285,14 +285,21 @@ def test_a_prefix_that_leads_nothing_at_the_end_of_the_line_routes() -> None:
     ends = 0
     for i in range(40):
         policy, pool = affinity(), engines(3)
-        first = f"Shared examples {i}. ".ljust(600, "a")
-        second = f"Second part {i}. ".ljust(600, "b")
+        shared, other = leading_nothing(i)
         for j in range(12):
-            route(policy, completion(first + second + f" question {j}"), pool)
+            route(policy, completion(shared + f" question {j}"), pool)
         layout = policy._hot._layout  # which case this draw reached
         ends += (1.0, 0.0) in layout.values()
-        route(policy, completion(first + f"another continuation {i}".ljust(600, "c")), pool)
+        route(policy, completion(other), pool)
     assert ends  # some draw lays the point at the end of the line
+
+
+def leading_nothing(i: int) -> tuple[str, str]:
+    """Draw `i` of a prefix of two 600-byte blocks that every request shares (its first
+    block leads nothing of its own), and a new continuation of its first block."""
+    first = f"Shared examples {i}. ".ljust(600, "a")
+    shared = first + f"Second part {i}. ".ljust(600, "b")
+    return shared, first + f"another continuation {i}".ljust(600, "c")
 
 
 def completion(prompt: str) -> RoutingRequest:
