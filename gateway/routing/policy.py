@@ -275,8 +275,10 @@ class Affinity:
         return self._bound(request, anchor, ordered)
 
     def peek(self, request: RoutingRequest, engines: Sequence[E]) -> list[E]:
-        """The order `order` would return, counting nothing: what this process would
-        decide, asked without changing what it has counted."""
+        """What this process would decide for `request` on its counts as they are,
+        counting nothing. `order` counts the request before deciding it, so for a
+        request that makes a prefix hot the two differ; asked right after `order`, with
+        the same engines and loads, `peek` returns `order`'s answer."""
         anchor, ordered, _, _ = self._decide(request, engines, count=False)
         return self._bound(request, anchor, ordered)
 
