@@ -15,6 +15,7 @@ from PIL import Image
 from bench.harness.realvllm.models import WORDS
 from bench.harness.redis_server import redis_server_path
 from bench.sim.cache import PrefixCache
+from bench.suites.fleet import CpuPlan, Fleet
 from bench.suites.report import Report
 from bench.suites.routing.engine_set import EngineSet, engine_dtype
 from bench.suites.routing.real import (
@@ -22,10 +23,12 @@ from bench.suites.routing.real import (
     BASELINE,
     BASELINE_STORE,
     CACHE_AWARE,
+    DIRECT,
     HOT1,
     IDEAL,
     LEAST_LOADED,
     ROUND_ROBIN,
+    STARTERS,
     STORE,
     RealOptions,
     RealResult,
@@ -50,7 +53,7 @@ from bench.suites.routing.real_offline import (
     run_offline,
     write_offline_report,
 )
-from bench.suites.routing.real_report import write_real_report
+from bench.suites.routing.real_report import PEERS, write_real_report
 from bench.suites.routing.real_workloads import EVICTION, FULL, QUICK, TINY, Sizes, build
 
 SMALL = Sizes(conversations=8, requests=40, images=3, questions=2, sides=(112, 168))
@@ -168,6 +171,21 @@ def test_hot_divisor_row_runs_on_the_eviction_workload_only() -> None:
     assert fronts_for(EVICTION, only) == [AFFINITY, STORE]
     assert fronts_for(EVICTION, RealOptions(fronts=["=affin"])) == []
     assert STORE in fronts_for("few_shot", opts)
+
+
+def test_the_direct_row_runs_only_when_named(tmp_path: Path) -> None:
+    """`--front direct`: each call straight to the next engine in turn (the client
+    alternates over the URLs it is given), for the engines' own times of the same
+    calls. Never part of the default suite, never a peer in the tail goal."""
+    assert DIRECT not in fronts_for("chat", RealOptions())
+    assert DIRECT not in fronts_for("chat", RealOptions(fronts=["affinity", "vllm"]))
+    opts, _ = parse_args(["--real-vllm", "--front", "direct", "--front", "=affinity + store"])
+    assert fronts_for("chat", opts) == [STORE, DIRECT]
+    assert fronts_for(EVICTION, opts) == [STORE, DIRECT]
+    engines = ["http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"]
+    with Fleet(tmp_path, CpuPlan(None, None)) as fleet:
+        assert STARTERS[DIRECT](fleet, engines, opts) == (engines, {})
+    assert DIRECT not in PEERS
 
 
 def test_baseline_rows_run_only_with_a_baseline_tree(tmp_path: Path) -> None:

@@ -13,6 +13,9 @@ Front ends: the gateway of this checkout with `affinity`, `round_robin` and
 `least_loaded`, `affinity` with the shared placement store (a fresh redis-server of
 its own, when one is installed), `affinity` with GATEWAY_ROUTING__HOT_DIVISOR=1 on the
 eviction workload, and vllm-router's `cache_aware` and `round_robin` when installed.
+When named with `--front direct`, also no front end at all: each call straight to the
+next engine in turn, the engines' own times for the same calls (not a peer: a
+conversation's turns scatter, as under round robin).
 
 Figures: hit rate and uncached prompt tokens from vLLM's own counters
 (`vllm:prefix_cache_hits_total` / `vllm:prefix_cache_queries_total` deltas, summed over
@@ -63,6 +66,9 @@ LEAST_LOADED = "least_loaded"
 CACHE_AWARE = "vllm-router cache_aware"
 ROUTER_RR = "vllm-router round_robin"
 IDEAL = "ideal (1 engine, all the cache)"
+# No front end: the client sends each call to the next engine in turn. Run only when
+# named with --front; not a peer in the goals (real_report.py).
+DIRECT = "direct (engines in turn)"
 # The gateway's two affinity rows again, from another checkout (`--baseline-tree`): a
 # change to the routing rules against the code before it, on the same engines.
 BASELINE = "affinity (baseline tree)"
@@ -77,6 +83,7 @@ FRONTS = (
     HOT1,
     CACHE_AWARE,
     ROUTER_RR,
+    DIRECT,
     IDEAL,
 )
 
@@ -308,12 +315,19 @@ STARTERS: dict[str, Starter] = {
     HOT1: _gateway("affinity", {"GATEWAY_ROUTING__HOT_DIVISOR": "1"}),
     CACHE_AWARE: _router("cache_aware"),
     ROUTER_RR: _router("round_robin"),
+    # The client alternates its calls over the URLs it is given (client.py, `replay`).
+    DIRECT: lambda fleet, engines, opts: (list(engines), {}),
 }
 
 
 def fronts_for(workload: str, opts: RealOptions) -> list[str]:
-    """The fleet's front ends for `workload` (the ideal engine apart)."""
-    names = [f for f in FRONTS if f != IDEAL and (f != HOT1 or workload == EVICTION)]
+    """The fleet's front ends for `workload` (the ideal engine apart; no front end only
+    when `--front` names it)."""
+    names = [
+        f
+        for f in FRONTS
+        if f != IDEAL and (f != HOT1 or workload == EVICTION) and (f != DIRECT or opts.fronts)
+    ]
     if opts.baseline_tree is None:
         names = [f for f in names if f not in (BASELINE, BASELINE_STORE)]
     return [f for f in names if wanted(f, opts.fronts)]
