@@ -29,7 +29,7 @@ from tests.procs import (
     sim_received,
     wait_for,
 )
-from tests.unit.routing.test_policy import FakeEngine, leading_nothing
+from tests.unit.routing.test_policy import FakeEngine, laid_at_the_end, leading_nothing
 
 KEY = "sk-routing-e2e-0123456789abcdef"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
@@ -242,7 +242,7 @@ def test_a_session_header_keeps_different_prompts_on_one_engine(
     assert "s-0" not in json.dumps(by_id["session-0-0"])  # the session key is not logged
 
 
-def _point_at_the_end_of_the_line(engines: int) -> tuple[str, str]:
+def _point_at_the_end_of_the_line(engines: int) -> tuple[list[str], str]:
     """A common prefix of two blocks and a new continuation of its first block, for
     which a fresh gateway's affinity lays the first block's anchor (hot, but leading
     nothing of its own: every request carrying it carries the second) as a point at the
@@ -251,16 +251,16 @@ def _point_at_the_end_of_the_line(engines: int) -> tuple[str, str]:
     pool = [FakeEngine(f"http://10.0.0.{i + 1}:8000") for i in range(engines)]
     for i in range(100):
         policy = Affinity(RoutingSettings())
-        shared, other = leading_nothing(i)
-        for j in range(12):
-            policy.order(RoutingRequest("/v1/completions", body=completion(shared, j)), pool)
-        if (1.0, 0.0) in policy._hot._layout.values():
-            return shared, other
+        prompts, other = leading_nothing(i)
+        for prompt in prompts:
+            policy.order(RoutingRequest("/v1/completions", body=completion(prompt)), pool)
+        if laid_at_the_end(policy):
+            return prompts, other
     raise AssertionError("no prefix laid at the end of the line")
 
 
-def completion(shared: str, j: int) -> dict[str, Any]:
-    return {"model": MODEL, "prompt": shared + f" question {j}", "max_tokens": 2}
+def completion(prompt: str) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 2}
 
 
 @pytest.mark.slow
@@ -269,18 +269,17 @@ def test_a_new_continuation_of_a_hot_prefix_is_served(engines: list[Proc], tmp_p
     the line of engines, then a request that carries it and continues otherwise: the
     gateway serves it from the line's last engine. It answered 500 while the end of the
     line was read as an engine past the last."""
-    shared, other = _point_at_the_end_of_the_line(len(engines))
+    prompts, other = _point_at_the_end_of_the_line(len(engines))
     proc = _gateway(tmp_path, [e.url for e in engines])
     before = sum(counts(engines))
     try:
         with httpx.Client(timeout=10) as client:
-            for j in range(12):
+            for prompt in prompts:
                 r = client.post(
-                    proc.url + "/v1/completions", json=completion(shared, j), headers=HEADERS
+                    proc.url + "/v1/completions", json=completion(prompt), headers=HEADERS
                 )
                 assert r.status_code == 200, r.text
-            body = {"model": MODEL, "prompt": other, "max_tokens": 2}
-            r = client.post(proc.url + "/v1/completions", json=body, headers=HEADERS)
+            r = client.post(proc.url + "/v1/completions", json=completion(other), headers=HEADERS)
     finally:
         proc.stop()
     assert r.status_code == 200, r.text

@@ -285,21 +285,27 @@ def test_a_prefix_that_leads_nothing_at_the_end_of_the_line_routes() -> None:
     ends = 0
     for i in range(40):
         policy, pool = affinity(), engines(3)
-        shared, other = leading_nothing(i)
-        for j in range(12):
-            route(policy, completion(shared + f" question {j}"), pool)
-        layout = policy._hot._layout  # which case this draw reached
-        ends += (1.0, 0.0) in layout.values()
+        prompts, other = leading_nothing(i)
+        for prompt in prompts:
+            route(policy, completion(prompt), pool)
+        ends += laid_at_the_end(policy)  # which case this draw reached
         route(policy, completion(other), pool)
     assert ends  # some draw lays the point at the end of the line
 
 
-def leading_nothing(i: int) -> tuple[str, str]:
-    """Draw `i` of a prefix of two 600-byte blocks that every request shares (its first
-    block leads nothing of its own), and a new continuation of its first block."""
+def leading_nothing(i: int) -> tuple[list[str], str]:
+    """Draw `i` of 12 prompts sharing a prefix of two 600-byte blocks, enough to make
+    both blocks hot (the first leads nothing of its own: every prompt carrying it
+    carries the second), and a new continuation of the first block."""
     first = f"Shared examples {i}. ".ljust(600, "a")
     shared = first + f"Second part {i}. ".ljust(600, "b")
-    return shared, first + f"another continuation {i}".ljust(600, "c")
+    prompts = [shared + f" question {j}" for j in range(12)]
+    return prompts, first + f"another continuation {i}".ljust(600, "c")
+
+
+def laid_at_the_end(policy: Affinity) -> bool:
+    """Whether `policy` lays a hot prefix as a point at the very end of its line."""
+    return (1.0, 0.0) in policy._hot._layout.values()
 
 
 def completion(prompt: str) -> RoutingRequest:

@@ -390,8 +390,8 @@ def test_the_watch_sees_a_point_at_the_end_of_the_line() -> None:
     """`Seen.at_end` counts the case of 384b94b (test_policy.py's stream of it)."""
     ends = 0
     for i in range(40):
-        shared, other = leading_nothing(i)
-        bodies = [completion(shared + f" question {j}").body for j in range(12)]
-        stream = [Step(Body(b), (0, 1, 2), (0, 0, 0)) for b in [*bodies, completion(other).body]]
+        prompts, other = leading_nothing(i)
+        bodies = [completion(p).body for p in [*prompts, other]]
+        stream = [Step(Body(b), (0, 1, 2), (0, 0, 0)) for b in bodies]
         ends += run(RoutingSettings(), stream).at_end
     assert ends
