@@ -274,10 +274,10 @@ def _gateway(
     def start(
         fleet: Fleet, engines: list[str], opts: RealOptions
     ) -> tuple[list[str], dict[str, str]] | None:
-        env = {"GATEWAY_ROUTING__POLICY": policy, "GATEWAY_LOG_LEVEL": "warning"}
-        env.update({**opts.gateway_env, **(extra or {})})
         if baseline and opts.baseline_tree is None:
             return None
+        env = {"GATEWAY_ROUTING__POLICY": policy, "GATEWAY_LOG_LEVEL": "warning"}
+        env.update({**opts.gateway_env, **(extra or {})})
         if store:
             if redis_server_path() is None:
                 return None
@@ -321,16 +321,24 @@ STARTERS: dict[str, Starter] = {
 
 
 def fronts_for(workload: str, opts: RealOptions) -> list[str]:
-    """The fleet's front ends for `workload` (the ideal engine apart; no front end only
-    when `--front` names it)."""
-    names = [
-        f
-        for f in FRONTS
-        if f != IDEAL and (f != HOT1 or workload == EVICTION) and (f != DIRECT or opts.fronts)
-    ]
-    if opts.baseline_tree is None:
-        names = [f for f in names if f not in (BASELINE, BASELINE_STORE)]
-    return [f for f in names if wanted(f, opts.fronts)]
+    """The fleet's front ends for `workload` that `--front` asks for (the ideal engine
+    apart)."""
+    return [f for f in FRONTS if _runs(f, workload, opts) and wanted(f, opts.fronts)]
+
+
+def _runs(front: str, workload: str, opts: RealOptions) -> bool:
+    """Whether `front` is one of the fleet's front ends for `workload`: the hot_divisor
+    1 row on the eviction workload only, the baseline rows with a baseline tree, no
+    front end only when `--front` names some."""
+    if front == IDEAL:
+        return False
+    if front == HOT1:
+        return workload == EVICTION
+    if front in (BASELINE, BASELINE_STORE):
+        return opts.baseline_tree is not None
+    if front == DIRECT:
+        return bool(opts.fronts)
+    return True
 
 
 def wanted(front: str, fronts: Sequence[str]) -> bool:
