@@ -186,6 +186,17 @@ def test_the_direct_row_runs_only_when_named(tmp_path: Path) -> None:
     with Fleet(tmp_path, CpuPlan(None, None)) as fleet:
         assert STARTERS[DIRECT](fleet, engines, opts) == (engines, {})
     assert DIRECT not in PEERS
+    # Its row is in the summary, and a faster tail than the peers' grades nothing.
+    results = [
+        _row(STORE, "chat", 0.89, 600.0, 1.1),
+        _row(CACHE_AWARE, "chat", 0.86, 590.0, 1.5),
+        _row(DIRECT, "chat", 0.83, 500.0, 1.0),
+    ]
+    report = Report.create("routing --real-vllm", tmp_path)
+    write_real_report(report, results)
+    assert report.tables[0].columns == ["workload", STORE, CACHE_AWARE, DIRECT]
+    tail = next(g for g in report.goals if g.name == f"chat: {STORE} TTFT p99 vs the best peer's")
+    assert tail.target == f"<= {CACHE_AWARE}'s"
 
 
 def test_baseline_rows_run_only_with_a_baseline_tree(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from bench.suites.routing.real import (
     BASELINE,
     BASELINE_STORE,
     CACHE_AWARE,
+    DIRECT,
     FRONTS,
     HOT1,
     IDEAL,
@@ -49,7 +50,7 @@ def _pct(value: float | None) -> str:
 def write_real_report(report: Report, results: list[RealResult]) -> None:
     workloads = _workloads(results)
     summary_fronts = [IDEAL, AFFINITY, STORE, BASELINE, BASELINE_STORE, HOT1, CACHE_AWARE]
-    summary_fronts += [ROUND_ROBIN, LEAST_LOADED, ROUTER_RR]
+    summary_fronts += [ROUND_ROBIN, LEAST_LOADED, ROUTER_RR, DIRECT]
     shown = [f for f in summary_fronts if any(r.front == f for r in results)]
     rows = []
     for w in workloads:
