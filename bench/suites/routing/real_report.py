@@ -10,12 +10,8 @@ from typing import Any
 from bench.suites.report import Report, fmt
 from bench.suites.routing.real import (
     AFFINITY,
-    BASELINE,
-    BASELINE_STORE,
     CACHE_AWARE,
-    DIRECT,
     FRONTS,
-    HOT1,
     IDEAL,
     LEAST_LOADED,
     ROUND_ROBIN,
@@ -49,8 +45,8 @@ def _pct(value: float | None) -> str:
 
 def write_real_report(report: Report, results: list[RealResult]) -> None:
     workloads = _workloads(results)
-    summary_fronts = [IDEAL, AFFINITY, STORE, BASELINE, BASELINE_STORE, HOT1, CACHE_AWARE]
-    summary_fronts += [ROUND_ROBIN, LEAST_LOADED, ROUTER_RR, DIRECT]
+    # The ideal first, as the column the others are read against; then FRONTS' order.
+    summary_fronts = [IDEAL, *(f for f in FRONTS if f != IDEAL)]
     shown = [f for f in summary_fronts if any(r.front == f for r in results)]
     rows = []
     for w in workloads:
