@@ -467,6 +467,16 @@ def test_the_tail_goal_says_how_far_its_gap_moves_with_the_runs(tmp_path: Path) 
         f"600 vs 250 ms, each over 3 runs' calls; the gap in 90% of redraws of the runs:"
         f" {spread[0]:+,.0f} to {spread[1]:+,.0f} ms"
     )
+    assert (goal.met, goal.detail) == (False, "by 350 ms, beyond the runs' spread")
+    # Runs that overlap: a verdict either way says the runs cannot tell it from its
+    # opposite.
+    for mine, theirs_ in (([0.3, 0.5, 0.7], [0.3, 0.45, 0.7]), ([0.3, 0.45, 0.7], [0.3, 0.5, 0.7])):
+        report = Report.create("routing --real-vllm", tmp_path)
+        write_real_report(report, pool([*_runs(AFFINITY, mine), *_runs(CACHE_AWARE, theirs_)]))
+        goal = next(g for g in report.goals if g.name.startswith("chat: affinity TTFT p99"))
+        assert goal.detail.endswith("inside the runs' spread")
+        assert goal.met is (mine < theirs_)
+        assert goal.verdict.startswith("met (inside" if goal.met else "missed (by ")
 
 
 def test_eviction_goal_is_met_at_the_bounds(tmp_path: Path) -> None:
