@@ -102,6 +102,20 @@ class Table:
     note: str = ""
 
 
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's model name as the kernel reports it; the platform's processor name
+    where there is no /proc/cpuinfo, "unknown" where neither says."""
+    try:
+        text = cpuinfo.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        name, sep, value = line.partition(":")
+        if sep and name.strip() == "model name" and value.strip():
+            return value.strip()
+    return platform.processor() or "unknown"
+
+
 @dataclass
 class Report:
     """One suite's results. Call `write()` once at the end."""
@@ -133,6 +147,9 @@ class Report:
             "load_average_at_start": [round(x, 2) for x in load],
             "python": sys.version.split()[0],
             "platform": platform.platform(),
+            # Which CPU: figures of two machines of one kind differ by it (a prefill on
+            # AMX against AVX-512 bfloat16 took a third of the time in the routing bench).
+            "cpu_model": cpu_model(),
         }
         return cls(suite, out_dir, meta, smoke=smoke)
 

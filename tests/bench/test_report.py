@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from bench.suites.report import NOT_GRADED, SMOKE, Report
+from bench.suites.report import NOT_GRADED, SMOKE, Report, cpu_model
 
 
 def written(tmp_path: Path, smoke: bool) -> tuple[Report, str, dict[str, Any]]:
@@ -64,3 +64,14 @@ def test_the_walk_report_says_when_it_is_a_smoke_run(smoke: bool) -> None:
     row = {"shape": "chat", "bytes": 1000, "objects": 12, "repeats": 5, "parse_ms": 0.01,
            "walk_ms": 0.02, "walk_per_parse": 2.0}  # fmt: skip
     assert (SMOKE in report([row], smoke)) is smoke
+
+
+def test_the_report_names_the_cpu(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC\n\n")
+    assert cpu_model(cpuinfo) == "AMD EPYC"
+    # No such file (not Linux): the platform's name for it, never an error.
+    assert cpu_model(tmp_path / "absent") != ""
+    _, md, data = written(tmp_path / "out", smoke=False)
+    assert f"- cpu_model: {data['meta']['cpu_model']}" in md.splitlines()
+    assert data["meta"]["cpu_model"] == cpu_model()
