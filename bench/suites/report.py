@@ -147,8 +147,8 @@ class Report:
             "load_average_at_start": [round(x, 2) for x in load],
             "python": sys.version.split()[0],
             "platform": platform.platform(),
-            # Which CPU: figures of two machines of one kind differ by it (a prefill on
-            # AMX against AVX-512 bfloat16 took a third of the time in the routing bench).
+            # Which CPU: figures of two machines of one kind differ by it (docs/routing.md,
+            # "Six runs a side on an EPYC without AMX").
             "cpu_model": cpu_model(),
         }
         return cls(suite, out_dir, meta, smoke=smoke)
@@ -171,14 +171,17 @@ class Report:
         gap: Callable[[float], str],
         *,
         at_most: bool = True,
+        also: str = "",
     ) -> None:
         """A goal that `value` stays at most (or at least) `limit`; a miss says by how
-        much, as `gap(distance)`. No value: not measured."""
+        much, as `gap(distance)`, and either verdict adds `also`. No value: not
+        measured."""
         if value is None:
             self.goal(name, target, measured, None)
             return
         met = value <= limit if at_most else value >= limit
-        self.goal(name, target, measured, met, "" if met else f"by {gap(abs(value - limit))}")
+        details = ([] if met else [f"by {gap(abs(value - limit))}"]) + ([also] if also else [])
+        self.goal(name, target, measured, met, ", ".join(details))
 
     def note(self, text: str) -> None:
         self.notes.append(text)

@@ -158,21 +158,21 @@ def _grade(report: Report, results: list[RealResult], front: str) -> None:
         best = min(peers, key=lambda r: r.ttft_p99_ms or 0.0)
         assert best.ttft_p99_ms is not None
         pooled = f", each over {aff.runs} runs' calls" if aff.runs > 1 else ""
-        gap = aff.ttft_p99_ms - best.ttft_p99_ms
-        details = [] if gap <= 0 else [f"by {gap:,.0f} ms"]
         spread = p99_gap_interval(aff, best)
+        also = ""
         if spread is not None:
             low, high = spread
             pooled += f"; the gap in 90% of redraws of the runs: {low:+,.0f} to {high:+,.0f} ms"
             # A verdict the runs cannot tell from its opposite says so.
-            inside = low <= 0 <= high
-            details.append(f"{'inside' if inside else 'beyond'} the runs' spread")
-        report.goal(
+            also = f"{'inside' if low <= 0 <= high else 'beyond'} the runs' spread"
+        report.bound(
             f"{w}: {front} TTFT p99 vs the best peer's",
             f"<= {best.front}'s",
             f"{aff.ttft_p99_ms:,.0f} vs {best.ttft_p99_ms:,.0f} ms{pooled}",
-            gap <= 0,
-            ", ".join(details),
+            aff.ttft_p99_ms,
+            best.ttft_p99_ms,
+            lambda gap: f"{gap:,.0f} ms",
+            also=also,
         )
     for w in _workloads(results):
         aff = _by(results, front, w)
