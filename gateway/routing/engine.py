@@ -33,6 +33,7 @@ class Engine:
         "in_flight",
         "kv_cache_usage",
         "listing",
+        "mine_at_scrape",
         "models_at",
         "origin",
         "public_url",
@@ -65,6 +66,10 @@ class Engine:
         self.kv_cache_usage = 0.0
         # True once `running`, `waiting` and `kv_cache_usage` come from a scrape.
         self.scraped = False
+        # This process's requests in flight to it while it was last scraped (the fewer
+        # of the counts before and after): at most that many of the scraped requests
+        # were this process's.
+        self.mine_at_scrape = 0
         # The prompt tokens it recomputed lately, from its scraped prefix-cache counters
         # (the shared store places new anchors by them).
         self.recomputed = RecentTokens()
@@ -103,6 +108,17 @@ class Engine:
         if not self.scraped:
             return self.in_flight
         return max(self.in_flight, self.running + self.waiting)
+
+    @property
+    def busy(self) -> int:
+        """What the shared store's idle-first rule weighs (store.py): this process's
+        requests in flight now, plus the other processes' as last scraped (the engine's
+        running and waiting then, less this process's requests at that moment). A request
+        of this process that ended since the scrape is not counted, as it is in `load`
+        until the next scrape; the load bound keeps `load`, which replicas read alike."""
+        if not self.scraped:
+            return self.in_flight
+        return self.in_flight + max(0, self.running + self.waiting - self.mine_at_scrape)
 
     def __repr__(self) -> str:
         return f"Engine({self.url!r}, healthy={self.healthy}, in_flight={self.in_flight})"

@@ -22,6 +22,7 @@ from gateway.routing.anchors import Anchor, AnchorKind, candidate_anchors, sessi
 from gateway.routing.engine_load import RecentTokens
 from gateway.routing.hotspots import HotCandidates
 from gateway.routing.rendezvous import (
+    busy_of,
     first_within_bound,
     load_of,
     rendezvous_order,
@@ -301,7 +302,7 @@ class Affinity:
             [e.url for e in choices],
             request.key_digest,
             conversation_of(candidates, anchor),
-            [load_of(e) for e in choices],
+            [busy_of(e) for e in choices],
             recomputed_of(choices),
         )
         if url is not None and url != ordered[0].url:

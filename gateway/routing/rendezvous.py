@@ -41,6 +41,13 @@ def load_of(engine: _HasLoad) -> int:
     return load
 
 
+def busy_of(engine: _HasLoad) -> int:
+    """An engine's requests now: its `busy` when it has one (the pool's engines: this
+    process's in flight now plus the others' as scraped), else its requests in flight."""
+    busy: int = getattr(engine, "busy", engine.in_flight)
+    return busy
+
+
 def score(anchor: bytes, url: str) -> int:
     """The engine's weight for `anchor`: stable across processes (blake2b, not hash())."""
     digest = hashlib.blake2b(anchor, digest_size=8, person=b"rendezvous")

@@ -574,6 +574,48 @@ def test_a_new_anchor_goes_to_an_idle_engine_before_one_that_recomputed_less(
     assert place_after(redis, both, [2, 1], [100.0, 9000.0]) == A
 
 
+def test_a_new_anchor_goes_to_an_engine_whose_requests_from_here_have_ended(
+    redis: RedisServer,
+) -> None:
+    """The store weighs each engine's requests now: this process's in flight now, plus
+    the other processes' as last scraped. Both engines were scraped with one request
+    running; `first`'s was this process's and has ended since, `second`'s another
+    process's. A new conversation whose first choice is `second` goes to `first`, idle
+    now. By the scraped load (the code before) both were busy and it went to `second`;
+    the load bound still reads the scrape (one each)."""
+    from gateway.routing.engine import Engine
+    from gateway.routing.policy import Affinity, RoutingRequest
+    from gateway.routing.rendezvous import rendezvous_order
+    from gateway.routing.settings import RoutingSettings
+    from gateway.routing.store import PlacementStore
+    from gateway.store.client import StoreClient
+
+    settings = RoutingSettings()
+    body = chat(uuid.uuid4().hex[:8], 1)
+    policy = Affinity(settings)
+    pool = [Engine(A), Engine(B)]
+    anchor, _, _, _ = policy._decide(RoutingRequest("/v1/chat/completions", body=body), pool, False)
+    assert anchor is not None
+    second, first = rendezvous_order(anchor.digest, pool)
+    for engine, mine in ((first, 1), (second, 0)):
+        engine.healthy, engine.scraped, engine.running, engine.mine_at_scrape = True, True, 1, mine
+    assert (first.busy, second.busy, first.load, second.load) == (0, 1, 1, 1)
+
+    async def scenario() -> str:
+        client = StoreClient(
+            store_url(redis), prefix=f"test-{uuid.uuid4().hex[:8]}", timeout=5.0, retry=1.0
+        )
+        policy.store = PlacementStore(client, settings)
+        try:
+            request = RoutingRequest("/v1/chat/completions", body=body)
+            decision = await policy.choose(request, pool)
+            return decision.engines[0].url
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(scenario()) == first.url
+
+
 def test_a_new_anchor_goes_where_the_engines_recomputed_least(redis: RedisServer) -> None:
     """With every choice's recomputed tokens measured (its scraped prefix-cache counters),
     a new anchor's engine is chosen by tokens: each engine's own, plus its expected

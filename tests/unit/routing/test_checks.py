@@ -73,3 +73,43 @@ async def test_a_refused_connection_counts_at_once(script: list[str]) -> None:
     engine, upstream = await checked(script)
     assert not engine.healthy
     assert upstream.health_requests == 1
+
+
+class MetricsEngine(FakeEngine):
+    """Answers GET /metrics with `running` requests, after `during(engine)` has run: what
+    this process's requests do while the scrape is on its way."""
+
+    def __init__(self, engine: Engine, running: int, during: int) -> None:
+        self.engine, self.running, self.during = engine, running, during
+
+    async def answer(self, sent: Sent) -> FakeResponse:
+        assert sent.target == "/metrics"
+        self.engine.in_flight = self.during
+        body = f"vllm:num_requests_running {self.running}\nvllm:num_requests_waiting 0\n"
+        return FakeResponse(200, [body.encode()], "text/plain")
+
+
+@pytest.mark.parametrize(
+    ("before", "during", "running", "mine", "busy_after_all_end"),
+    [
+        # Ours alone: once they end, the engine is idle for the store, busy for the bound.
+        (2, 2, 2, 2, 0),
+        # One of ours ended while the scrape was on its way: one running is another's.
+        (2, 1, 2, 1, 1),
+        # One of ours was sent meanwhile, not yet taken in: no one else's.
+        (1, 2, 1, 1, 0),
+        # Another process's three.
+        (0, 0, 3, 0, 3),
+    ],
+)
+async def test_a_scrape_records_how_many_of_its_requests_were_this_processs(
+    before: int, during: int, running: int, mine: int, busy_after_all_end: int
+) -> None:
+    engine = Engine("http://127.0.0.1:9")
+    engine.in_flight = before
+    await EngineChecks(SETTINGS, MetricsEngine(engine, running, during), []).scrape(engine)
+    assert engine.scraped and engine.running == running
+    assert engine.mine_at_scrape == mine
+    engine.in_flight = 0
+    assert engine.busy == busy_after_all_end
+    assert engine.load == running

@@ -74,6 +74,37 @@ def test_engine_load_is_what_the_engine_reports(
 
 
 @pytest.mark.parametrize(
+    ("in_flight", "running", "waiting", "mine_at_scrape", "scraped", "busy", "load"),
+    [
+        (2, 0, 0, 0, False, 2, 2),  # nothing read: this process's own count
+        # This process's one request, scraped running, has ended: idle now (the load bound
+        # still reads the scrape).
+        (0, 1, 0, 1, True, 0, 1),
+        # Another process's request, scraped: still counted until the next scrape.
+        (0, 1, 0, 0, True, 1, 1),
+        # One of ours ended, one of another's runs, one of ours was sent since.
+        (1, 2, 0, 1, True, 2, 2),
+        (3, 1, 1, 1, True, 4, 3),
+        # More of ours at the scrape than the engine had taken in: no one else's.
+        (1, 0, 0, 2, True, 1, 1),
+    ],
+)
+def test_busy_counts_this_process_now_and_the_others_as_scraped(
+    in_flight: int,
+    running: int,
+    waiting: int,
+    mine_at_scrape: int,
+    scraped: bool,
+    busy: int,
+    load: int,
+) -> None:
+    engine = Engine("http://10.0.0.1:8000")
+    engine.in_flight, engine.running, engine.waiting = in_flight, running, waiting
+    engine.mine_at_scrape, engine.scraped = mine_at_scrape, scraped
+    assert (engine.busy, engine.load) == (busy, load)
+
+
+@pytest.mark.parametrize(
     ("text", "recomputed"),
     [
         # vLLM's prefix-cache counters: queries less hits, summed over label sets.
