@@ -225,6 +225,7 @@ class Gateway:
         self.metrics.watch_pool(lambda: self.pool.engines, policy.name)
         if policy.store is not None:
             self.metrics.watch_store(policy.store)
+        self.placements = policy.store
         # The limits of the client connections themselves, for the connection protocol
         # (gateway/server/protocol.py), which finds the guard in the lifespan state.
         self.connections = ConnectionGuard(
@@ -345,6 +346,9 @@ class Gateway:
             stack.push_async_callback(self.pool.stop)
             if self.store is not None:
                 stack.push_async_callback(self.store.aclose)
+            if self.placements is not None:
+                # Before the first request: it would pay the connection and the script.
+                await self.placements.warm()
             if self.shared_limits is not None:
                 renewer = asyncio.create_task(self.shared_limits.run(), name="lease-renewal")
                 stack.push_async_callback(_cancel, renewer)

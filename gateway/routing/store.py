@@ -281,6 +281,11 @@ class PlacementStore:
     def up(self) -> bool:
         return self.client.up
 
+    async def warm(self) -> None:
+        """Connect and load the placement script, so that the first request placed pays
+        neither (a failure is the store's, as a request's would be)."""
+        await self.client.attempt(lambda: self.client.redis.script_load(PLACE))
+
     async def place(
         self,
         anchor: bytes,

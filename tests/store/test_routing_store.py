@@ -9,6 +9,7 @@ left out of the fast suite like the real-engine tier, never skipped silently.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import signal
@@ -248,6 +249,30 @@ def test_a_store_that_stops_answering_falls_back_and_recovers(
     finally:
         gateway.stop()
         secured.stop()
+
+
+def test_the_placement_script_is_loaded_before_the_first_request(
+    tmp: Path, engines: list[Proc]
+) -> None:
+    """A gateway connects to the store and loads its placement script as it starts, so
+    its first placed request pays for neither (a round trip and the script's compile on
+    the store, about 2.5 ms measured)."""
+    from gateway.routing.store import PLACE
+
+    fresh = RedisServer(free_port(), tmp / "redis-fresh.log").start()
+    try:
+        sha = hashlib.sha1(PLACE.encode()).hexdigest()
+        store = redis_client.Redis(port=fresh.port)
+        assert store.script_exists(sha) == [False]
+        gateway = start_gateway(tmp, engines, store_url=store_url(fresh))
+        try:
+            assert store.script_exists(sha) == [True]
+            assert placements(gateway, "placed") == 0
+        finally:
+            gateway.stop()
+        store.close()
+    finally:
+        fresh.stop()
 
 
 def test_two_workers_share_the_store(tmp: Path, engines: list[Proc], redis: RedisServer) -> None:
