@@ -88,8 +88,10 @@ class Forwarder:
                 ex.failovers = attempt
                 self._counts.failovers += 1
             # Counted in the engine's `in_flight` while it serves the request, however
-            # the request ends (a `with` object cost three Python calls a request).
+            # the request ends (a `with` object cost three Python calls a request), and
+            # in its `sent` for good.
             engine.in_flight += 1
+            engine.sent += 1
             try:
                 sent_at = time.perf_counter()
                 try:

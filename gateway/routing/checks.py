@@ -177,7 +177,7 @@ class EngineChecks:
     async def scrape(self, engine: Engine) -> None:
         """Read `engine`'s own load from its /metrics (engine_load.py); unknown when that
         fails."""
-        mine = engine.in_flight
+        in_flight, sent = engine.in_flight, engine.sent
         try:
             status, body = await self._get(engine, "/metrics")
         except (UpstreamError, TimeoutError):
@@ -194,7 +194,7 @@ class EngineChecks:
             load.kv_cache_usage,
         )
         engine.scraped = True
-        engine.mine_at_scrape = min(mine, engine.in_flight)
+        engine.mine_at_scrape = in_flight + engine.sent - sent
         if load.recomputed is not None:
             engine.recomputed.observe(load.recomputed, time.monotonic(), self._settings.store_decay)
 

@@ -41,6 +41,7 @@ class Engine:
         "recomputed",
         "running",
         "scraped",
+        "sent",
         "since",
         "slow_since",
         "stale",
@@ -66,9 +67,11 @@ class Engine:
         self.kv_cache_usage = 0.0
         # True once `running`, `waiting` and `kv_cache_usage` come from a scrape.
         self.scraped = False
-        # This process's requests in flight to it while it was last scraped (the fewer
-        # of the counts before and after): at most that many of the scraped requests
-        # were this process's.
+        # Requests this process has sent it, ever.
+        self.sent = 0
+        # This process's requests that its last scrape may have counted: those in flight
+        # when the scrape was sent, plus those sent while it was on its way. An upper
+        # bound, so that a request of this process is never taken for another's.
         self.mine_at_scrape = 0
         # The prompt tokens it recomputed lately, from its scraped prefix-cache counters
         # (the shared store places new anchors by them).
@@ -113,9 +116,10 @@ class Engine:
     def busy(self) -> int:
         """What the shared store's idle-first rule weighs (store.py): this process's
         requests in flight now, plus the other processes' as last scraped (the engine's
-        running and waiting then, less this process's requests at that moment). A request
-        of this process that ended since the scrape is not counted, as it is in `load`
-        until the next scrape; the load bound keeps `load`, which replicas read alike."""
+        running and waiting then, less this process's requests it may have counted). A
+        request of this process that ended since the scrape is not counted, as it is in
+        `load` until the next scrape; the load bound keeps `load`, which replicas read
+        alike."""
         if not self.scraped:
             return self.in_flight
         return self.in_flight + max(0, self.running + self.waiting - self.mine_at_scrape)

@@ -6,9 +6,10 @@ hash (docs/routing.md, "The offline replay", Balance). With `store_url` set, a n
 anchor goes to the engine with the lowest expected load among the engines the stateless
 rule would choose from (the hot-prefix spread is kept), ties by rendezvous order: its
 recent requests, plus the requests its anchors are still expected to bring, decaying
-with `store_decay` seconds (both recorded in the store), plus its requests now (so a new
-prompt's first prefill does not meet another request while an engine it may go to is
-idle). When every engine it may go to reports its prefix cache's counters
+with `store_decay` seconds (both recorded in the store), plus its requests now
+(`Engine.busy`: this process's in flight now, the other processes' as last scraped; so
+a new prompt's first prefill does not meet another request while an engine it may go to
+is idle). When every engine it may go to reports its prefix cache's counters
 (engine_load.py), that load is in tokens instead: the tokens each engine recomputed
 lately, as measured (a template's cold prefill, partial blocks and evictions included),
 plus its expected and current requests at the mean tokens per request. Every replica and
@@ -73,8 +74,8 @@ from gateway.store.client import StoreClient
 # key's anchors deleted for the bound.
 #
 # An engine's expected load is its recent requests plus the credit of its anchors,
-# both decaying with the time constant, plus its requests now (running and waiting as
-# the engine reports them, or in flight from the calling process when more): a new
+# both decaying with the time constant, plus its requests now (the calling process's in
+# flight now, plus the others' as the engine last reported them: `Engine.busy`): a new
 # anchor brings a credit of the mean requests per anchor (measured over ten time
 # constants), which its requests use up. Without the credit, a burst of new
 # conversations would be placed by their first turns alone, before the later turns that

@@ -76,38 +76,45 @@ async def test_a_refused_connection_counts_at_once(script: list[str]) -> None:
 
 
 class MetricsEngine(FakeEngine):
-    """Answers GET /metrics with `running` requests, after `during(engine)` has run: what
-    this process's requests do while the scrape is on its way."""
+    """Answers GET /metrics with `running` requests, after this process has sent the
+    engine `sent` requests and `ended` of its requests have ended while the scrape was
+    on its way."""
 
-    def __init__(self, engine: Engine, running: int, during: int) -> None:
-        self.engine, self.running, self.during = engine, running, during
+    def __init__(self, engine: Engine, running: int, sent: int, ended: int) -> None:
+        self.engine, self.running, self.sent, self.ended = engine, running, sent, ended
 
-    async def answer(self, sent: Sent) -> FakeResponse:
-        assert sent.target == "/metrics"
-        self.engine.in_flight = self.during
+    async def answer(self, request: Sent) -> FakeResponse:
+        assert request.target == "/metrics"
+        self.engine.in_flight += self.sent - self.ended
+        self.engine.sent += self.sent
         body = f"vllm:num_requests_running {self.running}\nvllm:num_requests_waiting 0\n"
         return FakeResponse(200, [body.encode()], "text/plain")
 
 
 @pytest.mark.parametrize(
-    ("before", "during", "running", "mine", "busy_after_all_end"),
+    ("before", "sent", "ended", "running", "mine", "busy_after_all_end"),
     [
         # Ours alone: once they end, the engine is idle for the store, busy for the bound.
-        (2, 2, 2, 2, 0),
-        # One of ours ended while the scrape was on its way: one running is another's.
-        (2, 1, 2, 1, 1),
-        # One of ours was sent meanwhile, not yet taken in: no one else's.
-        (1, 2, 1, 1, 0),
-        # Another process's three.
-        (0, 0, 3, 0, 3),
+        (2, 0, 0, 2, 2, 0),
+        # One of ours ended while the scrape was on its way, counted or not: not taken
+        # for another process's.
+        (2, 0, 1, 2, 2, 0),
+        (2, 0, 1, 1, 2, 0),
+        # One of ours sent meanwhile, counted or not: likewise.
+        (1, 1, 0, 2, 2, 0),
+        (1, 1, 0, 1, 2, 0),
+        # Another process's three, and one of ours.
+        (0, 0, 0, 3, 0, 3),
+        (1, 0, 0, 4, 1, 3),
     ],
 )
-async def test_a_scrape_records_how_many_of_its_requests_were_this_processs(
-    before: int, during: int, running: int, mine: int, busy_after_all_end: int
+async def test_a_scrape_records_how_many_of_its_requests_the_engine_may_have_counted(
+    before: int, sent: int, ended: int, running: int, mine: int, busy_after_all_end: int
 ) -> None:
     engine = Engine("http://127.0.0.1:9")
-    engine.in_flight = before
-    await EngineChecks(SETTINGS, MetricsEngine(engine, running, during), []).scrape(engine)
+    engine.in_flight = engine.sent = before
+    scripted = MetricsEngine(engine, running, sent, ended)
+    await EngineChecks(SETTINGS, scripted, []).scrape(engine)
     assert engine.scraped and engine.running == running
     assert engine.mine_at_scrape == mine
     engine.in_flight = 0
