@@ -500,10 +500,13 @@ def test_slowest_calls_name_the_call_its_turn_its_engine_and_who_shared_it(
     spans = {"r1": (0.0, 1.0), "r2": (0.5, 0.7), "r3": (1.0, 1.6), "r5": (1.0, 1.1)}
     sent = sent_calls(calls, ttft, {"r1": 0, "r3": 1024}, where, spans)
     slow = slowest_calls(sent, count=3)
-    assert [(c.ttft_ms, c.key, c.index, c.turn, c.cached, c.engine, c.alongside) for c in slow] == [
-        (900.0, "conversation 0", 0, 0, 0, 2, 1),
-        (500.0, "conversation 0", 2, 1, 1024, 0, 0),
-        (100.0, "conversation 1", 1, 0, None, 2, 1),
+    assert [
+        (c.ttft_ms, c.key, c.index, c.turn, c.cached, c.engine, c.alongside, c.beside) for c in slow
+    ] == [
+        # r1 was sent to an idle engine and r2 joined it; r2 was sent while r1 ran there.
+        (900.0, "conversation 0", 0, 0, 0, 2, 1, 0),
+        (500.0, "conversation 0", 2, 1, 1024, 0, 0, 0),
+        (100.0, "conversation 1", 1, 0, None, 2, 1, 1),
     ]
     # Without spans (or the engine), who shared it is not known.
     assert slowest_calls(sent_calls(calls, ttft, {}, {"r1": 2}), count=1)[0].alongside is None
@@ -513,16 +516,16 @@ def test_slowest_calls_name_the_call_its_turn_its_engine_and_who_shared_it(
     assert nothing_cached({}) is None
     # Every call, in the order sent, is kept for the raw results.
     assert sent == [
-        ("conversation 0", 2, 0, 900.0, 1),
-        ("conversation 1", 2, None, 100.0, 1),
-        ("conversation 0", 0, 1024, 500.0, 0),
-        (None, None, None, None, None),
-        ("conversation 0", 2, None, 50.0, 0),
+        ("conversation 0", 2, 0, 900.0, 1, 0),
+        ("conversation 1", 2, None, 100.0, 1, 1),
+        ("conversation 0", 0, 1024, 500.0, 0, 0),
+        (None, None, None, None, None, None),
+        ("conversation 0", 2, None, 50.0, 0, 0),
     ]
     report = Report.create("routing --real-vllm", tmp_path)
     write_real_report(report, [result])
     table = next(t for t in report.tables if t.title == "chat: the slowest calls")
-    assert table.rows[0] == [AFFINITY, "900", "conversation 0", "0", "0", "0", "2", "1", "1"]
+    assert table.rows[0] == [AFFINITY, "900", "conversation 0", "0", "0", "0", "2", "1", "0", "1"]
     chat = next(t for t in report.tables if t.title == "chat")
     assert chat.rows[0][chat.columns.index("calls with nothing cached")] == "2"
 

@@ -54,7 +54,7 @@ def test_engines_count_serve_and_start_empty_again(tmp_path: Path) -> None:
         assert sum(result.requests_per_engine) == result.calls > 0
         assert 0 < result.hit_rate < 1 and result.cold_cached == 0
         assert result.agreement is not None and result.follow_ups > 0
-        assert all(e is not None for _, e, _, _, _ in result.sent)
+        assert all(e is not None for _, e, _, _, _, _ in result.sent)
         engines.reset()
         # New processes, nothing counted, nothing cached.
         assert engines.urls != first

@@ -140,8 +140,9 @@ def model_pair(size: str, dtype: str) -> tuple[str, str]:
     return chat, multimodal
 
 
-# A call as sent: key, engine, cached tokens, ms to first chunk, calls alongside.
-Sent = tuple[str | None, int | None, int | None, float | None, int | None]
+# A call as sent: key, engine, cached tokens, ms to first chunk, calls alongside, and
+# those of them running on its engine when it was sent.
+Sent = tuple[str | None, int | None, int | None, float | None, int | None, int | None]
 
 
 @dataclass
@@ -207,6 +208,9 @@ class SlowCall:
     # The run's other calls on its engine at some moment before its first chunk (None:
     # its engine or its span is unknown).
     alongside: int | None = None
+    # Of those, the calls already running on its engine when it was sent: what its
+    # front end placed it beside, where the others joined it after.
+    beside: int | None = None
     # Which run of its front end it was in (0: the first; `--repeats`).
     run: int = 0
 
@@ -216,10 +220,10 @@ def slowest_calls(sent: Sequence[Sent], count: int = SLOWEST) -> list[SlowCall]:
     slowest first."""
     turns: dict[str | None, int] = {}
     found = []
-    for index, (key, engine, cached, ms, shared) in enumerate(sent):
+    for index, (key, engine, cached, ms, shared, beside) in enumerate(sent):
         turn = turns[key] = turns.get(key, -1) + 1
         if ms is not None:
-            found.append(SlowCall(ms, key, index, turn, cached, engine, shared))
+            found.append(SlowCall(ms, key, index, turn, cached, engine, shared, beside))
     return sorted(found, key=lambda c: -c.ttft_ms)[:count]
 
 
@@ -231,13 +235,18 @@ def sent_calls(
     spans: dict[str, tuple[float, float]] | None = None,
 ) -> list[Sent]:
     """Every call in the order sent: (key, engine, cached tokens, ms to first chunk,
-    other calls on its engine before its first chunk)."""
+    other calls on its engine before its first chunk, those of them running there when
+    it was sent)."""
     out: list[Sent] = []
+    spans = spans or {}
     for request_id, key in calls:
         ms = ttft.get(request_id)
-        shared = None if ms is None else alongside(request_id, ttft, where, spans or {})
+        shared = beside = None
+        if ms is not None:
+            shared = alongside(request_id, ttft, where, spans)
+            beside = alongside(request_id, ttft, where, spans, when_sent=True)
         first = None if ms is None else round(ms * 1000, 1)
-        out.append((key, where.get(request_id), cached.get(request_id), first, shared))
+        out.append((key, where.get(request_id), cached.get(request_id), first, shared, beside))
     return out
 
 
@@ -251,19 +260,21 @@ def alongside(
     ttft: dict[str, float],
     where: dict[str, int],
     spans: dict[str, tuple[float, float]],
+    when_sent: bool = False,
 ) -> int | None:
     """How many other calls were on `request_id`'s engine at some moment between its
-    sending and its first chunk (a call is on its engine from its sending to its last
-    chunk, as the client saw them)."""
+    sending and its first chunk, or with `when_sent` at its sending (a call is on its
+    engine from its sending to its last chunk, as the client saw them)."""
     engine = where.get(request_id)
     span = spans.get(request_id)
     if engine is None or span is None:
         return None
-    start, first = span[0], span[0] + ttft[request_id]
+    start = span[0]
+    until = start if when_sent else start + ttft[request_id]
     return sum(
         1
         for other, (sent, done) in spans.items()
-        if other != request_id and where.get(other) == engine and sent < first and done > start
+        if other != request_id and where.get(other) == engine and sent < until and done > start
     )
 
 

@@ -128,6 +128,7 @@ def slowest(report: Report, results: list[RealResult]) -> None:
                         "n/a" if c.cached is None else f"{c.cached:,}",
                         "n/a" if c.engine is None else c.engine,
                         "n/a" if c.alongside is None else c.alongside,
+                        "n/a" if c.beside is None else c.beside,
                         c.run + 1,
                     ]
                 )
@@ -135,7 +136,8 @@ def slowest(report: Report, results: list[RealResult]) -> None:
             report.table(
                 f"{w}: the slowest calls",
                 ["front end", "TTFT ms", "key", "its call", "call of the run", "cached tokens",
-                 "engine", "other calls on its engine", "run"],
+                 "engine", "other calls on its engine", "of them running there when sent",
+                 "run"],
                 rows,
             )  # fmt: skip
 
