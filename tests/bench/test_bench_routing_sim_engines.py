@@ -89,3 +89,30 @@ def test_a_run_pools_each_front_end_and_the_ideal(tmp_path: Path) -> None:
     # partitioned by conversation do not: no ceiling there.)
     for front in (AFFINITY, IDEAL):
         assert rows[(front, EVICTION)].hit_rate < rows[(front, "chat")].hit_rate
+
+
+def test_a_warm_up_is_served_first_and_left_out(tmp_path: Path) -> None:
+    """With `--warm-up` the front end first serves conversations of its own under the
+    same system prompts; the figures count only the measured conversations, which then
+    find their system prompt cached from their first turn. Without it the first turn
+    under each prompt finds nothing."""
+    assert parse_args(["--real-vllm", "--warm-up"])[0].warm_up
+    assert not parse_args(["--real-vllm"])[0].warm_up
+    sizes = Sizes(conversations=4, systems=2, turns=(2, 3), warm_conversations=2, sides=(112,))
+    cold, warm = (build("chat", "llama-big", sizes, 0, warm_up=w) for w in (False, True))
+    assert warm.warmup == 2 and len(warm.sessions) == 6 and warm.cold_keys == frozenset()
+    engines = SimEngineSet("llama-big", 1, tmp_path).start()
+    try:
+        opts = RealOptions(engines=1, sizes=sizes, live=4)
+        found = {}
+        for name, workload in (("cold", cold), ("warm", warm)):
+            result = run_front(IDEAL, workload, engines, opts, tmp_path)
+            assert result is not None and result.errors == 0, result and result.first_error
+            measured = sum(len(s) for s in workload.measured)
+            # The engine's own counter: the warm-up's requests left out.
+            assert result.calls == measured == sum(result.requests_per_engine)
+            assert {key for key, *_ in result.sent} == {f"conversation {i}" for i in range(4)}
+            found[name] = result.nothing_cached
+    finally:
+        engines.stop()
+    assert found == {"cold": 2, "warm": 0}

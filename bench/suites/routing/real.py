@@ -122,6 +122,8 @@ class RealOptions:
     baseline_tree: Path | None = None
     # Simulated engines (sim_engines.py) in place of vLLM.
     sim_engines: bool = False
+    # Each front end first serves the workload's warm-up sessions, left out of the figures.
+    warm_up: bool = False
 
     @property
     def models(self) -> tuple[str, str]:
@@ -517,11 +519,18 @@ def run_front(
             urls, headers = started
         for url in urls:
             _wait_for_model(url, headers, timeout=60.0, model=engines.model)
+        warm = asyncio.run(
+            replay(workload.sessions[: workload.warmup], urls, headers, opts.concurrency,
+                   opts.live, tag="w")
+        )  # fmt: skip
+        if workload.warmup:
+            # The warm-up's last cache queries land with the engines' next stats.
+            time.sleep(1.5)
         before = engines.counters()
         marks = engines.log_marks()
         t0 = time.monotonic()
         outcome = asyncio.run(
-            replay(workload.sessions, urls, headers, opts.concurrency, opts.live, tag="r")
+            replay(workload.measured, urls, headers, opts.concurrency, opts.live, tag="r")
         )
         seconds = time.monotonic() - t0
     # The engines count a request's cache queries when it is scheduled and publish the
@@ -551,8 +560,8 @@ def run_front(
         agreement=agree,
         follow_ups=follow_ups,
         calls=len(outcome.calls),
-        errors=outcome.errors,
-        first_error=outcome.first_error,
+        errors=outcome.errors + warm.errors,
+        first_error=outcome.first_error or warm.first_error,
         cold_cached=cold,
         seconds=seconds,
         kv_tokens=engines.kv_tokens(),
@@ -570,8 +579,8 @@ def run_front(
         f"{fmt(result.ttft_p50_ms)} p99 {fmt(result.ttft_p99_ms)} ms, uncached per engine "
         f"{[round(u) for u in uncached]}, errors {result.errors}, {seconds:.0f} s"
     )
-    if outcome.first_error:
-        progress(f"  first error: {outcome.first_error}")
+    if result.first_error:
+        progress(f"  first error: {result.first_error}")
     return result
 
 
@@ -607,7 +616,9 @@ def run(opts: RealOptions, workdir: Path) -> list[RealResult]:
     """Every workload through every front end; at most `opts.engines` engines at once."""
     results: list[RealResult] = []
     for model, blocks, names in _groups(opts):
-        workloads = [build(n, model, opts.sizes, opts.seed, opts.max_tokens) for n in names]
+        workloads = [
+            build(n, model, opts.sizes, opts.seed, opts.max_tokens, opts.warm_up) for n in names
+        ]
         if any(fronts_for(w.name, opts) for w in workloads):
             kv = f"{blocks} KV blocks each" if blocks else "default KV"
             progress(f"starting {opts.engines} engines of {model} ({kv})")
@@ -701,6 +712,10 @@ def parse_args(argv: Sequence[str] | None) -> tuple[RealOptions, argparse.Namesp
                    help="simulated engines (bench.sim, one serialized GPU each) in place of"
                    " vLLM: the placement's own effect on the tail, without the CPU host's"
                    " noise (sim_engines.py)")  # fmt: skip
+    p.add_argument("--warm-up", action="store_true",
+                   help="each front end first serves warm-up sessions under the workload's"
+                   " shared prompts, left out of every figure: the measured part meets a"
+                   " fleet that has served them, not empty engines")  # fmt: skip
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
@@ -718,6 +733,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[RealOptions, argparse.Namesp
         executor=args.executor,
         baseline_tree=args.baseline_tree,
         sim_engines=args.sim_engines,
+        warm_up=args.warm_up,
         gateway_env=dict(gateway_setting(p, item) for item in args.gateway_env),
     )
     if args.workload:
@@ -763,6 +779,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         repeats=opts.repeats,
         commit=commit(),
     )
+    if opts.warm_up:
+        sizes = opts.sizes
+        report.meta["warm_up"] = (
+            f"first, through each front end: {sizes.warm_conversations} conversations,"
+            f" {sizes.warm_requests} template requests or {sizes.warm_images} images of the"
+            " workload's kind under its shared prompts, left out of every figure"
+        )
     if opts.baseline_tree is not None:
         report.meta["baseline_tree"] = commit(opts.baseline_tree)
     if opts.gateway_env:

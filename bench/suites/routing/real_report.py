@@ -150,6 +150,7 @@ def grade(report: Report, results: list[RealResult]) -> None:
 
 
 def _grade(report: Report, results: list[RealResult], front: str) -> None:
+    after = " after a warm-up" if report.meta.get("warm_up") else ""
     for w in TAIL_WORKLOADS:
         aff = _by(results, front, w)
         peers = [
@@ -168,7 +169,7 @@ def _grade(report: Report, results: list[RealResult], front: str) -> None:
             # A verdict the runs cannot tell from its opposite says so.
             also = f"{'inside' if low <= 0 <= high else 'beyond'} the runs' spread"
         report.bound(
-            f"{w}: {front} TTFT p99 vs the best peer's",
+            f"{w}: {front} TTFT p99 vs the best peer's{after}",
             f"<= {best.front}'s",
             f"{aff.ttft_p99_ms:,.0f} vs {best.ttft_p99_ms:,.0f} ms{pooled}",
             aff.ttft_p99_ms,

@@ -15,6 +15,12 @@ in). The calls of one session run in order, each after the previous one's answer
   message) of Zipf(1.1) popularity;
 - images: generated PNG images (448-672 px a side, `data:` URLs), each asked several
   questions by one request each, in random order, under one shared system prompt.
+
+With a warm-up, each workload also has sessions of its own kind under the same shared
+prompts (conversations, template requests, images: keys of their own, drawn after the
+measured ones, so those stay byte-identical), replayed first and left out of the figures:
+the measured part then meets a fleet that has served its shared prompts, as a gateway
+that runs for days does.
 """
 
 from __future__ import annotations
@@ -46,10 +52,18 @@ class Sizes:
     images: int = 24
     questions: int = 5
     sides: tuple[int, ...] = (448, 504, 560, 616, 672)
+    # The warm-up's sessions, with `warm_up`: conversations, template requests, images.
+    warm_conversations: int = 12
+    warm_requests: int = 80
+    warm_images: int = 8
 
 
 FULL = Sizes()
-QUICK = Sizes(conversations=12, turns=(4, 7), requests=60, images=8, questions=3)
+QUICK = Sizes(
+    conversations=12, turns=(4, 7), requests=60, images=8, questions=3,
+    warm_conversations=4, warm_requests=20, warm_images=3,
+)  # fmt: skip
+WARM = "warm-up "
 # For tiny-llama's 2,048-token context.
 TINY = Sizes(
     conversations=6,
@@ -69,13 +83,15 @@ def _body(model: str, messages: list[dict[str, Any]], max_tokens: int) -> dict[s
             "stream_options": {"include_usage": True}}  # fmt: skip
 
 
-def chat(model: str, sizes: Sizes, rng: random.Random, max_tokens: int) -> Workload:
+def chat(
+    model: str, sizes: Sizes, rng: random.Random, max_tokens: int, warm: bool = False
+) -> Workload:
     systems = [
         f"System prompt {i}. " + words(rng, rng.randint(*sizes.system_words))
         for i in range(sizes.systems)
     ]
-    sessions = []
-    for index in range(sizes.conversations):
+
+    def conversation(index: int, prefix: str) -> list[Call]:
         messages: list[dict[str, Any]] = [
             {"role": "system", "content": systems[index % sizes.systems]}
         ]
@@ -84,26 +100,33 @@ def chat(model: str, sizes: Sizes, rng: random.Random, max_tokens: int) -> Workl
             user = f"Turn {turn}. " + words(rng, rng.randint(*sizes.user_words))
             messages = [*messages, {"role": "user", "content": user}]
             body = _body(model, messages, max_tokens)
-            calls.append(Call(CHAT, body, key=f"conversation {index}"))
+            calls.append(Call(CHAT, body, key=f"{prefix}conversation {index}"))
             reply = words(rng, rng.randint(*sizes.reply_words))
             messages = [*messages, {"role": "assistant", "content": reply}]
-        sessions.append(calls)
+        return calls
+
+    sessions = [conversation(i, "") for i in range(sizes.conversations)]
+    warm_up = [conversation(i, WARM) for i in range(sizes.warm_conversations if warm else 0)]
     # The first conversation under each system prompt ("System prompt <i>." sets them
     # apart in the first block): the sessions open in order, and with fewer clients than
     # half the prompts, the next conversation under a prompt starts after its first
     # conversation's first turn was answered.
+    # After a warm-up no key is cold.
     cold = frozenset(f"conversation {i}" for i in range(min(sizes.systems, sizes.conversations)))
     return Workload(
         "chat",
         f"{sizes.conversations} conversations of {sizes.turns[0]}-{sizes.turns[1]} turns"
         f" under {sizes.systems} shared system prompts of {sizes.system_words[0]:,}-"
         f"{sizes.system_words[1]:,} words",
-        sessions,
-        cold_keys=cold,
+        [*warm_up, *sessions],
+        warmup=len(warm_up),
+        cold_keys=frozenset() if warm_up else cold,
     )
 
 
-def few_shot(model: str, sizes: Sizes, rng: random.Random, max_tokens: int) -> Workload:
+def few_shot(
+    model: str, sizes: Sizes, rng: random.Random, max_tokens: int, warm: bool = False
+) -> Workload:
     templates = []
     for i in range(sizes.templates):
         budget = rng.randint(*sizes.template_words)
@@ -116,21 +139,25 @@ def few_shot(model: str, sizes: Sizes, rng: random.Random, max_tokens: int) -> W
         templates.append(f"Template {i}. Answer like the examples.\n" + "\n\n".join(examples))
     # Zipf popularity, s = 1.1: the top template carries about a third of the requests.
     weights = [1.0 / (rank + 1) ** 1.1 for rank in range(sizes.templates)]
-    sessions = []
-    for _ in range(sizes.requests):
+
+    def request() -> list[Call]:
         (index,) = rng.choices(range(sizes.templates), weights)
         messages = [
             {"role": "system", "content": templates[index]},
             {"role": "user", "content": "Question: " + words(rng, rng.randint(20, 60))},
         ]
-        sessions.append([Call(CHAT, _body(model, messages, max_tokens), key=f"template {index}")])
+        return [Call(CHAT, _body(model, messages, max_tokens), key=f"template {index}")]
+
+    sessions = [request() for _ in range(sizes.requests)]
+    warm_up = [request() for _ in range(sizes.warm_requests if warm else 0)]
     return Workload(
         "few_shot",
         f"{sizes.requests} requests over {sizes.templates} few-shot templates of"
         f" {sizes.template_words[0]:,}-{sizes.template_words[1]:,} words, Zipf 1.1",
         # None cold: a template's first request and its second may be in flight at
         # once, and the engine may schedule the second first.
-        sessions,
+        [*warm_up, *sessions],
+        warmup=len(warm_up),
     )
 
 
@@ -150,29 +177,39 @@ def png_data_url(rng: random.Random, width: int, height: int) -> str:
     return data_url("image/png", encode(image, "PNG"))
 
 
-def images(model: str, sizes: Sizes, rng: random.Random, max_tokens: int) -> Workload:
+def images(
+    model: str, sizes: Sizes, rng: random.Random, max_tokens: int, warm: bool = False
+) -> Workload:
     system = {"role": "system", "content": "You describe images. " + words(rng, 400)}
-    urls = [
-        png_data_url(rng, rng.choice(sizes.sides), rng.choice(sizes.sides))
-        for _ in range(sizes.images)
-    ]
-    asks = [(i, q) for i in range(sizes.images) for q in range(sizes.questions)]
-    rng.shuffle(asks)
-    sessions = []
-    for i, q in asks:
-        content: list[dict[str, Any]] = [
-            {"type": "image_url", "image_url": {"url": urls[i]}},
-            {"type": "text", "text": f"Question {q}: " + words(rng, rng.randint(10, 30))},
+
+    def asked(count: int, prefix: str) -> list[list[Call]]:
+        urls = [
+            png_data_url(rng, rng.choice(sizes.sides), rng.choice(sizes.sides))
+            for _ in range(count)
         ]
-        messages: list[dict[str, Any]] = [system, {"role": "user", "content": content}]
-        sessions.append([Call(CHAT, _body(model, messages, max_tokens), key=f"image {i}")])
+        asks = [(i, q) for i in range(count) for q in range(sizes.questions)]
+        rng.shuffle(asks)
+        sessions = []
+        for i, q in asks:
+            content: list[dict[str, Any]] = [
+                {"type": "image_url", "image_url": {"url": urls[i]}},
+                {"type": "text", "text": f"Question {q}: " + words(rng, rng.randint(10, 30))},
+            ]
+            messages: list[dict[str, Any]] = [system, {"role": "user", "content": content}]
+            body = _body(model, messages, max_tokens)
+            sessions.append([Call(CHAT, body, key=f"{prefix}image {i}")])
+        return sessions
+
+    sessions = asked(sizes.images, "")
+    warm_up = asked(sizes.warm_images if warm else 0, WARM)
     return Workload(
         "images",
         f"{sizes.images} images of {min(sizes.sides)}-{max(sizes.sides)} px a side, asked"
         f" {sizes.questions} questions each in random order",
         # None cold: every call shares the system prompt's blocks, and the first two
         # are in flight at once (measured: the second scheduled first, its image smaller).
-        sessions,
+        [*warm_up, *sessions],
+        warmup=len(warm_up),
     )
 
 
@@ -181,18 +218,24 @@ NAMES = tuple(GENERATORS)
 
 
 def build(
-    name: str, model: str, sizes: Sizes = FULL, seed: int = 0, max_tokens: int = 8
+    name: str,
+    model: str,
+    sizes: Sizes = FULL,
+    seed: int = 0,
+    max_tokens: int = 8,
+    warm_up: bool = False,
 ) -> Workload:
-    """The workload `name`; the eviction workload is the chat workload (same seed),
-    renamed."""
+    """The workload `name`, with its warm-up sessions first when `warm_up`; the
+    eviction workload is the chat workload (same seed), renamed."""
     source = "chat" if name == EVICTION else name
     rng = random.Random(f"real:{seed}:{source}")
-    workload = GENERATORS[name](model, sizes, rng, max_tokens)
+    workload = GENERATORS[name](model, sizes, rng, max_tokens, warm_up)
     if name != EVICTION:
         return workload
     return Workload(
         EVICTION,
         workload.description + ", on engines that evict",
         workload.sessions,
+        warmup=workload.warmup,
         cold_keys=workload.cold_keys,
     )
