@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from bench.harness.realvllm.home import Home
-from bench.harness.realvllm.models import CHAT
+from bench.harness.realvllm.models import CHAT, MULTIMODAL_SMALL
 from bench.harness.redis_server import redis_server_path
+from bench.suites.routing.engine_set import EngineSet
 from bench.suites.routing.real import (
     AFFINITY,
     IDEAL,
@@ -22,7 +23,7 @@ from bench.suites.routing.real import (
     pool,
     run,
 )
-from bench.suites.routing.real_workloads import TINY
+from bench.suites.routing.real_workloads import FULL, TINY
 
 pytestmark = pytest.mark.real_vllm
 
@@ -68,6 +69,18 @@ def test_smallest_run(real_home: Home, tmp_path: Path) -> None:
     # The request logs tell where each turn went; the gateway passes X-Request-Id on.
     assert rows[AFFINITY].agreement is not None and rows[AFFINITY].follow_ups > 0
     assert rows[ROUND_ROBIN].agreement is not None
+
+
+def test_a_multimodal_fleet_is_warmed_at_every_image_shape(real_home: Home) -> None:
+    """A fresh engine's vision tower is slow at each image shape's first use, which
+    would fall on the first front end of a run: the fleet's start sends an image of
+    every shape the workloads use (and three text prompts), then resets the caches."""
+    engines = EngineSet(MULTIMODAL_SMALL, 1, home=real_home).start()
+    try:
+        (counted,) = engines.counters()
+        assert counted.requests == 3 + len(FULL.sides) ** 2
+    finally:
+        engines.stop()
 
 
 def _chat_sessions(opts: RealOptions) -> list[list[object]]:

@@ -11,6 +11,7 @@ engine has the fleet's KV blocks and every core of this process.
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import re
@@ -24,8 +25,9 @@ import httpx
 from bench.harness.metrics import scrape, total
 from bench.harness.realvllm.home import Home
 from bench.harness.realvllm.launcher import Engine, free_port, start_all
-from bench.harness.realvllm.models import ROUTING, WORDS
+from bench.harness.realvllm.models import MULTIMODAL_BIG, MULTIMODAL_SMALL, ROUTING, WORDS
 from bench.harness.server import ROOT
+from bench.suites.routing.real_workloads import FULL, png_data_url
 
 # The CPU backend caches in blocks of 128 tokens.
 BLOCK_TOKENS = 128
@@ -165,13 +167,30 @@ class EngineSet:
 
     def _warm_up(self) -> None:
         rng = random.Random(99)
+        # The vision tower's first use at each image shape costs the engine tens of
+        # milliseconds more than later ones (measured: the first front end of a fresh
+        # fleet had the slowest first images); every shape of the workloads' images.
+        shapes = (
+            itertools.product(FULL.sides, FULL.sides)
+            if self.model in (MULTIMODAL_BIG, MULTIMODAL_SMALL)
+            else ()
+        )
+        images = [png_data_url(rng, width, height) for width, height in shapes]
         for url in self.urls:
             for count in (50, 300, 1000):
                 prompt = " ".join(rng.choice(WORDS) for _ in range(count))
-                body = {"model": self.model, "prompt": prompt, "max_tokens": 2}
-                resp = httpx.post(url + "/v1/completions", json=body, timeout=300)
-                if resp.status_code != 200:
-                    raise RuntimeError(f"warm-up of {url}: {resp.status_code} {resp.text[:300]}")
+                self._post(url, "/v1/completions", {"prompt": prompt})
+            for image in images:
+                content = [{"type": "image_url", "image_url": {"url": image}},
+                           {"type": "text", "text": "Describe it."}]  # fmt: skip
+                self._post(url, "/v1/chat/completions",
+                           {"messages": [{"role": "user", "content": content}]})  # fmt: skip
+
+    def _post(self, url: str, path: str, body: dict[str, object]) -> None:
+        resp = httpx.post(url + path, json={"model": self.model, "max_tokens": 2, **body},
+                          timeout=300)  # fmt: skip
+        if resp.status_code != 200:
+            raise RuntimeError(f"warm-up of {url}: {resp.status_code} {resp.text[:300]}")
 
     def reset(self) -> None:
         """Empty every engine's prefix, multimodal and encoder caches."""
