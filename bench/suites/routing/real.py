@@ -51,7 +51,7 @@ from bench.harness.redis_server import redis_server_path
 from bench.harness.server import ROOT, Server
 from bench.suites.fleet import BENCH_KEY, CpuPlan, Fleet
 from bench.suites.report import RESULTS, Report, fmt, progress
-from bench.suites.routing.client import replay
+from bench.suites.routing.client import Outcome, replay
 from bench.suites.routing.engine_set import BLOCK_TOKENS, EXECUTORS, EngineSet, engine_dtype
 from bench.suites.routing.fronts import router_installed
 from bench.suites.routing.live import _wait_for_model, agreement
@@ -519,11 +519,12 @@ def run_front(
             urls, headers = started
         for url in urls:
             _wait_for_model(url, headers, timeout=60.0, model=engines.model)
-        warm = asyncio.run(
-            replay(workload.sessions[: workload.warmup], urls, headers, opts.concurrency,
-                   opts.live, tag="w")
-        )  # fmt: skip
+        warm = Outcome()
         if workload.warmup:
+            warm = asyncio.run(
+                replay(workload.sessions[: workload.warmup], urls, headers, opts.concurrency,
+                       opts.live, tag="w")
+            )  # fmt: skip
             # The warm-up's last cache queries land with the engines' next stats.
             time.sleep(1.5)
         before = engines.counters()

@@ -111,7 +111,6 @@ def chat(
     # apart in the first block): the sessions open in order, and with fewer clients than
     # half the prompts, the next conversation under a prompt starts after its first
     # conversation's first turn was answered.
-    # After a warm-up no key is cold.
     cold = frozenset(f"conversation {i}" for i in range(min(sizes.systems, sizes.conversations)))
     return Workload(
         "chat",
@@ -120,6 +119,7 @@ def chat(
         f"{sizes.system_words[1]:,} words",
         [*warm_up, *sessions],
         warmup=len(warm_up),
+        # After a warm-up no key is cold.
         cold_keys=frozenset() if warm_up else cold,
     )
 
