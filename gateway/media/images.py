@@ -14,7 +14,9 @@ Depth (``media.validation``):
   reads and entropy-decodes every coefficient of the file, so a truncated or corrupt
   scan fails as at full size; only the inverse DCT runs on fewer output pixels (a
   4000 x 4000 JPEG held 4 MiB instead of 65). PNG, GIF and WebP have no reduced decode
-  in Pillow (`Image.reduce` works on an image already decoded), so they decode in full.
+  in Pillow (`Image.reduce` works on an image already decoded), so they decode in full;
+  a PNG whose decode is certain to succeed from its inflated rows alone
+  (gateway/media/png.py) is not handed to Pillow's decode.
 - `reencode` decodes every frame in full and writes the image again, so the engine never
   sees the client's bytes (metadata and trailing polyglot payloads are dropped).
 """
@@ -32,6 +34,7 @@ from typing import ParamSpec, Protocol, TypeVar
 from PIL import Image
 
 from gateway.errors import MediaInvalid, MediaTooLarge
+from gateway.media import png
 from gateway.media.types import FORMAT_TYPES, ValidationDepth
 
 P = ParamSpec("P")
@@ -347,6 +350,8 @@ def decode_image(data: bytes, header: ImageHeader, settings: ImageLimits) -> Ima
     with _opened(data, header.formats) as image:
         if image.format != fmt or image.size != (header.width, header.height):
             raise MediaInvalid("The image could not be read as an allowed format.")
+        if depth is ValidationDepth.decode and png.decodes(data, image):
+            return ImageInfo(fmt, mime, header.width, header.height, header.frames, data)
         scale = _draft_scale(header) if depth is ValidationDepth.decode else 1
         if scale > 1:
             image.draft(image.mode, (header.width // scale, header.height // scale))

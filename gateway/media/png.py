@@ -1,0 +1,101 @@
+"""`decodes`: whether Pillow's decode of a PNG is certain to succeed, found without it.
+
+At depth `decode` a PNG's check is Pillow's decode, and Pillow inflates with the
+system's zlib: 4.5 ms for a 672 x 672 RGB image here, 2.8 ms of it inflating. The same
+rows inflate with zlib-ng in 0.11 ms, and their filter bytes are read in 0.01 ms. For
+the common layout the verdict is the same (Pillow 13, `ZipDecode.c` and
+`PngImagePlugin.load_end`):
+
+- Pillow's decode of a non-interlaced PNG fails only when inflating fails, or when a
+  row's filter type is not 0-4, before the image's last row is had: it stops there.
+- Once the rows are had, Pillow reads the chunks after them up to IEND, and refuses
+  only a chunk it cannot read whole. Only IDAT and then IEND are let follow here.
+- Of what Pillow does after decoding, only a palette can fail (`putpalette`), so
+  palette images are left to Pillow.
+
+Everything else (interlaced, animated, palette, any other chunk after the data) goes to
+Pillow, and so does every PNG this check does not pass: a "no" here is never a
+refusal. A "yes" is certain: the image would decode.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+from PIL import Image, PngImagePlugin
+from zlib_ng import zlib_ng
+
+# Bits a pixel of each raw mode Pillow decodes a PNG into, but palettes
+# (PngImagePlugin._MODES). A raw mode not here is left to Pillow.
+_BITS = {
+    "1": 1,
+    "L;2": 2,
+    "L;4": 4,
+    "L": 8,
+    "I;16B": 16,
+    "RGB": 24,
+    "RGB;16B": 48,
+    "LA": 16,
+    "LA;16B": 32,
+    "RGBA": 32,
+    "RGBA;16B": 64,
+}
+# Rows inflated at a time: what is held is this much, not the whole image.
+_PIECE = 1 << 20
+_FILTERS = bytes(range(5))
+# zlib_ng's stub declares its error class as an instance of Exception.
+_INFLATE_ERROR = cast("type[Exception]", zlib_ng.error)
+
+
+def decodes(data: bytes, image: Image.Image) -> bool:
+    """True when Pillow's decode of `data`, opened by Pillow as `image`, will succeed."""
+    if not isinstance(image, PngImagePlugin.PngImageFile):
+        return False
+    if image.info.get("interlace") or image.is_animated:
+        return False
+    if len(image.tile) != 1:
+        return False
+    tile = image.tile[0]
+    bits = _BITS.get(tile.args) if isinstance(tile.args, str) else None
+    if tile.codec_name != "zip" or bits is None or tile.extents != (0, 0, *image.size):
+        return False
+    compressed = _image_data(data, tile.offset)
+    if compressed is None:
+        return False
+    width, height = image.size
+    stride = 1 + (bits * width + 7) // 8  # a row: its filter type, then its bytes
+    need = stride * height
+    piece = max(1, _PIECE // stride) * stride
+    inflate = zlib_ng.decompressobj()
+    had = 0
+    try:
+        while had < need:
+            rows = inflate.decompress(compressed, min(piece, need - had))
+            if not rows:
+                return False  # the data ends before the image does
+            compressed = inflate.unconsumed_tail
+            # A row's filter type is at each multiple of `stride` from the first byte.
+            if rows[(-had) % stride :: stride].translate(None, _FILTERS):
+                return False
+            had += len(rows)
+    except _INFLATE_ERROR:
+        return False
+    return True
+
+
+def _image_data(data: bytes, offset: int) -> bytes | None:
+    """The IDAT chunks' data, from the first one's (at `offset`, as Pillow found it),
+    when they follow one another whole and IEND follows them; else None."""
+    end = len(data)
+    view = memoryview(data)
+    at = offset - 8  # the first IDAT chunk's length and type
+    parts = []
+    while data[at + 4 : at + 8] == b"IDAT":
+        length = int.from_bytes(data[at : at + 4], "big")
+        if at + 12 + length > end:  # its data and its CRC
+            return None
+        parts.append(view[at + 8 : at + 8 + length])
+        at += 12 + length
+    if not parts or data[at + 4 : at + 8] != b"IEND":
+        return None
+    return b"".join(parts)

@@ -1,0 +1,195 @@
+"""The PNG check that stands in for Pillow's decode (gateway/media/png.py), against
+Pillow's own decode: a PNG it passes always decodes; every PNG keeps the verdict a full
+decode gives it, whether the check passed it or Pillow decided."""
+
+from __future__ import annotations
+
+import io
+import struct
+import zlib
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from gateway.errors import MediaInvalid
+from gateway.media import png
+from gateway.media.settings import MediaSettings
+from tests.unit.media.image_validation import validate_image
+
+DECODE = MediaSettings()
+# (bit depth, colour type) of every PNG without a palette, and channels per pixel.
+PLAIN = [(1, 0), (2, 0), (4, 0), (8, 0), (16, 0), (8, 2), (16, 2), (8, 4), (16, 4), (8, 6), (16, 6)]
+CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}
+
+
+def _chunk(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+def _rows(width: int, height: int, bits: int, color: int, filters: list[int], seed: int) -> bytes:
+    """Raw rows: each a filter type from `filters`, then bytes drawn from `seed`."""
+    stride = (bits * CHANNELS[color] * width + 7) // 8
+    fill = bytes((seed * 31 + i * 7) % 256 for i in range(stride))
+    return b"".join(bytes([filters[y % len(filters)]]) + fill for y in range(height))
+
+
+def _png(
+    width: int,
+    height: int,
+    bits: int = 8,
+    color: int = 2,
+    *,
+    rows: bytes | None = None,
+    stream: bytes | None = None,
+    splits: int = 1,
+    after: list[bytes] | None = None,
+    interlace: int = 0,
+    palette: bytes = bytes(range(48)),
+) -> bytes:
+    """A PNG written chunk by chunk: `palette` for colour type 3, `stream` (else `rows`
+    compressed) over `splits` IDAT chunks, the chunks `after`, then IEND."""
+    if stream is None:
+        stream = zlib.compress(
+            rows if rows is not None else _rows(width, height, bits, color, [0], 1)
+        )
+    ihdr = struct.pack(">IIBBBBB", width, height, bits, color, 0, 0, interlace)
+    step = -(-len(stream) // splits)
+    idat = [_chunk(b"IDAT", stream[i : i + step]) for i in range(0, len(stream), step)]
+    plte = [_chunk(b"PLTE", palette)] if color == 3 else []
+    return b"".join(
+        [b"\x89PNG\r\n\x1a\n", _chunk(b"IHDR", ihdr), *plte, *idat, *(after or []),
+         _chunk(b"IEND", b"")]
+    )  # fmt: skip
+
+
+def _pillow_decodes(data: bytes) -> bool:
+    try:
+        with Image.open(io.BytesIO(data), formats=["PNG"]) as image:
+            image.load()
+    except Exception:
+        return False
+    return True
+
+
+def _check(data: bytes) -> bool:
+    with Image.open(io.BytesIO(data), formats=["PNG"]) as image:
+        return png.decodes(data, image)
+
+
+def _gateway_passes(data: bytes) -> bool:
+    try:
+        validate_image(data, "image/png", DECODE)
+    except MediaInvalid:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(("bits", "color"), PLAIN)
+def test_every_plain_layout_is_checked_without_pillows_decode(bits: int, color: int) -> None:
+    data = _png(13, 9, bits, color, rows=_rows(13, 9, bits, color, [0, 1, 2, 3, 4], 5), splits=3)
+    assert _pillow_decodes(data)
+    assert _check(data)
+    assert _gateway_passes(data)
+
+
+def test_an_encoders_png_is_checked_without_pillows_decode() -> None:
+    image = Image.effect_noise((300, 200), 60).convert("RGB")
+    for mode in ("RGB", "RGBA", "L", "LA", "1", "I;16"):
+        out = io.BytesIO()
+        image.convert(mode).save(out, "PNG")
+        assert _check(out.getvalue()), mode
+
+
+def _rows_with(filter_type: int, at_row: int) -> bytes:
+    rows = bytearray(_rows(20, 10, 8, 2, [0, 4], 3))
+    rows[at_row * (1 + 60)] = filter_type
+    return bytes(rows)
+
+
+STREAM = zlib.compress(_rows(20, 10, 8, 2, [1, 2], 7))
+
+
+@pytest.mark.parametrize(
+    ("data", "decodes"),
+    [
+        # Refused by Pillow, and so by the gateway.
+        pytest.param(_png(20, 10, rows=_rows_with(5, 0)), False, id="unknown filter, first row"),
+        pytest.param(_png(20, 10, rows=_rows_with(255, 9)), False, id="unknown filter, last row"),
+        pytest.param(_png(20, 10, stream=STREAM[:-30]), False, id="stream cut"),
+        pytest.param(_png(20, 10, stream=STREAM[:2] + b"\xff" * 8 + STREAM[10:]), False,
+                     id="corrupt stream"),
+        pytest.param(_png(20, 10, stream=b"\x78\x9c" + STREAM[:20]), False, id="bad stream header"),
+        pytest.param(_png(20, 10, stream=STREAM, after=[struct.pack(">I", 1000) + b"abCd"]), False,
+                     id="a chunk after the data longer than the file"),
+        pytest.param(_png(20, 10, stream=STREAM)[:-40], False, id="file cut"),
+        # Rows that decode, then a palette Pillow cannot take (over 256 colours).
+        pytest.param(_png(20, 10, color=3, rows=_rows(20, 10, 8, 3, [0], 1), palette=bytes(800)),
+                     False, id="palette too long"),
+        # Decoded by Pillow, not by this check: the gateway passes them all the same.
+        pytest.param(_png(20, 10, stream=zlib.compress(_rows(20, 6, 8, 2, [0], 2))), True,
+                     id="stream ends before the image"),
+        pytest.param(_png(20, 10, stream=STREAM, after=[_chunk(b"tEXt", b"k\0v")]), True,
+                     id="a text chunk after the data"),
+        pytest.param(_png(20, 10, color=3, rows=_rows(20, 10, 8, 3, [0], 1)), True, id="palette"),
+        pytest.param(_png(20, 10, stream=STREAM)[:-12], True, id="no IEND"),
+    ],
+)  # fmt: skip
+def test_a_png_the_check_does_not_pass_gets_pillows_verdict(data: bytes, decodes: bool) -> None:
+    assert not _check(data)
+    assert _pillow_decodes(data) is decodes
+    assert _gateway_passes(data) is decodes
+
+
+def test_an_interlaced_png_is_left_to_pillow() -> None:
+    out = io.BytesIO()
+    Image.new("RGB", (40, 30), (1, 2, 3)).save(out, "PNG")
+    with Image.open(out) as image:
+        image.info["interlace"] = 1  # as Pillow records an interlaced file's header
+        assert not png.decodes(out.getvalue(), image)
+
+
+@st.composite
+def _damaged_pngs(draw: st.DrawFn) -> tuple[bytes, bool]:
+    """A PNG of any plain layout, often damaged; and whether it was left whole."""
+    bits, color = draw(st.sampled_from(PLAIN))
+    width, height = draw(st.integers(1, 40)), draw(st.integers(1, 12))
+    filters = draw(st.lists(st.integers(0, 4), min_size=1, max_size=4))
+    rows = _rows(width, height, bits, color, filters, draw(st.integers(0, 255)))
+    stream = zlib.compress(rows, draw(st.integers(0, 9)))
+    data = _png(width, height, bits, color, stream=stream, splits=draw(st.integers(1, 4)))
+    whole = True
+    for _ in range(draw(st.integers(0, 3))):
+        if len(data) <= 34:
+            break
+        at = draw(st.integers(33, len(data) - 1))
+        how = draw(st.sampled_from(["flip", "cut", "filter"]))
+        if how == "cut":
+            data = data[:at]
+        elif how == "flip":
+            data = data[:at] + bytes([data[at] ^ draw(st.integers(1, 255))]) + data[at + 1 :]
+        else:
+            bad = bytearray(rows)
+            bad[draw(st.integers(0, height - 1)) * (len(rows) // height)] = draw(
+                st.integers(5, 255)
+            )
+            data = _png(width, height, bits, color, stream=zlib.compress(bytes(bad)))
+        whole = False
+    return data, whole
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_damaged_pngs())
+def test_the_check_never_passes_a_png_pillow_would_refuse(case: tuple[bytes, bool]) -> None:
+    data, whole = case
+    try:
+        checked = _check(data)
+    except Exception:
+        checked = False  # Pillow could not open it: the header read refuses it first
+    pillow = _pillow_decodes(data)
+    if checked:
+        assert pillow
+    if whole:
+        assert checked
+    assert _gateway_passes(data) is pillow
