@@ -3,23 +3,30 @@
 At depth `decode` a PNG's check is Pillow's decode, and Pillow inflates with the
 system's zlib: 4.5 ms for a 672 x 672 RGB image here, 2.8 ms of it inflating. The same
 rows inflate with zlib-ng in 0.11 ms, and their filter bytes are read in 0.01 ms. For
-the common layout the verdict is the same (Pillow 13, `ZipDecode.c` and
-`PngImagePlugin.load_end`):
+the common layout the verdict is the same (Pillow 13: `decode.c`, `ZipDecode.c`,
+`ImageFile.load`, `PngImagePlugin.load_end`, `Image.load`):
 
-- Pillow's decode of a non-interlaced PNG fails only when inflating fails, or when a
-  row's filter type is not 0-4, before the image's last row is had: it stops there.
+- Pillow refuses a row longer than INT_MAX bits before decoding.
+- Pillow's decode of a non-interlaced PNG fails when inflating fails, or when a row's
+  filter type is not 0-4, before the image's last row is had: it stops there.
+- It also fails when the IDAT data runs out while rows are still to come, even if the
+  inflater holds them: Pillow asks for more input rather than for the rows. A stream
+  that goes on to its end (the block's end, then a valid Adler-32) has that input, and
+  inflating does not read the checksum until every byte of output is written.
 - Once the rows are had, Pillow reads the chunks after them up to IEND, and refuses
   only a chunk it cannot read whole. Only IDAT and then IEND are let follow here.
-- Of what Pillow does after decoding, only a palette can fail (`putpalette`), so
-  palette images are left to Pillow.
+- Of what Pillow does after decoding, only setting a palette can fail, so an image
+  Pillow gave a palette (a palette image, or a PLTE before a second IHDR) is left to
+  Pillow.
 
-Everything else (interlaced, animated, palette, any other chunk after the data) goes to
-Pillow, and so does every PNG this check does not pass: a "no" here is never a
-refusal. A "yes" is certain: the image would decode.
+Everything else (interlaced, animated, a palette, more output than the image, any other
+chunk after the data) goes to Pillow, and so does every PNG this check does not pass: a
+"no" here is never a refusal. A "yes" is certain: the image would decode.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import cast
 
 from PIL import Image, PngImagePlugin
@@ -40,8 +47,11 @@ _BITS = {
     "RGBA": 32,
     "RGBA;16B": 64,
 }
-# Rows inflated at a time: what is held is this much, not the whole image.
-_PIECE = 1 << 20
+_INT_MAX = 2**31 - 1
+# Rows inflated at a time, and compressed bytes handed to the inflater at a time: what
+# is held, and what the inflater copies as its unconsumed input, stays this small.
+_ROWS = 1 << 20
+_INPUT = 1 << 16
 _FILTERS = bytes(range(5))
 # zlib_ng's stub declares its error class as an instance of Exception.
 _INFLATE_ERROR = cast("type[Exception]", zlib_ng.error)
@@ -51,7 +61,7 @@ def decodes(data: bytes, image: Image.Image) -> bool:
     """True when Pillow's decode of `data`, opened by Pillow as `image`, will succeed."""
     if not isinstance(image, PngImagePlugin.PngImageFile):
         return False
-    if image.info.get("interlace") or image.is_animated:
+    if image.info.get("interlace") or image.is_animated or image.palette is not None:
         return False
     if len(image.tile) != 1:
         return False
@@ -59,31 +69,57 @@ def decodes(data: bytes, image: Image.Image) -> bool:
     bits = _BITS.get(tile.args) if isinstance(tile.args, str) else None
     if tile.codec_name != "zip" or bits is None or tile.extents != (0, 0, *image.size):
         return False
-    compressed = _image_data(data, tile.offset)
-    if compressed is None:
-        return False
     width, height = image.size
+    if width > _INT_MAX // bits - 7:  # decode.c refuses the row (MemoryError)
+        return False
+    parts = _image_data(data, tile.offset)
+    if parts is None:
+        return False
     stride = 1 + (bits * width + 7) // 8  # a row: its filter type, then its bytes
-    need = stride * height
-    piece = max(1, _PIECE // stride) * stride
-    inflate = zlib_ng.decompressobj()
-    had = 0
     try:
-        while had < need:
-            rows = inflate.decompress(compressed, min(piece, need - had))
-            if not rows:
-                return False  # the data ends before the image does
-            compressed = inflate.unconsumed_tail
-            # A row's filter type is at each multiple of `stride` from the first byte.
-            if rows[(-had) % stride :: stride].translate(None, _FILTERS):
-                return False
-            had += len(rows)
+        return _rows_then_end(_pieces(parts), stride, stride * height)
     except _INFLATE_ERROR:
         return False
+
+
+def _rows_then_end(pieces: Iterator[memoryview], stride: int, need: int) -> bool:
+    """The stream in `pieces` inflates to `need` bytes of rows, each starting with a
+    filter type of 0-4, and then ends, with no more output, within `pieces`."""
+    inflate = zlib_ng.decompressobj()
+    size = max(1, _ROWS // stride) * stride
+    pending: bytes | memoryview = b""
+    had = 0
+    while had < need:
+        if inflate.eof:
+            return False  # the stream ends before the image does
+        if not pending:
+            pending = next(pieces, b"")
+            if not pending:
+                return False  # the data ends before the image does
+        rows = inflate.decompress(pending, min(size, need - had))
+        pending = inflate.unconsumed_tail
+        # A row's filter type is at each multiple of `stride` from the first byte.
+        if rows[(-had) % stride :: stride].translate(None, _FILTERS):
+            return False
+        had += len(rows)
+    while not inflate.eof:
+        if not pending:
+            pending = next(pieces, b"")
+            if not pending:
+                return False  # no end: Pillow may be left asking for input
+        if inflate.decompress(pending, 1):
+            return False  # more output than the image: left to Pillow
+        pending = inflate.unconsumed_tail
     return True
 
 
-def _image_data(data: bytes, offset: int) -> bytes | None:
+def _pieces(parts: list[memoryview]) -> Iterator[memoryview]:
+    for part in parts:
+        for at in range(0, len(part), _INPUT):
+            yield part[at : at + _INPUT]
+
+
+def _image_data(data: bytes, offset: int) -> list[memoryview] | None:
     """The IDAT chunks' data, from the first one's (at `offset`, as Pillow found it),
     when they follow one another whole and IEND follows them; else None."""
     end = len(data)
@@ -98,4 +134,4 @@ def _image_data(data: bytes, offset: int) -> bytes | None:
         at += 12 + length
     if not parts or data[at + 4 : at + 8] != b"IEND":
         return None
-    return b"".join(parts)
+    return parts

@@ -28,6 +28,10 @@ def _chunk(kind: bytes, body: bytes) -> bytes:
     return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
 
 
+def _ihdr(width: int, height: int, bits: int, color: int, interlace: int = 0) -> bytes:
+    return _chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, bits, color, 0, 0, interlace))
+
+
 def _rows(width: int, height: int, bits: int, color: int, filters: list[int], seed: int) -> bytes:
     """Raw rows: each a filter type from `filters`, then bytes drawn from `seed`."""
     stride = (bits * CHANNELS[color] * width + 7) // 8
@@ -54,13 +58,12 @@ def _png(
         stream = zlib.compress(
             rows if rows is not None else _rows(width, height, bits, color, [0], 1)
         )
-    ihdr = struct.pack(">IIBBBBB", width, height, bits, color, 0, 0, interlace)
     step = -(-len(stream) // splits)
     idat = [_chunk(b"IDAT", stream[i : i + step]) for i in range(0, len(stream), step)]
     plte = [_chunk(b"PLTE", palette)] if color == 3 else []
     return b"".join(
-        [b"\x89PNG\r\n\x1a\n", _chunk(b"IHDR", ihdr), *plte, *idat, *(after or []),
-         _chunk(b"IEND", b"")]
+        [b"\x89PNG\r\n\x1a\n", _ihdr(width, height, bits, color, interlace), *plte, *idat,
+         *(after or []), _chunk(b"IEND", b"")]
     )  # fmt: skip
 
 
@@ -111,6 +114,27 @@ def _rows_with(filter_type: int, at_row: int) -> bytes:
 STREAM = zlib.compress(_rows(20, 10, 8, 2, [1, 2], 7))
 
 
+def _shortest_stream(rows: bytes) -> bytes:
+    """`rows` compressed, cut to the shortest start that still inflates to all of them:
+    its last bytes are read while the inflater still holds rows to write, so Pillow,
+    which asks for more input instead, finds the data ended (found by an attack)."""
+    stream = zlib.compress(rows, 9)
+    return next(
+        stream[:cut]
+        for cut in range(2, len(stream))
+        if len(zlib.decompressobj().decompress(stream[:cut], len(rows))) == len(rows)
+    )
+
+
+PENDING = _shortest_stream(bytes(32 * (1 + 3 * 32)))
+# A palette image's header, its palette, then an RGB header: Pillow decodes the rows as
+# RGB and then fails to set the palette it kept (found by an attack).
+TWO_HEADERS = b"".join(
+    [b"\x89PNG\r\n\x1a\n", _ihdr(32, 32, 8, 3), _chunk(b"PLTE", bytes(12)), _ihdr(32, 32, 8, 2),
+     _chunk(b"IDAT", zlib.compress(_rows(32, 32, 8, 2, [0], 1))), _chunk(b"IEND", b"")]
+)  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("data", "decodes"),
     [
@@ -124,6 +148,8 @@ STREAM = zlib.compress(_rows(20, 10, 8, 2, [1, 2], 7))
         pytest.param(_png(20, 10, stream=STREAM, after=[struct.pack(">I", 1000) + b"abCd"]), False,
                      id="a chunk after the data longer than the file"),
         pytest.param(_png(20, 10, stream=STREAM)[:-40], False, id="file cut"),
+        pytest.param(_png(32, 32, stream=PENDING), False, id="input ends before the last rows"),
+        pytest.param(TWO_HEADERS, False, id="a palette left on an RGB image by a second IHDR"),
         # Rows that decode, then a palette Pillow cannot take (over 256 colours).
         pytest.param(_png(20, 10, color=3, rows=_rows(20, 10, 8, 3, [0], 1), palette=bytes(800)),
                      False, id="palette too long"),
@@ -134,6 +160,8 @@ STREAM = zlib.compress(_rows(20, 10, 8, 2, [1, 2], 7))
                      id="a text chunk after the data"),
         pytest.param(_png(20, 10, color=3, rows=_rows(20, 10, 8, 3, [0], 1)), True, id="palette"),
         pytest.param(_png(20, 10, stream=STREAM)[:-12], True, id="no IEND"),
+        pytest.param(_png(20, 8, stream=STREAM), True, id="more rows than the image"),
+        pytest.param(_png(20, 10, stream=STREAM[:-4]), True, id="no checksum"),
     ],
 )  # fmt: skip
 def test_a_png_the_check_does_not_pass_gets_pillows_verdict(data: bytes, decodes: bool) -> None:
@@ -150,6 +178,20 @@ def test_an_interlaced_png_is_left_to_pillow() -> None:
         assert not png.decodes(out.getvalue(), image)
 
 
+def test_a_row_longer_than_pillow_decodes_is_left_to_pillow() -> None:
+    # Only with max_pixels raised past 33.5 M (found by an attack): decode.c refuses a
+    # row of more than INT_MAX / bits - 7 pixels before decoding it.
+    width, row = 33_554_425, bytes(1 << 20)
+    deflate = zlib.compressobj(1)
+    size = 1 + 8 * width
+    stream = b"".join(
+        deflate.compress(row[: min(len(row), size - at)]) for at in range(0, size, len(row))
+    )
+    data = _png(width, 1, 16, 6, stream=stream + deflate.flush())
+    assert not _check(data)
+    assert not _pillow_decodes(data)
+
+
 @st.composite
 def _damaged_pngs(draw: st.DrawFn) -> tuple[bytes, bool]:
     """A PNG of any plain layout, often damaged; and whether it was left whole."""
@@ -164,9 +206,12 @@ def _damaged_pngs(draw: st.DrawFn) -> tuple[bytes, bool]:
         if len(data) <= 34:
             break
         at = draw(st.integers(33, len(data) - 1))
-        how = draw(st.sampled_from(["flip", "cut", "filter"]))
+        how = draw(st.sampled_from(["flip", "cut", "cut stream", "filter"]))
         if how == "cut":
             data = data[:at]
+        elif how == "cut stream":  # the rows' stream cut, in a file otherwise whole
+            cut = stream[: draw(st.integers(1, len(stream) - 1))]
+            data = _png(width, height, bits, color, stream=cut, splits=draw(st.integers(1, 3)))
         elif how == "flip":
             data = data[:at] + bytes([data[at] ^ draw(st.integers(1, 255))]) + data[at + 1 :]
         else:
@@ -176,6 +221,9 @@ def _damaged_pngs(draw: st.DrawFn) -> tuple[bytes, bool]:
             )
             data = _png(width, height, bits, color, stream=zlib.compress(bytes(bad)))
         whole = False
+    if whole and draw(st.booleans()):  # more rows than the image: left to Pillow, decoded
+        data = _png(width, height - 1, bits, color, stream=stream) if height > 1 else data
+        whole = height == 1
     return data, whole
 
 
