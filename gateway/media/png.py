@@ -48,9 +48,10 @@ _BITS = {
     "RGBA;16B": 64,
 }
 _INT_MAX = 2**31 - 1
-# Rows inflated at a time, and compressed bytes handed to the inflater at a time: what
-# is held, and what the inflater copies as its unconsumed input, stays this small.
-_ROWS = 1 << 20
+# Bytes of rows inflated at a time, whatever a row's length, and compressed bytes handed
+# to the inflater at a time: what is held, and what the inflater copies as its
+# unconsumed input, stays this small.
+_OUTPUT = 1 << 20
 _INPUT = 1 << 16
 _FILTERS = bytes(range(5))
 # zlib_ng's stub declares its error class as an instance of Exception.
@@ -86,7 +87,6 @@ def _rows_then_end(pieces: Iterator[memoryview], stride: int, need: int) -> bool
     """The stream in `pieces` inflates to `need` bytes of rows, each starting with a
     filter type of 0-4, and then ends, with no more output, within `pieces`."""
     inflate = zlib_ng.decompressobj()
-    size = max(1, _ROWS // stride) * stride
     pending: bytes | memoryview = b""
     had = 0
     while had < need:
@@ -96,9 +96,10 @@ def _rows_then_end(pieces: Iterator[memoryview], stride: int, need: int) -> bool
             pending = next(pieces, b"")
             if not pending:
                 return False  # the data ends before the image does
-        rows = inflate.decompress(pending, min(size, need - had))
+        rows = inflate.decompress(pending, min(_OUTPUT, need - had))
         pending = inflate.unconsumed_tail
-        # A row's filter type is at each multiple of `stride` from the first byte.
+        # A row's filter type is at each multiple of `stride` from the first byte (a
+        # piece may start and end inside a row).
         if rows[(-had) % stride :: stride].translate(None, _FILTERS):
             return False
         had += len(rows)

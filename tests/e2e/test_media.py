@@ -54,6 +54,7 @@ from tests.procs import (
     sim_received,
     wait_for,
 )
+from tests.unit.media.test_png import PENDING, TWO_HEADERS, png_file, raw_rows
 from tests.unit.media.test_samples import av_sample
 
 KEY_A = "sk-tenant-a-0123456789abcdef"
@@ -585,6 +586,13 @@ DATA_CASES: list[tuple[str, dict[str, Any], int, str]] = [
     ("truncated jpeg", image(data_url("image/jpeg", noisy_jpeg()[: len(noisy_jpeg()) // 2])),
      400, "media_invalid"),
     ("truncated png", image(data_url("image/png", PNG[:40])), 400, "media_invalid"),
+    # PNGs whose rows inflate but which Pillow's decode refuses (gateway/media/png.py).
+    ("png row filter 5", image(data_url("image/png", png_file(32, 32, rows=raw_rows(32, 32, 8, 2,
+     [0, 5], 1)))), 400, "media_invalid"),
+    ("png stream ends before its rows", image(data_url("image/png", png_file(32, 32,
+     stream=PENDING))), 400, "media_invalid"),
+    ("png palette kept past a second IHDR", image(data_url("image/png", TWO_HEADERS)), 400,
+     "media_invalid"),
     ("too many frames", image(data_url("image/gif", GIF_OVER)), 413, "media_too_large"),
     ("over max_bytes", image(data_url("image/png", b"\x89PNG" + b"\0" * MAX_MEDIA_BYTES)),
      413, "media_too_large"),

@@ -32,14 +32,16 @@ def _ihdr(width: int, height: int, bits: int, color: int, interlace: int = 0) ->
     return _chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, bits, color, 0, 0, interlace))
 
 
-def _rows(width: int, height: int, bits: int, color: int, filters: list[int], seed: int) -> bytes:
+def raw_rows(
+    width: int, height: int, bits: int, color: int, filters: list[int], seed: int
+) -> bytes:
     """Raw rows: each a filter type from `filters`, then bytes drawn from `seed`."""
     stride = (bits * CHANNELS[color] * width + 7) // 8
     fill = bytes((seed * 31 + i * 7) % 256 for i in range(stride))
     return b"".join(bytes([filters[y % len(filters)]]) + fill for y in range(height))
 
 
-def _png(
+def png_file(
     width: int,
     height: int,
     bits: int = 8,
@@ -56,7 +58,7 @@ def _png(
     compressed) over `splits` IDAT chunks, the chunks `after`, then IEND."""
     if stream is None:
         stream = zlib.compress(
-            rows if rows is not None else _rows(width, height, bits, color, [0], 1)
+            rows if rows is not None else raw_rows(width, height, bits, color, [0], 1)
         )
     step = -(-len(stream) // splits)
     idat = [_chunk(b"IDAT", stream[i : i + step]) for i in range(0, len(stream), step)]
@@ -91,7 +93,9 @@ def _gateway_passes(data: bytes) -> bool:
 
 @pytest.mark.parametrize(("bits", "color"), PLAIN)
 def test_every_plain_layout_is_checked_without_pillows_decode(bits: int, color: int) -> None:
-    data = _png(13, 9, bits, color, rows=_rows(13, 9, bits, color, [0, 1, 2, 3, 4], 5), splits=3)
+    data = png_file(
+        13, 9, bits, color, rows=raw_rows(13, 9, bits, color, [0, 1, 2, 3, 4], 5), splits=3
+    )
     assert _pillow_decodes(data)
     assert _check(data)
     assert _gateway_passes(data)
@@ -106,12 +110,12 @@ def test_an_encoders_png_is_checked_without_pillows_decode() -> None:
 
 
 def _rows_with(filter_type: int, at_row: int) -> bytes:
-    rows = bytearray(_rows(20, 10, 8, 2, [0, 4], 3))
+    rows = bytearray(raw_rows(20, 10, 8, 2, [0, 4], 3))
     rows[at_row * (1 + 60)] = filter_type
     return bytes(rows)
 
 
-STREAM = zlib.compress(_rows(20, 10, 8, 2, [1, 2], 7))
+STREAM = zlib.compress(raw_rows(20, 10, 8, 2, [1, 2], 7))
 
 
 def _shortest_stream(rows: bytes) -> bytes:
@@ -131,7 +135,7 @@ PENDING = _shortest_stream(bytes(32 * (1 + 3 * 32)))
 # RGB and then fails to set the palette it kept (found by an attack).
 TWO_HEADERS = b"".join(
     [b"\x89PNG\r\n\x1a\n", _ihdr(32, 32, 8, 3), _chunk(b"PLTE", bytes(12)), _ihdr(32, 32, 8, 2),
-     _chunk(b"IDAT", zlib.compress(_rows(32, 32, 8, 2, [0], 1))), _chunk(b"IEND", b"")]
+     _chunk(b"IDAT", zlib.compress(raw_rows(32, 32, 8, 2, [0], 1))), _chunk(b"IEND", b"")]
 )  # fmt: skip
 
 
@@ -139,29 +143,31 @@ TWO_HEADERS = b"".join(
     ("data", "decodes"),
     [
         # Refused by Pillow, and so by the gateway.
-        pytest.param(_png(20, 10, rows=_rows_with(5, 0)), False, id="unknown filter, first row"),
-        pytest.param(_png(20, 10, rows=_rows_with(255, 9)), False, id="unknown filter, last row"),
-        pytest.param(_png(20, 10, stream=STREAM[:-30]), False, id="stream cut"),
-        pytest.param(_png(20, 10, stream=STREAM[:2] + b"\xff" * 8 + STREAM[10:]), False,
+        pytest.param(png_file(20, 10, rows=_rows_with(5, 0)), False, id="filter 5, first row"),
+        pytest.param(png_file(20, 10, rows=_rows_with(255, 9)), False, id="filter 255, last row"),
+        pytest.param(png_file(20, 10, stream=STREAM[:-30]), False, id="stream cut"),
+        pytest.param(png_file(20, 10, stream=STREAM[:2] + b"\xff" * 8 + STREAM[10:]), False,
                      id="corrupt stream"),
-        pytest.param(_png(20, 10, stream=b"\x78\x9c" + STREAM[:20]), False, id="bad stream header"),
-        pytest.param(_png(20, 10, stream=STREAM, after=[struct.pack(">I", 1000) + b"abCd"]), False,
-                     id="a chunk after the data longer than the file"),
-        pytest.param(_png(20, 10, stream=STREAM)[:-40], False, id="file cut"),
-        pytest.param(_png(32, 32, stream=PENDING), False, id="input ends before the last rows"),
+        pytest.param(png_file(20, 10, stream=b"\x78\x9c" + STREAM[:20]), False,
+                     id="bad stream header"),
+        pytest.param(png_file(20, 10, stream=STREAM, after=[struct.pack(">I", 1000) + b"abCd"]),
+                     False, id="a chunk after the data longer than the file"),
+        pytest.param(png_file(20, 10, stream=STREAM)[:-40], False, id="file cut"),
+        pytest.param(png_file(32, 32, stream=PENDING), False, id="input ends before the last rows"),
         pytest.param(TWO_HEADERS, False, id="a palette left on an RGB image by a second IHDR"),
         # Rows that decode, then a palette Pillow cannot take (over 256 colours).
-        pytest.param(_png(20, 10, color=3, rows=_rows(20, 10, 8, 3, [0], 1), palette=bytes(800)),
-                     False, id="palette too long"),
+        pytest.param(png_file(20, 10, color=3, rows=raw_rows(20, 10, 8, 3, [0], 1),
+                              palette=bytes(800)), False, id="palette too long"),
         # Decoded by Pillow, not by this check: the gateway passes them all the same.
-        pytest.param(_png(20, 10, stream=zlib.compress(_rows(20, 6, 8, 2, [0], 2))), True,
+        pytest.param(png_file(20, 10, stream=zlib.compress(raw_rows(20, 6, 8, 2, [0], 2))), True,
                      id="stream ends before the image"),
-        pytest.param(_png(20, 10, stream=STREAM, after=[_chunk(b"tEXt", b"k\0v")]), True,
+        pytest.param(png_file(20, 10, stream=STREAM, after=[_chunk(b"tEXt", b"k\0v")]), True,
                      id="a text chunk after the data"),
-        pytest.param(_png(20, 10, color=3, rows=_rows(20, 10, 8, 3, [0], 1)), True, id="palette"),
-        pytest.param(_png(20, 10, stream=STREAM)[:-12], True, id="no IEND"),
-        pytest.param(_png(20, 8, stream=STREAM), True, id="more rows than the image"),
-        pytest.param(_png(20, 10, stream=STREAM[:-4]), True, id="no checksum"),
+        pytest.param(png_file(20, 10, color=3, rows=raw_rows(20, 10, 8, 3, [0], 1)), True,
+                     id="palette"),
+        pytest.param(png_file(20, 10, stream=STREAM)[:-12], True, id="no IEND"),
+        pytest.param(png_file(20, 8, stream=STREAM), True, id="more rows than the image"),
+        pytest.param(png_file(20, 10, stream=STREAM[:-4]), True, id="no checksum"),
     ],
 )  # fmt: skip
 def test_a_png_the_check_does_not_pass_gets_pillows_verdict(data: bytes, decodes: bool) -> None:
@@ -187,7 +193,7 @@ def test_a_row_longer_than_pillow_decodes_is_left_to_pillow() -> None:
     stream = b"".join(
         deflate.compress(row[: min(len(row), size - at)]) for at in range(0, size, len(row))
     )
-    data = _png(width, 1, 16, 6, stream=stream + deflate.flush())
+    data = png_file(width, 1, 16, 6, stream=stream + deflate.flush())
     assert not _check(data)
     assert not _pillow_decodes(data)
 
@@ -198,9 +204,9 @@ def _damaged_pngs(draw: st.DrawFn) -> tuple[bytes, bool]:
     bits, color = draw(st.sampled_from(PLAIN))
     width, height = draw(st.integers(1, 40)), draw(st.integers(1, 12))
     filters = draw(st.lists(st.integers(0, 4), min_size=1, max_size=4))
-    rows = _rows(width, height, bits, color, filters, draw(st.integers(0, 255)))
+    rows = raw_rows(width, height, bits, color, filters, draw(st.integers(0, 255)))
     stream = zlib.compress(rows, draw(st.integers(0, 9)))
-    data = _png(width, height, bits, color, stream=stream, splits=draw(st.integers(1, 4)))
+    data = png_file(width, height, bits, color, stream=stream, splits=draw(st.integers(1, 4)))
     whole = True
     for _ in range(draw(st.integers(0, 3))):
         if len(data) <= 34:
@@ -211,7 +217,7 @@ def _damaged_pngs(draw: st.DrawFn) -> tuple[bytes, bool]:
             data = data[:at]
         elif how == "cut stream":  # the rows' stream cut, in a file otherwise whole
             cut = stream[: draw(st.integers(1, len(stream) - 1))]
-            data = _png(width, height, bits, color, stream=cut, splits=draw(st.integers(1, 3)))
+            data = png_file(width, height, bits, color, stream=cut, splits=draw(st.integers(1, 3)))
         elif how == "flip":
             data = data[:at] + bytes([data[at] ^ draw(st.integers(1, 255))]) + data[at + 1 :]
         else:
@@ -219,10 +225,10 @@ def _damaged_pngs(draw: st.DrawFn) -> tuple[bytes, bool]:
             bad[draw(st.integers(0, height - 1)) * (len(rows) // height)] = draw(
                 st.integers(5, 255)
             )
-            data = _png(width, height, bits, color, stream=zlib.compress(bytes(bad)))
+            data = png_file(width, height, bits, color, stream=zlib.compress(bytes(bad)))
         whole = False
     if whole and draw(st.booleans()):  # more rows than the image: left to Pillow, decoded
-        data = _png(width, height - 1, bits, color, stream=stream) if height > 1 else data
+        data = png_file(width, height - 1, bits, color, stream=stream) if height > 1 else data
         whole = height == 1
     return data, whole
 
