@@ -66,14 +66,15 @@ def decodes(data: bytes, image: Image.Image) -> bool:
         return False
     if len(image.tile) != 1:
         return False
-    tile = image.tile[0]
-    bits = _BITS.get(tile.args) if isinstance(tile.args, str) else None
-    if tile.codec_name != "zip" or bits is None or tile.extents != (0, 0, *image.size):
+    # A plain tuple before Pillow 11.1, a named one since: unpacked, either works.
+    codec, extents, offset, args = image.tile[0]
+    bits = _BITS.get(args) if isinstance(args, str) else None
+    if codec != "zip" or bits is None or extents != (0, 0, *image.size):
         return False
     width, height = image.size
     if width > _INT_MAX // bits - 7:  # decode.c refuses the row (MemoryError)
         return False
-    parts = _image_data(data, tile.offset)
+    parts = _image_data(data, offset)
     if parts is None:
         return False
     stride = 1 + (bits * width + 7) // 8  # a row: its filter type, then its bytes
