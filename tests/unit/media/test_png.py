@@ -130,6 +130,17 @@ def _shortest_stream(rows: bytes) -> bytes:
     )
 
 
+def _far_end(rows: bytes, empty_blocks: int) -> bytes:
+    """`rows` compressed, then `empty_blocks` stored blocks of no bytes, then the end:
+    a stream whose end lies far past its last row (found by an attack: 20 MB of empty
+    blocks took the check 2 s to reach the end, Pillow 0.03 s, as it stops at the
+    last row)."""
+    deflate = zlib.compressobj()
+    stream = deflate.compress(rows) + deflate.flush(zlib.Z_SYNC_FLUSH)
+    empty = b"\x00\x00\x00\xff\xff" * empty_blocks  # not final, stored, 0 bytes
+    return stream + empty + b"\x03\x00" + zlib.adler32(rows).to_bytes(4, "big")
+
+
 PENDING = _shortest_stream(bytes(32 * (1 + 3 * 32)))
 # A palette image's header, its palette, then an RGB header: Pillow decodes the rows as
 # RGB and then fails to set the palette it kept (found by an attack).
@@ -168,12 +179,21 @@ TWO_HEADERS = b"".join(
         pytest.param(png_file(20, 10, stream=STREAM)[:-12], True, id="no IEND"),
         pytest.param(png_file(20, 8, stream=STREAM), True, id="more rows than the image"),
         pytest.param(png_file(20, 10, stream=STREAM[:-4]), True, id="no checksum"),
+        pytest.param(png_file(20, 10, stream=_far_end(raw_rows(20, 10, 8, 2, [1], 7), 14_000)),
+                     True, id="the stream's end 70 KB past the last row"),
     ],
 )  # fmt: skip
 def test_a_png_the_check_does_not_pass_gets_pillows_verdict(data: bytes, decodes: bool) -> None:
     assert not _check(data)
     assert _pillow_decodes(data) is decodes
     assert _gateway_passes(data) is decodes
+
+
+def test_a_few_empty_blocks_before_the_end_are_checked() -> None:
+    # An encoder's flushes leave a few bytes between the last row and the end.
+    data = png_file(20, 10, stream=_far_end(raw_rows(20, 10, 8, 2, [1], 7), 20))
+    assert _check(data)
+    assert _pillow_decodes(data)
 
 
 def test_an_interlaced_png_is_left_to_pillow() -> None:
