@@ -74,12 +74,15 @@ def solid_images(side: int, fmt: str, count: int) -> list[tuple[str, bytes]]:
 
 
 def tagged(png: bytes, tag: str) -> bytes:
-    """`png` with a tEXt chunk after IHDR carrying `tag`: distinct bytes (no cache hit in
-    the gateway) for the same decoding cost, without encoding the image again."""
+    """`png` with a tEXt chunk carrying `tag` before its IEND: distinct bytes (no cache
+    hit in the gateway) for the same decoding cost, without encoding the image again.
+    After the image data, the chunk leaves the check to Pillow's full decode (the
+    gateway's own PNG check passes only IDAT followed by IEND, gateway/media/png.py):
+    the decode a sender can always ask for, which is what memory is measured under."""
     chunk = b"tEXt" + b"nonce\x00" + tag.encode("ascii")
     crc = struct.pack(">I", zlib.crc32(chunk) & 0xFFFFFFFF)
-    ihdr_end = 8 + 4 + 4 + 13 + 4
-    return png[:ihdr_end] + struct.pack(">I", len(chunk) - 4) + chunk + crc + png[ihdr_end:]
+    iend = len(png) - 12  # Pillow writes IEND last, 12 bytes
+    return png[:iend] + struct.pack(">I", len(chunk) - 4) + chunk + crc + png[iend:]
 
 
 def just_under(pixels: int) -> int:
