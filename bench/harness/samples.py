@@ -40,18 +40,17 @@ def gif(frames: int, size: int = 4) -> bytes:
     return out.getvalue()
 
 
+def png_chunk(kind: bytes, data: bytes) -> bytes:
+    """A PNG chunk: its length, `kind`, `data` and its CRC."""
+    crc = zlib.crc32(kind + data) & 0xFFFFFFFF
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
+
+
 def png_header_only(width: int, height: int) -> bytes:
     """A PNG whose header claims width x height: a decompression bomb's first bytes."""
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    chunk = b"IHDR" + ihdr
-    crc = struct.pack(">I", zlib.crc32(chunk) & 0xFFFFFFFF)
     idat = zlib.compress(b"\x00" * 64)
-    idat_chunk = b"IDAT" + idat
-    idat_crc = struct.pack(">I", zlib.crc32(idat_chunk) & 0xFFFFFFFF)
-    return (
-        b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + chunk + crc
-        + struct.pack(">I", len(idat)) + idat_chunk + idat_crc
-    )  # fmt: skip
+    return b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", ihdr) + png_chunk(b"IDAT", idat)
 
 
 def wav(samples: int = 800) -> bytes:

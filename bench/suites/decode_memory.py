@@ -19,11 +19,9 @@ import argparse
 import io
 import json
 import math
-import struct
 import sys
 import tempfile
 import time
-import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -32,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.harness.samples import data_url, encode
+from bench.harness.samples import data_url, encode, png_chunk
 from bench.harness.server import Server, clean_env, free_port
 from gateway.media.settings import MediaSettings
 
@@ -79,10 +77,8 @@ def tagged(png: bytes, tag: str) -> bytes:
     After the image data, the chunk leaves the check to Pillow's full decode (the
     gateway's own PNG check passes only IDAT followed by IEND, gateway/media/png.py):
     the decode a sender can always ask for, which is what memory is measured under."""
-    chunk = b"tEXt" + b"nonce\x00" + tag.encode("ascii")
-    crc = struct.pack(">I", zlib.crc32(chunk) & 0xFFFFFFFF)
     iend = len(png) - 12  # Pillow writes IEND last, 12 bytes
-    return png[:iend] + struct.pack(">I", len(chunk) - 4) + chunk + crc + png[iend:]
+    return png[:iend] + png_chunk(b"tEXt", b"nonce\x00" + tag.encode("ascii")) + png[iend:]
 
 
 def just_under(pixels: int) -> int:

@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from bench.harness.samples import png, png_header_only
+from bench.harness.samples import png, png_chunk, png_header_only
 from bench.suites.overhead import image_chat, sentences, small_chat
 
 CHAT = "/v1/chat/completions"
@@ -27,11 +27,6 @@ COMPLETIONS = "/v1/completions"
 # refuses the file as truncated. Its memory and CPU cost is that of a valid image, and
 # no engine decodes it (the simulator would, on the load generator's CPU).
 HEAVY_CUT_BYTES = 64
-
-
-def _chunk(kind: bytes, data: bytes) -> bytes:
-    crc = zlib.crc32(kind + data) & 0xFFFFFFFF
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
 
 
 class HeavyPng:
@@ -46,15 +41,15 @@ class HeavyPng:
         idat = b"".join(z.compress(row) for _ in range(self.height)) + z.flush()
         # 8 bits a channel, colour type 6 (RGBA).
         header = struct.pack(">IIBBBBB", self.width, self.height, 8, 6, 0, 0, 0)
-        self._ihdr = _chunk(b"IHDR", header)
-        self._tail = _chunk(b"IDAT", idat[:-cut] if cut else idat) + _chunk(b"IEND", b"")
+        self._ihdr = png_chunk(b"IHDR", header)
+        self._tail = png_chunk(b"IDAT", idat[:-cut] if cut else idat) + png_chunk(b"IEND", b"")
 
     @property
     def pixels(self) -> int:
         return self.width * self.height
 
     def copy(self, nonce: int) -> bytes:
-        text = _chunk(b"tEXt", b"soak\0" + str(nonce).encode())
+        text = png_chunk(b"tEXt", b"soak\0" + str(nonce).encode())
         return b"\x89PNG\r\n\x1a\n" + self._ihdr + text + self._tail
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import io
 import struct
-import zlib
 
 import pytest
 from PIL import Image
@@ -21,6 +20,7 @@ from bench.harness.samples import (
     jpeg,
     noisy_jpeg,
     png,
+    png_chunk,
     png_header_only,
     wav,
 )
@@ -225,12 +225,8 @@ def _jpeg(segments: bytes = b"") -> bytes:
 
 
 def _png(chunks: int) -> bytes:
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        crc = zlib.crc32(kind + data) & 0xFFFFFFFF
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
-
     image = png(8, 8)
-    return image[:33] + chunk(b"prVt", b"") * chunks + image[33:]
+    return image[:33] + png_chunk(b"prVt", b"") * chunks + image[33:]
 
 
 def test_headers_with_more_segments_than_real_files_are_refused() -> None:

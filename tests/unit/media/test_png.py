@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from bench.harness.samples import png_chunk
 from gateway.errors import MediaInvalid
 from gateway.media import png
 from gateway.media.settings import MediaSettings
@@ -24,12 +25,8 @@ PLAIN = [(1, 0), (2, 0), (4, 0), (8, 0), (16, 0), (8, 2), (16, 2), (8, 4), (16, 
 CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}
 
 
-def _chunk(kind: bytes, body: bytes) -> bytes:
-    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-
-
 def _ihdr(width: int, height: int, bits: int, color: int, interlace: int = 0) -> bytes:
-    return _chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, bits, color, 0, 0, interlace))
+    return png_chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, bits, color, 0, 0, interlace))
 
 
 def raw_rows(
@@ -61,11 +58,11 @@ def png_file(
             rows if rows is not None else raw_rows(width, height, bits, color, [0], 1)
         )
     step = -(-len(stream) // splits)
-    idat = [_chunk(b"IDAT", stream[i : i + step]) for i in range(0, len(stream), step)]
-    plte = [_chunk(b"PLTE", palette)] if color == 3 else []
+    idat = [png_chunk(b"IDAT", stream[i : i + step]) for i in range(0, len(stream), step)]
+    plte = [png_chunk(b"PLTE", palette)] if color == 3 else []
     return b"".join(
         [b"\x89PNG\r\n\x1a\n", _ihdr(width, height, bits, color, interlace), *plte, *idat,
-         *(after or []), _chunk(b"IEND", b"")]
+         *(after or []), png_chunk(b"IEND", b"")]
     )  # fmt: skip
 
 
@@ -145,8 +142,8 @@ PENDING = _shortest_stream(bytes(32 * (1 + 3 * 32)))
 # A palette image's header, its palette, then an RGB header: Pillow decodes the rows as
 # RGB and then fails to set the palette it kept (found by an attack).
 TWO_HEADERS = b"".join(
-    [b"\x89PNG\r\n\x1a\n", _ihdr(32, 32, 8, 3), _chunk(b"PLTE", bytes(12)), _ihdr(32, 32, 8, 2),
-     _chunk(b"IDAT", zlib.compress(raw_rows(32, 32, 8, 2, [0], 1))), _chunk(b"IEND", b"")]
+    [b"\x89PNG\r\n\x1a\n", _ihdr(32, 32, 8, 3), png_chunk(b"PLTE", bytes(12)), _ihdr(32, 32, 8, 2),
+     png_chunk(b"IDAT", zlib.compress(raw_rows(32, 32, 8, 2, [0], 1))), png_chunk(b"IEND", b"")]
 )  # fmt: skip
 
 
@@ -172,7 +169,7 @@ TWO_HEADERS = b"".join(
         # Decoded by Pillow, not by this check: the gateway passes them all the same.
         pytest.param(png_file(20, 10, stream=zlib.compress(raw_rows(20, 6, 8, 2, [0], 2))), True,
                      id="stream ends before the image"),
-        pytest.param(png_file(20, 10, stream=STREAM, after=[_chunk(b"tEXt", b"k\0v")]), True,
+        pytest.param(png_file(20, 10, stream=STREAM, after=[png_chunk(b"tEXt", b"k\0v")]), True,
                      id="a text chunk after the data"),
         pytest.param(png_file(20, 10, color=3, rows=raw_rows(20, 10, 8, 3, [0], 1)), True,
                      id="palette"),
