@@ -237,15 +237,13 @@ def _check_structure(data: bytes) -> None:
             raise MediaInvalid("The image's header has more segments than this gateway reads.")
         if data.count(b"\xff\xda") > _JPEG_SCANS:
             raise MediaInvalid("The image has more scans than this gateway decodes.")
-    elif data[:8] == b"\x89PNG\r\n\x1a\n":
-        at, chunks, cap = 8, 0, _PNG_CHUNKS + end // 1024
-        while at + 8 <= end:
-            chunks += 1
-            if chunks > cap:
+    elif data[:8] == png.SIGNATURE:
+        cap = _PNG_CHUNKS + end // 1024
+        for count, (kind, _, _) in enumerate(png.chunks(data), 1):
+            if count > cap:
                 raise MediaInvalid("The image has more chunks than this gateway reads.")
-            if data[at + 4 : at + 8] == b"IEND":
+            if kind == b"IEND":
                 break
-            at += 12 + int.from_bytes(data[at : at + 4], "big")
 
 
 def gif_frames(data: bytes, size: tuple[int, int], cap: int) -> int:

@@ -59,6 +59,8 @@ _INPUT = 1 << 16
 # inflate, Pillow's decode 0.03 s.
 _TAIL = 1 << 10
 _FILTERS = bytes(range(5))
+# A PNG file's first eight bytes.
+SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # zlib_ng's stub declares its error class as an instance of Exception.
 _INFLATE_ERROR = cast("type[Exception]", zlib_ng.error)
 
@@ -130,19 +132,27 @@ def _pieces(parts: list[memoryview]) -> Iterator[memoryview]:
             yield part[at : at + _INPUT]
 
 
+def chunks(data: bytes, at: int = 8) -> Iterator[tuple[bytes, int, int]]:
+    """Each chunk of the PNG `data` from the one at `at` (the first after the signature
+    by default): its type, where its data starts and the length its header gives, for
+    as long as a chunk's length and type are within `data`. The one walk of a PNG's
+    chunks: the structure check counts them (images.py), `decodes` reads the IDATs."""
+    end = len(data)
+    while at + 8 <= end:
+        length = int.from_bytes(data[at : at + 4], "big")
+        yield data[at + 4 : at + 8], at + 8, length
+        at += 12 + length
+
+
 def _image_data(data: bytes, offset: int) -> list[memoryview] | None:
     """The IDAT chunks' data, from the first one's (at `offset`, as Pillow found it),
     when they follow one another whole and IEND follows them; else None."""
-    end = len(data)
     view = memoryview(data)
-    at = offset - 8  # the first IDAT chunk's length and type
-    parts = []
-    while data[at + 4 : at + 8] == b"IDAT":
-        length = int.from_bytes(data[at : at + 4], "big")
-        if at + 12 + length > end:  # its data and its CRC
+    parts: list[memoryview] = []
+    for kind, start, length in chunks(data, offset - 8):
+        if kind != b"IDAT":
+            return parts if parts and kind == b"IEND" else None
+        if start + length + 4 > len(data):  # its data and its CRC
             return None
-        parts.append(view[at + 8 : at + 8 + length])
-        at += 12 + length
-    if not parts or data[at + 4 : at + 8] != b"IEND":
-        return None
-    return parts
+        parts.append(view[start : start + length])
+    return None  # the file ends among the IDATs

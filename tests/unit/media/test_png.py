@@ -106,6 +106,19 @@ def test_an_encoders_png_is_checked_without_pillows_decode() -> None:
         assert _check(out.getvalue()), mode
 
 
+def test_chunks_walks_a_png_to_its_last_whole_chunk_header() -> None:
+    data = png_file(4, 4, splits=2, after=[png_chunk(b"tEXt", b"k\0v")])
+    walk = list(png.chunks(data))
+    assert [kind for kind, _, _ in walk] == [b"IHDR", b"IDAT", b"IDAT", b"tEXt", b"IEND"]
+    _, start, length = walk[3]
+    assert data[start : start + length] == b"k\0v"
+    # A chunk header cut short ends the walk (IEND's, here).
+    assert [kind for kind, _, _ in png.chunks(data[:-5])][-1] == b"tEXt"
+    # A length past the file's end is given as the header says: the caller decides.
+    past = data[:33] + struct.pack(">I", 10**6) + b"prVt"
+    assert list(png.chunks(past))[-1] == (b"prVt", 41, 10**6)
+
+
 def _rows_with(filter_type: int, at_row: int) -> bytes:
     rows = bytearray(raw_rows(20, 10, 8, 2, [0, 4], 3))
     rows[at_row * (1 + 60)] = filter_type
