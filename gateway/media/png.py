@@ -6,7 +6,8 @@ rows inflate with zlib-ng in 0.11 ms, and their filter bytes are read in 0.01 ms
 the common layout the verdict is the same (Pillow 13: `decode.c`, `ZipDecode.c`,
 `ImageFile.load`, `PngImagePlugin.load_end`, `Image.load`):
 
-- Pillow refuses a row longer than INT_MAX bits before decoding.
+- Pillow refuses a row longer than INT_MAX bits, and an image wider than INT_MAX / 4 - 1
+  pixels, before decoding.
 - Pillow's decode of a non-interlaced PNG fails when inflating fails, or when a row's
   filter type is not 0-4, before the image's last row is had: it stops there.
 - It also fails when the IDAT data runs out while rows are still to come, even if the
@@ -71,15 +72,18 @@ def decodes(data: bytes, image: Image.Image) -> bool:
         return False
     if image.info.get("interlace") or image.is_animated or image.palette is not None:
         return False
-    if len(image.tile) != 1:
+    if not image.tile or len(image.tile) != 1:  # None without an IDAT before Pillow 11.0
         return False
-    # A plain tuple before Pillow 11.1, a named one since: unpacked, either works.
+    # A plain tuple before Pillow 11.0, a named one since: unpacked, either works.
     codec, extents, offset, args = image.tile[0]
     bits = _BITS.get(args) if isinstance(args, str) else None
     if codec != "zip" or bits is None or extents != (0, 0, *image.size):
         return False
     width, height = image.size
-    if width > _INT_MAX // bits - 7:  # decode.c refuses the row (MemoryError)
+    # decode.c refuses a row of more than INT_MAX bits, and Storage.c an image more than
+    # INT_MAX / 4 - 1 pixels wide in any mode (both MemoryError): a 1- or 2-bit row
+    # meets the second first.
+    if width > min(_INT_MAX // bits - 7, _INT_MAX // 4 - 1):
         return False
     parts = _image_data(data, offset)
     if parts is None:

@@ -228,6 +228,35 @@ def test_a_row_longer_than_pillow_decodes_is_left_to_pillow() -> None:
     assert not _pillow_decodes(data)
 
 
+def test_an_image_wider_than_pillow_allocates_is_left_to_pillow(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Only with Pillow's own pixel limit lifted and max_pixels past 536.9 M (found by a
+    # review across Pillow 10.3-13.0): Storage.c refuses an image more than
+    # INT_MAX / 4 - 1 pixels wide in any mode, a 1-bit row of which decode.c still takes.
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)
+    width, row = 2**31 // 4 - 1, bytes(1 << 20)
+    deflate = zlib.compressobj(9)
+    size = 1 + (width + 7) // 8
+    stream = b"".join(
+        deflate.compress(row[: min(len(row), size - at)]) for at in range(0, size, len(row))
+    )
+    data = png_file(width, 1, 1, 0, stream=stream + deflate.flush())
+    assert not _check(data)
+    assert not _pillow_decodes(data)
+
+
+def test_a_png_without_image_data_is_left_to_pillow() -> None:
+    # Pillow gives it no tile: [] since 11.0, None before (a TypeError here once).
+    data = b"".join([png.SIGNATURE, _ihdr(4, 3, 8, 2), png_chunk(b"IEND", b"")])
+    with Image.open(io.BytesIO(data), formats=["PNG"]) as image:
+        for tile in ([], None):
+            image.tile = tile
+            assert not png.decodes(data, image)
+    assert not _pillow_decodes(data)
+    assert not _gateway_passes(data)
+
+
 @st.composite
 def _damaged_pngs(draw: st.DrawFn) -> tuple[bytes, bool]:
     """A PNG of any plain layout, often damaged; and whether it was left whole."""
