@@ -9,7 +9,7 @@ recent requests, plus the requests its anchors are still expected to bring, deca
 with `store_decay` seconds (both recorded in the store), plus its requests now
 (`Engine.busy`: this process's in flight now, the other processes' as last scraped; so
 a new prompt's first prefill does not meet another request while an engine it may go to
-is idle). When every engine it may go to reports its prefix cache's counters
+is idle and not much more loaded). When every engine it may go to reports its prefix cache's counters
 (engine_load.py), that load is in tokens instead: the tokens each engine recomputed
 lately, as measured (a template's cold prefill, partial blocks and evictions included),
 plus its expected and current requests at the mean tokens per request. Every replica and
@@ -87,8 +87,12 @@ from gateway.store.client import StoreClient
 # reads the same engine counters, decayed with the same constant), the load is in
 # tokens: the engine's measured tokens, plus its credit and requests now at the
 # choices' measured tokens per recorded request. An engine with nothing running comes
-# first, though, whenever the anchor may go to one: a busy engine that recomputed less
-# would otherwise take the new anchor's whole first prefill beside its running request.
+# first, though, while its load is within a tenth of the least loaded choice's, plus
+# one request's worth: a busy engine that recomputed a little less would otherwise take
+# the new anchor's whole first prefill beside its running request. Past that margin the
+# least loaded wins, idle or not: under eviction, an engine that recomputes more than
+# the others would otherwise keep taking new conversations whenever it is the idle one,
+# and recompute more still.
 #
 # Each anchor belongs to the key that placed it (its field `k`, kept while the anchor
 # lives): that key's set holds it, scored by its last use by any key, so another key's
@@ -170,7 +174,6 @@ if not chosen then
   local done = 0
   local measured = 0
   local known = true
-  local idle = false
   for i = first, last do
     local url = ARGV[i]
     local f = redis.call('HMGET', KEYS[2], 'r' .. url, 'c' .. url, 't' .. url)
@@ -182,7 +185,6 @@ if not chosen then
     figures[i] = {f, recent, tokens, decayed(tau, f[2], f[3]) + busy, busy}
     done = done + recent
     if tokens < 0 then known = false end
-    if busy <= 0 then idle = true end
     measured = measured + tokens
   end
   -- With every choice's recomputed tokens measured (and requests recorded to weigh them
@@ -190,23 +192,36 @@ if not chosen then
   -- requests at the choices' mean tokens per request.
   local per = 0
   if known and measured > 0 and done > 0 then per = measured / done end
-  -- While a choice has nothing running, only the idle ones are weighed: the new anchor's
-  -- first prefill, its whole prompt, then meets no other request.
+  -- The least loaded choice; but the least loaded idle one while its load is within a
+  -- tenth of that, plus one request's worth, so that the new anchor's first prefill
+  -- (its whole prompt) meets no other request.
+  local slack = 1
+  if per > 0 then slack = per end
+  local idle_best = nil
+  local idle_chosen = nil
+  local idle_e = nil
   for i = first, last do
     local c = figures[i]
-    if not idle or c[5] <= 0 then
-      local load
-      if per > 0 then
-        load = c[3] + per * c[4]
-      else
-        load = c[2] + c[4]
-      end
-      if best == nil or load < best then
-        best = load
-        chosen = ARGV[i]
-        e = c[1]
-      end
+    local load
+    if per > 0 then
+      load = c[3] + per * c[4]
+    else
+      load = c[2] + c[4]
     end
+    if best == nil or load < best then
+      best = load
+      chosen = ARGV[i]
+      e = c[1]
+    end
+    if c[5] <= 0 and (idle_best == nil or load < idle_best) then
+      idle_best = load
+      idle_chosen = ARGV[i]
+      idle_e = c[1]
+    end
+  end
+  if idle_best ~= nil and idle_best <= best * 1.1 + slack then
+    chosen = idle_chosen
+    e = idle_e
   end
   credit = 1
   if anchors >= 1 then credit = math.max(1, requests / anchors) end

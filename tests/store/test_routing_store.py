@@ -584,19 +584,23 @@ def place_after(
     return asyncio.run(scenario())
 
 
-def test_a_new_anchor_goes_to_an_idle_engine_before_one_that_recomputed_less(
+def test_a_new_anchor_goes_to_an_idle_engine_unless_it_recomputed_far_more(
     redis: RedisServer,
 ) -> None:
-    """While one engine a new anchor may go to has nothing running, a busy one is not
-    chosen, whatever the tokens: `A` recomputed far less than `B`, but it is prefilling
-    a request now and `B` is idle, so the new anchor's first prefill goes to `B` instead
-    of meeting that request. With both busy, or both idle, the tokens decide (`A`). On
-    the code before, `A` in all three."""
+    """While one engine a new anchor may go to has nothing running, and its load is
+    within a tenth of the least loaded's plus one request's worth, the idle one is
+    chosen: `A` recomputed a little less than `B` but is prefilling a request now, so
+    the new anchor's first prefill goes to `B` instead of meeting that request (`A` on
+    the code before the idle rule). When `B` recomputed far more, `A` wins all the same:
+    an engine that evicts would otherwise take every new conversation it is idle for
+    (`B` with the idle rule before this margin). With both busy, or both idle, the tokens
+    decide (`A`)."""
     # Requests recorded on both, so that the tokens weigh in.
     both = [A, B, A, B]
-    assert place_after(redis, both, [1, 0], [100.0, 9000.0]) == B
-    assert place_after(redis, both, [0, 0], [100.0, 9000.0]) == A
-    assert place_after(redis, both, [2, 1], [100.0, 9000.0]) == A
+    assert place_after(redis, both, [1, 0], [1000.0, 2000.0]) == B
+    assert place_after(redis, both, [1, 0], [100.0, 9000.0]) == A
+    assert place_after(redis, both, [0, 0], [1000.0, 2000.0]) == A
+    assert place_after(redis, both, [2, 1], [1000.0, 2000.0]) == A
 
 
 def test_a_new_anchor_goes_to_an_engine_whose_requests_from_here_have_ended(
