@@ -7,18 +7,18 @@ anchor goes to the engine with the lowest expected load among the engines the st
 rule would choose from (the hot-prefix spread is kept), ties by rendezvous order: its
 recent requests, plus the requests its anchors are still expected to bring, decaying
 with `store_decay` seconds (both recorded in the store), plus its requests now
-(`Engine.busy`: this process's in flight now, the other processes' as last scraped; so
-a new prompt's first prefill does not meet another request while an engine it may go to
-is idle and not much more loaded). When every engine it may go to reports its prefix cache's counters
-(engine_load.py), that load is in tokens instead: the tokens each engine recomputed
-lately, as measured (a template's cold prefill, partial blocks and evictions included),
-plus its expected and current requests at the mean tokens per request. Every replica and
-worker then reads that placement while its engine is still one of those. A placement
-never takes a request outside them: when a hot prompt's stretch of engines moves
-(policy.py), the conversations left outside it are placed anew inside it, as the
-stateless rule would move them, so no engine keeps a prompt's copy for a few stray
-conversations (under eviction those re-read the prompt on every turn; docs/routing.md,
-"The store keeps to the stretch").
+(`Engine.busy`: this process's in flight now, the other processes' as last scraped; so a
+new prompt's first prefill does not meet another request while an engine it may go to is
+idle and not much more loaded). When every engine it may go to reports its prefix
+cache's counters (engine_load.py), that load is in tokens instead: the tokens each
+engine recomputed lately, as measured (a template's cold prefill, partial blocks and
+evictions included), plus its expected and current requests at the mean tokens per
+request. Every replica and worker then reads that placement while its engine is still
+one of those. A placement never takes a request outside them: when a hot prompt's
+stretch of engines moves (policy.py), the conversations left outside it are placed anew
+inside it, as the stateless rule would move them, so no engine keeps a prompt's copy for
+a few stray conversations (under eviction those re-read the prompt on every turn;
+docs/routing.md, "The store keeps to the stretch").
 
 One round trip per request: a Lua script, atomic on the Redis server, so concurrent
 replicas cannot record two placements for one anchor (the first script to run records
