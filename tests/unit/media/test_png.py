@@ -214,16 +214,21 @@ def test_an_interlaced_png_is_left_to_pillow() -> None:
         assert not png.decodes(out.getvalue(), image)
 
 
+def _zero_row(size: int, level: int) -> bytes:
+    """A stream of `size` zero bytes (one row of a very wide image), compressed a MiB at
+    a time so that the row is never held whole."""
+    piece, deflate = bytes(1 << 20), zlib.compressobj(level)
+    parts = [
+        deflate.compress(piece[: min(len(piece), size - at)]) for at in range(0, size, len(piece))
+    ]
+    return b"".join(parts) + deflate.flush()
+
+
 def test_a_row_longer_than_pillow_decodes_is_left_to_pillow() -> None:
     # Only with max_pixels raised past 33.5 M (found by an attack): decode.c refuses a
     # row of more than INT_MAX / bits - 7 pixels before decoding it.
-    width, row = 33_554_425, bytes(1 << 20)
-    deflate = zlib.compressobj(1)
-    size = 1 + 8 * width
-    stream = b"".join(
-        deflate.compress(row[: min(len(row), size - at)]) for at in range(0, size, len(row))
-    )
-    data = png_file(width, 1, 16, 6, stream=stream + deflate.flush())
+    width = 33_554_425
+    data = png_file(width, 1, 16, 6, stream=_zero_row(1 + 8 * width, level=1))
     assert not _check(data)
     assert not _pillow_decodes(data)
 
@@ -235,13 +240,8 @@ def test_an_image_wider_than_pillow_allocates_is_left_to_pillow(
     # review across Pillow 10.3-13.0): Storage.c refuses an image more than
     # INT_MAX / 4 - 1 pixels wide in any mode, a 1-bit row of which decode.c still takes.
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)
-    width, row = 2**31 // 4 - 1, bytes(1 << 20)
-    deflate = zlib.compressobj(9)
-    size = 1 + (width + 7) // 8
-    stream = b"".join(
-        deflate.compress(row[: min(len(row), size - at)]) for at in range(0, size, len(row))
-    )
-    data = png_file(width, 1, 1, 0, stream=stream + deflate.flush())
+    width = 2**31 // 4 - 1
+    data = png_file(width, 1, 1, 0, stream=_zero_row(1 + (width + 7) // 8, level=9))
     assert not _check(data)
     assert not _pillow_decodes(data)
 
